@@ -1,0 +1,106 @@
+"""Configuration: one frozen dataclass per role, parsed from CLI and environment once
+(in :mod:`kvmesh.cli`), read-only afterwards. Invalid values raise ``ValueError`` with
+a message that says what to fix."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["MockerConfig", "WorkerConfig", "FrontendConfig", "RunConfig", "ROUTER_MODES", "ENGINES"]
+
+ROUTER_MODES = ("round_robin", "random")
+ENGINES = ("mocker",)
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class MockerConfig:
+    """The mocker's knobs as the CLI exposes them (``--speedup`` etc.)."""
+
+    speedup: float = 1.0
+    block_size: int = 16
+    num_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("speedup", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            _positive(f"--{name.replace('_', '-')}", getattr(self, name))
+
+    def to_args(self) -> list[str]:
+        return [
+            "--speedup", repr(self.speedup),
+            "--block-size", str(self.block_size),
+            "--num-blocks", str(self.num_blocks),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: str | None = None
+    engine: str = "mocker"
+    worker_id: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+    mocker: MockerConfig = field(default_factory=MockerConfig)
+    validate_streams: bool = False
+    grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+
+    def to_args(self) -> list[str]:
+        args = ["--engine", self.engine, "--worker-id", str(self.worker_id), "--host", self.host]
+        args += ["--port", str(self.port), "--grace", repr(self.grace_s)]
+        if self.model_path:
+            args += ["--model-path", self.model_path]
+        if self.validate_streams:
+            args.append("--validate-streams")
+        return args + self.mocker.to_args()
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    router_mode: str = "round_robin"
+    keepalive_s: float = 15.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    response_timeout_s: float = 120.0
+    worker_wait_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.router_mode not in ROUTER_MODES:
+            raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {self.router_mode!r}")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
+        for name in ("keepalive_s", "max_body_bytes", "connect_timeout_s", "response_timeout_s"):
+            _positive(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """``kvmesh run``: one frontend supervising ``workers`` worker processes."""
+
+    frontend: FrontendConfig
+    worker: WorkerConfig
+    workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("KVMESH_DEBUG", "") not in ("", "0", "false")

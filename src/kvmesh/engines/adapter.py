@@ -1,0 +1,112 @@
+"""What the worker puts around ``engine.generate``: the cancellation monitor and the
+debug stream validator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from kvmesh.engines.base import Engine
+from kvmesh.errors import KvmeshError, StreamIncomplete
+from kvmesh.protocol import OutputChunk, PreprocessedRequest
+from kvmesh.runtime.context import Context
+
+__all__ = ["StreamContractError", "validated", "AbortMonitor", "run_generate"]
+
+log = logging.getLogger(__name__)
+
+
+class StreamContractError(AssertionError):
+    """An engine broke the stream contract (a chunk after the terminal, no terminal)."""
+
+
+async def validated(stream: AsyncIterator[OutputChunk], name: str = "engine") -> AsyncIterator[OutputChunk]:
+    """Pass chunks through; raise :class:`StreamContractError` on a contract breach.
+
+    Used in tests and debug runs (``KVMESH_DEBUG=1``). A raised KvmeshError counts as the
+    terminal, so it passes through unchanged.
+    """
+    terminal: OutputChunk | None = None
+    try:
+        async for chunk in stream:
+            if terminal is not None:
+                raise StreamContractError(f"{name} yielded a chunk after the terminal {terminal!r}: {chunk!r}")
+            if chunk.finish_reason is not None:
+                terminal = chunk
+            yield chunk
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if terminal is None:
+        raise StreamContractError(f"{name} ended its stream without a terminal chunk")
+
+
+class AbortMonitor:
+    """Calls ``engine.abort(ctx)`` once when a request's context is stopped or killed.
+
+    Owns the abort tasks it starts (strong references, cancelled on :meth:`close`).
+    It hooks the context's stop callback instead of running one watcher task per
+    request, so a request that is never cancelled costs no task.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def watch(self, ctx: Context) -> None:
+        ctx.on_stop(self._fire)
+
+    def _fire(self, ctx: Context) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(ctx))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abort(self, ctx: Context) -> None:
+        try:
+            await self._engine.abort(ctx)
+        except Exception:  # noqa: BLE001 - an abort failure must not kill the worker
+            log.exception("engine.abort failed for %s", ctx.id)
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        """Let pending aborts run (up to ``grace_s``), then cancel what is left."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def run_generate(
+    engine: Engine,
+    request: PreprocessedRequest,
+    ctx: Context,
+    monitor: AbortMonitor,
+    validate: bool = False,
+) -> AsyncIterator[OutputChunk]:
+    """The engine's stream with the monitor attached (and the validator when asked).
+
+    If the engine's stream ends without a terminal outside validation, a
+    :class:`StreamIncomplete` error is raised so the caller always sees one terminal.
+    """
+    monitor.watch(ctx)
+    stream = engine.generate(request, ctx)
+    if validate:
+        stream = validated(stream, type(engine).__name__)
+    finished = False
+    try:
+        async for chunk in stream:
+            if chunk.finish_reason is not None:
+                finished = True
+            yield chunk
+    except KvmeshError:
+        finished = True
+        raise
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if not finished:
+        raise StreamIncomplete(f"{type(engine).__name__} stream ended without a terminal")

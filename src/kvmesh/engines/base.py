@@ -1,0 +1,65 @@
+"""The engine contract every backend implements.
+
+Lifecycle (the worker drives it; numbers are the order of calls)::
+
+    1. engine = SomeEngine(options)        construct: cheap, no I/O, no model load
+    2. config = await engine.start()       load the model, allocate KV; returns EngineConfig
+    3. engine.generate(request, ctx)       called many times, concurrently (one task per
+                                           request); each call returns an async iterator
+       await engine.abort(ctx)             called by the cancellation monitor when ctx is
+                                           stopped or killed, concurrently with generate()
+    4. await engine.drain()                after the worker stopped accepting requests and
+                                           in-flight requests finished; flush anything
+    5. await engine.cleanup()              release everything; idempotent, and safe to
+                                           call without start() (a failed startup)
+
+Stream contract of ``generate``:
+
+* it yields non-terminal :class:`~kvmesh.protocol.OutputChunk` s (``finish_reason`` None)
+  and ends with exactly one terminal item: a chunk with ``finish_reason`` set
+  (``stop``, ``length``, ``cancelled``, ``error``), or a raised
+  :class:`~kvmesh.errors.KvmeshError` (the typed form of a mid-stream failure);
+* nothing follows a terminal (the worker wraps streams in
+  :func:`kvmesh.engines.adapter.validated` in tests and debug runs, which raises on a
+  violation);
+* cancellation: engines poll ``ctx.is_stopped()`` (or await ``ctx.stopped()``) between
+  yields and, when stopped, end with a ``cancelled`` terminal. ``abort`` is only an
+  extra notification; clean-up that must run on every exit path (consumer gone,
+  connection reset) belongs in a ``try/finally`` inside ``generate``.
+
+Concurrency: every method runs on the worker's one event loop; an engine that uses
+threads must hand results back to the loop itself. ``generate`` does not mutate shared
+state outside the engine. :mod:`kvmesh.engines.sample` is a small runnable example.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+
+from kvmesh.protocol import EngineConfig, OutputChunk, PreprocessedRequest
+from kvmesh.runtime.context import Context
+
+__all__ = ["Engine"]
+
+
+class Engine(abc.ABC):
+    """Abstract engine. Subclasses implement ``start``, ``generate`` and ``cleanup``."""
+
+    @abc.abstractmethod
+    async def start(self) -> EngineConfig:
+        """Load and allocate; return the config the worker registers."""
+
+    @abc.abstractmethod
+    def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
+        """Stream output chunks for one request (usually an ``async def`` generator)."""
+
+    async def abort(self, ctx: Context) -> None:
+        """Notification that ``ctx`` was stopped; default: rely on in-stream polling."""
+
+    async def drain(self) -> None:
+        """Called once before cleanup, after in-flight requests finished."""
+
+    @abc.abstractmethod
+    async def cleanup(self) -> None:
+        """Release resources. Idempotent; safe without a prior ``start``."""

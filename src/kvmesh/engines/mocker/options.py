@@ -1,0 +1,113 @@
+"""Configuration of the mocker engine, and its timing model.
+
+The timing model is two polynomials fitted to a GPU running vLLM (coefficients are
+options, highest degree first):
+
+* ``prefill_ms(T) = a·T² + b·T + c`` for ``T`` new (uncached) tokens in one pass;
+* ``decode_ms(p) = a·p² + b·p + c`` for a pass with decodes, ``p`` being the fraction
+  of KV blocks in use.
+
+A pass that has both costs the sum; every duration is divided by ``speedup``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["MockerOptions"]
+
+
+@dataclass(frozen=True, slots=True)
+class MockerOptions:
+    """Everything a mocker scheduler and engine need; read-only after construction.
+
+    ``eos_rate`` is the probability, per generated position, of a natural EOS (see
+    :mod:`kvmesh.engines.mocker.tokens`). ``speedup`` divides every step time; a huge
+    value (``1e9``) runs as fast as the CPU allows. ``load_report_interval_steps``: the
+    engine checks whether its load changed (and publishes a report if so) every N steps.
+    """
+
+    model: str = "mocker"
+    served_model_name: str | None = None
+    block_size: int = 16
+    num_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    speedup: float = 1.0
+    enable_prefix_caching: bool = True
+    vocab_size: int = 2048
+    eos_token_ids: tuple[int, ...] = ()
+    special_token_ids: tuple[int, ...] = ()
+    context_length: int = 2048
+    worker_id: int = 0
+    prefill_coeffs: tuple[float, float, float] = (4.21e-7, 1.518e-2, 16.5)
+    decode_coeffs: tuple[float, float, float] = (-25.74, 54.01, 5.74)
+    eos_rate: float = 1.0 / 64.0
+    load_report_interval_steps: int = 1
+    event_ring_capacity: int = 1024
+
+    def __post_init__(self) -> None:
+        _check_positive_ints(
+            self,
+            "block_size",
+            "num_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "vocab_size",
+            "context_length",
+            "load_report_interval_steps",
+            "event_ring_capacity",
+        )
+        if not self.model:
+            raise ValueError("model must be a non-empty string")
+        if not (math.isfinite(self.speedup) and self.speedup > 0):
+            raise ValueError(f"speedup must be a positive finite number, got {self.speedup}")
+        if not (0.0 <= self.eos_rate <= 1.0):
+            raise ValueError(f"eos_rate must be within [0, 1], got {self.eos_rate}")
+        if self.worker_id < 0:
+            raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
+        for name in ("prefill_coeffs", "decode_coeffs"):
+            coeffs = getattr(self, name)
+            if len(coeffs) != 3 or not all(math.isfinite(c) for c in coeffs):
+                raise ValueError(f"{name} must be three finite numbers (a, b, c), got {coeffs!r}")
+        excluded = {t for t in (*self.eos_token_ids, *self.special_token_ids) if 0 <= t < self.vocab_size}
+        if len(excluded) >= self.vocab_size:
+            raise ValueError("eos_token_ids and special_token_ids leave no token to draw from the vocabulary")
+
+    @property
+    def served_name(self) -> str:
+        """The name clients use: ``served_model_name``, or ``model`` when unset."""
+        return self.served_model_name or self.model
+
+    @property
+    def total_tokens(self) -> int:
+        """How many tokens the whole KV pool holds."""
+        return self.num_blocks * self.block_size
+
+    def prefill_ms(self, new_tokens: int) -> float:
+        """Model time of prefilling ``new_tokens`` uncached tokens in one pass (no speedup)."""
+        a, b, c = self.prefill_coeffs
+        return max(0.0, (a * new_tokens + b) * new_tokens + c)
+
+    def decode_ms(self, kv_usage: float) -> float:
+        """Model time of one decode pass at KV usage fraction ``kv_usage`` (no speedup)."""
+        a, b, c = self.decode_coeffs
+        return max(0.0, (a * kv_usage + b) * kv_usage + c)
+
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
+        """Duration of one pass, speedup applied: the prefill part if the pass prefills,
+        plus the decode part if it decodes; 0 for an empty pass."""
+        total = 0.0
+        if prefill_tokens > 0:
+            total += self.prefill_ms(prefill_tokens)
+        if decode_seqs > 0:
+            total += self.decode_ms(kv_usage)
+        return total / self.speedup
+
+
+def _check_positive_ints(options: MockerOptions, *names: str) -> None:
+    for name in names:
+        value = getattr(options, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,83 @@
+"""Deterministic output tokens: what the mocker "samples" at each position.
+
+Everything here is a pure function of ``(key, position)``:
+
+* ``key`` is ``sampling.seed`` when the request sets one, else the xxh3-64 of the
+  prompt's token ids (little-endian u32);
+* ``position`` is the absolute index in the sequence: ``len(prompt) + i`` for the
+  i-th generated token.
+
+One 64-bit hash per position feeds both decisions: the low 32 bits pick the token
+from the drawable vocabulary, the high 32 bits decide a natural EOS (under
+``eos_rate``). Because nothing depends on the path taken to reach a position, the same
+request gives the same tokens on any worker, across preemption and restarts, and a
+request re-issued as ``prompt + first k tokens`` with the same seed continues the
+identical stream (request migration relies on this).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+
+import xxhash
+
+from kvmesh.protocol import PreprocessedRequest
+
+__all__ = ["TOKEN_SEED", "request_key", "position_hash", "drawable_vocab", "token_at", "eos_threshold", "is_eos", "excluded_ids"]
+
+TOKEN_SEED = 0x6D6F636B  # "mock"; any fixed value, distinct from the block-hash seed
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+_PAIR = struct.Struct("<QQ").pack
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def request_key(request: PreprocessedRequest) -> int:
+    """The stream key: the request's seed if set, else a hash of its prompt."""
+    seed = request.sampling.seed
+    if seed is not None:
+        return seed & _MASK64
+    arr = array("I", request.token_ids)
+    if sys.byteorder == "big":  # pragma: no cover
+        arr.byteswap()
+    return _xxh3(arr.tobytes(), TOKEN_SEED)
+
+
+def position_hash(key: int, position: int) -> int:
+    """The 64-bit hash every decision at ``position`` is drawn from."""
+    return _xxh3(_PAIR(key, position), TOKEN_SEED)
+
+
+@lru_cache(maxsize=64)
+def drawable_vocab(vocab_size: int, excluded: frozenset[int]) -> tuple[int, ...]:
+    """Token ids in ``[0, vocab_size)`` minus ``excluded``, ascending."""
+    vocab = tuple(t for t in range(vocab_size) if t not in excluded)
+    if not vocab:
+        raise ValueError("every token of the vocabulary is excluded")
+    return vocab
+
+
+def token_at(h: int, vocab: Sequence[int]) -> int:
+    """The token a position hash ``h`` picks from ``vocab``."""
+    return vocab[(h & _MASK32) % len(vocab)]
+
+
+def eos_threshold(eos_rate: float) -> int:
+    """``is_eos(h, eos_threshold(r))`` holds for a fraction ``r`` of hashes."""
+    return min(1 << 32, int(eos_rate * (1 << 32)))
+
+
+def is_eos(h: int, threshold: int) -> bool:
+    return (h >> 32) < threshold
+
+
+def excluded_ids(*groups: Iterable[int]) -> frozenset[int]:
+    """Union of id groups (EOS ids, special ids) that may never be drawn."""
+    out: set[int] = set()
+    for group in groups:
+        out.update(group)
+    return frozenset(out)

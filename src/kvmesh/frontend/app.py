@@ -1,0 +1,273 @@
+"""The OpenAI-compatible HTTP API (Starlette routes over uvicorn).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (200 once a worker serves a model), ``GET /live``, ``GET /metrics``.
+
+Every error leaves through :func:`error_response` (OpenAI's error JSON, status from
+:func:`kvmesh.errors.http_status`) before the stream starts, or as one SSE ``error``
+event after it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvmesh.config import FrontendConfig
+from kvmesh.errors import (
+    KvmeshError,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    ResourceExhausted,
+    RouteNotFound,
+    http_status,
+)
+from kvmesh.frontend.models import ModelRegistry
+from kvmesh.frontend.pipeline import Generation, new_request_id, preprocess
+from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
+from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
+from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
+from kvmesh.runtime.context import Context
+
+__all__ = ["Frontend", "error_response"]
+
+log = logging.getLogger("kvmesh.frontend")
+
+_json = msgspec.json.encode
+_JSON = "application/json"
+
+
+def error_response(exc: BaseException) -> Response:
+    status = http_status(exc)
+    if isinstance(exc, KvmeshError):
+        message, kind = exc.message, exc.kind
+    else:
+        log.exception("unexpected error", exc_info=exc)
+        message, kind = f"internal error: {type(exc).__name__}", "internal_error"
+    body = _json({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    headers = None
+    if isinstance(exc, ResourceExhausted):
+        headers = {"retry-after": str(int(exc.retry_after or 1))}
+    return Response(body, status_code=status, media_type=_JSON, headers=headers)
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
+
+
+class Frontend:
+    """Owns the registry, metrics and keep-alive task; builds the ASGI app."""
+
+    def __init__(self, config: FrontendConfig, registry: ModelRegistry | None = None, metrics: FrontendMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or FrontendMetrics()
+        self.registry = registry or ModelRegistry(config, self.metrics)
+        self.keepalive = KeepAlive(config.keepalive_s)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/live", self.live, methods=["GET"]),
+                Route("/metrics", self.render_metrics, methods=["GET"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._bad_method},
+            on_startup=[self.keepalive.start],
+            on_shutdown=[self.keepalive.stop],
+        )
+
+    # ------------------------------------------------------------------ small routes
+    async def list_models(self, request: Request) -> Response:
+        data = [
+            {"id": name, "object": "model", "created": e.created, "owned_by": "kvmesh"}
+            for name, e in sorted(self.registry.models.items())
+        ]
+        return Response(_json({"object": "list", "data": data}), media_type=_JSON)
+
+    async def health(self, request: Request) -> Response:
+        models = {name: len(e.instances) for name, e in self.registry.models.items()}
+        ready = self.registry.ready()
+        body = _json({"status": "ready" if ready else "not_ready", "models": models})
+        return Response(body, status_code=200 if ready else 503, media_type=_JSON)
+
+    async def live(self, request: Request) -> Response:
+        return Response(b'{"status":"live"}', media_type=_JSON)
+
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(RouteNotFound(f"there is no route {request.url.path}; see /v1/models"))
+
+    async def _bad_method(self, request: Request, exc: Exception) -> Response:
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+
+    # ------------------------------------------------------------------ completions
+    async def chat_completions(self, request: Request) -> Response | SSEResponse:
+        return await self._serve(request, "chat")
+
+    async def completions(self, request: Request) -> Response | SSEResponse:
+        return await self._serve(request, "completion")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"the request body has {declared} bytes; the limit is {limit} bytes")
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _serve(self, request: Request, kind: str) -> Response | SSEResponse:
+        endpoint = "chat_completions" if kind == "chat" else "completions"
+        try:
+            body = await self._read_body(request)
+            req = parse(body, kind)  # type: ignore[arg-type]
+            entry = self.registry.get(req.model)
+            preq = preprocess(entry, req, new_request_id())
+        except ClientDisconnect:
+            return Response(b"", status_code=499)
+        except Exception as exc:  # noqa: BLE001 - every error becomes one response
+            return error_response(exc)
+        metrics = entry.metrics
+        metrics.input_tokens.inc(len(preq.token_ids))
+        ctx = Context(preq.request_id)
+        gen = Generation(entry, preq, ctx, req.include_stop_str_in_output, req.skip_special_tokens)
+        metrics.inflight.inc()
+        try:
+            stream = await gen.open()
+        except Exception as exc:  # noqa: BLE001
+            metrics.inflight.dec()
+            metrics.finished(endpoint, str(http_status(exc)))
+            return error_response(exc)
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        response_id = prefix + preq.request_id
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            events = self._sse_events(gen, stream, kind, response_id, endpoint, include_usage)
+            return SSEResponse(events, ctx, self.keepalive, self.metrics.disconnects.inc)
+        return await self._unary(gen, stream, kind, response_id, endpoint)
+
+    async def _sse_events(
+        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        entry = gen.entry
+        chunks = (ChatChunks if kind == "chat" else CompletionChunks)(response_id, int(time.time()), entry.name)
+        want_logprobs = gen.request.output.logprobs is not None
+        status = "200"
+        try:
+            first = chunks.role()
+            if first is not None:
+                yield first
+            async for text, chunk in gen.deltas(stream):
+                if want_logprobs and chunk.logprobs:
+                    yield chunks.content_with_logprobs(text, self._logprobs(gen, chunk, kind))
+                elif text:
+                    yield chunks.content(text)
+            yield chunks.finish(gen.finish_reason or "stop")
+            if include_usage:
+                yield chunks.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+            yield DONE
+        except KvmeshError as exc:
+            status = str(exc.status)
+            if not gen.ctx.is_stopped():
+                yield error_event(exc.message, exc.kind, exc.status)
+                yield DONE
+        finally:
+            if gen.ctx.is_stopped() and gen.finish_reason is None:
+                status = "499"
+            self._finish(gen, endpoint, status)
+
+    async def _unary(self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str) -> Response:
+        parts: list[str] = []
+        logprobs: list[Any] = []
+        want_logprobs = gen.request.output.logprobs is not None
+        status = "200"
+        try:
+            async for text, chunk in gen.deltas(stream):
+                parts.append(text)
+                if want_logprobs and chunk.logprobs:
+                    lp = self._logprobs(gen, chunk, kind)
+                    logprobs.extend(lp if kind == "chat" else [lp])
+        except Exception as exc:  # noqa: BLE001
+            status = str(http_status(exc))
+            return error_response(exc)
+        finally:
+            self._finish(gen, endpoint, status)
+        text = "".join(parts)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+            if want_logprobs:
+                choice["logprobs"] = {"content": logprobs}
+            obj = "chat.completion"
+        else:
+            choice["text"] = text
+            if want_logprobs:
+                choice["logprobs"] = _merge_completion_logprobs(logprobs)
+            obj = "text_completion"
+        body = {
+            "id": response_id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": gen.entry.name,
+            "choices": [choice],
+            "usage": _usage(gen),
+        }
+        return Response(_json(body), media_type=_JSON)
+
+    def _finish(self, gen: Generation, endpoint: str, status: str) -> None:
+        m = gen.entry.metrics
+        m.inflight.dec()
+        m.output_tokens.inc(gen.completion_tokens)
+        m.duration.observe(time.perf_counter() - gen.started)
+        m.finished(endpoint, status)
+
+    def _logprobs(self, gen: Generation, chunk: Any, kind: str) -> Any:
+        pre = gen.entry.preprocessor
+        if kind == "chat":
+            return [
+                {
+                    "token": pre.token_text(lp.token_id),
+                    "logprob": lp.logprob,
+                    "bytes": list(pre.token_text(lp.token_id).encode()),
+                    "top_logprobs": [
+                        {"token": pre.token_text(t), "logprob": v, "bytes": list(pre.token_text(t).encode())}
+                        for t, v in lp.top
+                    ],
+                }
+                for lp in chunk.logprobs
+            ]
+        return {
+            "tokens": [pre.token_text(lp.token_id) for lp in chunk.logprobs],
+            "token_logprobs": [lp.logprob for lp in chunk.logprobs],
+            "top_logprobs": [{pre.token_text(t): v for t, v in lp.top} for lp in chunk.logprobs],
+            "text_offset": [],
+        }
+
+
+def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for part in parts:
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            merged[key].extend(part[key])
+    return merged

@@ -1,0 +1,217 @@
+"""One request's path through the frontend, protocol-neutral:
+
+    OpenAI request → PreprocessedRequest → worker stream of token chunks
+                   → detokenized text deltas with stop strings applied
+
+The HTTP layer (:mod:`kvmesh.frontend.app`) turns the deltas into SSE events or one
+JSON body.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from kvmesh.errors import InvalidArgument, StreamIncomplete, Unknown
+from kvmesh.frontend.models import ModelEntry
+from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from kvmesh.protocol import (
+    OutputChunk,
+    OutputOptions,
+    PreprocessedRequest,
+    RoutingHints,
+    SamplingOptions,
+    StopConditions,
+)
+from kvmesh.runtime.context import Context
+from kvmesh.worker.service import GENERATE
+
+__all__ = ["new_request_id", "preprocess", "Generation", "merge_chunks"]
+
+_ids = itertools.count(1)
+_id_prefix = os.urandom(4).hex()
+_encode_request = msgspec.msgpack.Encoder().encode
+_decode_chunk = msgspec.msgpack.Decoder(OutputChunk).decode
+
+
+def new_request_id() -> str:
+    return f"{_id_prefix}{next(_ids):x}"
+
+
+def merge_chunks(pending: OutputChunk, new: OutputChunk) -> OutputChunk:
+    """Fold ``new`` into ``pending`` (both decoded by us, so mutation is safe)."""
+    pending.token_ids.extend(new.token_ids)
+    if new.logprobs:
+        pending.logprobs = (pending.logprobs or []) + new.logprobs
+    if new.finish_reason is not None:
+        pending.finish_reason = new.finish_reason
+        pending.error = new.error
+    if new.usage is not None:
+        pending.usage = new.usage
+    if new.cached_tokens is not None:
+        pending.cached_tokens = new.cached_tokens
+    if new.disaggregated_params is not None:
+        pending.disaggregated_params = new.disaggregated_params
+    return pending
+
+
+def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    pre = entry.preprocessor
+    if isinstance(req, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
+        return pre.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        return pre.text_prompt(prompt)
+    vocab = entry.info.vocab_size
+    bad = next((t for t in prompt if t >= vocab), None)
+    if bad is not None:
+        raise InvalidArgument(f"prompt token id {bad} is out of range: the model's vocabulary has {vocab} tokens")
+    return prompt
+
+
+def preprocess(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> PreprocessedRequest:
+    """Validate against the model and build the engine request."""
+    tokens = _prompt_tokens(entry, req)
+    context = entry.context_length
+    n = len(tokens)
+    if n >= context:
+        raise InvalidArgument(
+            f"the prompt has {n} tokens but the model's context length is {context}; shorten the prompt"
+        )
+    max_tokens = req.token_limit()
+    if max_tokens is None:
+        max_tokens = context - n
+    elif n + max_tokens > context:
+        raise InvalidArgument(
+            f"the model's context length is {context} tokens, but {n + max_tokens} were requested "
+            f"({n} in the prompt, {max_tokens} to generate); lower max_tokens or shorten the prompt"
+        )
+    if req.min_tokens > max_tokens:
+        raise InvalidArgument(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})")
+    return PreprocessedRequest(
+        request_id=request_id,
+        model=entry.name,
+        token_ids=tokens,
+        sampling=SamplingOptions(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+        ),
+        stop=StopConditions(
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop_strings(),
+            stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos,
+        ),
+        output=OutputOptions(logprobs=req.logprob_count()),
+        eos_token_ids=list(entry.info.eos_token_ids),
+        routing=RoutingHints(priority=req.priority) if req.priority else None,
+    )
+
+
+class Generation:
+    """Streams text deltas for one request and keeps its counts.
+
+    Iterating yields ``(text, chunk)`` pairs: the text released by this chunk (after
+    detokenization and stop strings) and the chunk itself (for logprobs). When
+    iteration ends, ``finish_reason`` is set. Leaving early (client gone) kills the
+    worker stream.
+    """
+
+    __slots__ = (
+        "entry",
+        "request",
+        "ctx",
+        "finish_reason",
+        "completion_tokens",
+        "cached_tokens",
+        "started",
+        "first_token_at",
+        "_include_stop",
+        "_skip_special",
+    )
+
+    def __init__(self, entry: ModelEntry, request: PreprocessedRequest, ctx: Context, include_stop: bool, skip_special: bool) -> None:
+        self.entry = entry
+        self.request = request
+        self.ctx = ctx
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._include_stop = include_stop
+        self._skip_special = skip_special
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.token_ids)
+
+    async def open(self) -> AsyncIterator[OutputChunk]:
+        """Route and open the worker stream (errors here are HTTP errors, not SSE)."""
+        instance = await self.entry.router.pick(self.request)
+        return instance.client.stream(
+            GENERATE, _encode_request(self.request), self.ctx, decode=_decode_chunk, merge=merge_chunks
+        )
+
+    async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
+        pre = self.entry.preprocessor
+        detok = pre.detokenizer(skip_special_tokens=self._skip_special)
+        stops = self.request.stop.stop
+        matcher = pre.stop_matcher(stops, self._include_stop) if stops else None
+        metrics = self.entry.metrics
+        last = self.started
+        try:
+            async for chunk in stream:
+                ids = chunk.token_ids
+                now = time.perf_counter()
+                if ids:
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                        metrics.ttft.observe(now - self.started)
+                        per_token = None
+                    else:
+                        per_token = (now - last) / len(ids)
+                    if per_token is not None:
+                        for _ in ids:
+                            metrics.itl.observe(per_token)
+                    last = now
+                    self.completion_tokens += len(ids)
+                    text = detok.step(ids)
+                else:
+                    text = ""
+                finish = chunk.finish_reason
+                if finish is not None:
+                    text += detok.flush()
+                    if chunk.usage is not None:
+                        self.cached_tokens = chunk.usage.cached_tokens
+                if matcher is not None:
+                    text, hit = matcher.feed(text)
+                    if hit:
+                        self.finish_reason = "stop"
+                        yield text, chunk
+                        return
+                    if finish is not None:
+                        text += matcher.flush()
+                if finish is not None:
+                    self.finish_reason = finish
+                    if finish == "error":
+                        raise Unknown(chunk.error or "the engine reported an error")
+                yield text, chunk
+                if finish is not None:
+                    return
+            raise StreamIncomplete("the worker's stream ended without a finish reason")
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]

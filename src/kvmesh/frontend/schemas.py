@@ -1,0 +1,151 @@
+"""OpenAI request schemas (the subset kvmesh serves), validated by msgspec.
+
+A body that does not match raises ``msgspec.ValidationError`` whose message names the
+field (``Expected `int` >= 1 - at `$.max_tokens```); :func:`parse` turns that into an
+:class:`~kvmesh.errors.InvalidArgument`. Unknown fields are ignored, as OpenAI's own
+clients send extras.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+from kvmesh.errors import InvalidArgument
+
+__all__ = ["ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse"]
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[msgspec.Raw] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise InvalidArgument(f"content part type {part.type!r} is not supported; send text parts only")
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and text completions (OpenAI names, plus extensions)."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    # extensions (vLLM / Dynamo names)
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_tokens: NonNegInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: Literal["premium", "standard", "best_effort"] | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if any(s == "" for s in stops):
+            raise InvalidArgument("stop strings must not be empty")
+        return stops
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Union[str, int, float, bool, None]] | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidArgument("top_logprobs needs logprobs set to true")
+            return None
+        return self.top_logprobs or 0
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def token_limit(self) -> int:
+        # OpenAI's documented default for completions
+        return self.max_tokens if self.max_tokens is not None else 16
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidArgument(f"prompt holds {len(prompt)} prompts; send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, (str, list)) and len(prompt) == 0:
+            raise InvalidArgument("prompt must not be empty")
+        if self.echo:
+            raise InvalidArgument("echo is not supported; set echo to false")
+        if self.suffix:
+            raise InvalidArgument("suffix is not supported; leave it out")
+        return prompt  # type: ignore[return-value]
+
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def parse(body: bytes, kind: Literal["chat", "completion"]) -> ChatCompletionRequest | CompletionRequest:
+    """Decode and validate a request body; every failure is an InvalidArgument."""
+    if not body:
+        raise InvalidArgument("the request body is empty; send a JSON object")
+    decoder = _chat_decoder if kind == "chat" else _completion_decoder
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None

@@ -1,0 +1,206 @@
+"""Server-sent events: encoding OpenAI stream chunks and writing them to the socket.
+
+Encoding: the constant parts of every chunk of one response (id, created, model) are
+encoded once per request; a content event is then ``prefix + json(text) + suffix``.
+
+Writing (:class:`SSEResponse`): headers go out after routing, before the first token;
+one listener task watches for the client's disconnect and stops the request's
+context (which stops the engine); :class:`KeepAlive` sends ``: keep-alive`` comments
+on streams that have been idle for its interval, from one task for all streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from kvmesh.runtime.context import Context
+
+__all__ = ["ChatChunks", "CompletionChunks", "SSEResponse", "KeepAlive", "DONE", "error_event"]
+
+_json = msgspec.json.encode
+DONE = b"data: [DONE]\n\n"
+_KEEPALIVE = b": keep-alive\n\n"
+_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def _head(object_name: str, response_id: str, created: int, model: str) -> bytes:
+    return (
+        b'data: {"id":' + _json(response_id) + b',"object":"' + object_name.encode()
+        + b'","created":' + str(created).encode() + b',"model":' + _json(model) + b',"choices":'
+    )  # fmt: skip
+
+
+def _usage(prompt: int, completion: int, cached: int) -> bytes:
+    return _json(
+        {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+    )
+
+
+def error_event(message: str, kind: str, status: int) -> bytes:
+    body = _json({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    return b"event: error\ndata: " + body + b"\n\n"
+
+
+class ChatChunks:
+    """Event bytes for one streamed chat completion."""
+
+    __slots__ = ("_head", "_content_prefix")
+
+    def __init__(self, response_id: str, created: int, model: str) -> None:
+        self._head = _head("chat.completion.chunk", response_id, created, model)
+        self._content_prefix = self._head + b'[{"index":0,"delta":{"content":'
+
+    def role(self) -> bytes:
+        return self._head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+    def content(self, text: str) -> bytes:
+        return self._content_prefix + _json(text) + b'},"finish_reason":null}]}\n\n'
+
+    def content_with_logprobs(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
+        return (
+            self._content_prefix + _json(text) + b'},"logprobs":{"content":' + _json(logprobs)
+            + b'},"finish_reason":null}]}\n\n'
+        )  # fmt: skip
+
+    def finish(self, reason: str) -> bytes:
+        return self._head + b'[{"index":0,"delta":{},"finish_reason":"' + reason.encode() + b'"}]}\n\n'
+
+    def usage(self, prompt: int, completion: int, cached: int) -> bytes:
+        return self._head + b'[],"usage":' + _usage(prompt, completion, cached) + b"}\n\n"
+
+
+class CompletionChunks:
+    """Event bytes for one streamed text completion."""
+
+    __slots__ = ("_head", "_text_prefix")
+
+    def __init__(self, response_id: str, created: int, model: str) -> None:
+        self._head = _head("text_completion", response_id, created, model)
+        self._text_prefix = self._head + b'[{"index":0,"text":'
+
+    def role(self) -> bytes | None:
+        return None
+
+    def content(self, text: str) -> bytes:
+        return self._text_prefix + _json(text) + b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def content_with_logprobs(self, text: str, logprobs: dict[str, Any]) -> bytes:
+        return self._text_prefix + _json(text) + b',"logprobs":' + _json(logprobs) + b',"finish_reason":null}]}\n\n'
+
+    def finish(self, reason: str) -> bytes:
+        return self._text_prefix + b'"","logprobs":null,"finish_reason":"' + reason.encode() + b'"}]}\n\n'
+
+    def usage(self, prompt: int, completion: int, cached: int) -> bytes:
+        return self._head + b'[],"usage":' + _usage(prompt, completion, cached) + b"}\n\n"
+
+
+class _Live:
+    """A stream the keep-alive task may write a comment to."""
+
+    __slots__ = ("send", "last", "open")
+
+    def __init__(self, send: Callable[[Any], Any]) -> None:
+        self.send = send
+        self.last = time.monotonic()
+        self.open = True
+
+
+class KeepAlive:
+    """Sends ``: keep-alive`` on streams idle for ``interval`` seconds (one task)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._streams: set[_Live] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def register(self, send: Callable[[Any], Any]) -> _Live:
+        live = _Live(send)
+        self._streams.add(live)
+        return live
+
+    def unregister(self, live: _Live) -> None:
+        live.open = False
+        self._streams.discard(live)
+
+    async def _run(self) -> None:
+        tick = max(self.interval / 4, 0.01)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for live in [s for s in self._streams if now - s.last >= self.interval]:
+                live.last = now
+                try:
+                    await live.send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+                except (RuntimeError, OSError):
+                    # the stream completed between the check and the send
+                    self._streams.discard(live)
+
+
+class SSEResponse:
+    """An ASGI response streaming pre-encoded SSE events from ``events``."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        ctx: Context,
+        keepalive: KeepAlive,
+        on_disconnect: Callable[[], None] | None = None,
+    ) -> None:
+        self.events = events
+        self.ctx = ctx
+        self.keepalive = keepalive
+        self.on_disconnect = on_disconnect
+        self.disconnected = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+        listener = asyncio.get_running_loop().create_task(self._listen(receive))
+        live = self.keepalive.register(send)
+        events = self.events
+        try:
+            async for event in events:
+                if self.disconnected:
+                    break
+                live.last = time.monotonic()
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            self.keepalive.unregister(live)
+            if not self.disconnected:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.keepalive.unregister(live)
+            listener.cancel()
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def _listen(self, receive: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        self.disconnected = True
+        if self.on_disconnect is not None:
+            self.on_disconnect()
+        self.ctx.stop_generating()

@@ -1,0 +1,69 @@
+"""Every metric kvmesh exports, defined in one place.
+
+The frontend's metrics live in their own registry (no process-wide globals), exposed
+at ``GET /metrics``. Per-model children are resolved once per model and cached, so the
+hot path never looks up labels.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["FrontendMetrics", "ModelMetrics", "CONTENT_TYPE_LATEST"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ModelMetrics:
+    """The per-model children of the frontend's metrics."""
+
+    __slots__ = ("inflight", "ttft", "itl", "duration", "input_tokens", "output_tokens", "_requests", "_model")
+
+    def __init__(self, parent: FrontendMetrics, model: str) -> None:
+        self._model = model
+        self._requests = parent.requests
+        self.inflight = parent.inflight.labels(model)
+        self.ttft = parent.ttft.labels(model)
+        self.itl = parent.itl.labels(model)
+        self.duration = parent.duration.labels(model)
+        self.input_tokens = parent.input_tokens.labels(model)
+        self.output_tokens = parent.output_tokens.labels(model)
+
+    def finished(self, endpoint: str, status: str) -> None:
+        self._requests.labels(self._model, endpoint, status).inc()
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvmesh_frontend_requests", "Requests by model, endpoint and final status", ["model", "endpoint", "status"], registry=r
+        )
+        self.inflight = Gauge("kvmesh_frontend_inflight_requests", "Requests being served", ["model"], registry=r)
+        self.ttft = Histogram(
+            "kvmesh_frontend_time_to_first_token_seconds", "Time to first token", ["model"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kvmesh_frontend_inter_token_latency_seconds", "Time between output tokens", ["model"], buckets=_ITL_BUCKETS, registry=r
+        )
+        self.duration = Histogram(
+            "kvmesh_frontend_request_duration_seconds", "Whole request time", ["model"], buckets=_DURATION_BUCKETS, registry=r
+        )
+        self.input_tokens = Counter("kvmesh_frontend_input_tokens", "Prompt tokens", ["model"], registry=r)
+        self.output_tokens = Counter("kvmesh_frontend_output_tokens", "Generated tokens", ["model"], registry=r)
+        self.disconnects = Counter("kvmesh_frontend_client_disconnects", "Streams the client left early", registry=r)
+        self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
+        self._models: dict[str, ModelMetrics] = {}
+
+    def model(self, name: str) -> ModelMetrics:
+        m = self._models.get(name)
+        if m is None:
+            m = self._models[name] = ModelMetrics(self, name)
+        return m
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,146 @@
+"""Text <-> token ids over a ``tokenizers`` fast tokenizer, and streaming detokenization.
+
+* :class:`Tokenizer` is built once per model and shared by every request; all its
+  methods are read-only.
+* :class:`IncrementalDetokenizer` is built once per request (one stream of generated
+  ids) and is not shared: it holds the ids whose text is not yet complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+from kvmesh.errors import InvalidArgument
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizers_file"]
+
+# Inputs longer than this (in characters) go through ``encode_batch_fast``: it skips
+# offset tracking (~30% faster) and releases the GIL, so a caller may tokenize a long
+# prompt in a worker thread without stalling the event loop. Short inputs take the
+# plain path, which has less per-call overhead.
+_LONG_INPUT_CHARS = 1024
+
+
+def load_tokenizers_file(path: str | os.PathLike[str]) -> tokenizers.Tokenizer:
+    """Load ``tokenizer.json`` with padding and truncation switched off.
+
+    Some published tokenizer.json files enable truncation; left on, it would silently
+    cut prompts, so the runtime never uses it (context limits are checked explicitly).
+    """
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises plain Exception for any bad file
+        raise InvalidArgument(f"{path} is not a valid tokenizers file ({exc}): replace it") from exc
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+class Tokenizer:
+    """A model's tokenizer. Thread-safe; build once, share everywhere."""
+
+    __slots__ = ("_tok", "_encode", "_encode_long", "_decode", "vocab_size")
+
+    def __init__(self, tok: tokenizers.Tokenizer) -> None:
+        self._tok = tok
+        # Bound methods cached: encode/decode sit on the per-request path.
+        self._encode = tok.encode
+        self._encode_long = tok.encode_batch_fast
+        self._decode = tok.decode
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        return cls(load_tokenizers_file(Path(path)))
+
+    @property
+    def raw(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (for APIs this wrapper does not cover)."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Special tokens written as text (``<|im_start|>``) always become their single id.
+        ``add_special_tokens`` applies the tokenizer's post-processor (e.g. prepends BOS
+        for tokenizers that ask for it); chat templates write BOS themselves, so it is
+        off by default.
+        """
+        if len(text) < _LONG_INPUT_CHARS:
+            return self._encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode_long([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's stream of generated ids into text, a piece at a time.
+
+    Lifecycle: ``step(ids)`` for each chunk of ids the engine yields, then ``flush()``
+    once when the stream ends. The concatenation of everything returned equals
+    ``tokenizer.decode(all_ids, skip_special_tokens)``.
+
+    Invariant: text is released only when it does not end in U+FFFD, so a UTF-8
+    character split across tokens is held back until its last byte arrives;
+    ``flush`` releases what is still held (an unfinished character becomes U+FFFD).
+
+    Built on ``tokenizers.decoders.DecodeStream`` (the prefix-offset algorithm in
+    Rust). DecodeStream has no flush, so the ids it still holds are mirrored here:
+    ``_last`` (the ids of the last released piece, the decoding context) and
+    ``_pending`` (ids received since).
+    """
+
+    __slots__ = ("_tokenizer", "_raw", "_stream", "_skip", "_last", "_pending")
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._raw = tokenizer.raw
+        self._skip = skip_special_tokens
+        self._reset()
+
+    def _reset(self) -> None:
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        self._last: list[int] = []
+        self._pending: list[int] = []
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        """Add the next generated ids; return the text they complete ('' if none yet)."""
+        if len(token_ids) == 1:
+            # NOTE: an int argument takes DecodeStream's cheaper path than a 1-item list.
+            text = self._stream.step(self._raw, token_ids[0])
+        elif token_ids:
+            text = self._stream.step(self._raw, list(token_ids))
+        else:
+            return ""
+        self._pending += token_ids
+        if text is None:
+            return ""
+        self._last = self._pending
+        self._pending = []
+        return text
+
+    def flush(self) -> str:
+        """End of stream: return the text still held back, and start over empty."""
+        pending, last = self._pending, self._last
+        self._reset()
+        if not pending:
+            return ""
+        decode = self._tokenizer.decode
+        text = decode(last + pending, self._skip)
+        prefix = decode(last, self._skip) if last else ""
+        return text[len(prefix) :]

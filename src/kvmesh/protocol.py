@@ -1,0 +1,243 @@
+"""Wire types: every value that crosses a process is one of these msgspec Structs.
+
+Grouped by the channel they travel on:
+
+* engine / request plane: :class:`PreprocessedRequest` in, :class:`OutputChunk` out,
+  :class:`ErrorInfo` for a typed mid-stream failure;
+* model card: :class:`EngineConfig` (what a worker's engine serves);
+* event plane: :class:`KvEvent` (stored / removed / cleared) and :class:`LoadReport`.
+
+Structs use ``omit_defaults`` so msgpack frames stay small; chunks are ``gc=False``
+because they are created per token and never form cycles.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+__all__ = [
+    "FinishReason",
+    "SamplingOptions",
+    "StopConditions",
+    "OutputOptions",
+    "RoutingHints",
+    "DisaggregatedParams",
+    "PreprocessedRequest",
+    "Usage",
+    "TokenLogprob",
+    "OutputChunk",
+    "ErrorInfo",
+    "EngineConfig",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "KvEventData",
+    "KvEvent",
+    "LoadReport",
+    "InstanceInfo",
+]
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=True):
+    """How to pick the next token. ``None`` means the engine's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class StopConditions(msgspec.Struct, omit_defaults=True):
+    """When to stop. ``max_tokens`` is always set by the frontend before routing.
+
+    ``stop`` strings are matched by the frontend on detokenized text; engines may
+    ignore them. ``stop_token_ids`` and EOS (``PreprocessedRequest.eos_token_ids``)
+    are the engine's job, unless ``ignore_eos``.
+    """
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class OutputOptions(msgspec.Struct, omit_defaults=True):
+    """``logprobs``: number of top alternatives per generated token (0 = only the chosen)."""
+
+    logprobs: int | None = None
+
+
+class RoutingHints(msgspec.Struct, omit_defaults=True):
+    """Hints for the router; none of them changes what the engine computes."""
+
+    worker_id: int | None = None
+    priority: str | None = None
+    overlap_weight: float | None = None
+    router_temperature: float | None = None
+    explain: bool = False
+
+
+class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
+    """Prefill → decode handoff. Filled by the disaggregation issue."""
+
+    kind: str = ""
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    block_ids: list[int] = []
+    worker_id: int | None = None
+    first_token_id: int | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
+    """A tokenized request, ready for an engine."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    stop: StopConditions = msgspec.field(default_factory=StopConditions)
+    output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    eos_token_ids: list[int] = []
+    routing: RoutingHints | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class Usage(msgspec.Struct, omit_defaults=True, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """Log-probability of one generated token, with the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class OutputChunk(msgspec.Struct, omit_defaults=True, gc=False):
+    """One item of an engine's output stream.
+
+    Non-terminal: ``finish_reason is None``. Terminal: ``finish_reason`` is set; it
+    may still carry the last tokens. ``error`` is the message of an ``"error"``
+    terminal (the untyped form; a typed failure is raised as a KvmeshError).
+    """
+
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+    error: str | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def stop(cls, token_ids: list[int] | None = None) -> OutputChunk:
+        return cls(token_ids=token_ids or [], finish_reason="stop")
+
+    @classmethod
+    def length(cls, token_ids: list[int] | None = None) -> OutputChunk:
+        return cls(token_ids=token_ids or [], finish_reason="length")
+
+    @classmethod
+    def cancelled(cls) -> OutputChunk:
+        return cls(finish_reason="cancelled")
+
+    @classmethod
+    def failed(cls, message: str) -> OutputChunk:
+        return cls(finish_reason="error", error=message)
+
+
+class ErrorInfo(msgspec.Struct):
+    """A typed error on the wire; see :func:`kvmesh.errors.from_wire`."""
+
+    kind: str
+    message: str
+
+
+class EngineConfig(msgspec.Struct, omit_defaults=True):
+    """What ``Engine.start()`` reports: the model card's engine half."""
+
+    model: str
+    served_model_name: str
+    context_length: int
+    kv_block_size: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+
+
+# ---------------------------------------------------------------------------- events
+
+
+class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True):
+    """Full blocks became cached. ``block_hashes`` are chained sequence hashes
+    (see :mod:`kvmesh.router.hashing`), ``token_hashes`` the matching local hashes;
+    ``parent_hash`` is the sequence hash of the block before the first one."""
+
+    block_hashes: list[int]
+    token_hashes: list[int] = []
+    parent_hash: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="removed"):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, tag="cleared"):
+    pass
+
+
+KvEventData = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KvEvent(msgspec.Struct):
+    """One KV cache event; ``event_id`` increases by one per event per worker."""
+
+    worker_id: int
+    event_id: int
+    data: KvEventData
+
+
+class LoadReport(msgspec.Struct, omit_defaults=True):
+    """A worker's load, published after scheduler steps that change it."""
+
+    worker_id: int
+    active_blocks: int
+    total_blocks: int
+    num_waiting: int
+    num_running: int
+    timestamp_ms: float = 0.0
+
+
+# ---------------------------------------------------------------------------- instances
+
+
+class InstanceInfo(msgspec.Struct, omit_defaults=True):
+    """A serving worker as others see it: where to reach it and what it serves.
+
+    Embedded mode passes it from worker to frontend on the worker's stdout (one
+    ``KVMESH_READY {json}`` line); discovery backends store it as the key's value.
+    """
+
+    worker_id: int
+    address: str
+    engine: EngineConfig
+    model_path: str = ""
+    pid: int = 0

@@ -1,0 +1,75 @@
+"""Push routing: pick one instance of an endpoint for a request.
+
+Selection policies are pure (ids in, id out); :class:`PushRouter` is the glue that
+waits for instances and hands back the chosen :class:`~kvmesh.runtime.instances.Instance`.
+Modes: ``round_robin`` and ``random``; ``direct`` happens when a request names a
+worker id in its routing hints. The KV-aware mode plugs in as another policy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvmesh.errors import NoWorkers
+from kvmesh.protocol import PreprocessedRequest
+from kvmesh.runtime.instances import Instance, InstanceSet
+
+__all__ = ["Policy", "RoundRobin", "Random", "make_policy", "PushRouter"]
+
+
+class Policy(Protocol):
+    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int: ...
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int:
+        worker = ids[self._next % len(ids)]
+        self._next += 1
+        return worker
+
+
+class Random:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int:
+        return ids[self._rng.randrange(len(ids))]
+
+
+def make_policy(mode: str) -> Policy:
+    if mode == "round_robin":
+        return RoundRobin()
+    if mode == "random":
+        return Random()
+    raise ValueError(f"unknown router mode {mode!r}")
+
+
+class PushRouter:
+    def __init__(self, instances: InstanceSet, policy: Policy, wait_s: float, what: str) -> None:
+        self.instances = instances
+        self.policy = policy
+        self.wait_s = wait_s
+        self.what = what
+
+    async def pick(self, request: PreprocessedRequest, exclude: frozenset[int] = frozenset()) -> Instance:
+        if not self.instances.ids:
+            await self.instances.wait_nonempty(self.wait_s, self.what)
+        hints = request.routing
+        if hints is not None and hints.worker_id is not None:
+            instance = self.instances.get(hints.worker_id)
+            if instance is None:
+                raise NoWorkers(f"worker {hints.worker_id} does not serve {self.what}")
+            return instance
+        ids = self.instances.ids
+        if exclude:
+            ids = [i for i in ids if i not in exclude]
+            if not ids:
+                raise NoWorkers(f"no other worker serves {self.what}")
+        instance = self.instances.get(self.policy.select(ids, request))
+        assert instance is not None
+        return instance

@@ -1,0 +1,268 @@
+"""The TCP request plane, caller side.
+
+One :class:`TcpClient` per worker address keeps one connection and multiplexes any
+number of streams on it. One reader (the protocol's ``data_received``) fans frames
+out to a per-stream mailbox; a mailbox given a ``merge`` function keeps at most one
+pending item, merging deltas when the consumer lags, so a slow consumer never blocks
+the reader and memory stays bounded by the response itself.
+
+Failures come out of the stream as typed errors: ``CannotConnect`` /
+``ConnectionTimeout`` before the request is sent, ``ResponseTimeout`` when the first
+response item is late, ``Disconnected`` when the connection drops mid-stream, and the
+worker's own typed errors unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, InvalidArgument, ResponseTimeout, from_wire
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
+
+__all__ = ["TcpClient"]
+
+_END = object()
+
+
+class _Mailbox:
+    __slots__ = ("items", "error", "ended", "waiter", "timer", "decode", "merge", "answered")
+
+    def __init__(self, decode: Callable[[Any], Any] | None, merge: Callable[[Any, Any], Any] | None) -> None:
+        self.items: deque[Any] = deque()
+        self.error: BaseException | None = None
+        self.ended = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.decode = decode
+        self.merge = merge
+        self.answered = False
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _answered(self) -> None:
+        self.answered = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def put(self, payload: msgspec.Raw) -> None:
+        if not self.answered:
+            self._answered()
+        item = self.decode(payload) if self.decode is not None else payload
+        if self.merge is not None and self.items:
+            self.items[-1] = self.merge(self.items[-1], item)
+        else:
+            self.items.append(item)
+        self._wake()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self.ended:
+            return
+        self._answered()
+        self.ended = True
+        self.error = error
+        self._wake()
+
+    async def next(self) -> Any:
+        while True:
+            if self.items:
+                return self.items.popleft()
+            if self.ended:
+                if self.error is not None:
+                    raise self.error
+                return _END
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+            self.waiter = None
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, _Mailbox] = {}
+        self._reader = FrameReader()
+        self._writer = FrameWriter()
+        self._next_sid = 1
+        self._flush_scheduled = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        streams, self.streams = self.streams, {}
+        for box in streams.values():
+            box.finish(Disconnected(f"connection to worker {self.address} lost"))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._reader.feed(data)
+        except InvalidArgument as exc:
+            self._fail_all(exc)
+            return
+        streams = self.streams
+        for frame in frames:
+            box = streams.get(frame.sid)
+            if box is None:
+                continue
+            kind = type(frame)
+            if kind is Out:
+                box.put(frame.payload)
+            elif kind is End:
+                del streams[frame.sid]
+                box.finish()
+            elif kind is Err:
+                del streams[frame.sid]
+                box.finish(from_wire(frame.kind, frame.message))
+            elif kind is Ack:
+                pass
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self.streams = self.streams, {}
+        for box in streams.values():
+            box.finish(Disconnected(f"bad data from worker {self.address}: {exc}"))
+        if self.transport is not None:
+            self.transport.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def open(self, endpoint: str, payload: bytes, box: _Mailbox) -> int:
+        sid = self._next_sid
+        self._next_sid += 1
+        self.streams[sid] = box
+        self._send(Req(sid, endpoint, msgspec.Raw(payload)))
+        return sid
+
+    def control(self, sid: int, action: int) -> None:
+        self._send(Ctl(sid, action))
+
+    def _send(self, frame: Any) -> None:
+        self._writer.add(frame)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self.transport is not None and self._writer.buffer:
+            self.transport.write(self._writer.take())
+        else:
+            self._writer.buffer.clear()
+
+
+class TcpClient:
+    """Streams requests to one worker at ``host:port``."""
+
+    def __init__(
+        self,
+        address: str,
+        connect_timeout: float = 5.0,
+        response_timeout: float | None = None,
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        self.address = address
+        self._host = host.strip("[]")
+        self._port = int(port)
+        self.connect_timeout = connect_timeout
+        self.response_timeout = response_timeout
+        self._conn: _Connection | None = None
+        self._connecting: asyncio.Future[_Connection] | None = None
+
+    async def _connection(self) -> _Connection:
+        conn = self._conn
+        if conn is not None and conn.alive:
+            return conn
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        try:
+            return await asyncio.shield(self._connecting)
+        finally:
+            if self._connecting is not None and self._connecting.done():
+                self._connecting = None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self.address), self._host, self._port),
+                self.connect_timeout,
+            )
+        except TimeoutError:
+            raise ConnectionTimeout(f"connecting to worker {self.address} took over {self.connect_timeout} s") from None
+        except OSError as exc:
+            raise CannotConnect(f"cannot connect to worker {self.address}: {exc.strerror or exc}") from None
+        self._conn = conn
+        return conn
+
+    async def stream(
+        self,
+        endpoint: str,
+        payload: bytes,
+        ctx: Context,
+        decode: Callable[[Any], Any] | None = None,
+        merge: Callable[[Any, Any], Any] | None = None,
+    ) -> AsyncIterator[Any]:
+        """Send one request; yield the decoded response items until the stream ends.
+
+        Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with
+        whatever the worker sends last. Leaving the iteration early kills the stream.
+        """
+        conn = await self._connection()
+        box = _Mailbox(decode, merge)
+        sid = conn.open(endpoint, payload, box)
+        if self.response_timeout is not None:
+            box.timer = asyncio.get_running_loop().call_later(
+                self.response_timeout, self._timed_out, conn, sid, box
+            )
+        ctx.on_stop(lambda c: self._on_stop(conn, sid, box, c))
+        try:
+            while True:
+                item = await box.next()
+                if item is _END:
+                    return
+                yield item
+        finally:
+            if not box.ended:
+                box.finish()
+                if conn.streams.pop(sid, None) is not None:
+                    conn.control(sid, KILL)
+
+    @staticmethod
+    def _on_stop(conn: _Connection, sid: int, box: _Mailbox, ctx: Context) -> None:
+        if box.ended:
+            return
+        conn.control(sid, KILL if ctx.is_killed() else STOP)
+
+    def _timed_out(self, conn: _Connection, sid: int, box: _Mailbox) -> None:
+        box.timer = None
+        if box.answered or box.ended:
+            return
+        if conn.streams.pop(sid, None) is not None:
+            conn.control(sid, KILL)
+        box.finish(ResponseTimeout(f"worker {self.address} sent no response within {self.response_timeout} s"))
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._conn.streams) if self._conn is not None else 0
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()

@@ -1035,6 +1035,14 @@ class LaunchedServer:
     t_launch: float  # perf_counter just before Popen
     log_path: str
     leftovers: int = 0  # descendants still alive after the frontend exited
+    temp_log: bool = False  # log_path is a temp file we created
+
+    def remove_temp_log(self) -> None:
+        if self.temp_log:
+            try:
+                os.unlink(self.log_path)
+            except OSError:
+                pass
 
     @property
     def pid(self) -> int:
@@ -1094,6 +1102,7 @@ class LaunchedServer:
 def launch_server(cmd: Sequence[str], port: int, log_path: str | None = None,
                   env: dict | None = None) -> LaunchedServer:
     """Start a server process (own session, output to a log file)."""
+    temp_log = log_path is None
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="kvmesh-bench-server-", suffix=".log")
         os.close(fd)
@@ -1110,4 +1119,4 @@ def launch_server(cmd: Sequence[str], port: int, log_path: str | None = None,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     finally:
         log.close()
-    return LaunchedServer(proc=proc, port=port, t_launch=t0, log_path=log_path)
+    return LaunchedServer(proc=proc, port=port, t_launch=t0, log_path=log_path, temp_log=temp_log)

@@ -220,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("[bench] warning: server left child processes behind (killed)", file=sys.stderr)
 
     total_fail = sum(r.failures for r in results)
+    if server is not None:
+        if total_fail:
+            print(f"[bench] server log: {server.log_path}", file=sys.stderr)
+        else:
+            server.remove_temp_log()
     report["levels"] = [r.to_dict() for r in results]
     report["failures"] = total_fail
     print(format_table(results))

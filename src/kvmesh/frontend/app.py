@@ -10,6 +10,7 @@ event after it started.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -86,9 +87,16 @@ class Frontend:
                 Route("/metrics", self.render_metrics, methods=["GET"]),
             ],
             exception_handlers={404: self._not_found, 405: self._bad_method},
-            on_startup=[self.keepalive.start],
-            on_shutdown=[self.keepalive.stop],
+            lifespan=self._lifespan,
         )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.keepalive.start()
+        try:
+            yield
+        finally:
+            await self.keepalive.stop()
 
     # ------------------------------------------------------------------ small routes
     async def list_models(self, request: Request) -> Response:
@@ -243,7 +251,7 @@ class Frontend:
         m.finished(endpoint, status)
 
     def _logprobs(self, gen: Generation, chunk: Any, kind: str) -> Any:
-        pre = gen.entry.preprocessor
+        pre = _TokenText(gen.entry.preprocessor.tokenizer)
         if kind == "chat":
             return [
                 {
@@ -263,6 +271,16 @@ class Frontend:
             "top_logprobs": [{pre.token_text(t): v for t, v in lp.top} for lp in chunk.logprobs],
             "text_offset": [],
         }
+
+
+class _TokenText:
+    __slots__ = ("_tok",)
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
 
 def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:

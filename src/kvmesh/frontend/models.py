@@ -50,7 +50,7 @@ class ModelRegistry:
 
     def add_model(self, path: str, name: str | None = None) -> ModelEntry:
         """Load a model folder (tokenizer, template) ahead of its workers."""
-        info = load_model_folder(path, name)
+        info = load_model_folder(path, name=name)
         entry = self.models.get(info.name)
         if entry is None:
             entry = self.models[info.name] = ModelEntry(info, self.config, self.metrics.model(info.name))

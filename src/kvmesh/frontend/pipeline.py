@@ -65,14 +65,7 @@ def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionReq
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         kwargs = req.chat_template_kwargs or {}
         return pre.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
-    prompt = req.single_prompt()
-    if isinstance(prompt, str):
-        return pre.text_prompt(prompt)
-    vocab = entry.info.vocab_size
-    bad = next((t for t in prompt if t >= vocab), None)
-    if bad is not None:
-        raise InvalidArgument(f"prompt token id {bad} is out of range: the model's vocabulary has {vocab} tokens")
-    return prompt
+    return pre.text_prompt(req.single_prompt())
 
 
 def preprocess(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> PreprocessedRequest:

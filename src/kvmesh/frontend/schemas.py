@@ -107,7 +107,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]]
+    # msgspec allows one array type per union: the list's shape is checked in single_prompt
+    prompt: Union[str, list[Union[TokenId, str, list[TokenId]]]]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -121,7 +122,9 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if isinstance(prompt, list) and prompt and not all(type(p) is int for p in prompt):
+            if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+                raise InvalidArgument("prompt must be a string, a list of token ids, or a list of one of those")
             if len(prompt) != 1:
                 raise InvalidArgument(f"prompt holds {len(prompt)} prompts; send one prompt per request")
             prompt = prompt[0]

@@ -88,7 +88,7 @@ class ChatTemplate:
 
     __slots__ = ("_template", "_origin", "_variables")
 
-    def __init__(self, source: str, *, origin: str = "chat template", variables: Mapping[str, Any] | None = None):
+    def __init__(self, source: str, *, origin: str = "<string>", variables: Mapping[str, Any] | None = None):
         self._origin = origin
         # NOTE: tools/documents default to None, not undefined, as transformers passes
         # them; templates test ``tools is not none``.

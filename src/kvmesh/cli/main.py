@@ -1,0 +1,114 @@
+"""``kvmesh`` command line: ``run`` (embedded: frontend + worker processes) and
+``worker`` (one worker process).
+
+Arguments are parsed once into the frozen configs of :mod:`kvmesh.config`; a bad value
+prints one line and exits 2, a startup failure prints one line and exits 1.
+Subcommand modules are imported lazily so a worker never imports the HTTP stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvmesh.config import ENGINES, ROUTER_MODES, FrontendConfig, MockerConfig, RunConfig, WorkerConfig, debug_enabled
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None, help="Hugging Face model folder (default: the bundled tiny model)")
+    p.add_argument("--engine", default="mocker", choices=ENGINES, help="engine to run in each worker")
+    m = p.add_argument_group("mocker engine")
+    d = MockerConfig()
+    m.add_argument("--speedup", type=float, default=d.speedup, help="divide modelled step times by this (1e9: as fast as possible)")
+    m.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
+    m.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker")
+    m.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max running sequences per worker")
+    m.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
+    p.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
+
+
+def _add_frontend_args(p: argparse.ArgumentParser) -> None:
+    d = FrontendConfig()
+    p.add_argument("--http-host", default=d.http_host, help="address to serve HTTP on (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=d.http_port, help="HTTP port (default 8000)")
+    p.add_argument("--router-mode", default=d.router_mode, choices=ROUTER_MODES, help="how to pick a worker")
+    p.add_argument("--keepalive", type=float, default=d.keepalive_s, help="seconds between SSE keep-alive comments")
+    p.add_argument("--response-timeout", type=float, default=d.response_timeout_s, help="seconds to wait for a worker's first response")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="Distributed LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="serve a model: frontend + N worker processes on this host, no external services")
+    _add_frontend_args(run)
+    _add_engine_args(run)
+    run.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
+
+    worker = sub.add_parser("worker", help="run one worker process")
+    _add_engine_args(worker)
+    worker.add_argument("--worker-id", type=int, default=0)
+    worker.add_argument("--host", default="127.0.0.1", help="address to bind the request plane on")
+    worker.add_argument("--port", type=int, default=0, help="request-plane port (0: any free port)")
+    worker.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
+    worker.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _mocker_config(ns: argparse.Namespace) -> MockerConfig:
+    return MockerConfig(
+        speedup=ns.speedup,
+        block_size=ns.block_size,
+        num_blocks=ns.num_blocks,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+    )
+
+
+def _worker_config(ns: argparse.Namespace, **overrides: object) -> WorkerConfig:
+    fields: dict[str, object] = dict(
+        model_path=ns.model_path,
+        engine=ns.engine,
+        mocker=_mocker_config(ns),
+        validate_streams=ns.validate_streams or debug_enabled(),
+    )
+    fields.update(overrides)
+    return WorkerConfig(**fields)  # type: ignore[arg-type]
+
+
+def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(
+        http_host=ns.http_host,
+        http_port=ns.http_port,
+        router_mode=ns.router_mode,
+        keepalive_s=ns.keepalive,
+        response_timeout_s=ns.response_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "run":
+            cfg = RunConfig(frontend=_frontend_config(ns), worker=_worker_config(ns), workers=ns.workers)
+            from kvmesh.cli.run import run_embedded
+
+            return run_embedded(cfg, ns.log_level)
+        if ns.command == "worker":
+            wcfg = _worker_config(ns, worker_id=ns.worker_id, host=ns.host, port=ns.port, grace_s=ns.grace)
+            from kvmesh.cli.worker import run_worker
+
+            return run_worker(wcfg, die_with_parent=ns.die_with_parent)
+    except ValueError as exc:
+        print(f"kvmesh {ns.command}: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {ns.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

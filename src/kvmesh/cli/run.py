@@ -1,0 +1,111 @@
+"""``kvmesh run``: the embedded mode. One process serves HTTP and supervises N worker
+processes; no etcd, no NATS.
+
+Start-up order is chosen for time-to-first-completion: check the model folder and
+bind the HTTP port (both fail fast with one line), spawn the workers, and only then
+import and build the HTTP stack, while the workers start in parallel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import replace
+
+from kvmesh.config import RunConfig
+from kvmesh.errors import KvmeshError
+
+__all__ = ["run_embedded"]
+
+log = logging.getLogger("kvmesh.run")
+
+
+def _fail(message: str) -> int:
+    print(f"kvmesh run: {message}", file=sys.stderr)
+    return 1
+
+
+def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvmesh.cli.worker import event_loop_runner
+    from kvmesh.frontend.server import bind_http
+    from kvmesh.preprocess.model import bundled_model_path, load_model_folder
+
+    model_path = cfg.worker.model_path or str(bundled_model_path())
+    try:
+        load_model_folder(model_path)
+    except KvmeshError as exc:
+        return _fail(exc.message)
+    host, port = cfg.frontend.http_host, cfg.frontend.http_port
+    try:
+        sock = bind_http(host, port)
+    except OSError as exc:
+        return _fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
+    cfg = replace(cfg, worker=replace(cfg.worker, model_path=model_path))
+    try:
+        return event_loop_runner()(_serve(cfg, sock, log_level))
+    except KvmeshError as exc:
+        return _fail(exc.message)
+
+
+async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[no-untyped-def]
+    from kvmesh.worker.supervisor import Supervisor
+
+    pending: list = []
+    registry = None
+
+    def on_ready(info):  # type: ignore[no-untyped-def]
+        if registry is None:
+            pending.append(info)
+        else:
+            registry.add_instance(info)
+
+    def on_exit(worker_id: int) -> None:
+        if registry is not None:
+            registry.remove_instance(worker_id)
+
+    supervisor = Supervisor(cfg.worker, cfg.workers, on_ready, on_exit)
+    supervisor.start()
+    stopping = False
+
+    def _stop(signum, frame):  # type: ignore[no-untyped-def]
+        nonlocal stopping
+        stopping = True
+
+    # uvicorn restores and re-raises the signals it caught; these make that a no-op
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        from kvmesh.frontend.app import Frontend
+        from kvmesh.frontend.server import make_server
+
+        frontend = Frontend(cfg.frontend)
+        registry = frontend.registry
+        entry = registry.add_model(cfg.worker.model_path or "")
+        for info in pending:
+            registry.add_instance(info)
+        server = make_server(frontend.app, log_level)
+        server.config.timeout_graceful_shutdown = 5
+        announcer = asyncio.get_running_loop().create_task(_announce(cfg, entry.name, server, registry))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            announcer.cancel()
+    finally:
+        await supervisor.stop()
+    return 0
+
+
+async def _announce(cfg: RunConfig, model: str, server, registry) -> None:  # type: ignore[no-untyped-def]
+    while not (server.started and registry.ready()):
+        await asyncio.sleep(0.02)
+    host, port = cfg.frontend.http_host, cfg.frontend.http_port
+    if port == 0:
+        port = server.servers[0].sockets[0].getsockname()[1]
+    print(
+        f"kvmesh: serving {model!r} at http://{host}:{port}/v1 "
+        f"({cfg.workers} {cfg.worker.engine} worker{'s' if cfg.workers > 1 else ''})",
+        flush=True,
+    )

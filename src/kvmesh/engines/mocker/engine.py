@@ -1,0 +1,260 @@
+"""``MockerEngine``: the simulated scheduler driven in real time behind the Engine contract.
+
+Shape (one event loop, no threads)::
+
+    generate() ──add──▶ Scheduler ◀──step── step loop (one owned task)
+        ▲                                       │ sleeps the step's modelled time,
+        └──── one-slot mailbox per request ◀────┘ then delivers tokens / finishes
+
+* The step loop is the only caller of ``Scheduler.step``; it idles on an
+  :class:`asyncio.Event` when there is no work, and paces steps against a deadline so
+  sleep overshoot does not accumulate (a step shorter than ~0.5 ms just yields).
+* Each request has a :class:`_Mailbox`: the loop appends tokens and wakes the
+  consumer; a lagging consumer receives the accumulated tokens as one chunk.
+* Cancellation: ``ctx.on_stop`` aborts the request in the scheduler at once (blocks
+  freed) and wakes the stream, which ends with a ``cancelled`` terminal. The stream's
+  ``finally`` aborts again (idempotent), covering a consumer that drops the generator.
+* ``cleanup`` cancels the loop and ends every open stream with
+  :class:`~kvmesh.errors.EngineShutdown`.
+
+KV events and load reports go to the publisher given to the constructor. ``start``
+resets the pool, so the first event of every start is ``AllBlocksCleared`` (telling
+subscribers to drop whatever an earlier incarnation of this worker id published);
+event ids count from 0 for the lifetime of the engine object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+
+from kvmesh.engines.base import Engine
+from kvmesh.engines.mocker.options import MockerOptions
+from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput
+from kvmesh.errors import EngineShutdown, KvmeshError
+from kvmesh.protocol import EngineConfig, LoadReport, OutputChunk, PreprocessedRequest
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
+
+__all__ = ["MockerEngine"]
+
+_log = logging.getLogger(__name__)
+
+# Steps due sooner than this are not slept for; the loop only yields to other tasks.
+_MIN_SLEEP_S = 0.0005
+# How far behind its schedule the loop may run to catch up (absorbs sleep overshoot).
+_MAX_CATCH_UP_S = 0.005
+
+
+class _Mailbox:
+    """One request's slot between the step loop (producer) and its stream (consumer)."""
+
+    __slots__ = ("tokens", "finished", "cancelled", "error", "_waiter")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finished: Finished | None = None
+        self.cancelled = False
+        self.error: KvmeshError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        self._wake()
+
+    def finish(self, finished: Finished) -> None:
+        self.finished = finished
+        self._wake()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._wake()
+
+    def fail(self, error: KvmeshError) -> None:
+        self.error = error
+        self._wake()
+
+    def take(self) -> list[int]:
+        tokens, self.tokens = self.tokens, []
+        return tokens
+
+    async def wait(self) -> None:
+        """Return once anything was put in the slot (at once if it is not empty)."""
+        if self.tokens or self.finished or self.cancelled or self.error:
+            return
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class MockerEngine(Engine):
+    """A simulated vLLM-style engine; see the module docstring."""
+
+    def __init__(self, options: MockerOptions | None = None, publisher: EventPublisher | None = None) -> None:
+        self.options = options if options is not None else MockerOptions()
+        self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
+        self._scheduler = Scheduler(self.options, self._publisher)
+        self._boxes: dict[int, _Mailbox] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._last_load: tuple[int, int, int] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> EngineConfig:
+        if self._task is None:
+            self._scheduler.reset()
+            self._last_load = None
+            self._wake = wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(wake), name="mocker-step-loop")
+        return self.config
+
+    @property
+    def config(self) -> EngineConfig:
+        opts = self.options
+        return EngineConfig(
+            model=opts.model,
+            served_model_name=opts.served_name,
+            context_length=opts.context_length,
+            kv_block_size=opts.block_size,
+            total_kv_blocks=opts.num_blocks,
+            max_num_seqs=opts.max_num_seqs,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+        )
+
+    async def drain(self) -> None:
+        self._publish_load()
+
+    async def cleanup(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        self._fail_all(EngineShutdown("mocker engine was cleaned up"))
+        self._scheduler.reset()
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    @property
+    def active_blocks(self) -> int:
+        return self._scheduler.blocks.active_blocks
+
+    @property
+    def kv_event_ring(self) -> KvEventRing:
+        """The last KV events, for subscribers repairing a gap."""
+        return self._scheduler.blocks.ring
+
+    def kv_dump(self) -> set[int]:
+        """Sequence hashes of every block now in the prefix cache."""
+        return self._scheduler.kv_dump()
+
+    def load_report(self) -> LoadReport:
+        return self._scheduler.load_report(time.time() * 1000.0)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
+        wake = self._wake
+        if self._task is None or self._task.done() or wake is None:
+            raise EngineShutdown("mocker engine is not running")
+        box = _Mailbox()
+        sid = self._scheduler.add(request)
+        self._boxes[sid] = box
+        wake.set()
+        ctx.on_stop(partial(self._on_stop, sid))
+        try:
+            while True:
+                if box.cancelled or ctx.is_stopped():
+                    yield OutputChunk.cancelled()
+                    return
+                if box.error is not None:
+                    raise box.error
+                if box.finished is not None:
+                    yield _terminal(box.take(), box.finished)
+                    return
+                if box.tokens:
+                    yield OutputChunk(token_ids=box.take())
+                    continue
+                await box.wait()
+        finally:
+            self._boxes.pop(sid, None)
+            self._scheduler.abort(sid)
+
+    def _on_stop(self, sid: int, _ctx: Context) -> None:
+        self._scheduler.abort(sid)
+        box = self._boxes.get(sid)
+        if box is not None:
+            box.cancel()
+
+    def _fail_all(self, error: KvmeshError) -> None:
+        for box in self._boxes.values():
+            box.fail(error)
+
+    # ------------------------------------------------------------------ step loop
+
+    async def _run(self, wake: asyncio.Event) -> None:
+        try:
+            await self._loop(wake)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug here must end streams, not hang them
+            _log.exception("mocker step loop failed")
+            self._fail_all(EngineShutdown(f"mocker step loop failed: {exc!r}"))
+
+    async def _loop(self, wake: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self._scheduler
+        interval = self.options.load_report_interval_steps
+        deadline = loop.time()
+        steps = 0
+        while True:
+            if not sched.has_work:
+                self._publish_load()
+                wake.clear()
+                await wake.wait()
+                deadline = loop.time()
+                continue
+            out = sched.step()
+            deadline = max(deadline, loop.time() - _MAX_CATCH_UP_S) + out.duration_ms / 1000.0
+            delay = deadline - loop.time()
+            await asyncio.sleep(delay if delay > _MIN_SLEEP_S else 0)
+            self._deliver(out)
+            steps += 1
+            if steps % interval == 0:
+                self._publish_load()
+
+    def _deliver(self, out: StepOutput) -> None:
+        boxes = self._boxes
+        for sid, token in out.tokens.items():
+            box = boxes.get(sid)
+            if box is not None:
+                box.push(token)
+        for fin in out.finished:
+            box = boxes.get(fin.seq_id)
+            if box is not None:
+                box.finish(fin)
+
+    def _publish_load(self) -> None:
+        sched = self._scheduler
+        key = (sched.blocks.active_blocks, sched.num_waiting, sched.num_running)
+        if key != self._last_load:
+            self._last_load = key
+            self._publisher.publish_load(self.load_report())
+
+
+def _terminal(tokens: list[int], fin: Finished) -> OutputChunk:
+    return OutputChunk(token_ids=tokens, finish_reason=fin.reason, usage=fin.usage, error=fin.error)

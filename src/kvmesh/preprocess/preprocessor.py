@@ -1,0 +1,117 @@
+"""The frontend's one object per served model: prompts in, ids out, ids back to text."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.preprocess.model import ModelInfo, load_model_folder
+from kvmesh.preprocess.stop import StopMatcher
+from kvmesh.preprocess.template import ChatTemplate
+from kvmesh.preprocess.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["Preprocessor"]
+
+
+class Preprocessor:
+    """Prompt building and detokenization for one model.
+
+    Construction loads the tokenizer and compiles the chat template (tens of ms for a
+    large vocabulary; do it at startup). After that every method is read-only and may
+    be called by many requests at once. Per-request state lives in the objects that
+    :meth:`detokenizer` and :meth:`stop_matcher` return.
+
+    Prompts are checked against the context: an empty prompt, an id outside the
+    vocabulary, or a prompt that leaves no room for one generated token is an
+    :class:`~kvmesh.errors.InvalidArgument`. Fitting ``max_tokens`` is the caller's check.
+    """
+
+    __slots__ = ("info", "tokenizer", "chat_template", "eos_token_ids")
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self.tokenizer = Tokenizer.from_file(info.tokenizer_path)
+        self.chat_template: ChatTemplate | None = None
+        if info.chat_template is not None:
+            self.chat_template = ChatTemplate(
+                info.chat_template, origin=str(info.path), variables=info.special_tokens()
+            )
+        self.eos_token_ids: frozenset[int] = frozenset(info.eos_token_ids)
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike[str], *, name: str | None = None) -> Preprocessor:
+        return cls(load_model_folder(path, name=name))
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def context_length(self) -> int:
+        return self.info.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        """The chat template applied to ``messages`` (plain dicts, OpenAI-shaped)."""
+        if self.chat_template is None:
+            raise InvalidArgument(
+                f"model {self.info.name!r} has no chat template: send a text prompt to "
+                f"/v1/completions, or add chat_template to {self.info.path}/tokenizer_config.json"
+            )
+        return self.chat_template.render(messages, add_generation_prompt, **template_kwargs)
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat. The template writes BOS and other special
+        tokens as text; encoding parses them back into their ids."""
+        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+        return self._checked(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a completions prompt: text (with the tokenizer's own special
+        tokens, e.g. a BOS, added) or ids passed through after a range check."""
+        if isinstance(prompt, str):
+            return self._checked(self.tokenizer.encode(prompt, add_special_tokens=True))
+        ids = list(prompt)
+        if ids:
+            self._check_ids(ids)
+        return self._checked(ids)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
+
+    def stop_matcher(self, stop: str | Iterable[str] | None, include_stop: bool = False) -> StopMatcher:
+        """A matcher for an OpenAI ``stop`` field (a string, a list, or null)."""
+        stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+        return StopMatcher(stops, include_stop=include_stop)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        try:
+            low, high = min(ids), max(ids)
+        except TypeError:
+            raise InvalidArgument("prompt token ids must all be integers") from None
+        if low < 0 or high >= self.info.vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidArgument(
+                f"prompt token id {bad} is outside the vocabulary of model {self.info.name!r}: "
+                f"ids must be in [0, {self.info.vocab_size})"
+            )
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidArgument("the prompt is empty: send at least one token of prompt")
+        if len(ids) >= self.info.context_length:
+            raise InvalidArgument(
+                f"the prompt has {len(ids)} tokens but model {self.info.name!r} has a context of "
+                f"{self.info.context_length} tokens, which must hold the prompt and at least one "
+                f"generated token: shorten the prompt"
+            )
+        return ids

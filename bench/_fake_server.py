@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import socket
-import sys
 import time
 
 MODEL = "fake-model"

@@ -610,7 +610,8 @@ class HttpConnection(asyncio.Protocol):
 def build_request(method: str, path: str, host: str, port: int, body: bytes | None = None,
                   accept: str = "text/event-stream") -> bytes:
     """Hand-written HTTP/1.1 request bytes (keep-alive)."""
-    head = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: {accept}\r\n"
+    hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    head = f"{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nAccept: {accept}\r\n"
     if body is None:
         return (head + "\r\n").encode()
     return (head + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
@@ -978,7 +979,7 @@ async def _first_model(host: str, port: int) -> str | None:
 
 async def wait_ready_async(url: str, timeout: float = 180.0, *, model: str | None = None,
                            chat: bool = False, proc: subprocess.Popen | None = None,
-                           interval: float = 0.05) -> tuple[str, float]:
+                           interval: float = 0.05, min_tokens: bool = True) -> tuple[str, float]:
     """Poll until a streaming completion succeeds. Returns (model, perf_counter time
     of the first success). Discovers the model from GET /v1/models unless given."""
     host, port = check_loopback(url)
@@ -995,7 +996,7 @@ async def wait_ready_async(url: str, timeout: float = 180.0, *, model: str | Non
                 if model is None:
                     last = "GET /v1/models: no model yet"
             if model is not None:
-                wl = Workload(model, 8, 4, chat=chat, seed=987654)
+                wl = Workload(model, 8, 4, chat=chat, seed=987654, min_tokens=min_tokens)
                 raw = wl.requests(1, host, port)[0]
                 conn = await HttpConnection.connect(host, port)
                 try:

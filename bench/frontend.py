@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import sys
 import time
@@ -148,7 +147,8 @@ async def _bench(a: argparse.Namespace, url: str, pids: list[int], server: Launc
     log(f"[bench] waiting for first completion from {url} ...")
     t_wait = time.perf_counter()
     model, t_ok = await wait_ready_async(url, a.launch_timeout, model=a.model, chat=a.chat,
-                                         proc=server.proc if server else None)
+                                         proc=server.proc if server else None,
+                                         min_tokens=not a.no_min_tokens)
     if server is not None:
         report["launch_to_first_completion_s"] = t_ok - server.t_launch
         log(f"[bench] launch to first completion: {t_ok - server.t_launch:.2f}s (model {model!r})")

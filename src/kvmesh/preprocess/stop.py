@@ -28,12 +28,13 @@ class StopMatcher:
     Empty stop strings are ignored. With no stop strings ``feed`` returns its input.
     """
 
-    __slots__ = ("_stops", "_prefixes", "_max_hold", "_include", "_held", "stopped", "matched")
+    __slots__ = ("_stops", "_prefixes", "_firsts", "_max_hold", "_include", "_held", "stopped", "matched")
 
     def __init__(self, stop_strings: Iterable[str] = (), include_stop: bool = False) -> None:
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
         # Every proper prefix of every stop string: a tail in this set must be held.
         self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
+        self._firsts = tuple(dict.fromkeys(s[0] for s in self._stops if len(s) > 1))
         self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
         self._include = include_stop
         self._held = ""
@@ -73,7 +74,15 @@ class StopMatcher:
     def _hold_length(self, buf: str) -> int:
         """Length of the longest tail of ``buf`` that is a proper prefix of a stop string."""
         n = len(buf)
-        for keep in range(min(self._max_hold, n), 0, -1):
-            if buf[n - keep :] in self._prefixes:
-                return keep
-        return 0
+        low = n - self._max_hold if n > self._max_hold else 0
+        start = n
+        # Candidate starts are where a stop's first character occurs; str.find keeps
+        # the common case (no such character near the end) in C.
+        for first in self._firsts:
+            i = buf.find(first, low)
+            while 0 <= i < start:
+                if buf[i:] in self._prefixes:
+                    start = i
+                    break
+                i = buf.find(first, i + 1)
+        return n - start

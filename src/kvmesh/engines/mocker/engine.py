@@ -137,11 +137,12 @@ class MockerEngine(Engine):
 
     async def cleanup(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait([task])
         self._fail_all(EngineShutdown("mocker engine was cleaned up"))
-        self._scheduler.reset()
+        self._scheduler.reset()  # publishes AllBlocksCleared: this worker's cache is gone
 
     # ------------------------------------------------------------------ introspection
 

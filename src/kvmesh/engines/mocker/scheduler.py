@@ -284,9 +284,11 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: _Plan) -> None:
-        order = [s for s in self._running if s.is_decode]
-        if len(order) != len(self._running):
-            order.extend(s for s in self._running if not s.is_decode)
+        order: list[_Seq] = []
+        prefills: list[_Seq] = []
+        for s in self._running:
+            (order if s.is_decode else prefills).append(s)
+        order.extend(prefills)
         for i, seq in enumerate(order):
             if plan.budget <= 0:
                 return

@@ -1,0 +1,131 @@
+"""Shared test helpers: free ports, a real ``kvmesh run`` process, an in-process stack."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of this server's worker processes (its direct children)."""
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(x) for x in out.stdout.split()]
+
+
+def wait_healthy(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not healthy within {timeout} s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@contextlib.contextmanager
+def kvmesh_run(tmp_path: Path, *args: str, workers: int = 2, speedup: str = "1e9") -> Iterator[ServerProcess]:
+    """A real ``kvmesh run`` process on a free loopback port, stopped in ``finally``."""
+    port = free_port()
+    log_path = tmp_path / f"kvmesh-run-{port}.log"
+    cmd = [sys.executable, "-m", "kvmesh.cli.main", "run", "--http-port", str(port)]
+    cmd += ["--workers", str(workers), "--speedup", speedup, *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, port, log_path)
+    try:
+        wait_healthy(server.url, proc=proc)
+        yield server
+    finally:
+        stop_process(proc)
+
+
+class InProcessStack:
+    """Frontend + one mocker worker in this event loop, over real loopback TCP.
+
+    The worker's engine object is reachable (``.engine``) so a test can look at its
+    blocks and aborts directly.
+    """
+
+    def __init__(self, speedup: float = 1e9, **mocker: object) -> None:
+        from kvmesh.config import FrontendConfig, MockerConfig, WorkerConfig
+
+        self.worker_config = WorkerConfig(mocker=MockerConfig(speedup=speedup, **mocker))  # type: ignore[arg-type]
+        self.frontend_config = FrontendConfig(http_port=0, keepalive_s=0.2)
+        self.port = 0
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[InProcessStack]:
+        from kvmesh.frontend.app import Frontend
+        from kvmesh.frontend.server import bind_http, make_server
+        from kvmesh.protocol import InstanceInfo
+        from kvmesh.worker.main import build_engine
+        from kvmesh.worker.service import WorkerService
+
+        self.engine, path = build_engine(self.worker_config)
+        self.service = WorkerService(self.engine, validate=True)
+        config = await self.service.start()
+        self.frontend = Frontend(self.frontend_config)
+        self.frontend.registry.add_instance(InstanceInfo(0, self.service.address, config, path))
+        sock = bind_http("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        server = make_server(self.frontend.app)
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            yield self
+        finally:
+            server.should_exit = True
+            await task
+            await self.service.shutdown(grace_s=2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -62,6 +62,7 @@ class ModelInfo:
     pad_token: str | None = None
     unk_token: str | None = None
     chat_template: str | None = None
+    special_token_ids: tuple[int, ...] = ()
 
     @property
     def tokenizer_path(self) -> Path:
@@ -102,7 +103,7 @@ def load_model_folder(path: str | os.PathLike[str], *, name: str | None = None) 
         name=name or folder.name,
         path=folder,
         context_length=_context_length(folder, config, tok_config),
-        vocab_size=_vocab_size(folder, config, resolver),
+        vocab_size=_vocab_size(config, resolver),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         bos_token=bos,
         bos_token_id=None if bos is None else resolver.id_of(bos, "bos_token"),
@@ -110,6 +111,7 @@ def load_model_folder(path: str | os.PathLike[str], *, name: str | None = None) 
         pad_token=tokens["pad_token"],
         unk_token=tokens["unk_token"],
         chat_template=_chat_template(folder, tok_config),
+        special_token_ids=resolver.special_ids(),
     )
 
 
@@ -200,7 +202,7 @@ def _context_length(folder: Path, config: Mapping[str, Any], tok_config: Mapping
     return min(known)
 
 
-def _vocab_size(folder: Path, config: Mapping[str, Any], resolver: _TokenIds) -> int:
+def _vocab_size(config: Mapping[str, Any], resolver: _TokenIds) -> int:
     size = _nested_lookup(config, ("vocab_size",))
     return size if size is not None else resolver.tokenizer_vocab_size()
 
@@ -225,7 +227,8 @@ def _pick_named_template(folder: Path, entries: list[Any]) -> str | None:
     """The list form: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]."""
     named: dict[str, str] = {}
     for entry in entries:
-        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)):
+        fields = (entry.get("name"), entry.get("template")) if isinstance(entry, dict) else (None, None)
+        if not all(isinstance(f, str) for f in fields):
             raise InvalidArgument(
                 f"{folder / TOKENIZER_CONFIG_FILE} chat_template has an entry {entry!r}: "
                 f"each entry needs a string name and a string template"
@@ -247,12 +250,19 @@ class _TokenIds:
     def __init__(self, folder: Path, tok_config: Mapping[str, Any]) -> None:
         self._folder = folder
         self._known: dict[str, int] = {}
+        self._special: list[int] = []
         decoder = tok_config.get("added_tokens_decoder")
         if isinstance(decoder, dict):
             for key, token in decoder.items():
                 if isinstance(token, dict) and isinstance(token.get("content"), str) and key.isdigit():
                     self._known[token["content"]] = int(key)
+                    if token.get("special"):
+                        self._special.append(int(key))
         self._tokenizer: Any = None
+
+    def special_ids(self) -> tuple[int, ...]:
+        """Ids of the added tokens marked special (from tokenizer_config.json)."""
+        return tuple(sorted(self._special))
 
     def _load(self) -> Any:
         if self._tokenizer is None:

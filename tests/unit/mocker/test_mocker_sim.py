@@ -18,7 +18,10 @@ OPTS = MockerOptions(eos_rate=0.0, num_blocks=256)
 
 def req(rid: str, tokens: list[int] | range, max_tokens: int = 8) -> PreprocessedRequest:
     return PreprocessedRequest(
-        request_id=rid, model="mock", token_ids=list(tokens), stop=StopConditions(max_tokens=max_tokens, ignore_eos=True)
+        request_id=rid,
+        model="mock",
+        token_ids=list(tokens),
+        stop=StopConditions(max_tokens=max_tokens, ignore_eos=True),
     )
 
 

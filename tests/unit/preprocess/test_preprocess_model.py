@@ -170,7 +170,8 @@ def test_named_chat_templates_pick_default(folder: Path) -> None:
     assert load_model_folder(folder).chat_template == "D"
     edit_json(folder / "tokenizer_config.json", chat_template=[{"name": "only", "template": "O"}])
     assert load_model_folder(folder).chat_template == "O"
-    edit_json(folder / "tokenizer_config.json", chat_template=[{"name": "a", "template": "A"}, {"name": "b", "template": "B"}])
+    two = [{"name": "a", "template": "A"}, {"name": "b", "template": "B"}]
+    edit_json(folder / "tokenizer_config.json", chat_template=two)
     assert load_model_folder(folder).chat_template is None
     edit_json(folder / "tokenizer_config.json", chat_template=[{"name": "a"}])
     with pytest.raises(InvalidArgument, match="each entry needs a string name and a string template"):

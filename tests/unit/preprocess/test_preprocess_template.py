@@ -35,7 +35,10 @@ def test_chatml_with_generation_prompt(chatml: ChatTemplate) -> None:
 
 def test_chatml_content_parts_and_null_content(chatml: ChatTemplate) -> None:
     messages = [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}],
+        },
         {"role": "assistant", "content": None},
     ]
     assert chatml.render(messages, add_generation_prompt=False) == (
@@ -69,7 +72,11 @@ def test_sandbox_blocks_escapes(source: str) -> None:
 
 
 def test_raise_exception_carries_the_template_message() -> None:
-    source = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('Conversation must start with system') }}{% endif %}"
+    source = (
+        "{% if messages[0]['role'] != 'system' %}"
+        "{{ raise_exception('Conversation must start with system') }}"
+        "{% endif %}"
+    )
     with pytest.raises(InvalidArgument) as info:
         render(source)
     assert info.value.message == "Conversation must start with system"
@@ -111,5 +118,8 @@ def test_variables_and_extras() -> None:
 
 
 def test_loop_controls_and_generation_block() -> None:
-    source = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{% generation %}[{{ m.role }}]{% endgeneration %}{% endfor %}"
+    source = (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{% generation %}[{{ m.role }}]{% endgeneration %}{% endfor %}"
+    )
     assert render(source, [USER, USER]) == "[user]"

@@ -141,7 +141,7 @@ class MockerEngine(Engine):
             return
         task.cancel()
         await asyncio.wait([task])
-        self._fail_all(EngineShutdown("mocker engine was cleaned up"))
+        self._fail_all("mocker engine was cleaned up")
         self._scheduler.reset()  # publishes AllBlocksCleared: this worker's cache is gone
 
     # ------------------------------------------------------------------ introspection
@@ -201,9 +201,10 @@ class MockerEngine(Engine):
         if box is not None:
             box.cancel()
 
-    def _fail_all(self, error: KvmeshError) -> None:
+    def _fail_all(self, message: str) -> None:
+        """End every open stream with its own :class:`EngineShutdown`."""
         for box in self._boxes.values():
-            box.fail(error)
+            box.fail(EngineShutdown(message))
 
     # ------------------------------------------------------------------ step loop
 
@@ -214,7 +215,7 @@ class MockerEngine(Engine):
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must end streams, not hang them
             _log.exception("mocker step loop failed")
-            self._fail_all(EngineShutdown(f"mocker step loop failed: {exc!r}"))
+            self._fail_all(f"mocker step loop failed: {exc!r}")
 
     async def _loop(self, wake: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()

@@ -27,7 +27,16 @@ import xxhash
 
 from kvmesh.protocol import PreprocessedRequest
 
-__all__ = ["TOKEN_SEED", "request_key", "position_hash", "drawable_vocab", "token_at", "eos_threshold", "is_eos", "excluded_ids"]
+__all__ = [
+    "TOKEN_SEED",
+    "request_key",
+    "position_hash",
+    "drawable_vocab",
+    "excluded_ids",
+    "token_at",
+    "eos_threshold",
+    "is_eos",
+]
 
 TOKEN_SEED = 0x6D6F636B  # "mock"; any fixed value, distinct from the block-hash seed
 _MASK64 = (1 << 64) - 1

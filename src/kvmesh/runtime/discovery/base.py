@@ -1,0 +1,82 @@
+"""Discovery: a small key-value view with leases and prefix watches.
+
+Backends: ``memory`` (one process), ``file`` (a directory shared by processes on one
+host; a lease is a heartbeat file), ``etcd`` (real etcd v3). The runtime stores its
+instances under ``/services/{namespace}/{component}/{endpoint}-{lease_id:x}`` with
+JSON values; see :mod:`kvmesh.runtime.distributed`.
+
+Contract (every backend):
+
+1. ``await connect()`` before anything else; ``await close()`` last (idempotent). Close
+   stops keep-alives and watches but does not revoke leases: the owner revokes first
+   when it wants its keys gone at once.
+2. ``await grant_lease(ttl_s)`` returns a :class:`Lease` kept alive in the background
+   until revoked or lost. ``lease.lost`` is set when the lease is gone for good
+   (revoked by anyone, expired because keep-alives failed for longer than its TTL);
+   a transient outage shorter than the TTL does not set it.
+3. ``put(key, value, lease_id)`` binds the key to the lease: it disappears when the
+   lease does. ``delete(key)`` removes it now. ``get_prefix(prefix)`` is a snapshot.
+4. ``watch_prefix(prefix)`` is an async iterator that first yields the current keys
+   under ``prefix`` as ``put`` events, then every change, in order. It survives
+   backend outages: it retries, and on reconnect resumes from the last revision it
+   saw (or re-reads and yields the difference), so a watcher never ends up with a
+   stale view and never sees a key vanish only because the backend was unreachable.
+   It ends only when the consumer stops iterating or the backend is closed.
+
+Keys are ``str``; values are ``bytes``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import msgspec
+
+__all__ = ["WatchEvent", "Lease", "Discovery"]
+
+
+class WatchEvent(msgspec.Struct, frozen=True):
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes = b""
+
+
+class Lease(abc.ABC):
+    """A lease: keys put with it live as long as it does."""
+
+    def __init__(self, lease_id: int, ttl_s: float) -> None:
+        self.id = lease_id
+        self.ttl_s = ttl_s
+        self.lost = asyncio.Event()
+
+    @abc.abstractmethod
+    async def revoke(self) -> None:
+        """End the lease now; its keys are deleted. Idempotent."""
+
+
+class Discovery(abc.ABC):
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    async def connect(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl_s: float) -> Lease: ...
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]: ...
+
+    @abc.abstractmethod
+    def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]: ...

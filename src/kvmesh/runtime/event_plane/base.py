@@ -1,0 +1,96 @@
+"""Event plane: typed publish/subscribe for KV events, load reports and health state.
+
+Backends: ``memory`` (one process), ``zmq`` (default; each publisher binds a PUB socket
+and subscribers connect to the publishers they are told about), ``nats`` (subjects
+``{namespace}.events.{topic}`` on a NATS server).
+
+Every message travels in an :class:`Envelope` carrying the publisher's id and a
+sequence number that increases by one per message per (publisher, topic), starting
+at 1. Subscribers use it to detect gaps (:class:`GapTracker`); repairing a gap (e.g.
+asking a worker for its KV dump) is the consumer's business.
+
+Contract:
+
+* ``publisher(topic)`` → :class:`Publisher`; ``publish(payload_bytes)`` never blocks and
+  never raises into the caller (a slow or absent subscriber loses messages; that is
+  what sequence numbers are for). ``publisher.address`` is what a subscriber needs to
+  reach it (zmq: ``tcp://host:port``; others: ``""``).
+* ``subscribe(topic)`` → :class:`Subscription`, an async iterator of envelopes from
+  every publisher of that topic it is connected to. For zmq, ``connect(address)`` /
+  ``disconnect(address)`` add and remove publishers (driven by discovery or by the
+  embedded supervisor); the other backends reach all publishers of the topic by
+  themselves and treat those calls as no-ops.
+* ``close()`` ends every publisher and subscription of the plane.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+
+import msgspec
+
+__all__ = ["Envelope", "Publisher", "Subscription", "EventPlane", "GapTracker"]
+
+
+class Envelope(msgspec.Struct, array_like=True, gc=False):
+    publisher_id: int
+    seq: int
+    topic: str
+    payload: bytes
+
+
+class Publisher(abc.ABC):
+    address: str = ""
+
+    @abc.abstractmethod
+    def publish(self, payload: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class Subscription(abc.ABC):
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[Envelope]: ...
+
+    def connect(self, address: str) -> None:
+        """Also receive from the publisher at ``address`` (zmq); a no-op elsewhere."""
+
+    def disconnect(self, address: str) -> None:
+        """Stop receiving from ``address`` (zmq); a no-op elsewhere."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class EventPlane(abc.ABC):
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    async def publisher(self, topic: str, publisher_id: int) -> Publisher: ...
+
+    @abc.abstractmethod
+    async def subscribe(self, topic: str) -> Subscription: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class GapTracker:
+    """Per-publisher sequence tracking. ``observe`` returns the number of messages
+    missed before this one (0 when in order); a sequence that goes back to 1 means
+    the publisher restarted and is not a gap."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, int] = {}
+
+    def observe(self, envelope: Envelope) -> int:
+        last = self._last.get(envelope.publisher_id)
+        self._last[envelope.publisher_id] = envelope.seq
+        if last is None or envelope.seq == 1 or envelope.seq <= last:
+            return 0
+        return envelope.seq - last - 1
+
+    def forget(self, publisher_id: int) -> None:
+        self._last.pop(publisher_id, None)

@@ -112,7 +112,9 @@ class InProcessStack:
         self.service = WorkerService(self.engine, validate=True)
         config = await self.service.start()
         self.frontend = Frontend(self.frontend_config)
-        self.frontend.registry.add_instance(InstanceInfo(0, self.service.address, config, path))
+        from kvmesh.runtime.tcp_client import TcpClient
+
+        await self.frontend.registry.attach(InstanceInfo(0, self.service.address, config, path), TcpClient(self.service.address))
         sock = bind_http("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         server = make_server(self.frontend.app)
@@ -129,3 +131,38 @@ class InProcessStack:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+class KvmeshProcess:
+    """A `kvmesh frontend` or `kvmesh worker` process with its output in a file."""
+
+    def __init__(self, tmp_path: Path, role: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.log_path = tmp_path / f"{role}-{free_port()}.log"
+        cmd = [sys.executable, "-m", "kvmesh.cli.main", role, *args]
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        """The worker's READY card (its discovery value) as a dict."""
+        import json
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log().splitlines():
+                if line.startswith("KVMESH_READY "):
+                    return json.loads(line[len("KVMESH_READY ") :])
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"process exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no READY line within {timeout} s:\n{self.log()}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        stop_process(self.proc)

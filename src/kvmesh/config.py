@@ -7,10 +7,37 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["MockerConfig", "WorkerConfig", "FrontendConfig", "RunConfig", "ROUTER_MODES", "ENGINES"]
+__all__ = [
+    "MockerConfig",
+    "WorkerConfig",
+    "FrontendConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "ROUTER_MODES",
+    "ENGINES",
+    "DISCOVERY_BACKENDS",
+    "REQUEST_PLANES",
+    "EVENT_PLANES",
+    "ENV_VARS",
+]
 
 ROUTER_MODES = ("round_robin", "random")
 ENGINES = ("mocker",)
+DISCOVERY_BACKENDS = ("memory", "file", "etcd")
+REQUEST_PLANES = ("tcp", "nats")
+EVENT_PLANES = ("zmq", "nats", "memory")
+
+# flag name -> environment variable; flags win over the environment
+ENV_VARS = {
+    "namespace": "KVMESH_NAMESPACE",
+    "discovery": "KVMESH_DISCOVERY",
+    "etcd_endpoints": "KVMESH_ETCD_ENDPOINTS",
+    "file_discovery_dir": "KVMESH_FILE_DISCOVERY_DIR",
+    "nats_url": "KVMESH_NATS_URL",
+    "request_plane": "KVMESH_REQUEST_PLANE",
+    "event_plane": "KVMESH_EVENT_PLANE",
+    "host": "KVMESH_HOST",
+}
 
 
 def _positive(name: str, value: float) -> None:
@@ -100,6 +127,46 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
+
+
+def _default_file_dir() -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"kvmesh-discovery-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a process joins the distributed runtime (``kvmesh frontend`` / ``worker``)."""
+
+    namespace: str = "kvmesh"
+    discovery: str = "file"
+    etcd_endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
+    file_discovery_dir: str = field(default_factory=_default_file_dir)
+    nats_url: str = "nats://127.0.0.1:4222"
+    request_plane: str = "tcp"
+    event_plane: str = "zmq"
+    host: str = "127.0.0.1"
+    lease_ttl_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("discovery", DISCOVERY_BACKENDS),
+            ("request_plane", REQUEST_PLANES),
+            ("event_plane", EVENT_PLANES),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} (or {ENV_VARS[name]}) must be one of {', '.join(allowed)}, got {value!r}"
+                )
+        if not self.namespace or "." in self.namespace or "/" in self.namespace:
+            raise ValueError(f"--namespace must be a non-empty name without '.' or '/', got {self.namespace!r}")
+        _positive("lease_ttl_s", self.lease_ttl_s)
+
+    @property
+    def needs_nats(self) -> bool:
+        return self.request_plane == "nats" or self.event_plane == "nats"
 
 
 def debug_enabled() -> bool:

@@ -37,6 +37,7 @@ __all__ = [
     "KvEvent",
     "LoadReport",
     "InstanceInfo",
+    "ModelFiles",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -230,14 +231,33 @@ class LoadReport(msgspec.Struct, omit_defaults=True):
 
 
 class InstanceInfo(msgspec.Struct, omit_defaults=True):
-    """A serving worker as others see it: where to reach it and what it serves.
+    """A serving worker endpoint as others see it: the discovery value.
 
-    Embedded mode passes it from worker to frontend on the worker's stdout (one
-    ``KVMESH_READY {json}`` line); discovery backends store it as the key's value.
+    Stored (JSON) at ``/services/{namespace}/{component}/{endpoint}-{lease_id:x}``.
+    ``worker_id`` is the instance's primary lease id (``lease_id`` on the wire).
+    ``transport`` says how to reach it: ``tcp`` at ``address`` (host:port) or ``nats``
+    at ``subject``. The engine config and ``model_path`` form the model card; a
+    frontend on another host fetches the model's small files through the worker's
+    ``model_files`` endpoint. Embedded mode passes the same struct on the worker's
+    stdout (one ``KVMESH_READY {json}`` line).
     """
 
-    worker_id: int
+    worker_id: int = msgspec.field(name="lease_id")
     address: str
     engine: EngineConfig
     model_path: str = ""
     pid: int = 0
+    namespace: str = ""
+    component: str = ""
+    endpoint: str = ""
+    transport: Literal["tcp", "nats"] = "tcp"
+    subject: str = ""
+    hostname: str = ""
+    event_address: str = ""
+
+
+class ModelFiles(msgspec.Struct):
+    """The small files of a model folder (config, tokenizer, template), by file name."""
+
+    name: str
+    files: dict[str, bytes]

@@ -1,5 +1,5 @@
-"""``kvmesh`` command line: ``run`` (embedded: frontend + worker processes) and
-``worker`` (one worker process).
+"""``kvmesh`` command line: ``run`` (embedded: frontend + worker processes),
+``frontend`` and ``worker`` (one role per process, distributed or static).
 
 Arguments are parsed once into the frozen configs of :mod:`kvmesh.config`; a bad value
 prints one line and exits 2, a startup failure prints one line and exits 1.
@@ -9,9 +9,23 @@ Subcommand modules are imported lazily so a worker never imports the HTTP stack.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from kvmesh.config import ENGINES, ROUTER_MODES, FrontendConfig, MockerConfig, RunConfig, WorkerConfig, debug_enabled
+from kvmesh.config import (
+    DISCOVERY_BACKENDS,
+    ENGINES,
+    ENV_VARS,
+    EVENT_PLANES,
+    REQUEST_PLANES,
+    ROUTER_MODES,
+    FrontendConfig,
+    MockerConfig,
+    RunConfig,
+    RuntimeConfig,
+    WorkerConfig,
+    debug_enabled,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -39,6 +53,38 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
+def _env(name: str, default: str) -> str:
+    return os.environ.get(ENV_VARS[name], default)
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    d = RuntimeConfig()
+    g = p.add_argument_group("distributed runtime (flags override the KVMESH_* environment)")
+    g.add_argument("--namespace", default=_env("namespace", d.namespace), help="KVMESH_NAMESPACE")
+    g.add_argument("--discovery", default=_env("discovery", d.discovery), help=f"KVMESH_DISCOVERY: {'|'.join(DISCOVERY_BACKENDS)}")
+    g.add_argument(
+        "--etcd-endpoints", default=_env("etcd_endpoints", ",".join(d.etcd_endpoints)), help="KVMESH_ETCD_ENDPOINTS (comma-separated)"
+    )
+    g.add_argument("--file-discovery-dir", default=_env("file_discovery_dir", d.file_discovery_dir), help="KVMESH_FILE_DISCOVERY_DIR")
+    g.add_argument("--nats-url", default=_env("nats_url", d.nats_url), help="KVMESH_NATS_URL")
+    g.add_argument("--request-plane", default=_env("request_plane", d.request_plane), help=f"KVMESH_REQUEST_PLANE: {'|'.join(REQUEST_PLANES)}")
+    g.add_argument("--event-plane", default=_env("event_plane", d.event_plane), help=f"KVMESH_EVENT_PLANE: {'|'.join(EVENT_PLANES)}")
+    g.add_argument("--host", default=_env("host", d.host), help="KVMESH_HOST: address to bind and advertise")
+
+
+def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(
+        namespace=ns.namespace,
+        discovery=ns.discovery,
+        etcd_endpoints=tuple(e.strip() for e in ns.etcd_endpoints.split(",") if e.strip()),
+        file_discovery_dir=ns.file_discovery_dir,
+        nats_url=ns.nats_url,
+        request_plane=ns.request_plane,
+        event_plane=ns.event_plane,
+        host=ns.host,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="Distributed LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,12 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(run)
     run.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
 
+    frontend = sub.add_parser("frontend", help="serve the HTTP API for the workers that discovery (or --static-workers) names")
+    _add_frontend_args(frontend)
+    _add_runtime_args(frontend)
+    frontend.add_argument(
+        "--static-workers", default=os.environ.get("KVMESH_STATIC_WORKERS", ""),
+        help="comma-separated host:port of static workers: no discovery at all (KVMESH_STATIC_WORKERS)",
+    )  # fmt: skip
+    frontend.add_argument("--model-path", default=None, help="load this model folder now (optional: models come from workers)")
+
     worker = sub.add_parser("worker", help="run one worker process")
     _add_engine_args(worker)
-    worker.add_argument("--worker-id", type=int, default=0)
-    worker.add_argument("--host", default="127.0.0.1", help="address to bind the request plane on")
-    worker.add_argument("--port", type=int, default=0, help="request-plane port (0: any free port)")
+    _add_runtime_args(worker)
+    worker.add_argument("--worker-id", type=int, default=0, help="id in static mode (distributed mode uses the lease id)")
+    worker.add_argument("--port", type=int, default=0, help="request-plane TCP port (0: any free port)")
     worker.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
+    worker.add_argument("--static", action="store_true", help="no discovery: serve TCP on --host/--port only")
     worker.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -98,11 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             from kvmesh.cli.run import run_embedded
 
             return run_embedded(cfg, ns.log_level)
+        if ns.command == "frontend":
+            from kvmesh.cli.frontend import run_frontend
+
+            static = [a.strip() for a in ns.static_workers.split(",") if a.strip()]
+            return run_frontend(_frontend_config(ns), _runtime_config(ns), static, ns.model_path, ns.log_level)
         if ns.command == "worker":
-            wcfg = _worker_config(ns, worker_id=ns.worker_id, host=ns.host, port=ns.port, grace_s=ns.grace)
+            rcfg = _runtime_config(ns)
+            wcfg = _worker_config(ns, worker_id=ns.worker_id, host=rcfg.host, port=ns.port, grace_s=ns.grace)
             from kvmesh.cli.worker import run_worker
 
-            return run_worker(wcfg, die_with_parent=ns.die_with_parent)
+            return run_worker(wcfg, None if ns.static else rcfg, die_with_parent=ns.die_with_parent)
     except ValueError as exc:
         print(f"kvmesh {ns.command}: {exc}", file=sys.stderr)
         return 2

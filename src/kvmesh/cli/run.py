@@ -14,6 +14,8 @@ import signal
 import sys
 from dataclasses import replace
 
+import msgspec
+
 from kvmesh.config import RunConfig
 from kvmesh.errors import KvmeshError
 
@@ -51,50 +53,48 @@ def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
 
 
 async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[no-untyped-def]
+    from kvmesh.config import RuntimeConfig
+    from kvmesh.runtime.distributed import DistributedRuntime, instance_key
+    from kvmesh.worker.main import COMPONENT
+    from kvmesh.worker.service import GENERATE
     from kvmesh.worker.supervisor import Supervisor
 
-    pending: list = []
-    registry = None
+    # the supervisor publishes its workers in in-process discovery; the frontend
+    # watches it exactly as it watches etcd in distributed mode
+    runtime = DistributedRuntime(RuntimeConfig(discovery="memory"))
+    await runtime.start()
+    ns = runtime.config.namespace
 
-    def on_ready(info):  # type: ignore[no-untyped-def]
-        if registry is None:
-            pending.append(info)
-        else:
-            registry.add_instance(info)
+    async def on_ready(info):  # type: ignore[no-untyped-def]
+        await runtime.discovery.put(instance_key(ns, COMPONENT, GENERATE, info.worker_id), msgspec.json.encode(info))
 
-    def on_exit(worker_id: int) -> None:
-        if registry is not None:
-            registry.remove_instance(worker_id)
+    async def on_exit(worker_id: int) -> None:
+        await runtime.discovery.delete(instance_key(ns, COMPONENT, GENERATE, worker_id))
 
     supervisor = Supervisor(cfg.worker, cfg.workers, on_ready, on_exit)
     supervisor.start()
-    stopping = False
-
-    def _stop(signum, frame):  # type: ignore[no-untyped-def]
-        nonlocal stopping
-        stopping = True
-
     # uvicorn restores and re-raises the signals it caught; these make that a no-op
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
     try:
         from kvmesh.frontend.app import Frontend
         from kvmesh.frontend.server import make_server
+        from kvmesh.frontend.sources import watch_workers
 
         frontend = Frontend(cfg.frontend)
-        registry = frontend.registry
-        entry = registry.add_model(cfg.worker.model_path or "")
-        for info in pending:
-            registry.add_instance(info)
+        entry = frontend.registry.add_model(cfg.worker.model_path or "")
+        watcher = await watch_workers(runtime, frontend.registry)
         server = make_server(frontend.app, log_level)
         server.config.timeout_graceful_shutdown = 5
-        announcer = asyncio.get_running_loop().create_task(_announce(cfg, entry.name, server, registry))
+        announcer = asyncio.get_running_loop().create_task(_announce(cfg, entry.name, server, frontend.registry))
         try:
             await server.serve(sockets=[sock])
         finally:
             announcer.cancel()
+            await watcher.close()
     finally:
         await supervisor.stop()
+        await runtime.shutdown()
     return 0
 
 

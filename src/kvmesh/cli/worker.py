@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from kvmesh.config import WorkerConfig
+from kvmesh.config import RuntimeConfig, WorkerConfig
 from kvmesh.errors import KvmeshError
 
 __all__ = ["run_worker", "event_loop_runner"]
@@ -22,14 +22,14 @@ def event_loop_runner():  # type: ignore[no-untyped-def]
         return asyncio.run
 
 
-def run_worker(cfg: WorkerConfig, die_with_parent: bool = False) -> int:
+def run_worker(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, die_with_parent: bool = False) -> int:
     from kvmesh.worker.main import die_with_parent as _die_with_parent, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if die_with_parent:
         _die_with_parent()
     try:
-        event_loop_runner()(serve(cfg))
+        event_loop_runner()(serve(cfg, runtime_cfg))
     except KvmeshError as exc:
         print(f"kvmesh worker: {exc.message}", file=sys.stderr)
         return 1

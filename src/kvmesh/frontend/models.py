@@ -7,20 +7,54 @@ tokenizer and chat template) and stays while the frontend runs; requests for it 
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import time
-from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
 
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import InvalidArgument, ModelNotFound
 from kvmesh.observability.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.preprocess import Preprocessor
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
-from kvmesh.protocol import EngineConfig, InstanceInfo
+from kvmesh.protocol import EngineConfig, InstanceInfo, ModelFiles
 from kvmesh.router.push import PushRouter, make_policy
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.distributed import RequestClient
 from kvmesh.runtime.instances import Instance, InstanceSet
-from kvmesh.runtime.tcp_client import TcpClient
 
-__all__ = ["ModelEntry", "ModelRegistry"]
+__all__ = ["ModelEntry", "ModelRegistry", "fetch_model_files", "model_cache_dir"]
+
+_decode_files = msgspec.msgpack.Decoder(ModelFiles).decode
+
+
+def model_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvmesh" / "models"
+
+
+async def fetch_model_files(client: RequestClient, name: str) -> str:
+    """Copy a worker's model files (config, tokenizer, template) into the local cache."""
+    files: ModelFiles | None = None
+    async for item in client.stream("model_files", b"\xc0", Context(f"model-files-{name}"), decode=_decode_files):
+        files = item
+    if files is None or "tokenizer.json" not in files.files:
+        raise InvalidArgument(f"the worker serving {name!r} sent no tokenizer.json")
+    digest = hashlib.sha256(b"".join(files.files[k] for k in sorted(files.files))).hexdigest()[:16]
+    folder = model_cache_dir() / f"{name.replace('/', '--')}-{digest}"
+    if not (folder / "tokenizer.json").is_file():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for file_name, data in files.files.items():
+            (tmp / file_name).write_bytes(data)
+        if folder.exists():  # another process cached it meanwhile
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, folder)
+    return str(folder)
 
 
 class ModelEntry:
@@ -63,20 +97,38 @@ class ModelRegistry:
             raise ModelNotFound(f"the model {name!r} does not exist; available models: {available}")
         return entry
 
-    def add_instance(self, info: InstanceInfo, client_factory: Callable[[str], TcpClient] | None = None) -> Instance:
+    async def attach(self, info: InstanceInfo, client: RequestClient) -> Instance:
+        """Route to a new worker instance; load its model first if it is new here."""
         name = info.engine.served_model_name
-        entry = self.models.get(name)
-        if entry is None:
-            if not info.model_path:
-                raise InvalidArgument(f"worker {info.worker_id} serves {name!r} but names no model folder")
-            entry = self.add_model(info.model_path, name)
+        if name not in self.models:
+            self.add_model(await self._model_folder(info, client), name)
+        return self._add_instance(info, client)
+
+    async def _model_folder(self, info: InstanceInfo, client: RequestClient) -> str:
+        path = info.model_path
+        if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return path
+        return await fetch_model_files(client, info.engine.served_model_name)
+
+    def _add_instance(self, info: InstanceInfo, client: RequestClient) -> Instance:
+        name = info.engine.served_model_name
+        entry = self.models[name]
         entry.engine = info.engine
-        factory = client_factory or self._client
-        instance = Instance(info, factory(info.address))
+        instance = Instance(info, client)  # type: ignore[arg-type]
         entry.instances.add(instance)
         self._worker_model[info.worker_id] = name
         self.metrics.workers.labels(name).set(len(entry.instances))
         return instance
+
+    async def detach(self, worker_id: int) -> None:
+        """Stop routing to a worker; its streams in flight finish on their own."""
+        instance = self.remove_instance(worker_id)
+        if instance is not None and not self._shares_client(instance):
+            close = getattr(instance.client, "close_when_idle", instance.client.close)
+            await close()
+
+    def _shares_client(self, instance: Instance) -> bool:
+        return any(i.client is instance.client for e in self.models.values() for i in e.instances.all())
 
     def remove_instance(self, worker_id: int) -> Instance | None:
         name = self._worker_model.pop(worker_id, None)
@@ -86,9 +138,6 @@ class ModelRegistry:
         instance = entry.instances.remove(worker_id)
         self.metrics.workers.labels(name).set(len(entry.instances))
         return instance
-
-    def _client(self, address: str) -> TcpClient:
-        return TcpClient(address, self.config.connect_timeout_s, self.config.response_timeout_s)
 
     def ready(self) -> bool:
         return any(len(e.instances) for e in self.models.values())

@@ -10,13 +10,14 @@ JSON body.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
 
 import msgspec
 
-from kvmesh.errors import InvalidArgument, StreamIncomplete, Unknown
+from kvmesh.errors import MIGRATABLE, InvalidArgument, StreamIncomplete, Unknown
 from kvmesh.frontend.models import ModelEntry
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from kvmesh.protocol import (
@@ -28,10 +29,14 @@ from kvmesh.protocol import (
     StopConditions,
 )
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.instances import Instance
 from kvmesh.worker.service import GENERATE
 
 __all__ = ["new_request_id", "preprocess", "Generation", "merge_chunks"]
 
+log = logging.getLogger("kvmesh.frontend")
+
+RETRIES_BEFORE_OUTPUT = 3
 _ids = itertools.count(1)
 _id_prefix = os.urandom(4).hex()
 _encode_request = msgspec.msgpack.Encoder().encode
@@ -155,9 +160,36 @@ class Generation:
     async def open(self) -> AsyncIterator[OutputChunk]:
         """Route and open the worker stream (errors here are HTTP errors, not SSE)."""
         instance = await self.entry.router.pick(self.request)
+        return self._chunks(instance)
+
+    def _stream_on(self, instance: Instance) -> AsyncIterator[OutputChunk]:
+        self.entry.metrics.routed(instance.worker_id)
         return instance.client.stream(
             GENERATE, _encode_request(self.request), self.ctx, decode=_decode_chunk, merge=merge_chunks
         )
+
+    async def _chunks(self, instance: Instance) -> AsyncIterator[OutputChunk]:
+        """The worker's chunks. A migratable failure before the first chunk (a worker
+        that is draining, gone, or unreachable) re-routes the request to another
+        worker, up to ``RETRIES_BEFORE_OUTPUT`` times; nothing was sent to the
+        client yet, so it cannot tell."""
+        tried = {instance.worker_id}
+        while True:
+            stream = self._stream_on(instance)
+            produced = False
+            try:
+                async for chunk in stream:
+                    produced = True
+                    yield chunk
+                return
+            except MIGRATABLE as exc:
+                if produced or self.ctx.is_stopped() or len(tried) > RETRIES_BEFORE_OUTPUT:
+                    raise
+                log.info("request %s: worker %x failed before output (%s); re-routing", self.request.request_id, instance.worker_id, exc.message)
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+            instance = await self.entry.router.pick(self.request, exclude=frozenset(tried))
+            tried.add(instance.worker_id)
 
     async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
         pre = self.entry.preprocessor

@@ -20,7 +20,18 @@ _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300
 class ModelMetrics:
     """The per-model children of the frontend's metrics."""
 
-    __slots__ = ("inflight", "ttft", "itl", "duration", "input_tokens", "output_tokens", "_requests", "_model")
+    __slots__ = (
+        "inflight",
+        "ttft",
+        "itl",
+        "duration",
+        "input_tokens",
+        "output_tokens",
+        "_requests",
+        "_model",
+        "_decisions",
+        "_routed",
+    )
 
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
         self._model = model
@@ -31,6 +42,14 @@ class ModelMetrics:
         self.duration = parent.duration.labels(model)
         self.input_tokens = parent.input_tokens.labels(model)
         self.output_tokens = parent.output_tokens.labels(model)
+        self._decisions = parent.decisions
+        self._routed: dict[int, object] = {}
+
+    def routed(self, worker_id: int) -> None:
+        child = self._routed.get(worker_id)
+        if child is None:
+            child = self._routed[worker_id] = self._decisions.labels(self._model, f"{worker_id:x}")
+        child.inc()  # type: ignore[attr-defined]
 
     def finished(self, endpoint: str, status: str) -> None:
         self._requests.labels(self._model, endpoint, status).inc()
@@ -56,6 +75,9 @@ class FrontendMetrics:
         self.input_tokens = Counter("kvmesh_frontend_input_tokens", "Prompt tokens", ["model"], registry=r)
         self.output_tokens = Counter("kvmesh_frontend_output_tokens", "Generated tokens", ["model"], registry=r)
         self.disconnects = Counter("kvmesh_frontend_client_disconnects", "Streams the client left early", registry=r)
+        self.decisions = Counter(
+            "kvmesh_router_decisions", "Requests routed, by worker (hex lease id)", ["model", "worker"], registry=r
+        )
         self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kvmesh.errors import NoWorkers
 from kvmesh.protocol import InstanceInfo
-from kvmesh.runtime.tcp_client import TcpClient
+from kvmesh.runtime.distributed import RequestClient
 
 __all__ = ["Instance", "InstanceSet"]
 
@@ -22,7 +22,7 @@ class Instance:
 
     __slots__ = ("info", "client")
 
-    def __init__(self, info: InstanceInfo, client: TcpClient) -> None:
+    def __init__(self, info: InstanceInfo, client: RequestClient) -> None:
         self.info = info
         self.client = client
 

@@ -183,6 +183,7 @@ class TcpClient:
         self.response_timeout = response_timeout
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
+        self._close_when_idle = False
 
     async def _connection(self) -> _Connection:
         conn = self._conn
@@ -242,6 +243,8 @@ class TcpClient:
                 box.finish()
                 if conn.streams.pop(sid, None) is not None:
                     conn.control(sid, KILL)
+            if self._close_when_idle and not conn.streams:
+                await self.close()
 
     @staticmethod
     def _on_stop(conn: _Connection, sid: int, box: _Mailbox, ctx: Context) -> None:
@@ -260,6 +263,13 @@ class TcpClient:
     @property
     def open_streams(self) -> int:
         return len(self._conn.streams) if self._conn is not None else 0
+
+    async def close_when_idle(self) -> None:
+        """Close once the streams now open have ended (a worker that left discovery
+        finishes what it serves); at once if none is open."""
+        self._close_when_idle = True
+        if self.open_streams == 0:
+            await self.close()
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None

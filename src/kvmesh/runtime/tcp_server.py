@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
 
@@ -91,6 +91,9 @@ class _Conn(asyncio.Protocol):
         if req.sid in self._streams:
             self._send(Err(req.sid, InvalidArgument.kind, f"stream id {req.sid} is already open"))
             return
+        if self._server.draining:
+            self._send(Err(req.sid, EngineShutdown.kind, "this worker is draining; send the request to another worker"))
+            return
         handler = self._server.endpoints.get(req.endpoint)
         if handler is None:
             known = ", ".join(sorted(self._server.endpoints)) or "none"
@@ -147,7 +150,9 @@ class _Conn(asyncio.Protocol):
             self._transport.write(self._writer.take())
 
     def close(self) -> None:
+        """Close after writing every frame already queued (a last ``End`` or ``Err``)."""
         if self._transport is not None:
+            self._flush()
             self._transport.close()
 
     @property
@@ -166,6 +171,8 @@ class TcpServer:
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.started = False
+        self.draining = False
 
     def register(self, endpoint: str, handler: Handler) -> None:
         self.endpoints[endpoint] = handler
@@ -177,6 +184,7 @@ class TcpServer:
         else:
             self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        self.started = True
 
     @property
     def address(self) -> str:
@@ -192,7 +200,9 @@ class TcpServer:
         task.add_done_callback(self._tasks.discard)
 
     async def stop_accepting(self) -> None:
-        """Close the listening socket; open connections keep serving."""
+        """Drain: close the listening socket and refuse new streams (``EngineShutdown``,
+        which callers retry elsewhere); streams already open keep going."""
+        self.draining = True
         if self._server is not None:
             self._server.close()
 

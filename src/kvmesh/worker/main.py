@@ -15,17 +15,23 @@ from typing import TextIO
 
 import msgspec
 
-from kvmesh.config import WorkerConfig
+from kvmesh.config import RuntimeConfig, WorkerConfig
 from kvmesh.engines.base import Engine
 from kvmesh.protocol import InstanceInfo
-from kvmesh.runtime.events import EventPublisher, NullPublisher
-from kvmesh.worker.service import WorkerService
+from kvmesh.runtime.distributed import DistributedRuntime
+from kvmesh.runtime.events import CallbackPublisher, EventPublisher, NullPublisher
+from kvmesh.runtime.tcp_server import TcpServer
+from kvmesh.worker.service import GENERATE, WorkerService
 
-__all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent"]
+__all__ = ["READY_PREFIX", "COMPONENT", "build_engine", "serve", "die_with_parent", "event_publisher"]
 
 log = logging.getLogger("kvmesh.worker")
 
 READY_PREFIX = "KVMESH_READY "
+COMPONENT = "backend"
+KV_EVENTS_TOPIC = "kv_events"
+LOAD_TOPIC = "load"
+UNREGISTER_GRACE_S = 0.5
 
 
 def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> tuple[Engine, str]:
@@ -68,19 +74,85 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def serve(cfg: WorkerConfig, ready_out: TextIO = sys.stdout) -> None:
-    engine, model_path = build_engine(cfg)
-    service = WorkerService(engine, cfg.host, cfg.port, validate=cfg.validate_streams)
+async def serve(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, ready_out: TextIO = sys.stdout) -> None:
+    """Serve until SIGTERM/SIGINT (or, in distributed mode, until the lease is lost).
+
+    ``runtime_cfg`` None: static mode (fixed or free TCP port, no discovery; the
+    embedded supervisor reads the READY line). Otherwise: join the distributed runtime
+    and register in discovery.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if runtime_cfg is None:
+        await _serve_static(cfg, stop, ready_out)
+    else:
+        await _serve_distributed(cfg, runtime_cfg, stop, ready_out)
+
+
+def _announce(info: InstanceInfo, out: TextIO) -> None:
+    out.write(READY_PREFIX + msgspec.json.encode(info).decode() + "\n")
+    out.flush()
+
+
+async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
+    engine, model_path = build_engine(cfg)
+    service = WorkerService(engine, TcpServer(cfg.host, cfg.port), validate=cfg.validate_streams)
     try:
         config = await service.start()
-        info = InstanceInfo(cfg.worker_id, service.address, config, model_path, os.getpid())
-        ready_out.write(READY_PREFIX + msgspec.json.encode(info).decode() + "\n")
-        ready_out.flush()
+        info = InstanceInfo(
+            cfg.worker_id, service.address, config, model_path, os.getpid(), component=COMPONENT, endpoint=GENERATE
+        )
+        service.info = info
+        _announce(info, ready_out)
         await stop.wait()
         log.info("worker %d draining", cfg.worker_id)
     finally:
         await service.shutdown(cfg.grace_s)
+
+
+async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
+    runtime = DistributedRuntime(rcfg)
+    await runtime.start()
+    endpoint = runtime.namespace().component(COMPONENT).endpoint(GENERATE)
+    service: WorkerService | None = None
+    try:
+        publisher, event_address = await event_publisher(runtime)
+        engine, model_path = build_engine(cfg, publisher)
+        server = await runtime.request_server(COMPONENT)
+        service = WorkerService(engine, server, validate=cfg.validate_streams)
+        config = await service.start()
+        info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
+        service.info = info
+        await endpoint.register(info)
+        _announce(info, ready_out)
+        lost = asyncio.ensure_future(runtime.lease_lost.wait())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([lost, stopped], return_when=asyncio.FIRST_COMPLETED)
+        lost.cancel()
+        stopped.cancel()
+        if runtime.lease_lost.is_set():
+            log.warning("worker lease %x lost; shutting down gracefully", runtime.lease_id)
+        else:
+            await endpoint.unregister()
+            # routers that have not seen the removal yet may still pick us: keep serving
+            await asyncio.sleep(min(cfg.grace_s, UNREGISTER_GRACE_S))
+    finally:
+        if service is not None:
+            await service.shutdown(cfg.grace_s)
+        await runtime.shutdown()
+
+
+async def event_publisher(runtime: DistributedRuntime) -> tuple[EventPublisher, str]:
+    """KV events and load reports of this worker onto the runtime's event plane."""
+    from kvmesh.runtime.event_plane import make_event_plane
+
+    rc = runtime.config
+    plane = make_event_plane(rc.event_plane, nats_client=runtime.nats, namespace=rc.namespace, host=rc.host)
+    runtime.add_closer(plane.close)
+    kv = await plane.publisher(KV_EVENTS_TOPIC, runtime.lease_id)
+    load = await plane.publisher(LOAD_TOPIC, runtime.lease_id)
+    encode = msgspec.msgpack.encode
+    publisher = CallbackPublisher(lambda e: kv.publish(encode(e)), lambda r: load.publish(encode(r)))
+    return publisher, kv.address

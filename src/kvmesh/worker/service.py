@@ -14,45 +14,82 @@ the cancellation monitor calls ``engine.abort(ctx)`` when the caller stops, and 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 
 from kvmesh.engines.adapter import AbortMonitor, run_generate
 from kvmesh.engines.base import Engine
-from kvmesh.errors import InvalidArgument
-from kvmesh.protocol import EngineConfig, OutputChunk, PreprocessedRequest
+from kvmesh.errors import EngineShutdown, InvalidArgument
+from kvmesh.protocol import EngineConfig, InstanceInfo, ModelFiles, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.distributed import RequestServer
 from kvmesh.runtime.tcp_server import TcpServer
 
-__all__ = ["WorkerService", "GENERATE"]
+__all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "read_model_files"]
 
 log = logging.getLogger(__name__)
 
 GENERATE = "generate"
+MODEL_FILES = "model_files"
+INFO = "info"
+
+# what a frontend needs from a model folder: no weights
+_MODEL_FILE_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def read_model_files(folder: str, name: str) -> ModelFiles:
+    path = Path(folder)
+    if not path.is_dir():
+        raise InvalidArgument(f"this worker's model folder {folder} is not a local folder")
+    files = {n: (path / n).read_bytes() for n in _MODEL_FILE_NAMES if (path / n).is_file()}
+    return ModelFiles(name=name, files=files)
 
 
 class WorkerService:
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, validate: bool = False) -> None:
+    def __init__(self, engine: Engine, server: RequestServer | None = None, validate: bool = False) -> None:
         self.engine = engine
-        self.server = TcpServer(host, port)
+        self.server: RequestServer = server if server is not None else TcpServer()
         self.config: EngineConfig | None = None
+        self.info: InstanceInfo | None = None  # set by the owner once it knows its address
         self._validate = validate
         self._monitor = AbortMonitor(engine)
         self._decode_request = msgspec.msgpack.Decoder(PreprocessedRequest).decode
         self._closed = False
 
     async def start(self) -> EngineConfig:
+        """Start the engine and serve ``generate`` (and the model's files) on the server."""
         self.config = await self.engine.start()
         self.server.register(GENERATE, self._generate)
-        await self.server.start()
+        self.server.register(MODEL_FILES, self._model_files)
+        self.server.register(INFO, self._info)
+        if not getattr(self.server, "started", False):
+            await self.server.start()
         return self.config
 
     @property
     def address(self) -> str:
-        return self.server.address
+        return self.server.address  # type: ignore[attr-defined]
+
+    async def _info(self, payload: bytes, ctx: Context) -> AsyncIterator[InstanceInfo]:
+        """This instance's card (static mode has no discovery to read it from)."""
+        if self.info is None:
+            raise EngineShutdown("this worker is still starting")
+        yield self.info
+
+    async def _model_files(self, payload: bytes, ctx: Context) -> AsyncIterator[ModelFiles]:
+        """The model folder's small files, for frontends on other hosts."""
+        assert self.config is not None
+        yield read_model_files(self.config.model, self.config.served_model_name)
 
     async def _generate(self, payload: bytes, ctx: Context) -> AsyncIterator[OutputChunk]:
         try:

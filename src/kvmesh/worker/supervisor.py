@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import msgspec
@@ -31,7 +31,7 @@ _decode_info = msgspec.json.Decoder(InstanceInfo).decode
 
 
 def worker_command(cfg: WorkerConfig) -> list[str]:
-    return [sys.executable, "-m", "kvmesh.cli.main", "worker", *cfg.to_args(), "--die-with-parent"]
+    return [sys.executable, "-m", "kvmesh.cli.main", "worker", *cfg.to_args(), "--static", "--die-with-parent"]
 
 
 class Supervisor:
@@ -39,8 +39,8 @@ class Supervisor:
         self,
         template: WorkerConfig,
         count: int,
-        on_ready: Callable[[InstanceInfo], None],
-        on_exit: Callable[[int], None],
+        on_ready: Callable[[InstanceInfo], Awaitable[None]],
+        on_exit: Callable[[int], Awaitable[None]],
         restart: bool = True,
         backoff_s: float = 0.5,
         startup_timeout_s: float = 60.0,
@@ -92,7 +92,7 @@ class Supervisor:
         finally:
             self.procs.pop(cfg.worker_id, None)
             if ready:
-                self.on_exit(cfg.worker_id)
+                await self.on_exit(cfg.worker_id)
         if not self._stopping:
             self.exits += 1
             log.warning("worker %d (pid %d) exited with code %s", cfg.worker_id, proc.pid, code)
@@ -104,7 +104,7 @@ class Supervisor:
                 return False
             text = line.decode(errors="replace")
             if text.startswith(READY_PREFIX):
-                self.on_ready(_decode_info(text[len(READY_PREFIX) :]))
+                await self.on_ready(_decode_info(text[len(READY_PREFIX) :]))
                 return True
             sys.stdout.write(text)
 

@@ -1,0 +1,369 @@
+"""Request-plane micro-benchmark: kvmesh's TCP and NATS planes against a raw asyncio
+socket baseline measured in the same run, on loopback.
+
+    python bench/request_plane.py                        # raw, tcp, nats
+    python bench/request_plane.py --planes tcp --json out.json
+    python bench/request_plane.py --chunks 50000 --requests 5000 --loop asyncio
+
+Worker and caller share one process and one event loop (the nats-server, started here
+on a free port and stopped in ``finally``, is a process of its own). Every plane
+serves the same handler: ``count`` items, each an ``OutputChunk(token_ids=[i])``
+encoded with msgspec and decoded by the caller. The baseline does the same encoding
+and decoding over a minimal length-prefixed protocol (one connection, stream ids, one
+write per loop iteration), so a ratio is the cost of the plane itself: frames,
+mailboxes, contexts, tasks, and for NATS the request/reply through the server.
+
+Measured per plane:
+
+* one stream of ``--chunks`` items: chunks/s;
+* ``--streams`` concurrent streams of ``--stream-chunks`` items each: total chunks/s;
+* ``--requests`` sequential 1-item requests: latency p50 / p99 (µs).
+
+Throughput ratios are plane / raw (below 1 is slower); latency ratios are plane / raw
+(above 1 is slower). Each measurement stops early after ``--max-seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, ExitStack
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from _lib import percentile
+from kvmesh.protocol import OutputChunk
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.nats_plane import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
+from kvmesh.runtime.tcp_client import TcpClient
+from kvmesh.runtime.tcp_server import TcpServer
+
+REPO = Path(__file__).resolve().parent.parent
+PLANES = ("raw", "tcp", "nats")
+StreamFn = Callable[[int], AsyncIterator[Any]]
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(OutputChunk).decode
+
+
+async def count_handler(payload, ctx) -> AsyncIterator[OutputChunk]:
+    """The endpoint every plane serves: ``count`` small chunks."""
+    for i in range(msgspec.msgpack.decode(payload)):
+        yield OutputChunk(token_ids=[i])
+
+
+# ---------------------------------------------------------------- raw socket baseline
+#
+# frame = u32 length, then body; request body = u32 sid, u32 count;
+# response body = u32 sid + msgpack item, or u32 sid alone for the end of the stream.
+
+_LEN = struct.Struct(">I")
+_REQ = struct.Struct(">II")
+
+
+def _frames(buf: bytearray) -> list[bytes]:
+    out = []
+    pos = 0
+    while len(buf) - pos >= 4:
+        (size,) = _LEN.unpack_from(buf, pos)
+        if len(buf) - pos - 4 < size:
+            break
+        out.append(bytes(buf[pos + 4 : pos + 4 + size]))
+        pos += 4 + size
+    del buf[:pos]
+    return out
+
+
+class _RawServerConn(asyncio.Protocol):
+    def __init__(self, tasks: set[asyncio.Task[None]]) -> None:
+        self._tasks = tasks
+        self._buf = bytearray()
+        self._out = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._flush_scheduled = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self._buf.extend(data)
+        for body in _frames(self._buf):
+            sid, count = _REQ.unpack(body)
+            task = asyncio.ensure_future(self._serve(sid, count))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, sid: int, count: int) -> None:
+        async for item in count_handler(_encode(count), None):
+            data = _encode(item)
+            self._send(_LEN.pack(4 + len(data)) + _LEN.pack(sid) + data)
+        self._send(_LEN.pack(4) + _LEN.pack(sid))
+
+    def _send(self, frame: bytes) -> None:
+        self._out += frame
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._transport is not None and self._out:
+            self._transport.write(bytes(self._out))
+        self._out.clear()
+
+
+class _RawClientConn(asyncio.Protocol):
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.boxes: dict[int, tuple[deque[Any], list[asyncio.Future[None] | None]]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf.extend(data)
+        for body in _frames(self._buf):
+            (sid,) = _LEN.unpack_from(body)
+            items, waiter = self.boxes[sid]
+            items.append(_decode(body[4:]) if len(body) > 4 else None)
+            if waiter[0] is not None and not waiter[0].done():
+                waiter[0].set_result(None)
+
+
+class RawPlane:
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server = await loop.create_server(lambda: _RawServerConn(self._tasks), "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        _, self._conn = await loop.create_connection(_RawClientConn, "127.0.0.1", port)
+        self._next_sid = 1
+
+    async def stream(self, count: int) -> AsyncIterator[OutputChunk]:
+        sid = self._next_sid
+        self._next_sid += 1
+        items: deque[Any] = deque()
+        waiter: list[asyncio.Future[None] | None] = [None]
+        self._conn.boxes[sid] = (items, waiter)
+        self._conn.transport.write(_LEN.pack(_REQ.size) + _REQ.pack(sid, count))
+        try:
+            while True:
+                while items:
+                    item = items.popleft()
+                    if item is None:
+                        return
+                    yield item
+                waiter[0] = asyncio.get_running_loop().create_future()
+                await waiter[0]
+        finally:
+            del self._conn.boxes[sid]
+
+    async def close(self) -> None:
+        self._conn.transport.close()
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+
+# ---------------------------------------------------------------- kvmesh planes
+
+
+async def _tcp_plane(stack: AsyncExitStack) -> StreamFn:
+    server = TcpServer()
+    server.register("count", count_handler)
+    await server.start()
+    stack.push_async_callback(server.close)
+    client = TcpClient(server.address, response_timeout=10)
+    stack.push_async_callback(client.close)
+    return lambda n: client.stream("count", _encode(n), Context("bench"), decode=_decode)
+
+
+async def _nats_plane(stack: AsyncExitStack, url: str) -> StreamFn:
+    worker_nc, caller_nc = await connect_nats(url, name="bench-worker"), await connect_nats(url, name="bench-caller")
+    stack.push_async_callback(caller_nc.close)
+    stack.push_async_callback(worker_nc.close)
+    server = NatsRequestServer(worker_nc, "bench", "worker", 0xBE7C)
+    server.register("count", count_handler)
+    await server.start()
+    stack.push_async_callback(server.close)
+    home = CallHomeServer()
+    stack.push_async_callback(home.close)
+    client = NatsRequestClient(caller_nc, home, "bench", "worker", 0xBE7C, connect_timeout=5, response_timeout=10)
+    return lambda n: client.stream("count", _encode(n), Context("bench"), decode=_decode)
+
+
+async def _raw_plane(stack: AsyncExitStack) -> StreamFn:
+    raw = RawPlane()
+    await raw.start()
+    stack.push_async_callback(raw.close)
+    return raw.stream
+
+
+# ---------------------------------------------------------------- measurements
+
+
+async def _drain(stream_fn: StreamFn, count: int) -> int:
+    got = 0
+    async for _ in stream_fn(count):
+        got += 1
+    if got != count:
+        raise RuntimeError(f"stream returned {got} of {count} items")
+    return got
+
+
+async def _throughput(stream_fn: StreamFn, streams: int, chunks: int, repeats: int, max_s: float) -> float:
+    """Best-of-``repeats`` chunks/s of ``streams`` concurrent streams of ``chunks`` items."""
+    best = 0.0
+    deadline = time.perf_counter() + max_s
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        await asyncio.gather(*(_drain(stream_fn, chunks) for _ in range(streams)))
+        best = max(best, streams * chunks / (time.perf_counter() - start))
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+async def _latency(stream_fn: StreamFn, requests: int, max_s: float) -> tuple[float, float, int]:
+    """(p50 µs, p99 µs, requests done) of sequential 1-item requests."""
+    gc.collect()
+    samples = []
+    deadline = time.perf_counter() + max_s
+    for _ in range(requests):
+        start = time.perf_counter()
+        await _drain(stream_fn, 1)
+        samples.append((time.perf_counter() - start) * 1e6)
+        if time.perf_counter() > deadline:
+            break
+    return percentile(samples, 50), percentile(samples, 99), len(samples)  # type: ignore[return-value]
+
+
+async def _measure(name: str, stream_fn: StreamFn, a: argparse.Namespace) -> dict[str, Any]:
+    for _ in range(20):  # warm-up: connections, caches
+        await _drain(stream_fn, 10)
+    single = await _throughput(stream_fn, 1, a.chunks, a.repeats, a.max_seconds)
+    multi = await _throughput(stream_fn, a.streams, a.stream_chunks, a.repeats, a.max_seconds)
+    p50, p99, done = await _latency(stream_fn, a.requests, a.max_seconds)
+    result = {"plane": name, "single_chunks_per_s": single, "concurrent_chunks_per_s": multi,
+              "latency_p50_us": p50, "latency_p99_us": p99, "latency_requests": done}  # fmt: skip
+    if not a.quiet:
+        print(f"  {name}: {single:,.0f} / {multi:,.0f} chunks/s, p50 {p50:.0f} µs", file=sys.stderr)
+    return result
+
+
+async def _bench(a: argparse.Namespace, nats_url: str | None) -> list[dict[str, Any]]:
+    results = []
+    for name in ["raw", *[p for p in a.planes if p != "raw"]]:
+        async with AsyncExitStack() as stack:
+            if name == "raw":
+                stream_fn = await _raw_plane(stack)
+            elif name == "tcp":
+                stream_fn = await _tcp_plane(stack)
+            else:
+                assert nats_url is not None
+                stream_fn = await _nats_plane(stack, nats_url)
+            results.append(await _measure(name, stream_fn, a))
+    raw = results[0]
+    for r in results:
+        r["single_ratio"] = r["single_chunks_per_s"] / raw["single_chunks_per_s"]
+        r["concurrent_ratio"] = r["concurrent_chunks_per_s"] / raw["concurrent_chunks_per_s"]
+        r["p50_ratio"] = r["latency_p50_us"] / raw["latency_p50_us"]
+        r["p99_ratio"] = r["latency_p99_us"] / raw["latency_p99_us"]
+    return results
+
+
+def format_table(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    cols = [("plane", 6), ("1 stream chunks/s", 18), ("×raw", 6), (f"{a.streams} streams chunks/s", 20),
+            ("×raw", 6), ("1-chunk p50 µs", 15), ("×raw", 6), ("p99 µs", 9), ("×raw", 6)]  # fmt: skip
+    head = " ".join(f"{n:>{w}}" for n, w in cols)
+    lines = [head, "-" * len(head)]
+    for r in results:
+        vals = [r["plane"], f"{r['single_chunks_per_s']:,.0f}", f"{r['single_ratio']:.2f}",
+                f"{r['concurrent_chunks_per_s']:,.0f}", f"{r['concurrent_ratio']:.2f}",
+                f"{r['latency_p50_us']:.1f}", f"{r['p50_ratio']:.2f}",
+                f"{r['latency_p99_us']:.1f}", f"{r['p99_ratio']:.2f}"]  # fmt: skip
+        lines.append(" ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols)))
+    lines.append(
+        f"(1 stream = {a.chunks} chunks; {a.streams} streams x {a.stream_chunks} chunks; best of {a.repeats}; "
+        f"latency over {results[0]['latency_requests']} sequential requests; loop={a.loop})"
+    )
+    return "\n".join(lines)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--planes", default="tcp,nats", help="comma-separated subset of tcp,nats (raw always runs)")
+    p.add_argument("--chunks", type=int, default=20_000, help="items in the single-stream run")
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams")
+    p.add_argument("--stream-chunks", type=int, default=1_000, help="items per concurrent stream")
+    p.add_argument("--requests", type=int, default=2_000, help="sequential 1-item requests")
+    p.add_argument("--repeats", type=int, default=3, help="throughput runs per measurement (best is kept)")
+    p.add_argument("--max-seconds", type=float, default=20.0, help="time bound per measurement")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    a = p.parse_args(argv)
+    a.planes = [x.strip() for x in a.planes.split(",") if x.strip()]
+    unknown = set(a.planes) - set(PLANES)
+    if unknown:
+        p.error(f"unknown plane(s) {', '.join(sorted(unknown))}; choose from tcp, nats")
+    for name in ("chunks", "streams", "stream_chunks", "requests", "repeats"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.chunks > 1_000_000 or a.streams * a.stream_chunks > 1_000_000 or a.requests > 100_000:
+        p.error("counts are bounded: at most 1e6 chunks per run and 1e5 requests")
+    return a
+
+
+def _run(coro: Awaitable[Any], loop: str) -> Any:
+    if loop == "uvloop":
+        try:
+            import uvloop
+
+            return uvloop.run(coro)  # type: ignore[arg-type]
+        except ImportError:
+            print("uvloop is not installed; using asyncio", file=sys.stderr)
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse_args(argv)
+    with ExitStack() as stack:
+        nats_url = None
+        if "nats" in a.planes:
+            sys.path.insert(0, str(REPO))
+            try:
+                from tests.services import nats_server  # installs nats-server when missing
+            except ImportError as exc:
+                print(f"cannot start nats-server ({exc}); run with --planes tcp", file=sys.stderr)
+                return 2
+            nats_url = stack.enter_context(nats_server(jetstream=False)).url
+        results = _run(_bench(a, nats_url), a.loop)
+    print(format_table(results, a))
+    if a.json:
+        config = {k: v for k, v in vars(a).items() if k not in ("json", "quiet")}
+        Path(a.json).write_text(json.dumps({"config": config, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

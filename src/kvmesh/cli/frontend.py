@@ -1,0 +1,67 @@
+"""``kvmesh frontend``: the HTTP API for workers found through discovery (or a static list)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from kvmesh.config import FrontendConfig, RuntimeConfig
+from kvmesh.errors import KvmeshError
+
+__all__ = ["run_frontend"]
+
+
+def _fail(message: str) -> int:
+    print(f"kvmesh frontend: {message}", file=sys.stderr)
+    return 1
+
+
+def run_frontend(
+    cfg: FrontendConfig, rcfg: RuntimeConfig, static_workers: list[str], model_path: str | None, log_level: str = "warning"
+) -> int:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvmesh.cli.worker import event_loop_runner
+    from kvmesh.frontend.server import bind_http
+
+    try:
+        sock = bind_http(cfg.http_host, cfg.http_port)
+    except OSError as exc:
+        return _fail(f"cannot serve on {cfg.http_host}:{cfg.http_port}: {exc.strerror or exc}")
+    try:
+        return event_loop_runner()(_serve(cfg, rcfg, static_workers, model_path, sock, log_level))
+    except KvmeshError as exc:
+        return _fail(exc.message)
+    except OSError as exc:
+        return _fail(f"cannot reach a runtime service: {exc}")
+
+
+async def _serve(cfg, rcfg, static_workers, model_path, sock, log_level) -> int:  # type: ignore[no-untyped-def]
+    from kvmesh.frontend.app import Frontend
+    from kvmesh.frontend.server import make_server
+    from kvmesh.frontend.sources import StaticWorkers, watch_workers
+    from kvmesh.runtime.distributed import DistributedRuntime
+
+    frontend = Frontend(cfg)
+    if model_path:
+        frontend.registry.add_model(model_path)
+    runtime = None
+    if static_workers:
+        source = StaticWorkers(static_workers, frontend.registry)
+        await source.start()
+    else:
+        runtime = DistributedRuntime(rcfg)
+        await runtime.start()
+        source = await watch_workers(runtime, frontend.registry)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    server = make_server(frontend.app, log_level)
+    server.config.timeout_graceful_shutdown = 5
+    try:
+        print(f"kvmesh: frontend serving http://{cfg.http_host}:{sock.getsockname()[1]}/v1", flush=True)
+        await server.serve(sockets=[sock])
+    finally:
+        await source.close()
+        if runtime is not None:
+            await runtime.shutdown()
+    return 0

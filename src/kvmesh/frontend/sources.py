@@ -1,0 +1,90 @@
+"""Where the frontend learns about workers: discovery (embedded memory, file, etcd) or
+a fixed list of addresses (static mode). Both end in ``registry.attach`` /
+``registry.detach``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from kvmesh.errors import KvmeshError
+from kvmesh.frontend.models import ModelRegistry
+from kvmesh.protocol import InstanceInfo
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.distributed import Client, DistributedRuntime
+from kvmesh.runtime.tcp_client import TcpClient
+from kvmesh.worker.main import COMPONENT
+from kvmesh.worker.service import GENERATE, INFO
+
+__all__ = ["watch_workers", "StaticWorkers"]
+
+log = logging.getLogger("kvmesh.frontend")
+
+_decode_info = msgspec.msgpack.Decoder(InstanceInfo).decode
+
+
+async def watch_workers(runtime: DistributedRuntime, registry: ModelRegistry) -> Client:
+    """Attach every ``backend/generate`` instance discovery reports, detach removed ones."""
+
+    async def added(info: InstanceInfo, client: object) -> None:
+        try:
+            await registry.attach(info, client)  # type: ignore[arg-type]
+        except KvmeshError as exc:
+            log.error("cannot serve worker %x: %s", info.worker_id, exc.message)
+
+    client = runtime.namespace().component(COMPONENT).endpoint(GENERATE).client(added, registry.detach)
+    await client.start()
+    return client
+
+
+class StaticWorkers:
+    """Static mode: workers at fixed addresses. Each is asked for its card (``info``)
+    every ``interval_s``; one that stops answering is detached until it answers again."""
+
+    def __init__(self, addresses: list[str], registry: ModelRegistry, interval_s: float = 1.0) -> None:
+        self.addresses = addresses
+        self.registry = registry
+        self.interval_s = interval_s
+        self._attached: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._poll_all()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self._poll_all()
+
+    async def _poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(i + 1, a) for i, a in enumerate(self.addresses)))
+
+    async def _poll(self, worker_id: int, address: str) -> None:
+        """``worker_id``: the address's place in the list (static workers have no lease)."""
+        client = TcpClient(address, connect_timeout=self.interval_s)
+        try:
+            info = None
+            async for item in client.stream(INFO, b"\xc0", Context(f"info-{address}"), decode=_decode_info):
+                info = item
+        except KvmeshError:
+            info = None
+        finally:
+            await client.close()
+        known = self._attached.get(address)
+        if info is None:
+            if known is not None:
+                del self._attached[address]
+                await self.registry.detach(known)
+            return
+        if known is None:
+            self._attached[address] = worker_id
+            info = msgspec.structs.replace(info, worker_id=worker_id, address=address)
+            await self.registry.attach(info, TcpClient(address))

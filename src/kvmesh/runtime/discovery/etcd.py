@@ -1,0 +1,371 @@
+"""etcd v3 discovery over the asyncio client ``aetcd``.
+
+* Endpoints are tried in order: :meth:`EtcdDiscovery.connect` uses the first that
+  answers (retrying for ``connect_timeout_s``); a call that finds its endpoint
+  unreachable moves on to the next one.
+  One ``aetcd.Client`` (one gRPC channel) per endpoint lives from ``connect`` to
+  ``close``; gRPC reconnects a channel by itself, with backoff capped at 1 s here.
+* A lease is kept alive by a task owned by the discovery, every TTL/3. A keep-alive
+  answered with TTL <= 0 or "lease not found" sets ``lost`` at once; unreachable etcd
+  is retried, and ``lost`` is set only once no keep-alive has succeeded for longer
+  than the TTL. (etcd itself extends every lease by its TTL when it restarts, so a
+  lease outlives an outage shorter than its TTL.) etcd grants at least its minimum
+  TTL (2 s with default settings); ``lease.ttl_s`` is the TTL etcd granted.
+* A watch reads a snapshot (noting its revision R), yields it as puts, then watches
+  from R + 1. On any error it backs off and resumes from the last revision it yielded
+  + 1; if that revision was compacted it re-reads the prefix and yields the
+  difference from what it had yielded (deletes for vanished keys, puts for new or
+  modified ones). Nothing is yielded while etcd is unreachable.
+
+Keys are UTF-8 encoded; values are bytes as stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import aetcd
+
+from kvmesh.errors import CannotConnect, InvalidArgument, Unknown
+from kvmesh.runtime.discovery.base import Discovery, Lease, WatchEvent
+
+__all__ = ["EtcdDiscovery", "EtcdLease"]
+
+log = logging.getLogger("kvmesh.discovery.etcd")
+
+T = TypeVar("T")
+
+_UNREACHABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError)
+
+# Reconnect quickly after an outage (gRPC's default backoff grows to 120 s), and ping
+# during open streams so a silently dead peer ends a watch. etcd refuses pings more
+# often than every 5 s, and pings without an open stream. A local subchannel pool
+# keeps a new channel from inheriting the failure backoff of an older one to the
+# same address (gRPC shares connections process-wide by default).
+_CHANNEL_OPTIONS = {
+    "grpc.use_local_subchannel_pool": 1,
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+}
+
+
+class EtcdLease(Lease):
+    def __init__(self, owner: EtcdDiscovery, lease_id: int, ttl_s: float) -> None:
+        super().__init__(lease_id, ttl_s)
+        self._owner = owner
+
+    async def revoke(self) -> None:
+        await self._owner._revoke(self)
+
+
+class EtcdDiscovery(Discovery):
+    name = "etcd"
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        request_timeout_s: float = 5.0,
+        connect_timeout_s: float = 10.0,
+        retry_max_s: float = 1.0,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("etcd discovery needs at least one endpoint")
+        self._endpoints = [_parse_endpoint(e) for e in endpoints]
+        self._timeout = request_timeout_s
+        self._connect_timeout = connect_timeout_s
+        self._retry_max_s = retry_max_s
+        self._clients: list[aetcd.Client] = []
+        self._current = 0  # index into _clients of the endpoint in use
+        self._keepalives: dict[int, asyncio.Task[None]] = {}  # owned; cancelled by close()
+        self._closed = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def connect(self) -> None:
+        """Use the first endpoint that answers, retrying for up to ``connect_timeout_s``
+        (etcd may be starting too); then raise :class:`CannotConnect`."""
+        if self._clients:
+            return
+        self._clients = [
+            aetcd.Client(host, port, timeout=self._timeout, options=_CHANNEL_OPTIONS)
+            for host, port in self._endpoints
+        ]
+        try:
+            await self._await_an_endpoint()
+        except BaseException:
+            await self._close_clients()
+            raise
+
+    async def _await_an_endpoint(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._connect_timeout
+        backoff = _Backoff(0.1, self._retry_max_s)
+        while (error := await self._pick_endpoint()) is not None:
+            delay = backoff.next()
+            if loop.time() + delay > deadline:
+                raise CannotConnect(f"no etcd endpoint answered ({self._describe()}): {error}") from error
+            await asyncio.sleep(delay)
+
+    async def _pick_endpoint(self) -> Exception | None:
+        """Make the first endpoint that answers current; the last error if none does."""
+        error: Exception | None = None
+        for index, client in enumerate(self._clients):
+            try:
+                await client.status()
+            except aetcd.ClientError as exc:
+                error = exc
+                continue
+            self._current = index
+            return None
+        return error
+
+    async def close(self) -> None:
+        """Stop keep-alives and end watches; leases are not revoked (they expire)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        tasks = list(self._keepalives.values())
+        self._keepalives.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        clients, self._clients = self._clients, []
+        for client in clients:
+            await client.close()
+
+    # ------------------------------------------------------------------ endpoints
+    def _client(self) -> aetcd.Client:
+        if self._closed.is_set():
+            raise CannotConnect("etcd discovery is closed")
+        if not self._clients:
+            raise RuntimeError("EtcdDiscovery.connect() was not awaited")
+        return self._clients[self._current]
+
+    def _failed(self, client: aetcd.Client) -> None:
+        """``client`` found its endpoint unreachable: move on to the next endpoint."""
+        if len(self._clients) > 1 and self._clients[self._current] is client:
+            self._current = (self._current + 1) % len(self._clients)
+            host, port = self._endpoints[self._current]
+            log.warning("etcd endpoint unreachable; trying %s:%d", host, port)
+
+    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Run one request, on each endpoint in turn until one is reachable."""
+        error: Exception | None = None
+        for _ in range(len(self._clients) or 1):
+            client = self._client()
+            try:
+                return await op(client)
+            except _UNREACHABLE as exc:
+                error = exc
+                self._failed(client)
+            except aetcd.ClientError as exc:
+                raise _translate(exc) from exc
+        raise CannotConnect(f"etcd unreachable ({self._describe()}): {error}") from error
+
+    def _describe(self) -> str:
+        return ", ".join(f"{host}:{port}" for host, port in self._endpoints)
+
+    # ------------------------------------------------------------------ leases
+    async def grant_lease(self, ttl_s: float) -> Lease:
+        if ttl_s <= 0:
+            raise ValueError(f"lease TTL must be > 0, got {ttl_s}")
+        granted = await self._call(lambda c: c.lease(max(1, math.ceil(ttl_s))))
+        lease = EtcdLease(self, granted.id, float(granted.ttl))
+        task = asyncio.get_running_loop().create_task(self._keep_alive(lease), name=f"etcd-lease-{lease.id:x}")
+        self._keepalives[lease.id] = task
+        return lease
+
+    async def _revoke(self, lease: EtcdLease) -> None:
+        task = self._keepalives.pop(lease.id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        try:
+            await self._call(lambda c: c.revoke_lease(lease.id))
+        except InvalidArgument:
+            pass  # "lease not found": already revoked or expired
+        finally:
+            lease.lost.set()
+
+    async def _keep_alive(self, lease: EtcdLease) -> None:
+        loop = asyncio.get_running_loop()
+        interval = lease.ttl_s / 3
+        last_ok = loop.time()
+        ttl: int | None = 1
+        while True:
+            await asyncio.sleep(interval if ttl is not None else min(interval, self._retry_max_s))
+            ttl = await self._refresh(lease.id)
+            if ttl is not None and ttl <= 0:
+                log.warning("etcd lease %x lost: revoked or expired", lease.id)
+                break
+            if ttl is not None:
+                last_ok = loop.time()
+            elif loop.time() - last_ok > lease.ttl_s:
+                log.warning("etcd lease %x lost: no keep-alive for %.1f s", lease.id, loop.time() - last_ok)
+                break
+        lease.lost.set()
+
+    async def _refresh(self, lease_id: int) -> int | None:
+        """The TTL etcd answered (<= 0: the lease is gone), or None if unreachable."""
+        client = self._client()
+        try:
+            reply = await client.refresh_lease(lease_id)
+        except _UNREACHABLE as exc:
+            log.debug("etcd keep-alive for lease %x: %s", lease_id, exc)
+            self._failed(client)
+            return None
+        except aetcd.ClientError as exc:
+            if _lease_not_found(exc):
+                return 0
+            log.warning("etcd keep-alive for lease %x failed: %s", lease_id, exc)
+            return None
+        return None if reply is None else int(reply.TTL)
+
+    # ------------------------------------------------------------------ keys
+    async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
+        await self._call(lambda c: c.put(key.encode(), bytes(value), lease=lease_id or 0))
+
+    async def delete(self, key: str) -> None:
+        await self._call(lambda c: c.delete(key.encode()))
+
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        start, end = _prefix_range(prefix.encode())
+        result = await self._call(lambda c: c.get_range(start, end))
+        return {kv.key.decode(): kv.value for kv in result}
+
+    # ------------------------------------------------------------------ watch
+    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        start, end = _prefix_range(prefix.encode())
+        view = _View()
+        backoff = _Backoff(0.05, self._retry_max_s)
+        while not self._closed.is_set():
+            client = self._client()
+            try:
+                if view.stale:
+                    for event in view.resync(await client.get_range(start, end)):
+                        yield event
+                watch = await client.watch(start, range_end=end, start_revision=view.revision + 1)
+                backoff.reset()
+                try:
+                    async for raw in watch:
+                        yield view.apply(raw)
+                finally:
+                    await self._cancel_watch(watch)
+            except aetcd.RevisionCompactedError as exc:
+                log.info("etcd watch on %s: %s; re-reading the prefix", prefix, exc)
+                view.stale = True
+            except aetcd.ClientError as exc:
+                self._watch_failed(client, prefix, exc, backoff)
+                await self._pause(backoff.next())
+            except asyncio.CancelledError:
+                # close() cancels the gRPC calls in flight: that ends the watch quietly,
+                # but a cancellation of the consumer itself goes on.
+                if self._closed.is_set() and not _cancelling():
+                    return
+                raise
+
+    def _watch_failed(self, client: aetcd.Client, prefix: str, exc: Exception, backoff: _Backoff) -> None:
+        if isinstance(exc, _UNREACHABLE):
+            self._failed(client)
+        # One warning per outage; the retries after it are debug noise.
+        (log.warning if backoff.failures == 0 else log.debug)("etcd watch on %s interrupted: %s", prefix, exc)
+
+    async def _cancel_watch(self, watch: aetcd.Watch) -> None:
+        # After close() the client and its watcher are gone, and so is the watch.
+        if not self._closed.is_set():
+            await watch.cancel()
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closed.wait(), seconds)
+
+
+class _View:
+    """What one watch has yielded so far, and the revision it has seen up to."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, tuple[bytes, int]] = {}  # key -> (value, mod_revision)
+        self.revision = 0
+        self.stale = True  # True: read a snapshot before watching
+
+    def resync(self, snapshot: aetcd.GetRange) -> list[WatchEvent]:
+        """Adopt a fresh read of the prefix; return the changes from the old view."""
+        fresh = {kv.key.decode(): (kv.value, kv.mod_revision) for kv in snapshot}
+        events = [WatchEvent("delete", key) for key in self.known if key not in fresh]
+        events += [WatchEvent("put", k, v) for k, (v, rev) in fresh.items() if self.known.get(k, (b"", 0))[1] != rev]
+        self.known = fresh
+        self.revision = snapshot.header.revision
+        self.stale = False
+        return events
+
+    def apply(self, raw: aetcd.Event) -> WatchEvent:
+        key = raw.kv.key.decode()
+        self.revision = raw.kv.mod_revision
+        if raw.kind == aetcd.EventKind.PUT:
+            self.known[key] = (raw.kv.value, raw.kv.mod_revision)
+            return WatchEvent("put", key, raw.kv.value)
+        self.known.pop(key, None)
+        return WatchEvent("delete", key)
+
+
+class _Backoff:
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self._first = first_s
+        self._max = max_s
+        self._next = first_s
+        self.failures = 0
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self._next * 2, self._max)
+        self.failures += 1
+        return delay
+
+    def reset(self) -> None:
+        self._next = self._first
+        self.failures = 0
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"etcd endpoint must look like http://host:port, got {endpoint!r}")
+    return parts.hostname, parts.port or 2379
+
+
+def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
+    """[start, end) covering every key that starts with ``prefix`` (etcd convention:
+    an end of b"\\0" means "to the end of the key space")."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return (prefix or b"\0"), b"\0"
+    end[-1] += 1
+    return prefix, bytes(end)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _lease_not_found(exc: Exception) -> bool:
+    return "lease not found" in str(exc)
+
+
+def _translate(exc: aetcd.ClientError) -> Exception:
+    if _lease_not_found(exc):
+        return InvalidArgument(f"etcd: {exc}")
+    return Unknown(f"etcd: {exc}")

@@ -1,0 +1,322 @@
+"""The distributed runtime: ``DistributedRuntime`` → ``Namespace`` → ``Component`` →
+``Endpoint``, and the ``Client`` that keeps the live instance set of an endpoint.
+
+One runtime per process holds one primary lease; every key the process registers is
+bound to it, so when the lease goes (revoked with ``etcdctl``, expired, or revoked at
+shutdown) the process's instances leave discovery together. ``runtime.lease_lost``
+fires when that happens against the process's will; workers then shut down
+gracefully.
+
+Lifecycle::
+
+    rt = DistributedRuntime(config)          # no I/O
+    await rt.start()                         # discovery + primary lease (+ NATS)
+    ep = rt.namespace("kvmesh").component("backend").endpoint("generate")
+    await ep.serve(handler)                  # handler on this process's request server
+    await ep.register(info)                  # discovery key bound to the lease
+    ...
+    await ep.unregister()                    # stop being routed to
+    await rt.shutdown()                      # revoke the lease, close planes
+
+Callers: ``client = ep.client(on_added, on_removed); await client.start()``; the
+callbacks receive each instance's :class:`~kvmesh.protocol.InstanceInfo` and a
+request-plane client for it (TCP or NATS, from the instance's own transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from kvmesh.config import RuntimeConfig
+from kvmesh.protocol import InstanceInfo
+from kvmesh.runtime.discovery.base import Discovery, Lease
+from kvmesh.runtime.tcp_client import TcpClient
+from kvmesh.runtime.tcp_server import Handler, TcpServer
+
+__all__ = [
+    "DistributedRuntime",
+    "Namespace",
+    "Component",
+    "Endpoint",
+    "Client",
+    "RequestClient",
+    "RequestServer",
+    "instance_key",
+    "endpoint_prefix",
+]
+
+log = logging.getLogger("kvmesh.runtime")
+
+_decode_info = msgspec.json.Decoder(InstanceInfo).decode
+_encode = msgspec.json.encode
+
+
+class RequestServer(Protocol):
+    def register(self, endpoint: str, handler: Handler) -> None: ...
+    async def start(self) -> None: ...
+    async def stop_accepting(self) -> None: ...
+    async def wait_idle(self, timeout: float) -> bool: ...
+    async def close(self) -> None: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+class RequestClient(Protocol):
+    def stream(self, endpoint: str, payload: bytes, ctx: Any, decode: Any = None, merge: Any = None) -> Any: ...
+    async def close(self) -> None: ...
+
+
+def endpoint_prefix(namespace: str, component: str, endpoint: str) -> str:
+    return f"/services/{namespace}/{component}/{endpoint}-"
+
+
+def instance_key(namespace: str, component: str, endpoint: str, lease_id: int) -> str:
+    return f"{endpoint_prefix(namespace, component, endpoint)}{lease_id:x}"
+
+
+class DistributedRuntime:
+    def __init__(self, config: RuntimeConfig, discovery: Discovery | None = None) -> None:
+        self.config = config
+        self._discovery = discovery
+        self.lease: Lease | None = None
+        self.nats: Any = None
+        self._servers: dict[str, RequestServer] = {}
+        self._callhome: Any = None
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._discovery is None:
+            from kvmesh.runtime.discovery import make_discovery
+
+            c = self.config
+            self._discovery = make_discovery(
+                c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir
+            )
+        await self._discovery.connect()
+        self.lease = await self._discovery.grant_lease(self.config.lease_ttl_s)
+        if self.config.needs_nats:
+            from kvmesh.runtime.nats_plane import connect_nats
+
+            self.nats = await connect_nats(self.config.nats_url)
+
+    @property
+    def discovery(self) -> Discovery:
+        if self._discovery is None:
+            raise RuntimeError("DistributedRuntime.start() was not awaited")
+        return self._discovery
+
+    @property
+    def lease_id(self) -> int:
+        if self.lease is None:
+            raise RuntimeError("DistributedRuntime.start() was not awaited")
+        return self.lease.id
+
+    @property
+    def lease_lost(self) -> asyncio.Event:
+        assert self.lease is not None
+        return self.lease.lost
+
+    def add_closer(self, close: Callable[[], Awaitable[None]]) -> None:
+        """Something to close at shutdown, before the planes (e.g. an event plane)."""
+        self._closers.append(close)
+
+    def namespace(self, name: str | None = None) -> Namespace:
+        return Namespace(self, name or self.config.namespace)
+
+    async def shutdown(self) -> None:
+        """Revoke the primary lease (its keys vanish), close servers and planes."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.lease is not None and not self.lease.lost.is_set():
+            try:
+                await self.lease.revoke()
+            except Exception:  # noqa: BLE001 - the lease will expire on its own
+                log.warning("could not revoke lease %x; it will expire", self.lease.id)
+        for server in self._servers.values():
+            await server.close()
+        for close in reversed(self._closers):
+            await close()
+        if self._callhome is not None:
+            await self._callhome.close()
+        if self.nats is not None:
+            await self.nats.close()
+        if self._discovery is not None:
+            await self._discovery.close()
+
+    # ------------------------------------------------------------------ request plane
+    async def request_server(self, component: str) -> RequestServer:
+        """This process's request server for ``component`` (started on first use)."""
+        key = component if self.config.request_plane == "nats" else ""
+        server = self._servers.get(key)
+        if server is None:
+            if self.config.request_plane == "nats":
+                from kvmesh.runtime.nats_plane import NatsRequestServer
+
+                server = NatsRequestServer(self.nats, self.config.namespace, component, self.lease_id)
+            else:
+                server = TcpServer(self.config.host, 0)
+            await server.start()
+            self._servers[key] = server
+        return server
+
+    async def client_for(self, info: InstanceInfo) -> RequestClient:
+        """A request-plane client that reaches ``info`` over its own transport."""
+        if info.transport == "nats":
+            if self.nats is None:
+                from kvmesh.runtime.nats_plane import connect_nats
+
+                self.nats = await connect_nats(self.config.nats_url)
+            if self._callhome is None:
+                from kvmesh.runtime.nats_plane import CallHomeServer
+
+                self._callhome = CallHomeServer(self.config.host, 0)
+                await self._callhome.start()
+            from kvmesh.runtime.nats_plane import NatsRequestClient
+
+            return NatsRequestClient(self.nats, self._callhome, info.namespace, info.component, info.worker_id)
+        return TcpClient(info.address)
+
+
+class Namespace:
+    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
+        self.runtime = runtime
+        self.name = name
+
+    def component(self, name: str) -> Component:
+        return Component(self, name)
+
+
+class Component:
+    def __init__(self, namespace: Namespace, name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+
+    def endpoint(self, name: str) -> Endpoint:
+        return Endpoint(self, name)
+
+
+class Endpoint:
+    def __init__(self, component: Component, name: str) -> None:
+        self.component = component
+        self.name = name
+        self._key: str | None = None
+
+    @property
+    def runtime(self) -> DistributedRuntime:
+        return self.component.namespace.runtime
+
+    @property
+    def prefix(self) -> str:
+        return endpoint_prefix(self.component.namespace.name, self.component.name, self.name)
+
+    async def serve(self, handler: Handler) -> RequestServer:
+        server = await self.runtime.request_server(self.component.name)
+        server.register(self.name, handler)
+        return server
+
+    def describe(self, server: RequestServer, **card: Any) -> InstanceInfo:
+        """The discovery value for this endpoint served by ``server``."""
+        rt = self.runtime
+        nats = rt.config.request_plane == "nats"
+        address = "" if nats else f"{server.host}:{server.port}"  # type: ignore[attr-defined]
+        subject = f"{self.component.namespace.name}.{self.component.name}.{self.name}-{rt.lease_id:x}" if nats else ""
+        return InstanceInfo(
+            worker_id=rt.lease_id,
+            address=address,
+            namespace=self.component.namespace.name,
+            component=self.component.name,
+            endpoint=self.name,
+            transport="nats" if nats else "tcp",
+            subject=subject,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            **card,
+        )
+
+    async def register(self, info: InstanceInfo) -> None:
+        rt = self.runtime
+        self._key = instance_key(self.component.namespace.name, self.component.name, self.name, rt.lease_id)
+        await rt.discovery.put(self._key, _encode(info), rt.lease_id)
+
+    async def unregister(self) -> None:
+        if self._key is not None:
+            key, self._key = self._key, None
+            await self.runtime.discovery.delete(key)
+
+    def client(
+        self,
+        on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]],
+        on_removed: Callable[[int], Awaitable[None]],
+    ) -> Client:
+        return Client(self.runtime, self.prefix, on_added, on_removed)
+
+
+class Client:
+    """Watches an endpoint's prefix and reports instances as they come and go.
+
+    An outage of the discovery backend changes nothing here: the watch resumes and
+    the instance set stays as it was last seen.
+    """
+
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        prefix: str,
+        on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]],
+        on_removed: Callable[[int], Awaitable[None]],
+    ) -> None:
+        self.runtime = runtime
+        self.prefix = prefix
+        self.on_added = on_added
+        self.on_removed = on_removed
+        self.known: dict[int, InstanceInfo] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _watch(self) -> None:
+        async for event in self.runtime.discovery.watch_prefix(self.prefix):
+            try:
+                if event.kind == "put":
+                    await self._put(event.value)
+                else:
+                    await self._delete(event.key)
+            except Exception:  # noqa: BLE001 - one bad entry must not end the watch
+                log.exception("discovery event %s %s not applied", event.kind, event.key)
+
+    async def _put(self, value: bytes) -> None:
+        info = _decode_info(value)
+        if info.worker_id in self.known:
+            self.known[info.worker_id] = info
+            return
+        client = await self.runtime.client_for(info)
+        self.known[info.worker_id] = info
+        await self.on_added(info, client)
+
+    async def _delete(self, key: str) -> None:
+        suffix = key[len(self.prefix) :]
+        try:
+            worker_id = int(suffix, 16)
+        except ValueError:
+            log.warning("ignoring discovery key %s", key)
+            return
+        if self.known.pop(worker_id, None) is not None:
+            await self.on_removed(worker_id)

@@ -1,0 +1,170 @@
+"""The in-process event plane, and the bounded inbox every backend's subscriptions use.
+
+Several :class:`MemoryEventPlane` objects may share one :class:`MemoryHub` (e.g. a
+"worker" plane and a "router" plane in one test); publishers and subscribers of one
+topic meet there. Delivery is synchronous into each subscriber's inbox: publishing
+costs one append per subscriber and never waits for a reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription
+
+__all__ = ["Inbox", "MemoryHub", "MemoryEventPlane", "MemoryPublisher", "MemorySubscription", "check_topic"]
+
+DEFAULT_INBOX = 10_000
+
+
+def check_topic(topic: str) -> None:
+    """ValueError unless ``topic`` can be a NATS subject suffix (the strictest backend)."""
+    if not isinstance(topic, str) or not topic or any(c in " \t\r\n*>" for c in topic) or ".." in topic:
+        raise ValueError(f"topic {topic!r} must be a non-empty string without spaces, '*', '>' or empty tokens")
+    if topic.startswith(".") or topic.endswith("."):
+        raise ValueError(f"topic {topic!r} must not start or end with '.'")
+
+
+class Inbox:
+    """A bounded FIFO of envelopes with one reader.
+
+    ``put`` never blocks: when ``capacity`` envelopes are waiting, the new one is
+    dropped (counted in ``dropped``) and the reader later sees a sequence gap.
+    After ``close`` the reader gets what is left, then the iteration ends.
+    """
+
+    __slots__ = ("_items", "_capacity", "_waiter", "closed", "dropped")
+
+    def __init__(self, capacity: int = DEFAULT_INBOX) -> None:
+        if capacity < 1:
+            raise ValueError(f"inbox capacity must be at least 1, not {capacity}")
+        self._items: deque[Envelope] = deque()
+        self._capacity = capacity
+        self._waiter: asyncio.Future[None] | None = None
+        self.closed = False
+        self.dropped = 0
+
+    def put(self, envelope: Envelope) -> None:
+        if self.closed:
+            return
+        if len(self._items) >= self._capacity:
+            self.dropped += 1
+            return
+        self._items.append(envelope)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def __aiter__(self) -> AsyncIterator[Envelope]:
+        items = self._items
+        while True:
+            while items:
+                yield items.popleft()
+            if self.closed:
+                return
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
+class MemoryHub:
+    """Where the publishers and subscriptions of one process meet, by topic."""
+
+    def __init__(self) -> None:
+        self.topics: dict[str, set[MemorySubscription]] = {}
+
+    def deliver(self, envelope: Envelope) -> None:
+        for sub in self.topics.get(envelope.topic, ()):
+            sub.inbox.put(envelope)
+
+
+class MemoryPublisher(Publisher):
+    """``seq`` is the sequence number of the last envelope published (0 before any)."""
+
+    def __init__(self, hub: MemoryHub, topic: str, publisher_id: int) -> None:
+        self._hub: MemoryHub | None = hub
+        self.topic = topic
+        self.publisher_id = publisher_id
+        self.seq = 0
+
+    def publish(self, payload: bytes) -> None:
+        if self._hub is None:
+            return
+        self.seq += 1
+        self._hub.deliver(Envelope(self.publisher_id, self.seq, self.topic, bytes(payload)))
+
+    async def close(self) -> None:
+        self._hub = None
+
+
+class MemorySubscription(Subscription):
+    def __init__(self, hub: MemoryHub, topic: str, capacity: int) -> None:
+        self._hub = hub
+        self.topic = topic
+        self.inbox = Inbox(capacity)
+        hub.topics.setdefault(topic, set()).add(self)
+
+    def __aiter__(self) -> AsyncIterator[Envelope]:
+        return self.inbox.__aiter__()
+
+    async def close(self) -> None:
+        subs = self._hub.topics.get(self.topic)
+        if subs is not None:
+            subs.discard(self)
+            if not subs:
+                del self._hub.topics[self.topic]
+        self.inbox.close()
+
+
+class MemoryEventPlane(EventPlane):
+    """The event plane inside one process; pass one ``hub`` to several planes to connect them."""
+
+    name = "memory"
+
+    def __init__(self, hub: MemoryHub | None = None, inbox_capacity: int = DEFAULT_INBOX) -> None:
+        self.hub = hub if hub is not None else MemoryHub()
+        self.inbox_capacity = inbox_capacity
+        self._publishers: list[MemoryPublisher] = []
+        self._subscriptions: list[MemorySubscription] = []
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} event plane is closed")
+
+    async def publisher(self, topic: str, publisher_id: int) -> MemoryPublisher:
+        self._check_open()
+        check_topic(topic)
+        pub = MemoryPublisher(self.hub, topic, publisher_id)
+        self._publishers.append(pub)
+        return pub
+
+    async def subscribe(self, topic: str) -> MemorySubscription:
+        self._check_open()
+        check_topic(topic)
+        sub = MemorySubscription(self.hub, topic, self.inbox_capacity)
+        self._subscriptions.append(sub)
+        return sub
+
+    async def close(self) -> None:
+        self._closed = True
+        pubs, self._publishers = self._publishers, []
+        subs, self._subscriptions = self._subscriptions, []
+        for pub in pubs:
+            await pub.close()
+        for sub in subs:
+            await sub.close()

@@ -1,0 +1,185 @@
+"""The ZeroMQ event plane: each publisher binds its own PUB socket, subscribers connect
+SUB sockets to the publishers they are told about (by discovery or the supervisor).
+
+One envelope is one zmq frame of msgpack. A PUB socket serves one (publisher, topic),
+so subscribers take everything (empty zmq subscription) and only check the topic.
+
+Publishing never blocks: the PUB socket sends with ``NOBLOCK`` and zmq drops a message
+for a subscriber whose queue is at the high-water mark (``hwm``); a dropped message
+shows up as a sequence gap. Each subscription has one reader task (owned, cancelled
+on close) that moves envelopes from its SUB socket into a bounded :class:`Inbox`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription
+from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
+
+__all__ = ["ZmqEventPlane", "ZmqPublisher", "ZmqSubscription"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HWM = 10_000
+
+
+class ZmqPublisher(Publisher):
+    """Bound at ``address`` (``tcp://host:port``). ``seq`` is the last sequence number
+    used; ``dropped`` counts the envelopes zmq refused to queue."""
+
+    def __init__(self, sock: zmq.Socket, topic: str, publisher_id: int) -> None:
+        self._sock: zmq.Socket | None = sock
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.topic = topic
+        self.publisher_id = publisher_id
+        self.seq = 0
+        self.dropped = 0
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def publish(self, payload: bytes) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        self.seq += 1
+        data = self._encode(Envelope(self.publisher_id, self.seq, self.topic, bytes(payload)))
+        try:
+            sock.send(data, zmq.NOBLOCK, copy=len(data) < 64 * 1024)
+        except zmq.ZMQError:  # EAGAIN at the high-water mark, or a socket being torn down
+            self.dropped += 1
+
+    async def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close(linger=0)
+
+
+class ZmqSubscription(Subscription):
+    def __init__(self, sock: zmq.asyncio.Socket, topic: str, capacity: int) -> None:
+        self._sock = sock
+        self.topic = topic
+        self.inbox = Inbox(capacity)
+        self.malformed = 0
+        self._addresses: set[str] = set()
+        self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def addresses(self) -> frozenset[str]:
+        return frozenset(self._addresses)
+
+    def connect(self, address: str) -> None:
+        """Receive from the publisher bound at ``address``; connecting twice is a no-op."""
+        if address in self._addresses or self.inbox.closed:
+            return
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"cannot connect to publisher {address!r}: {exc}") from None
+        self._addresses.add(address)
+
+    def disconnect(self, address: str) -> None:
+        if address not in self._addresses:
+            return
+        self._addresses.discard(address)
+        try:
+            self._sock.disconnect(address)
+        except zmq.ZMQError:
+            pass  # zmq already forgot it (e.g. the publisher's endpoint went away)
+
+    async def _read(self) -> None:
+        decode = msgspec.msgpack.Decoder(Envelope).decode
+        recv = self._sock.recv
+        put = self.inbox.put
+        topic = self.topic
+        while True:
+            data = await recv()
+            try:
+                envelope = decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.malformed += 1
+                continue
+            if envelope.topic == topic:
+                put(envelope)
+
+    def __aiter__(self) -> AsyncIterator[Envelope]:
+        return self.inbox.__aiter__()
+
+    async def close(self) -> None:
+        if self.inbox.closed:
+            return
+        self.inbox.close()
+        self._reader.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+        except zmq.ZMQError as exc:
+            log.warning("zmq subscription to %s ended: %s", self.topic, exc)
+        self._addresses.clear()
+        self._sock.close(linger=0)
+
+
+class ZmqEventPlane(EventPlane):
+    """Publishers bind ``tcp://{host}:{random port}``; ``hwm`` bounds each socket's queue."""
+
+    name = "zmq"
+
+    def __init__(self, host: str = "127.0.0.1", hwm: int = DEFAULT_HWM, inbox_capacity: int = DEFAULT_INBOX) -> None:
+        if not host:
+            raise ValueError("the zmq event plane needs a host to bind publishers on")
+        if hwm < 1:
+            raise ValueError(f"hwm must be at least 1, not {hwm}")
+        self.host = host
+        self.hwm = hwm
+        self.inbox_capacity = inbox_capacity
+        self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
+        self._publishers: list[ZmqPublisher] = []
+        self._subscriptions: list[ZmqSubscription] = []
+
+    def _context(self) -> zmq.asyncio.Context:
+        if self._ctx is None:
+            raise RuntimeError("the zmq event plane is closed")
+        return self._ctx
+
+    async def publisher(self, topic: str, publisher_id: int) -> ZmqPublisher:
+        check_topic(topic)
+        # A plain (not asyncio) socket: publish() is synchronous and never waits.
+        sock = zmq.Socket(self._context(), zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(f"tcp://{self.host}:*")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ValueError(f"cannot bind a publisher on {self.host!r}: {exc}") from None
+        pub = ZmqPublisher(sock, topic, publisher_id)
+        self._publishers.append(pub)
+        return pub
+
+    async def subscribe(self, topic: str) -> ZmqSubscription:
+        check_topic(topic)
+        sock = self._context().socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sub = ZmqSubscription(sock, topic, self.inbox_capacity)
+        self._subscriptions.append(sub)
+        return sub
+
+    async def close(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        pubs, self._publishers = self._publishers, []
+        subs, self._subscriptions = self._subscriptions, []
+        for pub in pubs:
+            await pub.close()
+        for sub in subs:
+            await sub.close()
+        ctx.term()  # every socket is closed with linger 0: returns at once

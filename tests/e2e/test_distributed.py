@@ -1,0 +1,245 @@
+"""Distributed mode with real etcd and nats-server: `kvmesh frontend` and `kvmesh worker`
+processes, the openai client streaming under load while workers come and go, a worker
+is drained with SIGTERM, a lease is revoked with etcdctl, and etcd itself is SIGKILLed."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import KvmeshProcess, free_port, wait_healthy
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
+MAX_TOKENS = 24
+
+
+def _runtime_env(etcd, nats, request_plane="tcp") -> dict[str, str]:
+    return {
+        "KVMESH_DISCOVERY": "etcd",
+        "KVMESH_ETCD_ENDPOINTS": etcd.endpoint,
+        "KVMESH_NATS_URL": nats.url,
+        "KVMESH_REQUEST_PLANE": request_plane,
+        "KVMESH_EVENT_PLANE": "zmq",
+        "KVMESH_HOST": "127.0.0.1",
+        "KVMESH_NAMESPACE": "e2e",
+    }
+
+
+class Cluster:
+    def __init__(self, tmp_path, etcd, nats, request_plane="tcp"):
+        self.tmp_path = tmp_path
+        self.env = _runtime_env(etcd, nats, request_plane)
+        self.port = free_port()
+        self.procs: list[KvmeshProcess] = []
+        self.frontend = self._spawn("frontend", "--http-port", str(self.port), "--log-level", "info")
+
+    def _spawn(self, role, *args):
+        proc = KvmeshProcess(self.tmp_path, role, *args, env=self.env)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, speedup="2") -> tuple[KvmeshProcess, int]:
+        proc = self._spawn("worker", "--speedup", speedup, "--grace", "20")
+        return proc, proc.wait_ready()["lease_id"]
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def routed(self) -> dict[int, float]:
+        """Requests routed per worker lease id, from the frontend's /metrics."""
+        text = httpx.get(self.url + "/metrics").text
+        pattern = r'kvmesh_router_decisions_total\{model="kvmesh-tiny",worker="([0-9a-f]+)"\} ([0-9.e+]+)'
+        return {int(w, 16): float(v) for w, v in re.findall(pattern, text)}
+
+    def workers_seen(self) -> int:
+        return httpx.get(self.url + "/health").json()["models"].get("kvmesh-tiny", 0)
+
+    def close(self):
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path, etcd, nats):
+    made = []
+
+    def make(request_plane="tcp"):
+        c = Cluster(tmp_path, etcd, nats, request_plane)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+class Load:
+    """Bounded streaming load: `clients` loops, each until `stop` or `max_requests`."""
+
+    def __init__(self, url: str, clients: int = 6, max_requests: int = 5000) -> None:
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        self.clients = clients
+        self.max_requests = max_requests
+        self.done = 0
+        self.failures: list[str] = []
+        self.stop = asyncio.Event()
+
+    async def one(self) -> None:
+        stream = await self.client.completions.create(
+            model="kvmesh-tiny", prompt="def f(x):", max_tokens=MAX_TOKENS, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        finish, usage, chunks = None, None, 0
+        try:
+            async for chunk in stream:
+                chunks += 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                if chunk.usage:
+                    usage = chunk.usage.completion_tokens
+        except Exception as exc:
+            raise AssertionError(f"{exc!r} after {chunks} chunks") from exc
+        if finish != "length" or usage != MAX_TOKENS:
+            raise AssertionError(f"truncated stream: finish={finish} tokens={usage}")
+
+    async def loop(self) -> None:
+        while not self.stop.is_set() and self.done + len(self.failures) < self.max_requests:
+            try:
+                await self.one()
+                self.done += 1
+            except Exception as exc:  # noqa: BLE001 - collected and asserted on
+                self.failures.append(repr(exc))
+
+    async def run_while(self, action) -> None:
+        loops = [asyncio.ensure_future(self.loop()) for _ in range(self.clients)]
+        try:
+            await action()
+        finally:
+            self.stop.set()
+            await asyncio.wait_for(asyncio.gather(*loops), 120)
+            await self.client.close()
+
+
+async def _until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+        await asyncio.sleep(0.1)
+
+
+async def test_frontend_discovers_workers_and_model_then_streams(cluster_factory):
+    cluster = cluster_factory()
+    cluster.worker()
+    cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 2, 20, "two workers")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["kvmesh-tiny"]
+    stream = client.chat.completions.create(
+        model="kvmesh-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text
+
+
+async def test_workers_join_and_drain_under_load_with_no_failure(cluster_factory):
+    cluster = cluster_factory()
+    w1, _ = cluster.worker()
+    cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 2, 20, "two workers")
+    load = Load(cluster.url)
+
+    async def scenario():
+        await _until(lambda: load.done >= 20, 60, "warm load")
+        _, lease3 = await asyncio.to_thread(cluster.worker)
+        await _until(lambda: cluster.routed().get(lease3, 0) >= 5, 30, "traffic on the third worker")
+        w1.signal(signal.SIGTERM)  # drain under load
+        await asyncio.to_thread(w1.proc.wait, 40)
+        done_after_drain = load.done
+        await _until(lambda: load.done >= done_after_drain + 30, 60, "load after the drain")
+
+    await load.run_while(scenario)
+    assert w1.proc.returncode == 0, w1.log()
+    assert load.failures == []
+    assert load.done > 50
+
+
+async def test_lease_revoked_with_etcdctl_leaves_routing_and_finishes_in_flight(cluster_factory, etcd):
+    cluster = cluster_factory()
+    w1, lease1 = cluster.worker()
+    cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 2, 20, "two workers")
+    load = Load(cluster.url)
+
+    async def scenario():
+        await _until(lambda: cluster.routed().get(lease1, 0) >= 5, 60, "traffic on worker 1")
+        etcd.etcdctl("lease", "revoke", f"{lease1:x}")
+        await _until(lambda: cluster.workers_seen() == 1, 10, "worker 1 out of routing")
+        before = cluster.routed().get(lease1, 0)
+        await asyncio.to_thread(w1.proc.wait, 40)
+        done = load.done
+        await _until(lambda: load.done >= done + 30, 60, "load after the revoke")
+        assert cluster.routed().get(lease1, 0) == before
+
+    await load.run_while(scenario)
+    assert load.failures == []
+    assert w1.proc.returncode == 0
+
+
+async def test_etcd_sigkill_for_5s_fails_nothing_and_discovery_heals(cluster_factory, etcd):
+    cluster = cluster_factory()
+    cluster.worker()
+    w2, _ = cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 2, 20, "two workers")
+    load = Load(cluster.url)
+
+    async def scenario():
+        await _until(lambda: load.done >= 20, 60, "warm load")
+        etcd.kill()
+        done = load.done
+        await asyncio.sleep(5)
+        assert load.done > done + 10, "requests stalled while etcd was down"
+        assert cluster.workers_seen() == 2
+        etcd.start()
+        # discovery heals: a new worker is found, a stopped one is removed
+        _, lease3 = await asyncio.to_thread(cluster.worker)
+        await _until(
+            lambda: cluster.routed().get(lease3, 0) >= 3, 30,
+            lambda: f"traffic on the new worker {lease3:x}: {cluster.routed()}, {cluster.workers_seen()} seen",
+        )  # fmt: skip
+        w2.signal(signal.SIGTERM)
+        await _until(lambda: cluster.workers_seen() == 2, 30, "the stopped worker removed")
+
+    await load.run_while(scenario)
+    assert load.failures == []
+
+
+async def test_nats_request_plane_streams_and_cancels_across_processes(cluster_factory):
+    cluster = cluster_factory(request_plane="nats")
+    cluster.worker(speedup="1")
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    resp = await client.completions.create(model="kvmesh-tiny", prompt="x", max_tokens=5, extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 5
+    # a long stream left early: the worker stops generating (its in-flight gauge returns to 0)
+    stream = await client.completions.create(
+        model="kvmesh-tiny", prompt="y", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+    )
+    async for _ in stream:
+        break
+    await stream.close()
+    await _until(lambda: "kvmesh_frontend_inflight_requests{model=\"kvmesh-tiny\"} 0.0" in httpx.get(cluster.url + "/metrics").text, 10, "in-flight back to 0")
+    await client.close()

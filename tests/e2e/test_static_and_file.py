@@ -1,0 +1,91 @@
+"""Distributed roles without etcd: file discovery (the default on one host) and static
+mode (fixed addresses, no discovery at all)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import KvmeshProcess, free_port, wait_healthy
+
+pytestmark = pytest.mark.processes
+
+
+def _complete(url: str) -> httpx.Response:
+    body = {"model": "kvmesh-tiny", "prompt": "x", "max_tokens": 4, "ignore_eos": True}
+    return httpx.post(url + "/v1/completions", json=body, timeout=20)
+
+
+def _seen(url: str) -> int:
+    return httpx.get(url + "/health").json()["models"].get("kvmesh-tiny", 0)
+
+
+def _wait(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.1)
+
+
+def test_file_discovery_frontend_and_workers(tmp_path):
+    env = {"KVMESH_DISCOVERY": "file", "KVMESH_FILE_DISCOVERY_DIR": str(tmp_path / "disc"), "KVMESH_NAMESPACE": "filetest"}
+    port = free_port()
+    procs = [KvmeshProcess(tmp_path, "frontend", "--http-port", str(port), env=env)]
+    try:
+        for _ in range(2):
+            procs.append(KvmeshProcess(tmp_path, "worker", "--speedup", "1e9", env=env))
+            procs[-1].wait_ready()
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc=procs[0].proc)
+        _wait(lambda: _seen(url) == 2, 10)
+        assert all(_complete(url).status_code == 200 for _ in range(6))
+        procs[1].signal(signal.SIGTERM)
+        assert procs[1].proc.wait(20) == 0
+        _wait(lambda: _seen(url) == 1, 10)
+        assert all(_complete(url).status_code == 200 for _ in range(6))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_static_mode_needs_no_discovery(tmp_path):
+    ports = [free_port(), free_port()]
+    workers = [KvmeshProcess(tmp_path, "worker", "--static", "--port", str(p), "--speedup", "1e9") for p in ports]
+    fport = free_port()
+    addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+    frontend = KvmeshProcess(tmp_path, "frontend", "--http-port", str(fport), "--static-workers", addresses)
+    url = f"http://127.0.0.1:{fport}"
+    try:
+        for w in workers:
+            w.wait_ready()
+        wait_healthy(url, proc=frontend.proc)
+        _wait(lambda: _seen(url) == 2, 10)
+        assert all(_complete(url).status_code == 200 for _ in range(6))
+        workers[0].stop()
+        _wait(lambda: _seen(url) == 1, 10)
+        assert all(_complete(url).status_code == 200 for _ in range(6))
+        # the same address comes back: it is attached again
+        workers[0] = KvmeshProcess(tmp_path, "worker", "--static", "--port", str(ports[0]), "--speedup", "1e9")
+        workers[0].wait_ready()
+        _wait(lambda: _seen(url) == 2, 10)
+    finally:
+        frontend.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_bad_runtime_option_is_one_line():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli.main", "worker", "--discovery", "zookeeper"], capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "kvmesh worker: --discovery (or KVMESH_DISCOVERY) must be one of memory, file, etcd, got 'zookeeper'"
+    ]

@@ -1,0 +1,210 @@
+"""EtcdDiscovery against a real etcd: registration, watches, lease expiry and
+revocation, and etcd being killed and restarted under a watch and a lease."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+from kvmesh.errors import CannotConnect, InvalidArgument
+from kvmesh.runtime.discovery import WatchEvent
+from kvmesh.runtime.discovery.etcd import EtcdDiscovery
+from tests.helpers import free_port
+from tests.services import Etcd
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+async def connect(etcd: Etcd) -> AsyncIterator[Callable[..., Awaitable[EtcdDiscovery]]]:
+    made: list[EtcdDiscovery] = []
+
+    async def new(endpoints: list[str] | None = None, **options: float) -> EtcdDiscovery:
+        d = EtcdDiscovery(endpoints or [etcd.endpoint], **options)
+        await d.connect()
+        made.append(d)
+        return d
+
+    yield new
+    for d in made:
+        await d.close()
+
+
+class Collector:
+    """Drains a watch into a list from a task of its own, as a long-lived client would."""
+
+    def __init__(self, events: AsyncIterator[WatchEvent]) -> None:
+        self.events: list[WatchEvent] = []
+        self._source = events
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        async for event in self._source:
+            self.events.append(event)
+
+    async def wait_for(self, event: WatchEvent, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while event not in self.events:
+            assert time.monotonic() < deadline, f"{event} not seen; got {self.events}"
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def retry(op: Callable[[], Awaitable[T]], timeout: float = 15.0) -> T:
+    """``op`` once etcd answers again (right after a restart it may not yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await op()
+        except CannotConnect:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def test_register_discover_watch(connect) -> None:
+    worker, frontend = await connect(), await connect()
+    lease = await worker.grant_lease(10)
+    assert lease.ttl_s == 10 and lease.id > 0
+    await worker.put("/services/ns/backend/generate-1", b"one", lease.id)
+    assert await frontend.get_prefix("/services/ns/backend/") == {"/services/ns/backend/generate-1": b"one"}
+    async with contextlib.aclosing(frontend.watch_prefix("/services/ns/backend/")) as events:
+        assert await anext(events) == WatchEvent("put", "/services/ns/backend/generate-1", b"one")
+        await worker.put("/services/ns/backend/generate-2", b"two", lease.id)
+        await worker.put("/services/ns/other/x", b"-")
+        await worker.delete("/services/ns/backend/generate-1")
+        assert await asyncio.wait_for(anext(events), 5) == WatchEvent("put", "/services/ns/backend/generate-2", b"two")
+        assert await asyncio.wait_for(anext(events), 5) == WatchEvent("delete", "/services/ns/backend/generate-1")
+    await lease.revoke()
+    await lease.revoke()  # idempotent
+    assert lease.lost.is_set()
+    assert await frontend.get_prefix("/services/ns/backend/") == {}
+    with pytest.raises(InvalidArgument, match="lease not found"):
+        await worker.put("/services/ns/backend/late", b"x", lease.id)
+
+
+async def test_connect_tries_endpoints_in_order(etcd: Etcd, connect) -> None:
+    d = await connect([f"http://127.0.0.1:{free_port()}", etcd.endpoint])
+    await d.put("/k", b"v")
+    assert await d.get_prefix("/k") == {"/k": b"v"}
+    started = time.monotonic()
+    with pytest.raises(CannotConnect, match="no etcd endpoint answered"):
+        await connect([f"http://127.0.0.1:{free_port()}"], connect_timeout_s=0.5)
+    assert time.monotonic() - started < 2
+
+
+async def test_lease_expires_when_keep_alive_stops(connect) -> None:
+    worker, frontend = await connect(), await connect()
+    lease = await worker.grant_lease(2)
+    await worker.put("/services/ns/backend/generate-x", b"x", lease.id)
+    watch = Collector(frontend.watch_prefix("/services/ns/backend/"))
+    try:
+        await watch.wait_for(WatchEvent("put", "/services/ns/backend/generate-x", b"x"))
+        await asyncio.sleep(3)  # longer than the TTL: the keep-alive holds it
+        assert await frontend.get_prefix("/services/") != {}
+        stopped = time.monotonic()
+        await worker.close()  # stops the keep-alive, revokes nothing
+        await watch.wait_for(WatchEvent("delete", "/services/ns/backend/generate-x"), timeout=5)
+        assert time.monotonic() - stopped < 3.5
+    finally:
+        await watch.close()
+
+
+async def test_etcdctl_revoke_removes_keys_and_sets_lost(etcd: Etcd, connect) -> None:
+    worker = await connect()
+    lease = await worker.grant_lease(3)
+    await worker.put("/services/ns/backend/generate-r", b"r", lease.id)
+    etcd.etcdctl("lease", "revoke", f"{lease.id:x}")
+    assert await worker.get_prefix("/services/") == {}
+    await asyncio.wait_for(lease.lost.wait(), 2.5)  # next keep-alive, at TTL/3
+
+
+async def test_watch_resumes_after_etcd_restart(etcd: Etcd, connect, caplog: pytest.LogCaptureFixture) -> None:
+    worker, frontend = await connect(), await connect()
+    lease = await worker.grant_lease(10)
+    await worker.put("/services/a", b"a", lease.id)
+    await worker.put("/services/b", b"b")
+    watch = Collector(frontend.watch_prefix("/services/"))
+    try:
+        await watch.wait_for(WatchEvent("put", "/services/b", b"b"))
+        etcd.kill()
+        await asyncio.sleep(3)
+        etcd.start()
+        late = await connect()  # a process starting just after etcd did
+        await retry(lambda: late.put("/services/c", b"c"))
+        await worker.delete("/services/b")
+        await watch.wait_for(WatchEvent("delete", "/services/b"))
+        assert watch.events == [
+            WatchEvent("put", "/services/a", b"a"),
+            WatchEvent("put", "/services/b", b"b"),
+            WatchEvent("put", "/services/c", b"c"),
+            WatchEvent("delete", "/services/b"),
+        ]
+        assert "etcd watch on /services/ interrupted" in caplog.text  # it did go through an outage
+    finally:
+        await watch.close()
+
+
+async def test_lease_survives_a_shorter_outage(etcd: Etcd, connect) -> None:
+    worker, frontend = await connect(), await connect()
+    lease = await worker.grant_lease(10)
+    await worker.put("/services/w", b"w", lease.id)
+    etcd.kill()
+    await asyncio.sleep(5)
+    etcd.start()
+    assert await retry(lambda: frontend.get_prefix("/services/")) == {"/services/w": b"w"}
+    await asyncio.sleep(2)  # the keep-alive retries every second until etcd answers
+    assert not lease.lost.is_set()
+    assert (await worker.get_prefix("/services/")).keys() == {"/services/w"}
+    assert int(json.loads(etcd.etcdctl("lease", "timetolive", f"{lease.id:x}", "-w", "json"))["ttl"]) > 5
+
+
+async def test_lease_lost_when_outage_outlasts_ttl(etcd: Etcd, connect) -> None:
+    worker = await connect()
+    lease = await worker.grant_lease(2)
+    etcd.kill()
+    killed = time.monotonic()
+    await asyncio.sleep(1.5)
+    assert not lease.lost.is_set()  # shorter than the TTL so far: keep retrying
+    await asyncio.wait_for(lease.lost.wait(), 3)
+    assert time.monotonic() - killed > 2
+
+
+async def test_watch_after_compaction_yields_the_difference(etcd: Etcd, connect, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvmesh.discovery.etcd")
+    worker, frontend = await connect(), await connect()
+    await worker.put("/services/gone", b"1")
+    await worker.put("/services/same", b"2")
+    await worker.put("/services/changed", b"3")
+    async with contextlib.aclosing(frontend.watch_prefix("/services/")) as events:
+        assert len([await anext(events) for _ in range(3)]) == 3
+        # NOTE: the watch is now parked after its snapshot, before it watches from the
+        # snapshot's revision + 1; compacting past that revision forces a re-read.
+        await worker.delete("/services/gone")
+        await worker.put("/services/changed", b"3b")
+        await worker.put("/services/new", b"4")
+        etcd.etcdctl("compact", str(_revision(etcd)))
+        got = [await asyncio.wait_for(anext(events), 5) for _ in range(3)]
+        assert sorted(got, key=lambda e: e.key) == [
+            WatchEvent("put", "/services/changed", b"3b"),
+            WatchEvent("delete", "/services/gone"),
+            WatchEvent("put", "/services/new", b"4"),
+        ]
+        assert "re-reading the prefix" in caplog.text
+        await worker.put("/services/after", b"5")
+        assert await asyncio.wait_for(anext(events), 5) == WatchEvent("put", "/services/after", b"5")
+
+
+def _revision(etcd: Etcd) -> int:
+    status = json.loads(etcd.etcdctl("endpoint", "status", "-w", "json"))
+    return int(status[0]["Status"]["header"]["revision"])

@@ -21,7 +21,7 @@ __all__ = [
     "ENV_VARS",
 ]
 
-ROUTER_MODES = ("round_robin", "random")
+ROUTER_MODES = ("round_robin", "random", "kv", "kv-approx")
 ENGINES = ("mocker",)
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("tcp", "nats")
@@ -106,6 +106,11 @@ class FrontendConfig:
     connect_timeout_s: float = 5.0
     response_timeout_s: float = 120.0
     worker_wait_s: float = 5.0
+    kv_overlap_weight: float = 1.0
+    router_temperature: float = 0.0
+    kv_block_size: int | None = None  # None: take the workers' block size
+    admission_threshold: float | None = None  # None: no admission queue
+    admission_max_queue: int = 1024
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:
@@ -114,6 +119,17 @@ class FrontendConfig:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
         for name in ("keepalive_s", "max_body_bytes", "connect_timeout_s", "response_timeout_s"):
             _positive(name, getattr(self, name))
+        if self.kv_overlap_weight < 0 or self.router_temperature < 0:
+            raise ValueError("--kv-overlap-weight and --router-temperature must not be negative")
+        if self.kv_block_size is not None:
+            _positive("--kv-block-size", self.kv_block_size)
+        if self.admission_threshold is not None:
+            _positive("--admission-threshold", self.admission_threshold)
+        _positive("--admission-max-queue", self.admission_max_queue)
+
+    @property
+    def kv_routing(self) -> bool:
+        return self.router_mode in ("kv", "kv-approx")
 
 
 @dataclass(frozen=True)

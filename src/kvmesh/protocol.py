@@ -36,6 +36,8 @@ __all__ = [
     "KvEventData",
     "KvEvent",
     "LoadReport",
+    "KvDump",
+    "KvEventsSince",
     "InstanceInfo",
     "ModelFiles",
 ]
@@ -214,6 +216,23 @@ class KvEvent(msgspec.Struct):
     worker_id: int
     event_id: int
     data: KvEventData
+
+
+class KvDump(msgspec.Struct):
+    """A worker's whole cached block set (sequence hashes), consistent with its event
+    stream: ``last_event_id`` is the id of the last event already reflected in it
+    (-1 when none was published yet)."""
+
+    worker_id: int
+    last_event_id: int
+    block_hashes: list[int]
+
+
+class KvEventsSince(msgspec.Struct):
+    """Buffered events after an id; ``complete`` False when some already fell out."""
+
+    events: list[KvEvent]
+    complete: bool
 
 
 class LoadReport(msgspec.Struct, omit_defaults=True):

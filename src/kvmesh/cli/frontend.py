@@ -42,16 +42,23 @@ async def _serve(cfg, rcfg, static_workers, model_path, sock, log_level) -> int:
     from kvmesh.frontend.sources import StaticWorkers, watch_workers
     from kvmesh.runtime.distributed import DistributedRuntime
 
-    frontend = Frontend(cfg)
+    from kvmesh.runtime.event_plane import make_event_plane
+
+    runtime = None
+    if static_workers:
+        frontend = Frontend(cfg, make_event_plane("zmq", host=rcfg.host))
+    else:
+        runtime = DistributedRuntime(rcfg)
+        await runtime.start()
+        plane = make_event_plane(rcfg.event_plane, nats_client=runtime.nats, namespace=rcfg.namespace, host=rcfg.host)
+        frontend = Frontend(cfg, plane)
     if model_path:
         frontend.registry.add_model(model_path)
-    runtime = None
     if static_workers:
         source = StaticWorkers(static_workers, frontend.registry)
         await source.start()
     else:
-        runtime = DistributedRuntime(rcfg)
-        await runtime.start()
+        assert runtime is not None
         source = await watch_workers(runtime, frontend.registry)
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)

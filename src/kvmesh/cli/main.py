@@ -51,6 +51,15 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keepalive", type=float, default=d.keepalive_s, help="seconds between SSE keep-alive comments")
     p.add_argument("--response-timeout", type=float, default=d.response_timeout_s, help="seconds to wait for a worker's first response")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    kv = p.add_argument_group("KV-aware routing (--router-mode kv | kv-approx)")
+    kv.add_argument("--kv-overlap-weight", type=float, default=d.kv_overlap_weight, help="weight of prefill cost vs decode load")
+    kv.add_argument("--router-temperature", type=float, default=d.router_temperature, help="0: pick the cheapest; >0: sample")
+    kv.add_argument("--kv-block-size", type=int, default=None, help="router block size (default: the workers'; must match them)")
+    kv.add_argument(
+        "--admission-threshold", type=float, default=None,
+        help="queue requests while every worker has more than this × its batch token budget in prefill (default: off)",
+    )  # fmt: skip
+    kv.add_argument("--admission-max-queue", type=int, default=d.admission_max_queue, help="past this many waiting: 503")
 
 
 def _env(name: str, default: str) -> str:
@@ -106,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker process")
     _add_engine_args(worker)
     _add_runtime_args(worker)
-    worker.add_argument("--worker-id", type=int, default=0, help="id in static mode (distributed mode uses the lease id)")
+    worker.add_argument("--worker-id", type=int, default=None, help="id in static mode (default: the port); distributed mode uses the lease id")
     worker.add_argument("--port", type=int, default=0, help="request-plane TCP port (0: any free port)")
     worker.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     worker.add_argument("--static", action="store_true", help="no discovery: serve TCP on --host/--port only")
@@ -142,6 +151,11 @@ def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
         router_mode=ns.router_mode,
         keepalive_s=ns.keepalive,
         response_timeout_s=ns.response_timeout,
+        kv_overlap_weight=ns.kv_overlap_weight,
+        router_temperature=ns.router_temperature,
+        kv_block_size=ns.kv_block_size,
+        admission_threshold=ns.admission_threshold,
+        admission_max_queue=ns.admission_max_queue,
     )
 
 
@@ -161,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_frontend(_frontend_config(ns), _runtime_config(ns), static, ns.model_path, ns.log_level)
         if ns.command == "worker":
             rcfg = _runtime_config(ns)
-            wcfg = _worker_config(ns, worker_id=ns.worker_id, host=rcfg.host, port=ns.port, grace_s=ns.grace)
+            worker_id = ns.worker_id if ns.worker_id is not None else ns.port
+            wcfg = _worker_config(ns, worker_id=worker_id, host=rcfg.host, port=ns.port, grace_s=ns.grace)
             from kvmesh.cli.worker import run_worker
 
             return run_worker(wcfg, None if ns.static else rcfg, die_with_parent=ns.die_with_parent)

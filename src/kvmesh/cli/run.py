@@ -55,8 +55,7 @@ def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
 async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[no-untyped-def]
     from kvmesh.config import RuntimeConfig
     from kvmesh.runtime.distributed import DistributedRuntime, instance_key
-    from kvmesh.worker.main import COMPONENT
-    from kvmesh.worker.service import GENERATE
+    from kvmesh.runtime.names import COMPONENT, GENERATE
     from kvmesh.worker.supervisor import Supervisor
 
     # the supervisor publishes its workers in in-process discovery; the frontend
@@ -81,7 +80,9 @@ async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[n
         from kvmesh.frontend.server import make_server
         from kvmesh.frontend.sources import watch_workers
 
-        frontend = Frontend(cfg.frontend)
+        from kvmesh.runtime.event_plane import make_event_plane
+
+        frontend = Frontend(cfg.frontend, make_event_plane("zmq", host=cfg.worker.host))
         entry = frontend.registry.add_model(cfg.worker.model_path or "")
         watcher = await watch_workers(runtime, frontend.registry)
         server = make_server(frontend.app, log_level)

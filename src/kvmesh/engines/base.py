@@ -37,7 +37,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 
-from kvmesh.protocol import EngineConfig, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import EngineConfig, KvDump, KvEvent, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 
 __all__ = ["Engine"]
@@ -63,3 +63,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def cleanup(self) -> None:
         """Release resources. Idempotent; safe without a prior ``start``."""
+
+    # Optional, for engines that publish KV events (the KV-aware router repairs a gap
+    # in a worker's event stream with these). Synchronous and read-only.
+    def kv_snapshot(self) -> KvDump | None:
+        """The whole cached block set, consistent with the event ids; None if unsupported."""
+        return None
+
+    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
+        """Buffered KV events after ``event_id``; None if some were dropped or unsupported."""
+        return None

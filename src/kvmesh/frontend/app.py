@@ -32,11 +32,12 @@ from kvmesh.errors import (
     http_status,
 )
 from kvmesh.frontend.models import ModelRegistry
-from kvmesh.frontend.pipeline import Generation, new_request_id, preprocess
+from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.event_plane.base import EventPlane
 
 __all__ = ["Frontend", "error_response"]
 
@@ -72,10 +73,10 @@ def _usage(gen: Generation) -> dict[str, Any]:
 class Frontend:
     """Owns the registry, metrics and keep-alive task; builds the ASGI app."""
 
-    def __init__(self, config: FrontendConfig, registry: ModelRegistry | None = None, metrics: FrontendMetrics | None = None) -> None:
+    def __init__(self, config: FrontendConfig, event_plane: EventPlane | None = None) -> None:
         self.config = config
-        self.metrics = metrics or FrontendMetrics()
-        self.registry = registry or ModelRegistry(config, self.metrics)
+        self.metrics = FrontendMetrics()
+        self.registry = ModelRegistry(config, self.metrics, event_plane)
         self.keepalive = KeepAlive(config.keepalive_s)
         self.app = Starlette(
             routes=[
@@ -97,6 +98,7 @@ class Frontend:
             yield
         finally:
             await self.keepalive.stop()
+            await self.registry.close()
 
     # ------------------------------------------------------------------ small routes
     async def list_models(self, request: Request) -> Response:
@@ -151,7 +153,8 @@ class Frontend:
             body = await self._read_body(request)
             req = parse(body, kind)  # type: ignore[arg-type]
             entry = self.registry.get(req.model)
-            preq = preprocess(entry, req, new_request_id())
+            explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
+            preq = preprocess(entry, req, new_request_id(), explain)
         except ClientDisconnect:
             return Response(b"", status_code=499)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
@@ -169,11 +172,16 @@ class Frontend:
             return error_response(exc)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = prefix + preq.request_id
+        route = explain_route(gen) if preq.routing is not None and preq.routing.explain else None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             events = self._sse_events(gen, stream, kind, response_id, endpoint, include_usage)
-            return SSEResponse(events, ctx, self.keepalive, self.metrics.disconnects.inc)
-        return await self._unary(gen, stream, kind, response_id, endpoint)
+            headers = [(b"x-kvmesh-route", _json(route))] if route is not None else None
+            return SSEResponse(events, ctx, self.keepalive, self.metrics.disconnects.inc, headers)
+        response = await self._unary(gen, stream, kind, response_id, endpoint, route)
+        if route is not None:
+            response.headers["x-kvmesh-route"] = _json(route).decode()
+        return response
 
     async def _sse_events(
         self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str, include_usage: bool
@@ -205,7 +213,9 @@ class Frontend:
                 status = "499"
             self._finish(gen, endpoint, status)
 
-    async def _unary(self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str) -> Response:
+    async def _unary(
+        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str, route: Any = None
+    ) -> Response:
         parts: list[str] = []
         logprobs: list[Any] = []
         want_logprobs = gen.request.output.logprobs is not None
@@ -241,12 +251,15 @@ class Frontend:
             "choices": [choice],
             "usage": _usage(gen),
         }
+        if route is not None:
+            body["kvmesh_route"] = route
         return Response(_json(body), media_type=_JSON)
 
     def _finish(self, gen: Generation, endpoint: str, status: str) -> None:
         m = gen.entry.metrics
         m.inflight.dec()
         m.output_tokens.inc(gen.completion_tokens)
+        m.cached_tokens.inc(gen.cached_tokens)
         m.duration.observe(time.perf_counter() - gen.started)
         m.finished(endpoint, status)
 

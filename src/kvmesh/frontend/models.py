@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -24,7 +25,12 @@ from kvmesh.protocol import EngineConfig, InstanceInfo, ModelFiles
 from kvmesh.router.push import PushRouter, make_policy
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestClient
+from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.instances import Instance, InstanceSet
+from kvmesh.runtime.names import KV_EVENTS_TOPIC, MODEL_FILES
+
+if TYPE_CHECKING:
+    from kvmesh.router.service import KvRouterService
 
 __all__ = ["ModelEntry", "ModelRegistry", "fetch_model_files", "model_cache_dir"]
 
@@ -39,7 +45,7 @@ def model_cache_dir() -> Path:
 async def fetch_model_files(client: RequestClient, name: str) -> str:
     """Copy a worker's model files (config, tokenizer, template) into the local cache."""
     files: ModelFiles | None = None
-    async for item in client.stream("model_files", b"\xc0", Context(f"model-files-{name}"), decode=_decode_files):
+    async for item in client.stream(MODEL_FILES, b"\xc0", Context(f"model-files-{name}"), decode=_decode_files):
         files = item
     if files is None or "tokenizer.json" not in files.files:
         raise InvalidArgument(f"the worker serving {name!r} sent no tokenizer.json")
@@ -66,6 +72,7 @@ class ModelEntry:
         self.instances = InstanceSet()
         self.router = PushRouter(self.instances, make_policy(config.router_mode), config.worker_wait_s, f"model {info.name!r}")
         self.metrics = metrics
+        self.kv: KvRouterService | None = None  # the KV router, in kv / kv-approx modes
         self.created = int(time.time())
 
     @property
@@ -76,9 +83,10 @@ class ModelEntry:
 
 
 class ModelRegistry:
-    def __init__(self, config: FrontendConfig, metrics: FrontendMetrics) -> None:
+    def __init__(self, config: FrontendConfig, metrics: FrontendMetrics, event_plane: EventPlane | None = None) -> None:
         self.config = config
         self.metrics = metrics
+        self.event_plane = event_plane
         self.models: dict[str, ModelEntry] = {}
         self._worker_model: dict[int, str] = {}
 
@@ -102,7 +110,29 @@ class ModelRegistry:
         name = info.engine.served_model_name
         if name not in self.models:
             self.add_model(await self._model_folder(info, client), name)
+        entry = self.models[name]
+        if self.config.kv_routing and entry.kv is None:
+            await self._start_kv(entry, info)
         return self._add_instance(info, client)
+
+    async def _start_kv(self, entry: ModelEntry, info: InstanceInfo) -> None:
+        from kvmesh.router.core import RouterSettings
+        from kvmesh.router.service import AdmissionSettings, KvPolicy, KvRouterService
+
+        c = self.config
+        settings = RouterSettings(
+            block_size=c.kv_block_size or info.engine.kv_block_size,
+            mode=c.router_mode,
+            overlap_weight=c.kv_overlap_weight,
+            temperature=c.router_temperature,
+        )
+        subscription = None
+        if self.event_plane is not None and c.router_mode == "kv":
+            subscription = await self.event_plane.subscribe(KV_EVENTS_TOPIC)
+        admission = AdmissionSettings(threshold=c.admission_threshold, max_queue=c.admission_max_queue)
+        entry.kv = KvRouterService(settings, subscription, entry.metrics.router, admission)
+        entry.kv.start()
+        entry.router.policy = KvPolicy(entry.kv)
 
     async def _model_folder(self, info: InstanceInfo, client: RequestClient) -> str:
         path = info.model_path
@@ -115,6 +145,8 @@ class ModelRegistry:
         entry = self.models[name]
         entry.engine = info.engine
         instance = Instance(info, client)  # type: ignore[arg-type]
+        if entry.kv is not None:
+            entry.kv.add_worker(instance)  # refuses a worker whose block size differs
         entry.instances.add(instance)
         self._worker_model[info.worker_id] = name
         self.metrics.workers.labels(name).set(len(entry.instances))
@@ -136,8 +168,17 @@ class ModelRegistry:
             return None
         entry = self.models[name]
         instance = entry.instances.remove(worker_id)
+        if entry.kv is not None:
+            entry.kv.remove_worker(worker_id)
         self.metrics.workers.labels(name).set(len(entry.instances))
         return instance
+
+    async def close(self) -> None:
+        for entry in self.models.values():
+            if entry.kv is not None:
+                await entry.kv.close()
+        if self.event_plane is not None:
+            await self.event_plane.close()
 
     def ready(self) -> bool:
         return any(len(e.instances) for e in self.models.values())

@@ -30,9 +30,9 @@ from kvmesh.protocol import (
 )
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.instances import Instance
-from kvmesh.worker.service import GENERATE
+from kvmesh.runtime.names import GENERATE
 
-__all__ = ["new_request_id", "preprocess", "Generation", "merge_chunks"]
+__all__ = ["new_request_id", "preprocess", "Generation", "merge_chunks", "explain_route"]
 
 log = logging.getLogger("kvmesh.frontend")
 
@@ -73,7 +73,9 @@ def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionReq
     return pre.text_prompt(req.single_prompt())
 
 
-def preprocess(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, request_id: str) -> PreprocessedRequest:
+def preprocess(
+    entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, request_id: str, explain: bool = False
+) -> PreprocessedRequest:
     """Validate against the model and build the engine request."""
     tokens = _prompt_tokens(entry, req)
     context = entry.context_length
@@ -115,7 +117,19 @@ def preprocess(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest
         ),
         output=OutputOptions(logprobs=req.logprob_count()),
         eos_token_ids=list(entry.info.eos_token_ids),
-        routing=RoutingHints(priority=req.priority) if req.priority else None,
+        routing=_routing_hints(req, explain),
+    )
+
+
+def _routing_hints(req: ChatCompletionRequest | CompletionRequest, explain: bool) -> RoutingHints | None:
+    explain = explain or req.router_explain
+    if not (explain or req.priority or req.kv_overlap_weight is not None or req.router_temperature is not None):
+        return None
+    return RoutingHints(
+        priority=req.priority,
+        overlap_weight=req.kv_overlap_weight,
+        router_temperature=req.router_temperature,
+        explain=explain,
     )
 
 
@@ -137,6 +151,7 @@ class Generation:
         "cached_tokens",
         "started",
         "first_token_at",
+        "worker_id",
         "_include_stop",
         "_skip_special",
     )
@@ -150,6 +165,7 @@ class Generation:
         self.cached_tokens = 0
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
+        self.worker_id: int | None = None
         self._include_stop = include_stop
         self._skip_special = skip_special
 
@@ -163,6 +179,7 @@ class Generation:
         return self._chunks(instance)
 
     def _stream_on(self, instance: Instance) -> AsyncIterator[OutputChunk]:
+        self.worker_id = instance.worker_id
         self.entry.metrics.routed(instance.worker_id)
         return instance.client.stream(
             GENERATE, _encode_request(self.request), self.ctx, decode=_decode_chunk, merge=merge_chunks
@@ -188,6 +205,7 @@ class Generation:
                 log.info("request %s: worker %x failed before output (%s); re-routing", self.request.request_id, instance.worker_id, exc.message)
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
+            self.entry.router.finished(self.request.request_id)  # release the failed booking
             instance = await self.entry.router.pick(self.request, exclude=frozenset(tried))
             tried.add(instance.worker_id)
 
@@ -206,6 +224,7 @@ class Generation:
                     if self.first_token_at is None:
                         self.first_token_at = now
                         metrics.ttft.observe(now - self.started)
+                        self.entry.router.first_token(self.request.request_id)
                         per_token = None
                     else:
                         per_token = (now - last) / len(ids)
@@ -239,4 +258,31 @@ class Generation:
                     return
             raise StreamIncomplete("the worker's stream ended without a finish reason")
         finally:
+            self.entry.router.finished(self.request.request_id)
             await stream.aclose()  # type: ignore[attr-defined]
+
+
+def explain_route(gen: Generation) -> dict[str, object]:
+    """Why the request went where it went (``router_explain`` / ``x-kvmesh-explain``)."""
+    entry = gen.entry
+    out: dict[str, object] = {"worker": f"{gen.worker_id:x}" if gen.worker_id is not None else None}
+    policy = entry.router.policy
+    decision = getattr(policy, "explained", {}).pop(gen.request.request_id, None)
+    if decision is None:
+        out["mode"] = type(policy).__name__
+        return out
+    out["mode"] = entry.kv.settings.mode if entry.kv is not None else "kv"
+    out["block_size"] = entry.kv.settings.block_size if entry.kv is not None else None
+    out["overlap_blocks"] = decision.overlap_blocks
+    out["candidates"] = [
+        {
+            "worker": f"{c.worker_id:x}",
+            "overlap_blocks": c.overlap_blocks,
+            "prefill_blocks": round(c.prefill_blocks, 3),
+            "decode_blocks": round(c.decode_blocks, 3),
+            "cost": round(c.cost, 3),
+            "weight": c.weight,
+        }
+        for c in decision.candidates
+    ]
+    return out

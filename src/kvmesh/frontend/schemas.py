@@ -77,6 +77,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Literal["premium", "standard", "best_effort"] | None = None
+    kv_overlap_weight: Annotated[float, Meta(ge=0.0)] | None = None
+    router_temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    router_explain: bool = False
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

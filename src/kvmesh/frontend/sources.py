@@ -15,8 +15,7 @@ from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import Client, DistributedRuntime
 from kvmesh.runtime.tcp_client import TcpClient
-from kvmesh.worker.main import COMPONENT
-from kvmesh.worker.service import GENERATE, INFO
+from kvmesh.runtime.names import COMPONENT, GENERATE, INFO
 
 __all__ = ["watch_workers", "StaticWorkers"]
 
@@ -65,10 +64,9 @@ class StaticWorkers:
             await self._poll_all()
 
     async def _poll_all(self) -> None:
-        await asyncio.gather(*(self._poll(i + 1, a) for i, a in enumerate(self.addresses)))
+        await asyncio.gather(*(self._poll(a) for a in self.addresses))
 
-    async def _poll(self, worker_id: int, address: str) -> None:
-        """``worker_id``: the address's place in the list (static workers have no lease)."""
+    async def _poll(self, address: str) -> None:
         client = TcpClient(address, connect_timeout=self.interval_s)
         try:
             info = None
@@ -85,6 +83,8 @@ class StaticWorkers:
                 await self.registry.detach(known)
             return
         if known is None:
-            self._attached[address] = worker_id
-            info = msgspec.structs.replace(info, worker_id=worker_id, address=address)
-            await self.registry.attach(info, TcpClient(address))
+            if info.worker_id in self._attached.values():
+                log.error("static worker %s has the same id %d as another; give each its own --worker-id", address, info.worker_id)
+                return
+            self._attached[address] = info.worker_id
+            await self.registry.attach(msgspec.structs.replace(info, address=address), TcpClient(address))

@@ -169,7 +169,9 @@ class SSEResponse:
         ctx: Context,
         keepalive: KeepAlive,
         on_disconnect: Callable[[], None] | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
+        self.headers = _HEADERS + headers if headers else _HEADERS
         self.events = events
         self.ctx = ctx
         self.keepalive = keepalive
@@ -177,7 +179,7 @@ class SSEResponse:
         self.disconnected = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         listener = asyncio.get_running_loop().create_task(self._listen(receive))
         live = self.keepalive.register(send)
         events = self.events

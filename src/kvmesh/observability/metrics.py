@@ -10,11 +10,29 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["FrontendMetrics", "ModelMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "CONTENT_TYPE_LATEST"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+_DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RouterMetrics:
+    """The KV router's metrics for one model (children bound once)."""
+
+    def __init__(self, parent: FrontendMetrics, model: str) -> None:
+        self.decision_seconds = parent.router_decision.labels(model)
+        self.overlap = parent.router_overlap.labels(model)
+        self.events_applied = parent.router_events.labels(model)
+        self.event_gaps = parent.router_gaps.labels(model)
+        self.queue_depth = parent.router_queue.labels(model)
+        self.rejected = parent.router_rejected.labels(model)
+        self.block_size_mismatch = parent.router_block_mismatch.labels(model)
+        self.repairs = {m: parent.router_repairs.labels(model, m) for m in ("buffer", "dump")}
 
 
 class ModelMetrics:
@@ -31,6 +49,8 @@ class ModelMetrics:
         "_model",
         "_decisions",
         "_routed",
+        "cached_tokens",
+        "router",
     )
 
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
@@ -44,6 +64,8 @@ class ModelMetrics:
         self.output_tokens = parent.output_tokens.labels(model)
         self._decisions = parent.decisions
         self._routed: dict[int, object] = {}
+        self.cached_tokens = parent.cached_tokens.labels(model)
+        self.router = RouterMetrics(parent, model)
 
     def routed(self, worker_id: int) -> None:
         child = self._routed.get(worker_id)
@@ -77,6 +99,27 @@ class FrontendMetrics:
         self.disconnects = Counter("kvmesh_frontend_client_disconnects", "Streams the client left early", registry=r)
         self.decisions = Counter(
             "kvmesh_router_decisions", "Requests routed, by worker (hex lease id)", ["model", "worker"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvmesh_frontend_cached_tokens", "Prompt tokens served from the prefix cache", ["model"], registry=r
+        )
+        self.router_decision = Histogram(
+            "kvmesh_router_decision_seconds", "Time to make one routing decision", ["model"],
+            buckets=_DECISION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.router_overlap = Histogram(
+            "kvmesh_router_overlap_ratio", "Share of the prompt the chosen worker had cached", ["model"],
+            buckets=_RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.router_events = Counter("kvmesh_router_kv_events_applied", "KV events applied to the index", ["model"], registry=r)
+        self.router_gaps = Counter("kvmesh_router_kv_event_gaps", "Gaps detected in workers' KV event ids", ["model"], registry=r)
+        self.router_repairs = Counter(
+            "kvmesh_router_kv_repairs", "Index repairs by method (buffer or dump)", ["model", "method"], registry=r
+        )
+        self.router_queue = Gauge("kvmesh_router_queue_depth", "Requests waiting for admission", ["model"], registry=r)
+        self.router_rejected = Counter("kvmesh_router_rejected", "Requests refused: admission queue full", ["model"], registry=r)
+        self.router_block_mismatch = Counter(
+            "kvmesh_router_block_size_mismatch", "Workers refused: KV block size differs from the router's", ["model"], registry=r
         )
         self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}

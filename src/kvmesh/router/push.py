@@ -3,7 +3,9 @@
 Selection policies are pure (ids in, id out); :class:`PushRouter` is the glue that
 waits for instances and hands back the chosen :class:`~kvmesh.runtime.instances.Instance`.
 Modes: ``round_robin`` and ``random``; ``direct`` happens when a request names a
-worker id in its routing hints. The KV-aware mode plugs in as another policy.
+worker id in its routing hints. The KV-aware modes plug in as another policy
+(:class:`kvmesh.router.service.KvPolicy`) that may also ``admit`` requests (wait in a
+queue) and hear of each request's first token and end.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class PushRouter:
     async def pick(self, request: PreprocessedRequest, exclude: frozenset[int] = frozenset()) -> Instance:
         if not self.instances.ids:
             await self.instances.wait_nonempty(self.wait_s, self.what)
+        admit = getattr(self.policy, "admit", None)
+        if admit is not None and not exclude:
+            await admit(request)
         hints = request.routing
         if hints is not None and hints.worker_id is not None:
             instance = self.instances.get(hints.worker_id)
@@ -73,3 +78,15 @@ class PushRouter:
         instance = self.instances.get(self.policy.select(ids, request))
         assert instance is not None
         return instance
+
+    def first_token(self, request_id: str) -> None:
+        """The request's first token arrived (its prefill is done)."""
+        hook = getattr(self.policy, "first_token", None)
+        if hook is not None:
+            hook(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended, however it ended."""
+        hook = getattr(self.policy, "finished", None)
+        if hook is not None:
+            hook(request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -19,18 +20,17 @@ from kvmesh.config import RuntimeConfig, WorkerConfig
 from kvmesh.engines.base import Engine
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.distributed import DistributedRuntime
+from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.events import CallbackPublisher, EventPublisher, NullPublisher
 from kvmesh.runtime.tcp_server import TcpServer
-from kvmesh.worker.service import GENERATE, WorkerService
+from kvmesh.runtime.names import COMPONENT, GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
+from kvmesh.worker.service import WorkerService
 
-__all__ = ["READY_PREFIX", "COMPONENT", "build_engine", "serve", "die_with_parent", "event_publisher"]
+__all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher"]
 
 log = logging.getLogger("kvmesh.worker")
 
 READY_PREFIX = "KVMESH_READY "
-COMPONENT = "backend"
-KV_EVENTS_TOPIC = "kv_events"
-LOAD_TOPIC = "load"
 UNREGISTER_GRACE_S = 0.5
 
 
@@ -97,12 +97,20 @@ def _announce(info: InstanceInfo, out: TextIO) -> None:
 
 
 async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
-    engine, model_path = build_engine(cfg)
+    plane, publisher, event_address = await event_publisher("zmq", cfg.worker_id, host=cfg.host)
+    engine, model_path = build_engine(cfg, publisher)
     service = WorkerService(engine, TcpServer(cfg.host, cfg.port), validate=cfg.validate_streams)
     try:
         config = await service.start()
         info = InstanceInfo(
-            cfg.worker_id, service.address, config, model_path, os.getpid(), component=COMPONENT, endpoint=GENERATE
+            cfg.worker_id,
+            service.address,
+            config,
+            model_path,
+            os.getpid(),
+            component=COMPONENT,
+            endpoint=GENERATE,
+            event_address=event_address,
         )
         service.info = info
         _announce(info, ready_out)
@@ -110,6 +118,7 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
         log.info("worker %d draining", cfg.worker_id)
     finally:
         await service.shutdown(cfg.grace_s)
+        await plane.close()
 
 
 async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
@@ -118,8 +127,13 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
     endpoint = runtime.namespace().component(COMPONENT).endpoint(GENERATE)
     service: WorkerService | None = None
     try:
-        publisher, event_address = await event_publisher(runtime)
-        engine, model_path = build_engine(cfg, publisher)
+        rc = runtime.config
+        plane, publisher, event_address = await event_publisher(
+            rc.event_plane, runtime.lease_id, nats=runtime.nats, namespace=rc.namespace, host=rc.host
+        )
+        runtime.add_closer(plane.close)
+        # KV events name the worker by its lease id, as the routers know it
+        engine, model_path = build_engine(dataclasses.replace(cfg, worker_id=runtime.lease_id), publisher)
         server = await runtime.request_server(COMPONENT)
         service = WorkerService(engine, server, validate=cfg.validate_streams)
         config = await service.start()
@@ -144,15 +158,16 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         await runtime.shutdown()
 
 
-async def event_publisher(runtime: DistributedRuntime) -> tuple[EventPublisher, str]:
-    """KV events and load reports of this worker onto the runtime's event plane."""
+async def event_publisher(
+    kind: str, publisher_id: int, *, nats: object = None, namespace: str = "kvmesh", host: str = "127.0.0.1"
+) -> tuple[EventPlane, EventPublisher, str]:
+    """A worker's KV events and load reports onto an event plane; returns the plane (to
+    close), the engine-facing publisher and the address subscribers connect to."""
     from kvmesh.runtime.event_plane import make_event_plane
 
-    rc = runtime.config
-    plane = make_event_plane(rc.event_plane, nats_client=runtime.nats, namespace=rc.namespace, host=rc.host)
-    runtime.add_closer(plane.close)
-    kv = await plane.publisher(KV_EVENTS_TOPIC, runtime.lease_id)
-    load = await plane.publisher(LOAD_TOPIC, runtime.lease_id)
+    plane = make_event_plane(kind, nats_client=nats, namespace=namespace, host=host)
+    kv = await plane.publisher(KV_EVENTS_TOPIC, publisher_id)
+    load = await plane.publisher(LOAD_TOPIC, publisher_id)
     encode = msgspec.msgpack.encode
     publisher = CallbackPublisher(lambda e: kv.publish(encode(e)), lambda r: load.publish(encode(r)))
-    return publisher, kv.address
+    return plane, publisher, kv.address

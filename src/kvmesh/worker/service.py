@@ -23,18 +23,16 @@ import msgspec
 from kvmesh.engines.adapter import AbortMonitor, run_generate
 from kvmesh.engines.base import Engine
 from kvmesh.errors import EngineShutdown, InvalidArgument
-from kvmesh.protocol import EngineConfig, InstanceInfo, ModelFiles, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import EngineConfig, InstanceInfo, KvDump, KvEventsSince, ModelFiles, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
+from kvmesh.runtime.names import GENERATE, INFO, KV_DUMP, KV_EVENTS, MODEL_FILES
 from kvmesh.runtime.tcp_server import TcpServer
 
-__all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "read_model_files"]
+__all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
 
 log = logging.getLogger(__name__)
 
-GENERATE = "generate"
-MODEL_FILES = "model_files"
-INFO = "info"
 
 # what a frontend needs from a model folder: no weights
 _MODEL_FILE_NAMES = (
@@ -72,6 +70,8 @@ class WorkerService:
         self.server.register(GENERATE, self._generate)
         self.server.register(MODEL_FILES, self._model_files)
         self.server.register(INFO, self._info)
+        self.server.register(KV_DUMP, self._kv_dump)
+        self.server.register(KV_EVENTS, self._kv_events)
         if not getattr(self.server, "started", False):
             await self.server.start()
         return self.config
@@ -85,6 +85,20 @@ class WorkerService:
         if self.info is None:
             raise EngineShutdown("this worker is still starting")
         yield self.info
+
+    async def _kv_dump(self, payload: bytes, ctx: Context) -> AsyncIterator[KvDump]:
+        dump = self.engine.kv_snapshot()
+        if dump is None:
+            raise InvalidArgument(f"{type(self.engine).__name__} does not report its KV cache")
+        yield dump
+
+    async def _kv_events(self, payload: bytes, ctx: Context) -> AsyncIterator[KvEventsSince]:
+        try:
+            after = msgspec.msgpack.decode(payload, type=int)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvalidArgument(f"kv_events wants one integer event id: {exc}") from None
+        events = self.engine.kv_events_since(after)
+        yield KvEventsSince(events or [], events is not None)
 
     async def _model_files(self, payload: bytes, ctx: Context) -> AsyncIterator[ModelFiles]:
         """The model folder's small files, for frontends on other hosts."""

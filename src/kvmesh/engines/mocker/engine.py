@@ -35,7 +35,7 @@ from kvmesh.engines.base import Engine
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput
 from kvmesh.errors import EngineShutdown, KvmeshError
-from kvmesh.protocol import EngineConfig, LoadReport, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
 
@@ -162,6 +162,13 @@ class MockerEngine(Engine):
     def kv_dump(self) -> set[int]:
         """Sequence hashes of every block now in the prefix cache."""
         return self._scheduler.kv_dump()
+
+    def kv_snapshot(self) -> KvDump:
+        blocks = self._scheduler.blocks
+        return KvDump(self.options.worker_id, blocks.next_event_id - 1, sorted(self._scheduler.kv_dump()))
+
+    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
+        return self._scheduler.blocks.ring.since(event_id)
 
     def load_report(self) -> LoadReport:
         return self._scheduler.load_report(time.time() * 1000.0)

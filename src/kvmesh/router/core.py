@@ -1,0 +1,223 @@
+"""The KV-aware router's decision core. Pure and synchronous: the clock is an argument.
+
+Composes the indexer (``kv``: from workers' KV events) or the approximate indexer
+(``kv-approx``: from its own past decisions), active-load tracking and the cost
+function::
+
+    cost(w) = overlap_weight × prefill_blocks(w) + decode_blocks(w)      (lower wins)
+    prefill_blocks(w) = (in-flight prefill tokens of w + this request's uncached tokens) / block_size
+    decode_blocks(w)  = active blocks of w + this request's new blocks
+
+Temperature 0 → minimum cost, ties broken by fewest cached blocks, then at random;
+temperature > 0 → softmax sampling over normalised costs. Health routing weights in
+(0, 1] scale a worker's chance (weight 0: never chosen unless all are 0). The exact
+rules (effective cost ``cost / weight`` at temperature 0, normalisation by the largest
+cost, ``weight × exp(−ĉ / T)`` when sampling) are in :mod:`kvmesh.router.cost`.
+
+Lifecycle (one caller at a time; the async glue is :mod:`kvmesh.router.service`)::
+
+    core.add_worker(w) / core.remove_worker(w)      the candidate set follows discovery
+    core.apply_event(event)                         each KV event of a worker, in order
+    core.load_dump(w, hashes, last_event_id)        repair after a "gap"
+    d = core.route(request_id, token_ids, now)      pick a worker, book the request's load
+    core.first_token(request_id, now)               its prefill tokens leave the worker
+    core.finished(request_id, now)                  its blocks leave the worker
+
+``route`` also drops load entries untouched for ``load_ttl_s`` (a lost ``finished``
+must not inflate a worker forever). Times are seconds on any monotonic clock.
+
+In ``kv`` mode ``apply_event`` runs each event through an
+:class:`~kvmesh.router.indexer.EventSequencer` (``"apply"`` / ``"stale"`` / ``"gap"``)
+and applies it to the :class:`~kvmesh.router.indexer.KvIndexer` only on ``"apply"``.
+Events of a worker not (yet) added are indexed too, but only added workers are
+candidates. In ``kv-approx`` mode KV events are not used: ``apply_event`` ignores them
+(``"stale"``, nothing to repair) and ``load_dump`` is a no-op; each decision records
+the request's blocks on the chosen worker instead, for ``approx_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvmesh.errors import NoWorkers
+from kvmesh.protocol import KvEvent
+from kvmesh.router.cost import CandidateScore, check_knobs, new_blocks, score, select, uncached_tokens
+from kvmesh.router.hashing import block_hashes as hash_blocks
+from kvmesh.router.indexer import EventSequencer, KvIndexer
+from kvmesh.router.load import ActiveLoad
+
+__all__ = ["RouterSettings", "CandidateScore", "Decision", "KvRouterCore", "MODES"]
+
+MODES = ("kv", "kv-approx")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    block_size: int
+    mode: str = "kv"  # "kv" | "kv-approx"
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    seed: int | None = None
+    load_ttl_s: float = 300.0  # an in-flight entry older than this is dropped (lost finish)
+    approx_ttl_s: float = 120.0
+    approx_max_blocks: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"router mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_knobs(self.overlap_weight, self.temperature)
+        for name in ("load_ttl_s", "approx_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.approx_max_blocks <= 0:
+            raise ValueError(f"approx_max_blocks must be > 0, got {self.approx_max_blocks!r}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: int
+    overlap_blocks: int
+    candidates: list[CandidateScore] = field(default_factory=list)
+
+
+class KvRouterCore:
+    """Routing decisions over a set of workers; see the module docstring."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self._workers: dict[int, None] = {}  # insertion-ordered set: candidate order is stable
+        self._rng = random.Random(settings.seed)
+        self._load = ActiveLoad()
+        self._sequencer = EventSequencer()
+        self._indexer: KvIndexer | None = None
+        self._approx = None
+        if settings.mode == "kv":
+            self._indexer = KvIndexer()
+        else:
+            from kvmesh.router.approx import ApproxIndexer
+
+            self._approx = ApproxIndexer(settings.approx_ttl_s, settings.approx_max_blocks)
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def workers(self) -> list[int]:
+        return list(self._workers)
+
+    @property
+    def load(self) -> ActiveLoad:
+        """The booked load (read-only use: mutate it through this class)."""
+        return self._load
+
+    @property
+    def indexer(self) -> KvIndexer | None:
+        """The event-fed indexer (``kv`` mode), else None."""
+        return self._indexer
+
+    # ------------------------------------------------------------------ workers and events
+
+    def add_worker(self, worker_id: int) -> None:
+        self._workers[worker_id] = None
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget the worker: its candidacy, its blocks, its event ids and its load."""
+        self._workers.pop(worker_id, None)
+        self._load.remove_worker(worker_id)
+        self._sequencer.forget(worker_id)
+        if self._indexer is not None:
+            self._indexer.remove_worker(worker_id)
+        if self._approx is not None:
+            self._approx.remove_worker(worker_id)
+
+    def apply_event(self, event: KvEvent) -> Literal["apply", "stale", "gap"]:
+        """Apply one worker's KV event; returns ``"apply"``, ``"stale"`` or ``"gap"``
+        (on a gap the event is not applied; repair with ``load_dump``/``replay``)."""
+        if self._indexer is None:
+            return "stale"
+        verdict = self._sequencer.accept(event.worker_id, event.event_id)
+        if verdict == "apply":
+            self._indexer.apply(event.worker_id, event.data)
+        return verdict
+
+    def load_dump(self, worker_id: int, block_hashes: Sequence[int], last_event_id: int) -> None:
+        """Replace the worker's blocks with a full dump taken after event ``last_event_id``."""
+        if self._indexer is None:
+            return
+        self._indexer.load_dump(worker_id, block_hashes)
+        self._sequencer.reset(worker_id, last_event_id)
+
+    # ------------------------------------------------------------------ requests
+
+    def route(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        now: float,
+        weights: Mapping[int, float] | None = None,
+        overlap_weight: float | None = None,
+        temperature: float | None = None,
+        block_hashes: Sequence[int] | None = None,
+    ) -> Decision:
+        """Pick a worker and book the request's load on it (until first token / finish).
+
+        ``weights`` maps worker id → health weight (missing: 1.0); ``overlap_weight`` and
+        ``temperature`` override the settings for this request; ``block_hashes`` (the
+        chained hashes of the prompt's full blocks) skips hashing when the caller has them.
+        Raises :class:`~kvmesh.errors.NoWorkers` when no worker was added.
+        """
+        if not self._workers:
+            raise NoWorkers("the KV router has no workers")
+        s = self.settings
+        ow = s.overlap_weight if overlap_weight is None else overlap_weight
+        temp = s.temperature if temperature is None else temperature
+        check_knobs(ow, temp)
+        self._load.expire(now, s.load_ttl_s)
+        hashes = hash_blocks(token_ids, s.block_size) if block_hashes is None else block_hashes
+        candidates = self._score(self._matches(hashes, now), len(token_ids), weights, ow)
+        chosen = select(candidates, temp, self._rng)
+        w, overlap, n = chosen.worker_id, chosen.overlap_blocks, len(token_ids)
+        bs = s.block_size
+        self._load.add(request_id, w, uncached_tokens(n, overlap, bs), new_blocks(n, overlap, bs), now)
+        if self._approx is not None and hashes:
+            self._approx.record(w, hashes, now)
+        return Decision(w, overlap, candidates)
+
+    def first_token(self, request_id: str, now: float) -> None:
+        self._load.first_token(request_id, now)
+
+    def finished(self, request_id: str, now: float) -> None:
+        self._load.finished(request_id)
+
+    # ------------------------------------------------------------------ steps of route
+
+    def _matches(self, hashes: Sequence[int], now: float) -> dict[int, int]:
+        if not hashes:
+            return {}
+        if self._indexer is not None:
+            return self._indexer.find_matches(hashes)
+        return self._approx.find_matches(hashes, now)  # type: ignore[union-attr]
+
+    def _score(
+        self, matches: Mapping[int, int], prompt_tokens: int, weights: Mapping[int, float] | None, ow: float
+    ) -> list[CandidateScore]:
+        bs = self.settings.block_size
+        load = self._load
+        out = []
+        for w in self._workers:
+            weight = 1.0 if weights is None else _weight(weights, w)
+            out.append(
+                score(w, matches.get(w, 0), prompt_tokens, load.prefill_tokens(w), load.decode_blocks(w), bs, ow, weight)
+            )
+        return out
+
+
+def _weight(weights: Mapping[int, float], worker_id: int) -> float:
+    weight = weights.get(worker_id, 1.0)
+    if not weight >= 0 or weight == float("inf"):
+        raise ValueError(f"routing weight of worker {worker_id} must be a finite number >= 0, got {weight!r}")
+    return float(weight)

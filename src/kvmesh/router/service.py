@@ -1,0 +1,298 @@
+"""The KV-aware router's async glue for one model: workers' KV events in, routing
+decisions out. The decisions themselves are made by the pure
+:class:`~kvmesh.router.core.KvRouterCore`.
+
+* Events: one event-plane subscription; each envelope's KvEvent goes to
+  ``core.apply_event``. A gap in a worker's event ids is repaired from the worker's
+  event buffer (``kv_events`` endpoint) or, if that no longer reaches back, from a full
+  dump (``kv_dump``); events arriving during a repair are held and applied after it.
+* A new worker's cache is loaded from its dump when it appears; a removed worker's
+  blocks are dropped.
+* Admission (optional): when every worker's in-flight prefill tokens are over
+  ``threshold`` × its batch token budget, requests wait in FCFS order; past
+  ``max_queue`` waiting requests, a new one is refused with 503 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
+from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
+from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.event_plane.base import Subscription
+from kvmesh.runtime.instances import Instance
+from kvmesh.runtime.names import KV_DUMP, KV_EVENTS
+
+__all__ = ["KvRouterService", "KvPolicy", "AdmissionSettings"]
+
+log = logging.getLogger("kvmesh.router")
+
+_decode_event = msgspec.msgpack.Decoder(KvEvent).decode
+_decode_dump = msgspec.msgpack.Decoder(KvDump).decode
+_decode_since = msgspec.msgpack.Decoder(KvEventsSince).decode
+_encode = msgspec.msgpack.encode
+
+
+class AdmissionSettings(msgspec.Struct, frozen=True):
+    threshold: float | None = None  # fraction of each worker's max_num_batched_tokens; None = off
+    max_queue: int = 1024
+    retry_after_s: float = 1.0
+
+
+class KvRouterService:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        subscription: Subscription | None,
+        metrics: Any,
+        admission: AdmissionSettings | None = None,
+    ) -> None:
+        self.settings = settings
+        self.core = KvRouterCore(settings)
+        self.subscription = subscription
+        self.metrics = metrics
+        self.admission = admission or AdmissionSettings()
+        self.workers: dict[int, Instance] = {}
+        self._last_applied: dict[int, int] = {}
+        self._repairing: dict[int, list[KvEvent]] = {}
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reader: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.subscription is not None and self.settings.mode == "kv":
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def close(self) -> None:
+        tasks = list(self._tasks) + ([self._reader] if self._reader else [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.subscription is not None:
+            await self.subscription.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ workers
+    def add_worker(self, instance: Instance) -> None:
+        """Route to ``instance`` from now on; load its warm cache in the background."""
+        block_size = instance.info.engine.kv_block_size
+        if block_size != self.settings.block_size:
+            self.metrics.block_size_mismatch.inc()
+            raise InvalidArgument(
+                f"worker {instance.worker_id:x} uses KV blocks of {block_size} tokens but the router hashes "
+                f"{self.settings.block_size}-token blocks; run all workers of a model with one --block-size"
+            )
+        self.workers[instance.worker_id] = instance
+        self.core.add_worker(instance.worker_id)
+        address = instance.info.event_address
+        if self.subscription is not None and address:
+            self.subscription.connect(address)
+        if self.settings.mode == "kv":
+            self._begin_repair(instance.worker_id, full=True)
+        self._admit_waiting()
+
+    def remove_worker(self, worker_id: int) -> None:
+        instance = self.workers.pop(worker_id, None)
+        if instance is None:
+            return
+        self.core.remove_worker(worker_id)
+        self._last_applied.pop(worker_id, None)
+        self._repairing.pop(worker_id, None)
+        if self.subscription is not None and instance.info.event_address:
+            self.subscription.disconnect(instance.info.event_address)
+
+    # ------------------------------------------------------------------ events
+    async def _read(self) -> None:
+        assert self.subscription is not None
+        async for envelope in self.subscription:
+            try:
+                self._on_event(_decode_event(envelope.payload))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("dropping a malformed KV event from publisher %x", envelope.publisher_id)
+
+    def _on_event(self, event: KvEvent) -> None:
+        worker = event.worker_id
+        if worker not in self.workers:
+            return
+        held = self._repairing.get(worker)
+        if held is not None:
+            held.append(event)
+            return
+        self._apply(event)
+
+    def _apply(self, event: KvEvent) -> None:
+        status = self.core.apply_event(event)
+        if status == "apply":
+            self._last_applied[event.worker_id] = event.event_id
+            self.metrics.events_applied.inc()
+        elif status == "gap":
+            self.metrics.event_gaps.inc()
+            self._begin_repair(event.worker_id, full=False, first_held=event)
+
+    def _begin_repair(self, worker_id: int, full: bool, first_held: KvEvent | None = None) -> None:
+        if worker_id in self._repairing:
+            if first_held is not None:
+                self._repairing[worker_id].append(first_held)
+            return
+        self._repairing[worker_id] = [first_held] if first_held is not None else []
+        self._spawn(self._repair(worker_id, full))
+
+    async def _repair(self, worker_id: int, full: bool) -> None:
+        try:
+            if not full and await self._repair_from_buffer(worker_id):
+                self.metrics.repairs["buffer"].inc()
+            else:
+                await self._repair_from_dump(worker_id)
+                self.metrics.repairs["dump"].inc()
+        except KvmeshError as exc:
+            log.warning("KV state of worker %x not repaired: %s", worker_id, exc.message)
+        finally:
+            held = self._repairing.pop(worker_id, None) or []
+            if worker_id in self.workers:
+                for event in held:
+                    self._apply(event)
+
+    async def _call(self, worker_id: int, endpoint: str, payload: bytes, decode: Any) -> Any:
+        instance = self.workers.get(worker_id)
+        if instance is None:
+            raise InvalidArgument(f"worker {worker_id:x} left")
+        result = None
+        async for item in instance.client.stream(endpoint, payload, Context(f"kv-{endpoint}"), decode=decode):
+            result = item
+        return result
+
+    async def _repair_from_buffer(self, worker_id: int) -> bool:
+        last = self._last_applied.get(worker_id)
+        if last is None:
+            return False
+        since: KvEventsSince = await self._call(worker_id, KV_EVENTS, _encode(last), _decode_since)
+        if since is None or not since.complete:
+            return False
+        for event in since.events:
+            self._apply_repaired(event)
+        return True
+
+    def _apply_repaired(self, event: KvEvent) -> None:
+        if self.core.apply_event(event) == "apply":
+            self._last_applied[event.worker_id] = event.event_id
+            self.metrics.events_applied.inc()
+
+    async def _repair_from_dump(self, worker_id: int) -> None:
+        dump: KvDump = await self._call(worker_id, KV_DUMP, b"\xc0", _decode_dump)
+        if dump is None or worker_id not in self.workers:
+            return
+        self.core.load_dump(worker_id, dump.block_hashes, dump.last_event_id)
+        self._last_applied[worker_id] = dump.last_event_id
+
+    # ------------------------------------------------------------------ admission
+    def _over_budget(self, worker_id: int) -> bool:
+        threshold = self.admission.threshold
+        instance = self.workers.get(worker_id)
+        if threshold is None or instance is None:
+            return False
+        budget = instance.info.engine.max_num_batched_tokens * threshold
+        return self.core.load.prefill_tokens(worker_id) > budget
+
+    def _all_busy(self) -> bool:
+        return bool(self.workers) and all(self._over_budget(w) for w in self.workers)
+
+    async def admit(self) -> None:
+        """Wait (FCFS) while every worker is over the admission threshold."""
+        if self.admission.threshold is None or (not self._waiting and not self._all_busy()):
+            return
+        if len(self._waiting) >= self.admission.max_queue:
+            self.metrics.rejected.inc()
+            raise ResourceExhausted(
+                f"every worker is busy and {len(self._waiting)} requests are already waiting; retry shortly",
+                retry_after=self.admission.retry_after_s,
+            )
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        self.metrics.queue_depth.set(len(self._waiting))
+        try:
+            await fut
+        finally:
+            if not fut.done():
+                fut.cancel()
+            try:
+                self._waiting.remove(fut)
+            except ValueError:
+                pass
+            self.metrics.queue_depth.set(len(self._waiting))
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and not self._all_busy():
+            fut = self._waiting.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                # one at a time: the admitted request books its load before the next check
+                return
+
+    # ------------------------------------------------------------------ requests
+    def route(self, request: PreprocessedRequest, candidates: Sequence[int]) -> Decision:
+        hints = request.routing
+        weights = None
+        if len(candidates) != len(self.workers):
+            allowed = set(candidates)
+            weights = {w: (1.0 if w in allowed else 0.0) for w in self.workers}
+        start = time.perf_counter()
+        decision = self.core.route(
+            request.request_id,
+            request.token_ids,
+            time.monotonic(),
+            weights=weights,
+            overlap_weight=hints.overlap_weight if hints is not None else None,
+            temperature=hints.router_temperature if hints is not None else None,
+        )
+        self.metrics.decision_seconds.observe(time.perf_counter() - start)
+        if request.token_ids:
+            cached = decision.overlap_blocks * self.settings.block_size
+            self.metrics.overlap.observe(min(1.0, cached / len(request.token_ids)))
+        return decision
+
+    def first_token(self, request_id: str) -> None:
+        self.core.first_token(request_id, time.monotonic())
+        self._admit_waiting()
+
+    def finished(self, request_id: str) -> None:
+        self.core.finished(request_id, time.monotonic())
+        self._admit_waiting()
+
+
+class KvPolicy:
+    """The push router's policy for ``kv`` / ``kv-approx``: delegates to the service
+    and keeps the decision of requests that asked for an explanation."""
+
+    def __init__(self, service: KvRouterService) -> None:
+        self.service = service
+        self.explained: dict[str, Decision] = {}
+
+    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int:
+        decision = self.service.route(request, ids)
+        if request.routing is not None and request.routing.explain:
+            self.explained[request.request_id] = decision
+        return decision.worker_id
+
+    async def admit(self, request: PreprocessedRequest) -> None:
+        await self.service.admit()
+
+    def first_token(self, request_id: str) -> None:
+        self.service.first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self.service.finished(request_id)
+        self.explained.pop(request_id, None)

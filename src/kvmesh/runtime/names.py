@@ -1,0 +1,16 @@
+"""Well-known names shared by workers and their callers."""
+
+__all__ = ["COMPONENT", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "KV_EVENTS_TOPIC", "LOAD_TOPIC"]
+
+COMPONENT = "backend"  # the component every serving worker registers under
+
+# endpoints of a worker
+GENERATE = "generate"
+MODEL_FILES = "model_files"
+INFO = "info"
+KV_DUMP = "kv_dump"
+KV_EVENTS = "kv_events"
+
+# event-plane topics
+KV_EVENTS_TOPIC = "kv_events"
+LOAD_TOPIC = "load"

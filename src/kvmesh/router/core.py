@@ -44,6 +44,7 @@ from typing import Literal
 
 from kvmesh.errors import NoWorkers
 from kvmesh.protocol import KvEvent
+from kvmesh.router.approx import ApproxIndexer
 from kvmesh.router.cost import CandidateScore, check_knobs, new_blocks, score, select, uncached_tokens
 from kvmesh.router.hashing import block_hashes as hash_blocks
 from kvmesh.router.indexer import EventSequencer, KvIndexer
@@ -95,12 +96,10 @@ class KvRouterCore:
         self._load = ActiveLoad()
         self._sequencer = EventSequencer()
         self._indexer: KvIndexer | None = None
-        self._approx = None
+        self._approx: ApproxIndexer | None = None
         if settings.mode == "kv":
             self._indexer = KvIndexer()
         else:
-            from kvmesh.router.approx import ApproxIndexer
-
             self._approx = ApproxIndexer(settings.approx_ttl_s, settings.approx_max_blocks)
 
     # ------------------------------------------------------------------ views
@@ -198,9 +197,9 @@ class KvRouterCore:
     def _matches(self, hashes: Sequence[int], now: float) -> dict[int, int]:
         if not hashes:
             return {}
-        if self._indexer is not None:
-            return self._indexer.find_matches(hashes)
-        return self._approx.find_matches(hashes, now)  # type: ignore[union-attr]
+        if self._approx is not None:
+            return self._approx.find_matches(hashes, now)
+        return self._indexer.find_matches(hashes) if self._indexer is not None else {}
 
     def _score(
         self, matches: Mapping[int, int], prompt_tokens: int, weights: Mapping[int, float] | None, ow: float

@@ -16,6 +16,7 @@ the transport never decodes what it does not route.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from typing import Union
 
@@ -79,13 +80,17 @@ _LEN = struct.Struct(">I")
 
 
 class FrameWriter:
-    """Appends length-prefixed frames to one buffer; the owner flushes it."""
+    """Queues length-prefixed frames. With a ``transport`` set, :meth:`send` writes what
+    was queued in one event-loop iteration with one syscall (the flush is scheduled
+    with ``call_soon``); without one, frames are dropped at the flush."""
 
-    __slots__ = ("buffer", "_encoder")
+    __slots__ = ("buffer", "_encoder", "transport", "_scheduled")
 
     def __init__(self) -> None:
         self.buffer = bytearray()
         self._encoder = msgspec.msgpack.Encoder()
+        self.transport: asyncio.WriteTransport | None = None
+        self._scheduled = False
 
     def add(self, frame: Frame) -> None:
         buf = self.buffer
@@ -98,6 +103,19 @@ class FrameWriter:
         data = bytes(self.buffer)
         self.buffer.clear()
         return data
+
+    def send(self, frame: Frame) -> None:
+        self.add(frame)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if self.transport is not None and self.buffer:
+            self.transport.write(self.take())
+        else:
+            self.buffer.clear()
 
 
 class FrameReader:

@@ -437,10 +437,10 @@ class _HomeConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.sids: set[int] = set()
-        self._flush_scheduled = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._writer.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -452,6 +452,7 @@ class _HomeConn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._home._conns.discard(self)
         self.transport = None
+        self._writer.transport = None
         sids, self.sids = self.sids, set()
         for sid in sids:
             self._home._end(sid, Disconnected(f"call-home connection from worker {self.peer} lost"))
@@ -482,19 +483,8 @@ class _HomeConn(asyncio.Protocol):
                 home._end(frame.sid, from_wire(frame.kind, frame.message))
 
     def control(self, sid: int, action: int) -> None:
-        if self.transport is None:
-            return
-        self._writer.add(Ctl(sid, action))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self.transport is not None and self._writer.buffer:
-            self.transport.write(self._writer.take())
-        else:
-            self._writer.buffer.clear()
+        if self.transport is not None:
+            self._writer.send(Ctl(sid, action))
 
 
 class CallHomeServer:

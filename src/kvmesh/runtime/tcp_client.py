@@ -94,16 +94,17 @@ class _Connection(asyncio.Protocol):
         self._reader = FrameReader()
         self._writer = FrameWriter()
         self._next_sid = 1
-        self._flush_scheduled = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._writer.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._writer.transport = None
         streams, self.streams = self.streams, {}
         for box in streams.values():
             box.finish(Disconnected(f"connection to worker {self.address} lost"))
@@ -153,17 +154,7 @@ class _Connection(asyncio.Protocol):
         self._send(Ctl(sid, action))
 
     def _send(self, frame: Any) -> None:
-        self._writer.add(frame)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self.transport is not None and self._writer.buffer:
-            self.transport.write(self._writer.take())
-        else:
-            self._writer.buffer.clear()
+        self._writer.send(frame)
 
 
 class TcpClient:

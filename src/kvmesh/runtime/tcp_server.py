@@ -38,13 +38,13 @@ class _Conn(asyncio.Protocol):
         self._writer = FrameWriter()
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, Context] = {}
-        self._flush_scheduled = False
         self._paused: asyncio.Future[None] | None = None
         self._encode = msgspec.msgpack.Encoder().encode
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._writer.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -53,6 +53,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._conns.discard(self)
         self._transport = None
+        self._writer.transport = None
         for ctx in list(self._streams.values()):
             ctx.kill()
         if self._paused is not None and not self._paused.done():
@@ -74,7 +75,7 @@ class _Conn(asyncio.Protocol):
         except InvalidArgument as exc:
             log.warning("closing connection: %s", exc.message)
             self._send(Err(0, exc.kind, exc.message))
-            self._flush()
+            self._writer.flush()
             if self._transport is not None:
                 self._transport.close()
             return
@@ -137,22 +138,13 @@ class _Conn(asyncio.Protocol):
 
     # -- writing
     def _send(self, frame: Any) -> None:
-        if self._transport is None:
-            return
-        self._writer.add(frame)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._transport is not None and self._writer.buffer:
-            self._transport.write(self._writer.take())
+        if self._transport is not None:
+            self._writer.send(frame)
 
     def close(self) -> None:
         """Close after writing every frame already queued (a last ``End`` or ``Err``)."""
         if self._transport is not None:
-            self._flush()
+            self._writer.flush()
             self._transport.close()
 
     @property

@@ -1,0 +1,165 @@
+"""``kvmesh replay TRACE``: replay a Mooncake-format trace against N mocker workers
+under one or more routing policies and compare TTFT, ITL, cache hits and throughput.
+
+Hook-up (``kvmesh.cli.main``)::
+
+    replay = sub.add_parser("replay", help="...")
+    add_replay_args(replay)
+    ...
+    if ns.command == "replay":
+        from kvmesh.cli.replay import run_replay
+        return run_replay(ns)
+
+Exit status: 0 done, 1 the trace (or an output file) could not be read/written, 2 a
+bad option value; each failure is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["add_replay_args", "run_replay", "main"]
+
+_PROG = "kvmesh replay"
+
+
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    """The ``replay`` subcommand's arguments (defaults match the mocker's, except the
+    512-token blocks of Mooncake traces)."""
+    p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument(
+        "--policy", default="round_robin,kv",
+        help="comma-separated policies to compare: round_robin, random, kv, kv-approx (default round_robin,kv)",
+    )  # fmt: skip
+    p.add_argument("--workers", type=int, default=4, help="mocker workers (default 4)")
+    p.add_argument("--clock", default="virtual", choices=("virtual", "real"), help="virtual (fast, deterministic) or real time")
+    p.add_argument("--speed", type=float, default=1.0, help="arrival-time scale: 2 replays the trace twice as fast")
+    w = p.add_argument_group("trace slice")
+    w.add_argument("--limit", type=int, default=None, help="replay at most N requests (the earliest of the window)")
+    w.add_argument("--start-ms", type=float, default=0.0, help="skip requests before this trace timestamp")
+    w.add_argument("--duration-ms", type=float, default=None, help="only requests within this long after --start-ms")
+    m = p.add_argument_group("mocker workers")
+    m.add_argument("--block-size", type=int, default=512, help="KV block size in tokens (default 512, the trace's)")
+    m.add_argument("--num-blocks", type=int, default=8192, help="KV blocks per worker (default 8192)")
+    m.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences per worker (default 256)")
+    m.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step (default 8192)")
+    m.add_argument("--speedup", type=float, default=1.0, help="divide modelled step times by this")
+    r = p.add_argument_group("KV router")
+    r.add_argument("--overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the cost (default 1)")
+    r.add_argument("--router-temperature", type=float, default=0.0, help="0: lowest cost wins; > 0: softmax sampling")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random policy and the router's tie-breaking")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="OUT", default=None, help="write the per-policy results as a JSON list")
+    o.add_argument("--plot", metavar="OUT.png", default=None, help="write a TTFT CDF per policy (needs matplotlib)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{_PROG}: {message}", file=sys.stderr)
+    return status
+
+
+def _config(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvmesh.engines.mocker.options import MockerOptions
+    from kvmesh.replay.runner import ReplayConfig
+
+    mocker = MockerOptions(
+        block_size=ns.block_size,
+        num_blocks=ns.num_blocks,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        speedup=ns.speedup,
+    )
+    policies = tuple(p.strip() for p in ns.policy.split(",") if p.strip())
+    return ReplayConfig(
+        policies=policies,
+        workers=ns.workers,
+        speed=ns.speed,
+        clock=ns.clock,
+        mocker=mocker,
+        overlap_weight=ns.overlap_weight,
+        router_temperature=ns.router_temperature,
+        seed=ns.seed,
+    )
+
+
+def run_replay(ns: argparse.Namespace) -> int:
+    """Run ``kvmesh replay`` with parsed arguments; returns the exit status."""
+    from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_ttft_cdf
+    from kvmesh.replay.report import format_table, summarize
+    from kvmesh.replay.runner import replay_policy
+    from kvmesh.replay.trace import TraceError, load_trace
+
+    try:
+        config = _config(ns)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    try:
+        trace = load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
+    except TraceError as exc:
+        return _fail(str(exc), 1)
+    plot = ns.plot
+    if plot is not None and not have_matplotlib():
+        print(f"{_PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
+        plot = None
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0
+    print(
+        f"replaying {len(trace)} requests ({span_s:.1f} s of trace at speed {config.speed:g}) "
+        f"on {config.workers} mocker workers, {config.clock} clock"
+    )
+    results = []
+    for name in config.policies:
+        start = time.perf_counter()
+        try:
+            with _progress(name, len(trace), ns.no_progress) as tick:
+                records = replay_policy(name, trace, config, tick)
+        except ValueError as exc:
+            return _fail(str(exc), 2)
+        results.append(summarize(name, records))
+        print(f"  {name}: replayed in {time.perf_counter() - start:.1f} s wall")
+    print(format_table(results))
+    if ns.json is not None:
+        try:
+            with open(ns.json, "w", encoding="utf-8") as f:
+                json.dump([r.to_json() for r in results], f, indent=2)
+                f.write("\n")
+        except OSError as exc:
+            return _fail(f"cannot write {ns.json}: {exc.strerror or exc}", 1)
+    if plot is not None:
+        try:
+            plot_ttft_cdf(results, plot, title=f"TTFT CDF: {len(trace)} requests, {config.workers} workers")
+        except OSError as exc:
+            return _fail(f"cannot write {plot}: {exc.strerror or exc}", 1)
+        print(f"TTFT CDF written to {plot}")
+    return 0
+
+
+class _progress:
+    """A tqdm bar over finished requests (or nothing), as a context manager yielding
+    the per-request tick."""
+
+    def __init__(self, name: str, total: int, disabled: bool) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc=name, unit="req", disable=disabled, leave=False, file=sys.stderr)
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        bar = self._bar
+        return lambda: bar.update(1)
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvmesh.cli.replay`` (the same as ``kvmesh replay``)."""
+    parser = argparse.ArgumentParser(prog=_PROG, description="Replay a request trace against mocker workers")
+    add_replay_args(parser)
+    return run_replay(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Trace replay: how much KV-aware routing gains on a real request trace.
+
+Loads a Mooncake-format trace (:mod:`.trace`), synthesizes token ids that share the
+prefixes the trace's hash ids say they share, replays the requests against N mocker
+workers under each routing policy (:mod:`.policies`) on the virtual clock
+(:mod:`.sim`, default) or the real one (:mod:`.realtime`), and summarizes TTFT, ITL,
+prefix-cache hit rate and throughput per policy (:mod:`.report`, :mod:`.plot`).
+``kvmesh replay`` (:mod:`kvmesh.cli.replay`) is the command line.
+"""
+
+from kvmesh.replay.policies import POLICIES, make_policy
+from kvmesh.replay.report import JSON_FIELDS, PolicyResult, format_table, summarize
+from kvmesh.replay.runner import CLOCKS, ReplayConfig, replay, replay_policy
+from kvmesh.replay.sim import simulate
+from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TokenSynth, TraceError, TraceRequest, arrivals, load_trace
+
+__all__ = [
+    "CLOCKS",
+    "JSON_FIELDS",
+    "POLICIES",
+    "TRACE_BLOCK_TOKENS",
+    "PolicyResult",
+    "ReplayConfig",
+    "TokenSynth",
+    "TraceError",
+    "TraceRequest",
+    "arrivals",
+    "format_table",
+    "load_trace",
+    "make_policy",
+    "replay",
+    "replay_policy",
+    "simulate",
+    "summarize",
+]

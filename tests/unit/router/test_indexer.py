@@ -1,0 +1,238 @@
+"""KvIndexer against a brute-force oracle (per-worker sets + the definition of a
+leading run), and EventSequencer's gap / stale / restart rules."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
+from kvmesh.engines.mocker.block_manager import BlockManager
+from kvmesh.router.hashing import block_hashes, local_block_hashes
+from kvmesh.runtime.events import RecordingPublisher
+from kvmesh.router.indexer import EventSequencer, KvIndexer
+
+# A small universe of realistic 64-bit hashes, so random streams collide often.
+UNIVERSE = [h for i in range(12) for h in block_hashes([i] * 4, 4)]
+# Many worker ids, sparse and large, so masks grow past one machine word.
+WORKERS = [0, 1, 2, 5, 2**40 + 3] + [1000 + 7 * i for i in range(75)]
+
+
+class Oracle:
+    def __init__(self) -> None:
+        self.held: dict[int, set[int]] = {}
+
+    def apply(self, w: int, data: KvEventData) -> None:
+        if isinstance(data, BlockStored):
+            self.held.setdefault(w, set()).update(data.block_hashes)
+        elif isinstance(data, BlockRemoved):
+            if w in self.held:
+                self.held[w].difference_update(data.block_hashes)
+        elif w in self.held:
+            self.held[w].clear()
+
+    def find_matches(self, query: list[int]) -> dict[int, int]:
+        out = {}
+        for w, held in self.held.items():
+            n = 0
+            while n < len(query) and query[n] in held:
+                n += 1
+            if n:
+                out[w] = n
+        return out
+
+    def num_blocks(self) -> int:
+        return len(set().union(*self.held.values())) if self.held else 0
+
+
+hashes = st.lists(st.sampled_from(UNIVERSE), max_size=8)
+worker = st.sampled_from(WORKERS)
+op = st.one_of(
+    st.tuples(st.just("stored"), worker, hashes),
+    st.tuples(st.just("removed"), worker, hashes),
+    st.tuples(st.just("cleared"), worker, st.just([])),
+    st.tuples(st.just("remove_worker"), worker, st.just([])),
+    st.tuples(st.just("load_dump"), worker, hashes),
+)
+
+
+def run(ix: KvIndexer, oracle: Oracle, kind: str, w: int, hs: list[int]) -> None:
+    if kind == "stored":
+        ix.apply(w, BlockStored(block_hashes=hs))
+        oracle.apply(w, BlockStored(block_hashes=hs))
+    elif kind == "removed":
+        ix.apply(w, BlockRemoved(block_hashes=hs))
+        oracle.apply(w, BlockRemoved(block_hashes=hs))
+    elif kind == "cleared":
+        ix.apply(w, AllBlocksCleared())
+        oracle.apply(w, AllBlocksCleared())
+    elif kind == "remove_worker":
+        ix.remove_worker(w)
+        oracle.held.pop(w, None)
+    else:
+        ix.load_dump(w, hs)
+        oracle.held[w] = set(hs)
+
+
+@given(ops=st.lists(op, max_size=60), queries=st.lists(hashes, min_size=1, max_size=10))
+@settings(max_examples=300, deadline=None)
+def test_matches_oracle(ops: list[tuple[str, int, list[int]]], queries: list[list[int]]) -> None:
+    ix, oracle = KvIndexer(), Oracle()
+    for kind, w, hs in ops:
+        run(ix, oracle, kind, w, hs)
+        assert ix.num_blocks == oracle.num_blocks()
+        assert ix.worker_block_count(w) == len(oracle.held.get(w, ()))
+    for q in queries:
+        assert ix.find_matches(q) == oracle.find_matches(q)
+    # queries built from what workers hold, so long runs are exercised too
+    for w, held in oracle.held.items():
+        q = sorted(held) + [UNIVERSE[0]]
+        assert ix.find_matches(q) == oracle.find_matches(q), w
+        assert ix.blocks_of(w) == held
+
+
+def test_leading_run_semantics() -> None:
+    a, b, c, d = UNIVERSE[:4]
+    ix = KvIndexer()
+    ix.apply(1, BlockStored(block_hashes=[a, b, c]))
+    ix.apply(2, BlockStored(block_hashes=[a, b]))
+    ix.apply(3, BlockStored(block_hashes=[b, c]))  # no first block: never matches [a, ...]
+    assert ix.find_matches([a, b, c, d]) == {1: 3, 2: 2}
+    assert ix.find_matches([b, c]) == {3: 2, 1: 2, 2: 1}
+    assert ix.find_matches([d]) == {}
+    assert ix.find_matches([]) == {}
+    # a hole breaks the run even if later blocks are held
+    ix.apply(1, BlockRemoved(block_hashes=[b]))
+    assert ix.find_matches([a, b, c]) == {1: 1, 2: 2}
+
+
+def test_thousand_workers_share_a_prefix() -> None:
+    prefix = block_hashes(list(range(64)), 4)  # 16 blocks
+    ix = KvIndexer()
+    for w in range(1000):
+        tail = block_hashes(list(range(64)) + [w] * 8, 4)[16:]
+        ix.apply(w, BlockStored(block_hashes=prefix[: 1 + w % 16] if w % 2 else prefix + tail))
+    got = ix.find_matches(prefix + block_hashes(list(range(64)) + [998] * 8, 4)[16:])
+    assert len(got) == 1000
+    assert got[998] == 18
+    assert all(got[w] == 16 for w in range(0, 1000, 2) if w != 998)
+    assert all(got[w] == 1 + w % 16 for w in range(1, 1000, 2))
+    assert ix.num_blocks == 16 + 2 * 500
+
+
+def test_stored_is_idempotent_and_removed_of_unknown_is_noop() -> None:
+    a, b = UNIVERSE[:2]
+    ix = KvIndexer()
+    ix.apply(7, BlockStored(block_hashes=[a, a, b]))
+    ix.apply(7, BlockStored(block_hashes=[a, b]))
+    assert ix.worker_block_count(7) == 2
+    ix.apply(7, BlockRemoved(block_hashes=[b, b, UNIVERSE[5]]))
+    ix.apply(8, BlockRemoved(block_hashes=[a]))
+    ix.apply(8, AllBlocksCleared())
+    assert ix.find_matches([a, b]) == {7: 1}
+    assert ix.worker_block_count(7) == 1 and ix.worker_block_count(8) == 0
+
+
+def test_cleared_is_per_worker() -> None:
+    a, b = UNIVERSE[:2]
+    ix = KvIndexer()
+    ix.apply(1, BlockStored(block_hashes=[a, b]))
+    ix.apply(2, BlockStored(block_hashes=[a, b]))
+    ix.apply(1, AllBlocksCleared())
+    assert ix.find_matches([a, b]) == {2: 2}
+    assert ix.worker_block_count(1) == 0
+    assert ix.num_blocks == 2
+
+
+def test_remove_worker_and_index_reuse() -> None:
+    a, b = UNIVERSE[:2]
+    ix = KvIndexer()
+    for w in range(100):
+        ix.apply(w, BlockStored(block_hashes=[a]))
+    ix.apply(99, BlockStored(block_hashes=[b]))
+    for w in range(99):
+        ix.remove_worker(w)
+    ix.remove_worker(12345)  # unknown: no-op
+    assert ix.find_matches([a, b]) == {99: 2}
+    assert ix.workers == [99]
+    ix.apply(500, BlockStored(block_hashes=[a]))  # takes a freed (low) index
+    assert ix.find_matches([a, b]) == {99: 2, 500: 1}
+    ix.remove_worker(99)
+    ix.remove_worker(500)
+    assert ix.num_blocks == 0 and ix.workers == []
+
+
+def test_load_dump_replaces_blocks() -> None:
+    a, b, c = UNIVERSE[:3]
+    ix = KvIndexer()
+    ix.apply(1, BlockStored(block_hashes=[a, b]))
+    ix.apply(2, BlockStored(block_hashes=[a]))
+    ix.load_dump(1, [a, c])
+    assert ix.blocks_of(1) == {a, c}
+    assert ix.find_matches([a, b]) == {1: 1, 2: 1}
+    assert ix.find_matches([a, c]) == {1: 2, 2: 1}
+    ix.load_dump(3, iter([b]))  # a new worker with a warm cache
+    assert ix.find_matches([b]) == {3: 1}
+    ix.load_dump(1, [])
+    assert ix.worker_block_count(1) == 0
+    assert ix.num_blocks == 2
+
+
+def test_event_replay_matches_dump_of_the_mocker() -> None:
+    pub = RecordingPublisher()
+    bm = BlockManager(6, 4, publisher=pub, worker_id=9)
+    ix = KvIndexer()
+    for seq in range(5):
+        tokens = [seq % 2] * 8 + [seq] * 8
+        hs = block_hashes(tokens, 4)
+        cached = bm.lookup(hs)
+        assert bm.allocate(seq, len(tokens), hs[:cached])
+        bm.commit(seq, hs, local_block_hashes(tokens, 4), len(hs))
+        bm.free(seq)
+    for event in pub.kv_events:
+        ix.apply(event.worker_id, event.data)
+    assert ix.blocks_of(9) == bm.dump()
+
+
+# ---------------------------------------------------------------------- sequencer
+
+
+def test_sequencer_in_order_stale_and_gap() -> None:
+    seq = EventSequencer()
+    assert seq.accept(1, 0) == "apply"
+    assert seq.accept(1, 1) == "apply"
+    assert seq.accept(1, 1) == "stale"
+    assert seq.accept(1, 3) == "gap"
+    assert seq.accept(1, 3) == "gap"  # not recorded until reset
+    seq.reset(1, 3)
+    assert seq.accept(1, 4) == "apply"
+    assert seq.last_event_id(1) == 4
+    # workers are independent
+    assert seq.accept(2, 17) == "apply"  # first seen: whatever the id
+    assert seq.accept(2, 18) == "apply"
+
+
+def test_sequencer_restart_at_zero() -> None:
+    seq = EventSequencer()
+    for i in range(5):
+        assert seq.accept(1, i) == "apply"
+    # the worker restarted: its event 0 is AllBlocksCleared
+    assert seq.accept(1, 0, AllBlocksCleared()) == "apply"
+    assert seq.accept(1, 1) == "apply"
+    assert seq.accept(1, 2) == "apply"
+    # an event 0 that is not a clear after a higher id: state unknown, repair
+    assert seq.accept(1, 0, BlockStored(block_hashes=[1])) == "gap"
+    assert seq.last_event_id(1) == 2
+    # without data, 0 after a higher id is taken as a restart
+    assert seq.accept(1, 0) == "apply"
+
+
+def test_sequencer_forget_and_reset_minus_one() -> None:
+    seq = EventSequencer()
+    assert seq.accept(1, 5) == "apply"
+    seq.forget(1)
+    assert seq.last_event_id(1) is None
+    assert seq.accept(1, 2) == "apply"
+    seq.reset(1, -1)  # dump taken before any event: the next is 0
+    assert seq.accept(1, 1) == "gap"
+    assert seq.accept(1, 0, BlockStored(block_hashes=[1])) == "apply"

@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     frontend.add_argument("--model-path", default=None, help="load this model folder now (optional: models come from workers)")
 
+    from kvmesh.cli.replay import add_replay_args
+
+    replay = sub.add_parser("replay", help="replay a Mooncake-format trace against mocker workers and compare routing policies")
+    add_replay_args(replay)
+
     worker = sub.add_parser("worker", help="run one worker process")
     _add_engine_args(worker)
     _add_runtime_args(worker)
@@ -173,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
 
             static = [a.strip() for a in ns.static_workers.split(",") if a.strip()]
             return run_frontend(_frontend_config(ns), _runtime_config(ns), static, ns.model_path, ns.log_level)
+        if ns.command == "replay":
+            from kvmesh.cli.replay import run_replay
+
+            return run_replay(ns)
         if ns.command == "worker":
             rcfg = _runtime_config(ns)
             worker_id = ns.worker_id if ns.worker_id is not None else ns.port

@@ -21,7 +21,7 @@ import json
 import sys
 import time
 
-__all__ = ["add_replay_args", "run_replay", "main"]
+__all__ = ["add_replay_args", "main", "run_replay"]
 
 _PROG = "kvmesh replay"
 

@@ -70,7 +70,9 @@ class ModelEntry:
         self.preprocessor = Preprocessor(info)
         self.engine: EngineConfig | None = None
         self.instances = InstanceSet()
-        self.router = PushRouter(self.instances, make_policy(config.router_mode), config.worker_wait_s, f"model {info.name!r}")
+        # kv modes swap in their policy when the first worker tells the block size
+        mode = "round_robin" if config.kv_routing else config.router_mode
+        self.router = PushRouter(self.instances, make_policy(mode), config.worker_wait_s, f"model {info.name!r}")
         self.metrics = metrics
         self.kv: KvRouterService | None = None  # the KV router, in kv / kv-approx modes
         self.created = int(time.time())

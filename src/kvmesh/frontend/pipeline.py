@@ -176,6 +176,7 @@ class Generation:
     async def open(self) -> AsyncIterator[OutputChunk]:
         """Route and open the worker stream (errors here are HTTP errors, not SSE)."""
         instance = await self.entry.router.pick(self.request)
+        self.worker_id = instance.worker_id
         return self._chunks(instance)
 
     def _stream_on(self, instance: Instance) -> AsyncIterator[OutputChunk]:

@@ -20,7 +20,7 @@ from typing import Protocol
 from kvmesh.protocol import KvEvent, PreprocessedRequest
 from kvmesh.router.core import KvRouterCore, RouterSettings
 
-__all__ = ["POLICIES", "ReplayPolicy", "RoundRobinPolicy", "RandomPolicy", "KvPolicy", "make_policy"]
+__all__ = ["POLICIES", "KvPolicy", "RandomPolicy", "ReplayPolicy", "RoundRobinPolicy", "make_policy"]
 
 POLICIES = ("round_robin", "random", "kv", "kv-approx")
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvmesh.engines.mocker.sim import RequestRecord
 
-__all__ = ["PolicyResult", "JSON_FIELDS", "percentile", "summarize", "format_table"]
+__all__ = ["JSON_FIELDS", "PolicyResult", "format_table", "percentile", "summarize"]
 
 JSON_FIELDS = (
     "policy",
@@ -72,7 +72,8 @@ def summarize(policy: str, records: Sequence[RequestRecord]) -> PolicyResult:
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     output = sum(len(r.token_ids) for r in ok)
-    span_ms = (max(r.finish_ms for r in ok) - min(r.arrival_ms for r in ok)) if ok else 0.0  # type: ignore[type-var]
+    finishes = [r.finish_ms for r in ok if r.finish_ms is not None]
+    span_ms = max(finishes) - min(r.arrival_ms for r in ok) if finishes else 0.0
     return PolicyResult(
         policy=policy,
         ttft_p50_ms=percentile(ttfts, 50),

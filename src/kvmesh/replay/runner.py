@@ -14,7 +14,7 @@ from kvmesh.replay.report import PolicyResult, summarize
 from kvmesh.replay.sim import simulate
 from kvmesh.replay.trace import TokenSynth, TraceRequest, arrivals
 
-__all__ = ["CLOCKS", "ReplayConfig", "replay_policy", "replay"]
+__all__ = ["CLOCKS", "ReplayConfig", "replay", "replay_policy"]
 
 CLOCKS = ("virtual", "real")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvmesh.protocol import PreprocessedRequest, StopConditions
 
-__all__ = ["TRACE_BLOCK_TOKENS", "TraceError", "TraceRequest", "load_trace", "TokenSynth", "arrivals"]
+__all__ = ["TRACE_BLOCK_TOKENS", "TokenSynth", "TraceError", "TraceRequest", "arrivals", "load_trace"]
 
 TRACE_BLOCK_TOKENS = 512
 

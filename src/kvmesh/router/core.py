@@ -11,7 +11,7 @@ function::
 Temperature 0 → minimum cost, ties broken by fewest cached blocks, then at random;
 temperature > 0 → softmax sampling over normalised costs. Health routing weights in
 (0, 1] scale a worker's chance (weight 0: never chosen unless all are 0). The exact
-rules (effective cost ``cost / weight`` at temperature 0, normalisation by the largest
+rules (effective cost ``(cost + 1) / weight`` at temperature 0, normalisation by the largest
 cost, ``weight × exp(−ĉ / T)`` when sampling) are in :mod:`kvmesh.router.cost`.
 
 Lifecycle (one caller at a time; the async glue is :mod:`kvmesh.router.service`)::
@@ -45,12 +45,23 @@ from typing import Literal
 from kvmesh.errors import NoWorkers
 from kvmesh.protocol import KvEvent
 from kvmesh.router.approx import ApproxIndexer
-from kvmesh.router.cost import CandidateScore, check_knobs, new_blocks, score, select, uncached_tokens
+from kvmesh.router.cost import (
+    CandidateScore,
+    check_knobs,
+    new_blocks,
+    score_all,
+    select,
+    select_greedy,
+    uncached_tokens,
+)
 from kvmesh.router.hashing import block_hashes as hash_blocks
 from kvmesh.router.indexer import EventSequencer, KvIndexer
 from kvmesh.router.load import ActiveLoad
 
-__all__ = ["RouterSettings", "CandidateScore", "Decision", "KvRouterCore", "MODES"]
+__all__ = ["MODES", "CandidateScore", "Decision", "KvRouterCore", "RouterSettings"]
+
+# above this many workers, temperature-0 decisions skip building a score per worker
+_FAST_PATH_WORKERS = 32
 
 MODES = ("kv", "kv-approx")
 
@@ -177,8 +188,16 @@ class KvRouterCore:
         check_knobs(ow, temp)
         self._load.expire(now, s.load_ttl_s)
         hashes = hash_blocks(token_ids, s.block_size) if block_hashes is None else block_hashes
-        candidates = self._score(self._matches(hashes, now), len(token_ids), weights, ow)
-        chosen = select(candidates, temp, self._rng)
+        matches = self._matches(hashes, now)
+        if temp == 0 and len(self._workers) > _FAST_PATH_WORKERS:
+            load = self._load
+            chosen, candidates = select_greedy(
+                self._workers, matches, len(token_ids), load.prefill_by_worker, load.blocks_by_worker,
+                s.block_size, ow, weights, self._rng,
+            )  # fmt: skip
+        else:
+            candidates = self._score(matches, len(token_ids), weights, ow)
+            chosen = select(candidates, temp, self._rng)
         w, overlap, n = chosen.worker_id, chosen.overlap_blocks, len(token_ids)
         bs = s.block_size
         self._load.add(request_id, w, uncached_tokens(n, overlap, bs), new_blocks(n, overlap, bs), now)
@@ -204,19 +223,6 @@ class KvRouterCore:
     def _score(
         self, matches: Mapping[int, int], prompt_tokens: int, weights: Mapping[int, float] | None, ow: float
     ) -> list[CandidateScore]:
-        bs = self.settings.block_size
         load = self._load
-        out = []
-        for w in self._workers:
-            weight = 1.0 if weights is None else _weight(weights, w)
-            out.append(
-                score(w, matches.get(w, 0), prompt_tokens, load.prefill_tokens(w), load.decode_blocks(w), bs, ow, weight)
-            )
-        return out
-
-
-def _weight(weights: Mapping[int, float], worker_id: int) -> float:
-    weight = weights.get(worker_id, 1.0)
-    if not weight >= 0 or weight == float("inf"):
-        raise ValueError(f"routing weight of worker {worker_id} must be a finite number >= 0, got {weight!r}")
-    return float(weight)
+        bs = self.settings.block_size
+        return score_all(self._workers, matches, prompt_tokens, load.prefill_by_worker, load.blocks_by_worker, bs, ow, weights)

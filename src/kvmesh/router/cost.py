@@ -14,10 +14,11 @@ Selection (:func:`select`), with health weights ``weight(w) ≥ 0`` (1 when not 
 
 * workers of weight 0 are left out, unless every worker has weight 0 (then all take
   part, as if of weight 1: an all-unhealthy fleet still serves);
-* **temperature 0**: the lowest *effective* cost ``cost(w) / weight(w)`` wins (a
-  half-healthy worker must be twice as cheap to win). Ties (equal within a relative
-  1e-9) go to the higher weight, then to the fewest cached blocks (``overlap``), then
-  to a random pick;
+* **temperature 0**: the lowest *effective* cost ``(cost(w) + 1) / weight(w)`` wins:
+  the cost divided by the weight, shifted by one block so that a zero cost (a fully
+  cached prompt on an idle worker) still feels the weight. With all weights 1 this is
+  the plain minimum cost. Ties (equal within a relative 1e-9) go to the higher
+  weight, then to the fewest cached blocks (``overlap``), then to a random pick;
 * **temperature T > 0**: costs are normalised by the largest one,
   ``ĉ(w) = cost(w) / max cost`` (all 0 when the max is 0), and a worker is drawn with
   probability ``∝ weight(w) × exp(−ĉ(w) / T)``: the weight scales its chance
@@ -28,18 +29,20 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
-__all__ = ["CandidateScore", "score", "select", "uncached_tokens", "new_blocks", "check_knobs"]
+__all__ = ["CandidateScore", "check_knobs", "new_blocks", "score", "score_all", "select", "select_greedy", "uncached_tokens"]
 
 # Relative tolerance under which two effective costs count as a tie.
 _TIE_RTOL = 1e-9
 
 
-@dataclass(frozen=True, slots=True)
-class CandidateScore:
-    """One worker's terms of the cost, as the router saw them for one request."""
+class CandidateScore(NamedTuple):
+    """One worker's terms of the cost, as the router saw them for one request.
+
+    Immutable; a named tuple rather than a dataclass because the router makes one per
+    worker per request and a tuple is several times cheaper to build."""
 
     worker_id: int
     overlap_blocks: int
@@ -83,6 +86,41 @@ def score(
     return CandidateScore(worker_id, overlap_blocks, prefill, float(decode), overlap_weight * prefill + decode, weight)
 
 
+def score_all(
+    workers: Iterable[int],
+    overlaps: Mapping[int, int],
+    prompt_tokens: int,
+    prefill_load_tokens: Mapping[int, int],
+    active_blocks: Mapping[int, int],
+    block_size: int,
+    overlap_weight: float,
+    weights: Mapping[int, float] | None = None,
+) -> list[CandidateScore]:
+    """:func:`score` for each of ``workers`` (missing map entries: 0, weight 1), in
+    their order. The same formula, unrolled: this runs for every worker on every request."""
+    n_blocks = -(-prompt_tokens // block_size)
+    out: list[CandidateScore] = []
+    append = out.append
+    new = tuple.__new__  # the named tuple's own __new__ adds a Python call per worker
+    get_overlap, get_prefill, get_active = overlaps.get, prefill_load_tokens.get, active_blocks.get
+    for w in workers:
+        overlap = get_overlap(w, 0)
+        uncached = prompt_tokens - overlap * block_size
+        fresh = n_blocks - overlap
+        prefill = (get_prefill(w, 0) + (uncached if uncached > 0 else 0)) / block_size
+        decode = float(get_active(w, 0) + (fresh if fresh > 0 else 0))
+        weight = 1.0 if weights is None else _weight(weights, w)
+        append(new(CandidateScore, (w, overlap, prefill, decode, overlap_weight * prefill + decode, weight)))
+    return out
+
+
+def _weight(weights: Mapping[int, float], worker_id: int) -> float:
+    weight = weights.get(worker_id, 1.0)
+    if not (weight >= 0 and math.isfinite(weight)):
+        raise ValueError(f"routing weight of worker {worker_id} must be a finite number >= 0, got {weight!r}")
+    return float(weight)
+
+
 def select(candidates: Sequence[CandidateScore], temperature: float, rng: random.Random) -> CandidateScore:
     """Pick one of ``candidates`` (non-empty) by the rules of the module docstring."""
     if not candidates:
@@ -102,7 +140,7 @@ def _greedy(pool: list[CandidateScore], rng: random.Random, all_zero: bool) -> C
     if all_zero:
         eff = [c.cost for c in pool]
     else:
-        eff = [c.cost / c.weight for c in pool]
+        eff = [(c.cost + 1.0) / c.weight for c in pool]
     best = min(eff)
     limit = best + _TIE_RTOL * max(1.0, abs(best))
     ties = [c for c, e in zip(pool, eff) if e <= limit]
@@ -128,3 +166,94 @@ def _sample(pool: list[CandidateScore], temperature: float, rng: random.Random, 
             return c
     # float rounding left a sliver past the end: the last candidate with a chance
     return next(c for c, p in zip(reversed(pool), reversed(odds)) if p > 0)
+
+
+def select_greedy(
+    workers: Collection[int],
+    overlaps: Mapping[int, int],
+    prompt_tokens: int,
+    prefill_load_tokens: Mapping[int, int],
+    active_blocks: Mapping[int, int],
+    block_size: int,
+    overlap_weight: float,
+    weights: Mapping[int, float] | None,
+    rng: random.Random,
+    keep: int = 8,
+) -> tuple[CandidateScore, list[CandidateScore]]:
+    """Temperature-0 :func:`select` for many workers, without a :class:`CandidateScore`
+    per worker. The same rule; what differs is only how the work is done:
+
+    * with no weights, workers that hold nothing of the prompt and carry no load all
+      cost the same, so they are scored once as a group; only the others (matched or
+      loaded) are scored one by one;
+    * scores are built for the tied best only (ties broken as :func:`select` does,
+      a random pick among the last ties) and for the ``keep`` cheapest, which are
+      returned for explanations.
+    """
+    if weights is not None:
+        return _greedy_weighted(workers, overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight, weights, rng, keep)
+    n_blocks = -(-prompt_tokens // block_size)
+    busy = [w for w in {*overlaps, *prefill_load_tokens, *active_blocks} if w in workers]
+    get_overlap, get_prefill, get_active = overlaps.get, prefill_load_tokens.get, active_blocks.get
+    by_overlap: dict[int, float] = {}  # an unloaded worker's cost depends on its overlap only
+    costs = []
+    for w in busy:
+        overlap = get_overlap(w, 0)
+        prefill = get_prefill(w, 0)
+        active = get_active(w, 0)
+        if prefill or active:
+            cost = _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
+        else:
+            cost = by_overlap.get(overlap)
+            if cost is None:
+                cost = by_overlap[overlap] = _cost(overlap, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
+        costs.append(cost)
+    idle_cost = overlap_weight * prompt_tokens / block_size + n_blocks
+    has_idle = len(busy) < len(workers)
+    best = min(min(costs, default=math.inf), idle_cost if has_idle else math.inf)
+    limit = best + _TIE_RTOL * max(1.0, abs(best))
+
+    def scored(w: int) -> CandidateScore:
+        return score(w, get_overlap(w, 0), prompt_tokens, get_prefill(w, 0), get_active(w, 0), block_size, overlap_weight)
+
+    # ties share cost and weight (1): only the fewest cached blocks, then chance, decide
+    ties = [w for w, c in zip(busy, costs) if c <= limit]
+    idle_ties = has_idle and idle_cost <= limit  # idle workers hold nothing: overlap 0
+    fewest = 0 if idle_ties else min(get_overlap(w, 0) for w in ties)
+    ties = [w for w in ties if get_overlap(w, 0) == fewest]
+    if idle_ties:
+        busy_set = set(busy)
+        ties += [w for w in workers if w not in busy_set]
+    chosen = scored(ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))])
+    order = sorted(range(len(busy)), key=costs.__getitem__)[:keep]
+    shown = [scored(busy[i]) for i in order]
+    if chosen not in shown:
+        shown.append(chosen)
+    return chosen, shown
+
+
+def _cost(overlap: int, prefill: int, active: int, prompt_tokens: int, n_blocks: int, block_size: int, ow: float) -> float:
+    uncached = prompt_tokens - overlap * block_size
+    fresh = n_blocks - overlap
+    return ow * (prefill + (uncached if uncached > 0 else 0)) / block_size + active + (fresh if fresh > 0 else 0)
+
+
+def _greedy_weighted(
+    workers: Collection[int],
+    overlaps: Mapping[int, int],
+    prompt_tokens: int,
+    prefill_load_tokens: Mapping[int, int],
+    active_blocks: Mapping[int, int],
+    block_size: int,
+    overlap_weight: float,
+    weights: Mapping[int, float],
+    rng: random.Random,
+    keep: int,
+) -> tuple[CandidateScore, list[CandidateScore]]:
+    """With health weights every worker is scored (weights differ per worker)."""
+    pool = score_all(workers, overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight, weights)
+    chosen = select(pool, 0.0, rng)
+    shown = sorted(pool, key=lambda c: c.cost)[:keep]
+    if chosen not in shown:
+        shown.append(chosen)
+    return chosen, shown

@@ -27,17 +27,24 @@ Representation (memory matters: the bench indexes 10 million blocks):
 * every worker gets a small dense index ``i`` (the lowest free one), and the set of
   workers holding a block is an int bitmask with bit ``i`` set;
 * ``_nodes: dict[hash, mask]``. A block held by one worker, the common case, stores
-  the interned ``1 << i`` object of that worker, so it costs only its dict entry;
-  only shared blocks own a mask int;
-* ``_held[i]``: the set of hashes worker ``i`` holds, so removing a worker, loading
-  a dump and counting are O(that worker's blocks) rather than O(index).
+  the interned ``1 << i`` object of that worker, so it costs only its dict entry
+  (and its hash's int); only shared blocks own a mask int;
+* ``_log[i]``: an append-only ``array('Q')`` of the hashes worker ``i`` was given
+  (8 bytes each, where a set would cost ~60), so removing a worker, loading a dump
+  and listing its blocks are O(that worker's blocks) rather than O(index). An entry
+  is live while bit ``i`` is set on its node; removals leave dead entries behind,
+  and the log is compacted once it is over twice its live count (amortised O(1)).
+  Hashes are therefore unsigned 64-bit ints (as :mod:`kvmesh.router.hashing` makes
+  them); anything else is a ``ValueError``.
 
-Invariant: ``bit i is set in _nodes[h]`` ⇔ ``h in _held[i]``; no mask is 0.
+Invariants: ``bit i is set in _nodes[h]`` ⇒ ``h in _log[i]``; ``_count[i]`` is the
+number of nodes with bit ``i`` set; no mask is 0.
 """
 
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -45,34 +52,55 @@ from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 __all__ = ["KvIndexer", "EventSequencer"]
 
+# Compact a worker's log when it holds more than 2 × live + this many entries.
+_LOG_SLACK = 1024
+# find_matches caches the decoding of masks with more bits than this, this many at most.
+_DECODE_CACHE_MIN_BITS = 16
+_DECODE_CACHE_SIZE = 2048
+
+
+# _BYTE_BITS[b]: positions of the set bits of the byte b.
+_BYTE_BITS = [[j for j in range(8) if b >> j & 1] for b in range(256)]
+
 
 def _bit_indices(mask: int) -> list[int]:
     """Positions of the set bits of ``mask`` (> 0), lowest first."""
-    if mask & (mask - 1) == 0:
-        return [mask.bit_length() - 1]
-    # One C-level conversion, then str.find per set bit: far cheaper than peeling
-    # bits off a 1,000-bit int one big-int operation at a time.
-    s = bin(mask)[:1:-1]  # least significant bit first, "0b" prefix dropped
+    if mask.bit_count() <= 12:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    # Many bits: one conversion to bytes and a table per byte, instead of three
+    # big-int operations per bit on an int as wide as the fleet.
     out = []
-    i = s.find("1")
-    while i >= 0:
-        out.append(i)
-        i = s.find("1", i + 1)
+    append = out.append
+    for k, b in enumerate(mask.to_bytes((mask.bit_length() + 7) >> 3, "little")):
+        if b:
+            base = k << 3
+            for j in _BYTE_BITS[b]:
+                append(base + j)
     return out
 
 
 class KvIndexer:
     """Which workers hold which blocks; see the module docstring for the contract."""
 
-    __slots__ = ("_nodes", "_held", "_bits", "_index", "_ids", "_free")
+    __slots__ = ("_nodes", "_log", "_count", "_bits", "_index", "_ids", "_free", "_decoded")
 
     def __init__(self) -> None:
         self._nodes: dict[int, int] = {}
-        self._held: list[set[int]] = []  # by dense index
+        self._log: list[array[int]] = []  # by dense index
+        self._count: list[int] = []  # by dense index: live blocks
         self._bits: list[int] = []  # by dense index: the interned 1 << i
         self._index: dict[int, int] = {}  # worker id -> dense index
         self._ids: list[int | None] = []  # dense index -> worker id (None: free)
         self._free: list[int] = []  # heap of free dense indices
+        # Wide masks seen by find_matches -> their worker ids. Popular prefixes end in
+        # the same few masks, and decoding 500 bits costs more than the rest of a query.
+        # Valid while dense indices keep their worker ids: cleared when one is freed.
+        self._decoded: dict[int, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -84,35 +112,42 @@ class KvIndexer:
         live = nodes.get(block_hashes[0])
         if live is None:
             return {}
-        ids = self._ids
+        bits = self._bits
         out: dict[int, int] = {}
         depth = 1
         for h in block_hashes[1:]:
             m = nodes.get(h)
             if m is None:
                 break
-            narrowed = live & m
-            if narrowed != live:
-                # Workers in live but not in m held exactly `depth` leading blocks.
-                for i in _bit_indices(live ^ narrowed):
-                    out[ids[i]] = depth  # type: ignore[index]
-                if not narrowed:
-                    return out
-                live = narrowed
+            if m is not live and m != live:  # equal: the same holders, nothing to narrow
+                narrowed = live & m
+                if narrowed != live:
+                    # Workers in live but not in m held exactly `depth` leading blocks.
+                    # When most of live drops out, write all of live (its decoding is
+                    # shared by every query through this prefix, so likely cached);
+                    # the survivors' entries are overwritten with their longer runs.
+                    gone = live if narrowed.bit_count() * 4 <= live.bit_count() else live ^ narrowed
+                    out.update(dict.fromkeys(self._workers_in(gone), depth))
+                    if not narrowed:
+                        return out
+                    live = narrowed
+                    if live & (live - 1) == 0:
+                        # One worker left: switch to its interned bit, which its
+                        # privately held nodes store, so they pass the identity test.
+                        live = bits[live.bit_length() - 1]
             depth += 1
-        for i in _bit_indices(live):
-            out[ids[i]] = depth  # type: ignore[index]
+        out.update(dict.fromkeys(self._workers_in(live), depth))
         return out
 
     def worker_block_count(self, worker_id: int) -> int:
         """Blocks ``worker_id`` holds (0 for an unknown worker)."""
         i = self._index.get(worker_id)
-        return 0 if i is None else len(self._held[i])
+        return 0 if i is None else self._count[i]
 
     def blocks_of(self, worker_id: int) -> set[int]:
-        """A copy of the hashes ``worker_id`` holds (empty for an unknown worker)."""
+        """The hashes ``worker_id`` holds (empty for an unknown worker)."""
         i = self._index.get(worker_id)
-        return set() if i is None else set(self._held[i])
+        return set() if i is None else set(self._live(i))
 
     @property
     def workers(self) -> list[int]:
@@ -148,13 +183,14 @@ class KvIndexer:
             return
         self._clear(i)
         self._ids[i] = None
+        self._decoded.clear()
         heapq.heappush(self._free, i)
 
     def load_dump(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         """Make ``worker_id``'s blocks exactly ``block_hashes``, touching only the difference."""
         i = self._dense(worker_id)
         dump = set(block_hashes)
-        held = self._held[i]
+        held = set(self._live(i))
         self._remove(i, held - dump)
         self._store(i, dump - held)
 
@@ -176,43 +212,83 @@ class KvIndexer:
             i = len(self._ids)
             self._ids.append(worker_id)
             self._bits.append(1 << i)
-            self._held.append(set())
+            self._log.append(array("Q"))
+            self._count.append(0)
         self._index[worker_id] = i
         return i
 
+    def _workers_in(self, mask: int) -> tuple[int, ...]:
+        """Worker ids of the bits of ``mask`` (> 0)."""
+        ids = self._ids
+        if mask & (mask - 1) == 0:
+            return (ids[mask.bit_length() - 1],)  # type: ignore[return-value]
+        if mask.bit_count() <= _DECODE_CACHE_MIN_BITS:
+            return tuple(map(ids.__getitem__, _bit_indices(mask)))  # type: ignore[arg-type]
+        out = self._decoded.get(mask)
+        if out is None:
+            if len(self._decoded) >= _DECODE_CACHE_SIZE:
+                self._decoded.clear()
+            out = self._decoded[mask] = tuple(map(ids.__getitem__, _bit_indices(mask)))  # type: ignore[arg-type]
+        return out
+
+    def _live(self, i: int) -> Iterable[int]:
+        """Worker ``i``'s live log entries (a hash stored, removed, stored again may repeat)."""
+        nodes, bit = self._nodes, self._bits[i]
+        get = nodes.get
+        return (h for h in self._log[i] if get(h, 0) & bit)
+
     def _store(self, i: int, hashes: Iterable[int]) -> None:
-        nodes, held, bit = self._nodes, self._held[i], self._bits[i]
-        get, add = nodes.get, held.add
-        for h in hashes:
-            if h in held:
-                continue
-            add(h)
-            m = get(h)
-            nodes[h] = bit if m is None else m | bit
+        nodes, bit, append = self._nodes, self._bits[i], self._log[i].append
+        get = nodes.get
+        added = 0
+        try:
+            for h in hashes:
+                m = get(h)
+                if m is None:
+                    append(h)  # first: an invalid hash raises before anything changes
+                    nodes[h] = bit
+                elif not m & bit:
+                    append(h)
+                    nodes[h] = m | bit
+                else:
+                    continue
+                added += 1
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"block hashes must be unsigned 64-bit ints: {e}") from None
+        finally:
+            self._count[i] += added
 
     def _remove(self, i: int, hashes: Iterable[int]) -> None:
-        held = self._held[i]
-        gone = held.intersection(hashes)  # a set: a hash listed twice is removed once
-        held.difference_update(gone)
-        self._unmark(i, gone)
+        if self._unmark(i, hashes):
+            log = self._log[i]
+            if len(log) > 2 * self._count[i] + _LOG_SLACK:
+                self._log[i] = array("Q", dict.fromkeys(self._live(i)))
 
     def _clear(self, i: int) -> None:
-        self._unmark(i, self._held[i])
-        # A fresh set gives the (possibly huge) table's memory back.
-        self._held[i] = set()
+        self._unmark(i, self._log[i])
+        # A fresh array gives the (possibly large) buffer back.
+        self._log[i] = array("Q")
 
-    def _unmark(self, i: int, hashes: Iterable[int]) -> None:
-        """Clear bit ``i`` on ``hashes``, all of which worker ``i`` holds."""
+    def _unmark(self, i: int, hashes: Iterable[int]) -> int:
+        """Clear bit ``i`` on those of ``hashes`` that have it; returns how many did."""
         nodes, bits = self._nodes, self._bits
         bit = bits[i]
+        get = nodes.get
+        gone = 0
         for h in hashes:
-            m = nodes[h] ^ bit
+            m = get(h)
+            if m is None or not m & bit:
+                continue  # not held (or listed twice)
+            gone += 1
+            m ^= bit
             if not m:
                 del nodes[h]
             elif m & (m - 1) == 0:
                 nodes[h] = bits[m.bit_length() - 1]  # back to the shared single-bit object
             else:
                 nodes[h] = m
+        self._count[i] -= gone
+        return gone
 
 
 class EventSequencer:

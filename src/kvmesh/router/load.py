@@ -23,6 +23,7 @@ at a later time only expire later, never early.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["ActiveLoad"]
@@ -53,6 +54,16 @@ class ActiveLoad:
 
     def decode_blocks(self, worker_id: int) -> int:
         return self._blocks.get(worker_id, 0)
+
+    @property
+    def prefill_by_worker(self) -> Mapping[int, int]:
+        """Worker id -> in-flight prefill tokens (absent: 0). The live map: do not mutate."""
+        return self._prefill
+
+    @property
+    def blocks_by_worker(self) -> Mapping[int, int]:
+        """Worker id -> active decode blocks (absent: 0). The live map: do not mutate."""
+        return self._blocks
 
     def requests(self, worker_id: int) -> int:
         """Requests in flight on ``worker_id``."""

@@ -3,6 +3,7 @@ leading run), and EventSequencer's gap / stale / restart rules."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,10 +79,12 @@ def run(ix: KvIndexer, oracle: Oracle, kind: str, w: int, hs: list[int]) -> None
 @settings(max_examples=300, deadline=None)
 def test_matches_oracle(ops: list[tuple[str, int, list[int]]], queries: list[list[int]]) -> None:
     ix, oracle = KvIndexer(), Oracle()
-    for kind, w, hs in ops:
+    for n, (kind, w, hs) in enumerate(ops):
         run(ix, oracle, kind, w, hs)
         assert ix.num_blocks == oracle.num_blocks()
         assert ix.worker_block_count(w) == len(oracle.held.get(w, ()))
+        q = queries[n % len(queries)]  # interleaved, so cached decodings meet removals
+        assert ix.find_matches(q) == oracle.find_matches(q)
     for q in queries:
         assert ix.find_matches(q) == oracle.find_matches(q)
     # queries built from what workers hold, so long runs are exercised too
@@ -162,6 +165,26 @@ def test_remove_worker_and_index_reuse() -> None:
     assert ix.num_blocks == 0 and ix.workers == []
 
 
+def test_wide_masks_follow_worker_churn() -> None:
+    a, b = UNIVERSE[:2]
+    ix = KvIndexer()
+    for w in range(100):
+        ix.apply(w, BlockStored(block_hashes=[a, b] if w % 3 else [a]))
+    first = ix.find_matches([a, b])
+    assert first == {w: 2 if w % 3 else 1 for w in range(100)}
+    assert ix.find_matches([a, b]) == first  # the same wide masks again
+    for w in range(0, 100, 2):
+        ix.remove_worker(w)
+    for w in range(1000, 1050):  # take the freed indices
+        ix.apply(w, BlockStored(block_hashes=[a]))
+    want = {w: 2 if w % 3 else 1 for w in range(1, 100, 2)} | {w: 1 for w in range(1000, 1050)}
+    assert ix.find_matches([a, b]) == want
+    # the very same mask again, but one bit now names another worker
+    ix.remove_worker(1000)
+    ix.apply(7777, BlockStored(block_hashes=[a]))
+    assert ix.find_matches([a, b]) == {w: v for w, v in want.items() if w != 1000} | {7777: 1}
+
+
 def test_load_dump_replaces_blocks() -> None:
     a, b, c = UNIVERSE[:3]
     ix = KvIndexer()
@@ -236,3 +259,34 @@ def test_sequencer_forget_and_reset_minus_one() -> None:
     seq.reset(1, -1)  # dump taken before any event: the next is 0
     assert seq.accept(1, 1) == "gap"
     assert seq.accept(1, 0, BlockStored(block_hashes=[1])) == "apply"
+
+
+def test_log_compaction_keeps_memory_bounded() -> None:
+    ix = KvIndexer()
+    keep = block_hashes(list(range(400)), 4)  # 100 blocks held throughout
+    ix.apply(1, BlockStored(block_hashes=keep))
+    for round_ in range(30):
+        churn = block_hashes([round_ + 1000] * 800, 4)  # 200 blocks in, then out
+        ix.apply(1, BlockStored(block_hashes=churn))
+        ix.apply(1, BlockStored(block_hashes=keep[:10]))  # re-stores of held blocks log nothing
+        ix.apply(1, BlockRemoved(block_hashes=churn))
+        ix.apply(1, BlockRemoved(block_hashes=keep[:5]))
+        ix.apply(1, BlockStored(block_hashes=keep[:5]))  # stored again: a second log entry
+    assert ix.blocks_of(1) == set(keep)
+    assert ix.worker_block_count(1) == 100
+    assert ix.find_matches(keep) == {1: 100}
+    log = ix._log[ix._index[1]]  # the per-worker log stays within 2 × live + slack
+    assert len(log) <= 2 * 100 + 1024 + 200 + 5
+    ix.apply(1, AllBlocksCleared())
+    assert ix.num_blocks == 0 and ix.blocks_of(1) == set()
+
+
+def test_hashes_must_be_u64() -> None:
+    ix = KvIndexer()
+    ix.apply(1, BlockStored(block_hashes=[0, 2**64 - 1]))
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError):
+            ix.apply(1, BlockStored(block_hashes=[5, bad]))
+    # nothing half-applied for the bad hash itself; earlier ones in the event stay
+    assert ix.blocks_of(1) == {0, 2**64 - 1, 5}
+    assert ix.worker_block_count(1) == 3 and ix.num_blocks == 3

@@ -119,6 +119,8 @@ class FrontendConfig:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
         for name in ("keepalive_s", "max_body_bytes", "connect_timeout_s", "response_timeout_s"):
             _positive(name, getattr(self, name))
+        if self.worker_wait_s < 0:
+            raise ValueError(f"--worker-wait must not be negative, got {self.worker_wait_s}")
         if self.kv_overlap_weight < 0 or self.router_temperature < 0:
             raise ValueError("--kv-overlap-weight and --router-temperature must not be negative")
         if self.kv_block_size is not None:

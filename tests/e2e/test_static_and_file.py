@@ -89,3 +89,32 @@ def test_bad_runtime_option_is_one_line():
     assert r.stderr.strip().splitlines() == [
         "kvmesh worker: --discovery (or KVMESH_DISCOVERY) must be one of memory, file, etcd, got 'zookeeper'"
     ]
+
+
+def test_no_worker_is_a_503_after_the_wait_never_a_hang(tmp_path):
+    from kvmesh.preprocess.model import bundled_model_path
+
+    env = {"KVMESH_DISCOVERY": "file", "KVMESH_FILE_DISCOVERY_DIR": str(tmp_path / "empty"), "KVMESH_NAMESPACE": "none"}
+    port = free_port()
+    frontend = KvmeshProcess(
+        tmp_path, "frontend", "--http-port", str(port), "--worker-wait", "0.5", "--model-path", str(bundled_model_path()), env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _live(url), 20)
+        assert httpx.get(url + "/health").status_code == 503
+        start = time.monotonic()
+        r = _complete(url)
+        assert r.status_code == 503
+        assert "no worker serves model 'kvmesh-tiny'" in r.json()["error"]["message"]
+        assert 0.4 < time.monotonic() - start < 5
+        assert r.headers["retry-after"]
+    finally:
+        frontend.stop()
+
+
+def _live(url: str) -> bool:
+    try:
+        return httpx.get(url + "/live").status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -33,7 +33,9 @@ async def watch_workers(runtime: DistributedRuntime, registry: ModelRegistry) ->
         except KvmeshError as exc:
             log.error("cannot serve worker %x: %s", info.worker_id, exc.message)
 
-    client = runtime.namespace().component(COMPONENT).endpoint(GENERATE).client(added, registry.detach)
+    c = registry.config
+    endpoint = runtime.namespace().component(COMPONENT).endpoint(GENERATE)
+    client = endpoint.client(added, registry.detach, c.connect_timeout_s, c.response_timeout_s)
     await client.start()
     return client
 
@@ -87,4 +89,6 @@ class StaticWorkers:
                 log.error("static worker %s has the same id %d as another; give each its own --worker-id", address, info.worker_id)
                 return
             self._attached[address] = info.worker_id
-            await self.registry.attach(msgspec.structs.replace(info, address=address), TcpClient(address))
+            c = self.registry.config
+            client = TcpClient(address, c.connect_timeout_s, c.response_timeout_s)
+            await self.registry.attach(msgspec.structs.replace(info, address=address), client)

@@ -170,7 +170,9 @@ class DistributedRuntime:
             self._servers[key] = server
         return server
 
-    async def client_for(self, info: InstanceInfo) -> RequestClient:
+    async def client_for(
+        self, info: InstanceInfo, connect_timeout: float = 5.0, response_timeout: float | None = None
+    ) -> RequestClient:
         """A request-plane client that reaches ``info`` over its own transport."""
         if info.transport == "nats":
             if self.nats is None:
@@ -184,8 +186,11 @@ class DistributedRuntime:
                 await self._callhome.start()
             from kvmesh.runtime.nats_plane import NatsRequestClient
 
-            return NatsRequestClient(self.nats, self._callhome, info.namespace, info.component, info.worker_id)
-        return TcpClient(info.address)
+            return NatsRequestClient(
+                self.nats, self._callhome, info.namespace, info.component, info.worker_id,
+                connect_timeout=connect_timeout, response_timeout=response_timeout,
+            )  # fmt: skip
+        return TcpClient(info.address, connect_timeout, response_timeout)
 
 
 class Namespace:
@@ -258,8 +263,10 @@ class Endpoint:
         self,
         on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]],
         on_removed: Callable[[int], Awaitable[None]],
+        connect_timeout: float = 5.0,
+        response_timeout: float | None = None,
     ) -> Client:
-        return Client(self.runtime, self.prefix, on_added, on_removed)
+        return Client(self.runtime, self.prefix, on_added, on_removed, connect_timeout, response_timeout)
 
 
 class Client:
@@ -275,9 +282,13 @@ class Client:
         prefix: str,
         on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]],
         on_removed: Callable[[int], Awaitable[None]],
+        connect_timeout: float = 5.0,
+        response_timeout: float | None = None,
     ) -> None:
         self.runtime = runtime
         self.prefix = prefix
+        self.connect_timeout = connect_timeout
+        self.response_timeout = response_timeout
         self.on_added = on_added
         self.on_removed = on_removed
         self.known: dict[int, InstanceInfo] = {}
@@ -307,7 +318,7 @@ class Client:
         if info.worker_id in self.known:
             self.known[info.worker_id] = info
             return
-        client = await self.runtime.client_for(info)
+        client = await self.runtime.client_for(info, self.connect_timeout, self.response_timeout)
         self.known[info.worker_id] = info
         await self.on_added(info, client)
 

@@ -33,7 +33,7 @@ from kvmesh.errors import (
 )
 from kvmesh.frontend.models import ModelRegistry
 from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess
-from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
+from kvmesh.frontend.schemas import parse
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context

@@ -111,6 +111,7 @@ class FrontendConfig:
     kv_block_size: int | None = None  # None: take the workers' block size
     admission_threshold: float | None = None  # None: no admission queue
     admission_max_queue: int = 1024
+    migration_limit: int = 3  # re-issues of one request after mid-stream failures; 0: off
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:
@@ -119,6 +120,8 @@ class FrontendConfig:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
         for name in ("keepalive_s", "max_body_bytes", "connect_timeout_s", "response_timeout_s"):
             _positive(name, getattr(self, name))
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must not be negative, got {self.migration_limit}")
         if self.worker_wait_s < 0:
             raise ValueError(f"--worker-wait must not be negative, got {self.worker_wait_s}")
         if self.kv_overlap_weight < 0 or self.router_temperature < 0:

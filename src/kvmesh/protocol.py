@@ -112,6 +112,11 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     eos_token_ids: list[int] = []
     routing: RoutingHints | None = None
     disaggregated_params: DisaggregatedParams | None = None
+    # Set when the frontend re-issues a request after a worker failed mid-stream:
+    # ``token_ids`` is then the original prompt followed by the tokens already
+    # streamed, and this is the original prompt's length. Engines that derive anything
+    # from "the prompt" (a random stream key, usage) use the first this-many tokens.
+    original_prompt_len: int | None = None
 
 
 class Usage(msgspec.Struct, omit_defaults=True, gc=False):

@@ -50,6 +50,10 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-mode", default=d.router_mode, choices=ROUTER_MODES, help="how to pick a worker")
     p.add_argument("--keepalive", type=float, default=d.keepalive_s, help="seconds between SSE keep-alive comments")
     p.add_argument("--response-timeout", type=float, default=d.response_timeout_s, help="seconds to wait for a worker's first response")
+    p.add_argument(
+        "--migration-limit", type=int, default=d.migration_limit,
+        help="times a request may move to another worker after a mid-stream failure (0: never)",
+    )  # fmt: skip
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, help="seconds to connect to a worker")
     p.add_argument("--worker-wait", type=float, default=d.worker_wait_s, help="seconds a request waits for a worker to appear, then 503")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -159,6 +163,7 @@ def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
         keepalive_s=ns.keepalive,
         response_timeout_s=ns.response_timeout,
         connect_timeout_s=ns.connect_timeout,
+        migration_limit=ns.migration_limit,
         worker_wait_s=ns.worker_wait,
         kv_overlap_weight=ns.kv_overlap_weight,
         router_temperature=ns.router_temperature,

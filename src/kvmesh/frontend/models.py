@@ -75,6 +75,7 @@ class ModelEntry:
         self.router = PushRouter(self.instances, make_policy(mode), config.worker_wait_s, f"model {info.name!r}")
         self.metrics = metrics
         self.kv: KvRouterService | None = None  # the KV router, in kv / kv-approx modes
+        self.migration_limit = config.migration_limit
         self.created = int(time.time())
 
     @property

@@ -179,36 +179,71 @@ class Generation:
         self.worker_id = instance.worker_id
         return self._chunks(instance)
 
-    def _stream_on(self, instance: Instance) -> AsyncIterator[OutputChunk]:
+    def _stream_on(self, instance: Instance, request: PreprocessedRequest) -> AsyncIterator[OutputChunk]:
         self.worker_id = instance.worker_id
         self.entry.metrics.routed(instance.worker_id)
         return instance.client.stream(
-            GENERATE, _encode_request(self.request), self.ctx, decode=_decode_chunk, merge=merge_chunks
+            GENERATE, _encode_request(request), self.ctx, decode=_decode_chunk, merge=merge_chunks
         )
 
     async def _chunks(self, instance: Instance) -> AsyncIterator[OutputChunk]:
-        """The worker's chunks. A migratable failure before the first chunk (a worker
-        that is draining, gone, or unreachable) re-routes the request to another
-        worker, up to ``RETRIES_BEFORE_OUTPUT`` times; nothing was sent to the
-        client yet, so it cannot tell."""
+        """The worker's chunks, kept flowing when workers fail.
+
+        A migratable failure (a worker draining, gone, unreachable, timed out) before
+        any token re-routes the request (up to ``RETRIES_BEFORE_OUTPUT`` times); after
+        some tokens it *migrates* it: the prompt plus the tokens streamed so far, with
+        the remaining budget, goes to another worker (up to the migration limit), so
+        the client sees one stream with no token missing or repeated. Never for a
+        stopped (cancelled) request.
+        """
         tried = {instance.worker_id}
+        request = self.request
+        generated: list[int] = []
+        migrations = 0
         while True:
-            stream = self._stream_on(instance)
-            produced = False
+            stream = self._stream_on(instance, request)
             try:
                 async for chunk in stream:
-                    produced = True
+                    generated.extend(chunk.token_ids)
                     yield chunk
                 return
             except MIGRATABLE as exc:
-                if produced or self.ctx.is_stopped() or len(tried) > RETRIES_BEFORE_OUTPUT:
+                if self.ctx.is_stopped():
                     raise
-                log.info("request %s: worker %x failed before output (%s); re-routing", self.request.request_id, instance.worker_id, exc.message)
+                if generated:
+                    if migrations >= self.entry.migration_limit:
+                        raise
+                    migrations += 1
+                    self.entry.metrics.migrated("re_prefill")
+                elif len(tried) > RETRIES_BEFORE_OUTPUT:
+                    raise
+                log.info(
+                    "request %s: worker %x failed after %d tokens (%s); moving it",
+                    self.request.request_id, instance.worker_id, len(generated), exc.message,
+                )  # fmt: skip
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             self.entry.router.finished(self.request.request_id)  # release the failed booking
-            instance = await self.entry.router.pick(self.request, exclude=frozenset(tried))
+            request = self._continuation(generated)
+            if request is None:  # every token was already streamed; only the end was lost
+                yield OutputChunk(finish_reason="length")
+                return
+            instance = await self.entry.router.pick(request, exclude=frozenset(tried))
             tried.add(instance.worker_id)
+
+    def _continuation(self, generated: list[int]) -> PreprocessedRequest | None:
+        """The original request resumed after ``generated``; None if nothing is left."""
+        r = self.request
+        if not generated:
+            return r
+        stop = r.stop
+        remaining = (stop.max_tokens or 0) - len(generated)
+        if remaining <= 0:
+            return None
+        stop = msgspec.structs.replace(stop, max_tokens=remaining, min_tokens=max(0, stop.min_tokens - len(generated)))
+        return msgspec.structs.replace(
+            r, token_ids=r.token_ids + generated, stop=stop, original_prompt_len=len(r.token_ids)
+        )
 
     async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
         pre = self.entry.preprocessor

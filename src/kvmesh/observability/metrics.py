@@ -51,6 +51,7 @@ class ModelMetrics:
         "_routed",
         "cached_tokens",
         "router",
+        "_migrations",
     )
 
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
@@ -66,6 +67,10 @@ class ModelMetrics:
         self._routed: dict[int, object] = {}
         self.cached_tokens = parent.cached_tokens.labels(model)
         self.router = RouterMetrics(parent, model)
+        self._migrations = parent.migrations
+
+    def migrated(self, method: str) -> None:
+        self._migrations.labels(self._model, method).inc()
 
     def routed(self, worker_id: int) -> None:
         child = self._routed.get(worker_id)
@@ -120,6 +125,9 @@ class FrontendMetrics:
         self.router_rejected = Counter("kvmesh_router_rejected", "Requests refused: admission queue full", ["model"], registry=r)
         self.router_block_mismatch = Counter(
             "kvmesh_router_block_size_mismatch", "Workers refused: KV block size differs from the router's", ["model"], registry=r
+        )
+        self.migrations = Counter(
+            "kvmesh_migrations", "Requests moved to another worker after a mid-stream failure", ["model", "method"], registry=r
         )
         self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}

@@ -16,6 +16,8 @@ Shape (one event loop, no threads)::
   ``finally`` aborts again (idempotent), covering a consumer that drops the generator.
 * ``cleanup`` cancels the loop and ends every open stream with
   :class:`~kvmesh.errors.EngineShutdown`.
+* Fault injection (:mod:`.faults`): ``options.fault`` at construction, or
+  ``set_fault`` at any time. With no fault the step loop pays one ``is None`` test.
 
 KV events and load reports go to the publisher given to the constructor. ``start``
 resets the pool, so the first event of every start is ``AllBlocksCleared`` (telling
@@ -27,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 
 from kvmesh.engines.base import Engine
+from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput
 from kvmesh.errors import EngineShutdown, KvmeshError
@@ -100,7 +104,13 @@ class _Mailbox:
 class MockerEngine(Engine):
     """A simulated vLLM-style engine; see the module docstring."""
 
-    def __init__(self, options: MockerOptions | None = None, publisher: EventPublisher | None = None) -> None:
+    def __init__(
+        self,
+        options: MockerOptions | None = None,
+        publisher: EventPublisher | None = None,
+        *,
+        exit_fn: Callable[[int], object] = os._exit,
+    ) -> None:
         self.options = options if options is not None else MockerOptions()
         self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
         self._scheduler = Scheduler(self.options, self._publisher)
@@ -108,6 +118,10 @@ class MockerEngine(Engine):
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_load: tuple[int, int, int] | None = None
+        # Fault injection: None unless a fault is set (the step loop's only extra test).
+        self._exit_fn = exit_fn  # what a "crash" fault calls; tests pass a recorder
+        self._fault: FaultInjector | None = None
+        self.set_fault(self.options.fault)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,6 +157,18 @@ class MockerEngine(Engine):
         await asyncio.wait([task])
         self._fail_all("mocker engine was cleaned up")
         self._scheduler.reset()  # publishes AllBlocksCleared: this worker's cache is gone
+
+    def set_fault(self, spec: FaultSpec) -> None:
+        """Inject ``spec`` from the next step on (``FaultSpec()`` clears it). Replacing
+        a ``hang`` lets the stalled step loop go on."""
+        old = self._fault
+        self._fault = FaultInjector(spec, self.options.vocab_size, self._exit_fn) if spec.active else None
+        if old is not None:
+            old.release()
+
+    @property
+    def fault(self) -> FaultSpec:
+        return FaultSpec() if self._fault is None else self._fault.spec
 
     # ------------------------------------------------------------------ introspection
 
@@ -220,6 +246,8 @@ class MockerEngine(Engine):
             await self._loop(wake)
         except asyncio.CancelledError:
             raise
+        except EngineShutdown as exc:  # an injected crash whose exit_fn returned
+            self._fail_all(exc.message)
         except Exception as exc:  # noqa: BLE001 - a bug here must end streams, not hang them
             _log.exception("mocker step loop failed")
             self._fail_all(f"mocker step loop failed: {exc!r}")
@@ -238,6 +266,9 @@ class MockerEngine(Engine):
                 deadline = loop.time()
                 continue
             out = sched.step()
+            fault = self._fault
+            if fault is not None:  # injected fault: may slow, corrupt, stall or end the loop
+                out = await fault.apply(out)
             deadline = max(deadline, loop.time() - _MAX_CATCH_UP_S) + out.duration_ms / 1000.0
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > _MIN_SLEEP_S else 0)

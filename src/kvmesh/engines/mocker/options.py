@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvmesh.engines.mocker.faults import FaultSpec
+
 __all__ = ["MockerOptions"]
 
 
@@ -26,6 +28,7 @@ class MockerOptions:
     :mod:`kvmesh.engines.mocker.tokens`). ``speedup`` divides every step time; a huge
     value (``1e9``) runs as fast as the CPU allows. ``load_report_interval_steps``: the
     engine checks whether its load changed (and publishes a report if so) every N steps.
+    ``fault``: a fault to inject from the start (see :mod:`.faults`; none by default).
     """
 
     model: str = "mocker"
@@ -46,6 +49,7 @@ class MockerOptions:
     eos_rate: float = 1.0 / 64.0
     load_report_interval_steps: int = 1
     event_ring_capacity: int = 1024
+    fault: FaultSpec = FaultSpec()
 
     def __post_init__(self) -> None:
         _check_positive_ints(

@@ -46,11 +46,15 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 
 def request_key(request: PreprocessedRequest) -> int:
-    """The stream key: the request's seed if set, else a hash of its prompt."""
+    """The stream key: the request's seed if set, else a hash of its (original) prompt,
+    so a request re-issued after a migration continues the same stream."""
     seed = request.sampling.seed
     if seed is not None:
         return seed & _MASK64
-    arr = array("I", request.token_ids)
+    prompt = request.token_ids
+    if request.original_prompt_len is not None:
+        prompt = prompt[: request.original_prompt_len]
+    arr = array("I", prompt)
     if sys.byteorder == "big":  # pragma: no cover
         arr.byteswap()
     return _xxh3(arr.tobytes(), TOKEN_SEED)

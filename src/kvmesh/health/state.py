@@ -43,6 +43,7 @@ __all__ = [
     "HealthStatus",
     "CheckKind",
     "CheckResult",
+    "CORRUPTION_KINDS",
     "HealthConfig",
     "Transition",
     "EmaBaseline",

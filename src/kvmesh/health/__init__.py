@@ -8,7 +8,15 @@ The async glue (checker loop, migration driver) lives with the roles that run it
 """
 
 from kvmesh.health.breaker import BreakerConfig, BreakerState, CircuitBreaker
-from kvmesh.health.canary import Canary, CanaryOutput, CanarySet, evaluate, load_canaries, record_canaries, save_canaries
+from kvmesh.health.canary import (
+    Canary,
+    CanaryOutput,
+    CanarySet,
+    evaluate,
+    load_canaries,
+    record_canaries,
+    save_canaries,
+)
 from kvmesh.health.degradation import (
     CapacityConfig,
     CapacityModel,
@@ -19,8 +27,15 @@ from kvmesh.health.degradation import (
     admit,
 )
 from kvmesh.health.migration import MigrationBudget, choose_migration, estimate_migration, is_migratable
-from kvmesh.health.state import CheckKind, CheckResult, HealthConfig, HealthStateMachine, HealthStatus, HealthTracker
-from kvmesh.health.state import Transition
+from kvmesh.health.state import (
+    CheckKind,
+    CheckResult,
+    HealthConfig,
+    HealthStateMachine,
+    HealthStatus,
+    HealthTracker,
+    Transition,
+)
 
 __all__ = [
     "BreakerConfig",

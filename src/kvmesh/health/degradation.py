@@ -11,15 +11,15 @@ Capacity model (per worker, from its :class:`~kvmesh.protocol.LoadReport`)::
 
 Levels (thresholds on ``ratio`` from the design) and their actions:
 
-===== ============ ================ ========= ============= ==========
-level ratio        batch multiplier shed      latency SLO × accept new
-===== ============ ================ ========= ============= ==========
-0     ≥ 1.0        1.0              —         1.0           yes
-1     ≥ 0.75       0.75             —         1.0           yes
-2     ≥ 0.50       0.75             best_effort 1.0         yes
-3     ≥ 0.25       0.50             best_effort 2.0         yes
-4     < 0.25       0.50             best_effort 2.0         no (drain)
-===== ============ ================ ========= ============= ==========
+===== ======== ================ =========== ============= ==========
+level ratio    batch multiplier shed        latency SLO × accept new
+===== ======== ================ =========== ============= ==========
+0     ≥ 1.0    1.0              —           1.0           yes
+1     ≥ 0.75   0.75             —           1.0           yes
+2     ≥ 0.50   0.75             best_effort 1.0           yes
+3     ≥ 0.25   0.50             best_effort 2.0           yes
+4     < 0.25   0.50             best_effort 2.0           no (drain)
+===== ======== ================ =========== ============= ==========
 
 Hysteresis: a worse level applies at once; a better one only once the ratio has
 cleared the better level's threshold by ``hysteresis`` for ``recover_hold_s``
@@ -191,7 +191,9 @@ class CapacityModel:
         return capacity / target
 
 
-def level_for_ratio(ratio: float, thresholds: tuple[float, float, float, float] = (1.0, 0.75, 0.5, 0.25)) -> DegradationLevel:
+def level_for_ratio(
+    ratio: float, thresholds: tuple[float, float, float, float] = (1.0, 0.75, 0.5, 0.25)
+) -> DegradationLevel:
     """The level a capacity ratio calls for, without hysteresis."""
     for level, lowest in enumerate(thresholds):
         if ratio >= lowest:

@@ -11,9 +11,11 @@ The new worker needs the KV of every token so far. Two ways to get it::
     re_prefill:  prefill_ms_fn(tokens)                               (recompute it)
 
 The cheaper one wins, except that a transfer estimated over ``max_transfer_ms``
-(500 ms, from the design) or with no usable link falls back to re-prefill. The
-crossover is far away on fast links (NVLink: millions of tokens) and close on slow
-ones (PCIe at 28 GB/s with a 70B model: ~168K tokens).
+(500 ms, from the design) or with no usable link falls back to re-prefill. Both costs
+grow linearly with the token count, so which is cheaper depends on the link's speed
+against the prefill rate; for a 70B model (40 KB of KV per token per shard, 5000
+prefill tokens/s) copying wins on any link faster than ~205 MB/s, and on PCIe (28 GB/s)
+the 500 ms budget, not the cost, sends sequences past ~340K tokens to re-prefill.
 
 Pure functions and one small counter; no I/O.
 """

@@ -405,4 +405,6 @@ class HealthTracker:
         return result
 
     def __repr__(self) -> str:
-        return f"HealthTracker(worker_id={self.worker_id}, status={self.status.name}, breaker={self.breaker.state.name})"
+        return (
+            f"HealthTracker(worker_id={self.worker_id}, status={self.status.name}, breaker={self.breaker.state.name})"
+        )

@@ -21,7 +21,13 @@ def test_defaults_follow_the_design() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"failure_threshold": 0}, {"recovery_timeout_s": -1.0}, {"recovery_timeout_s": float("nan")}, {"half_open_max_calls": 0}]
+    "kwargs",
+    [
+        {"failure_threshold": 0},
+        {"recovery_timeout_s": -1.0},
+        {"recovery_timeout_s": float("nan")},
+        {"half_open_max_calls": 0},
+    ],
 )
 def test_config_is_validated(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):

@@ -18,7 +18,13 @@ from kvmesh.health.state import (
 
 OK = CheckResult(CheckKind.OK, 0.02)
 BAD = CheckResult(CheckKind.WRONG_TOKENS, 0.02)
-H, S, U, D, X = (HealthStatus.HEALTHY, HealthStatus.SUSPICIOUS, HealthStatus.UNHEALTHY, HealthStatus.DRAINING, HealthStatus.DEAD)
+H, S, U, D, X = (
+    HealthStatus.HEALTHY,
+    HealthStatus.SUSPICIOUS,
+    HealthStatus.UNHEALTHY,
+    HealthStatus.DRAINING,
+    HealthStatus.DEAD,
+)
 
 
 def machine_at(status: HealthStatus) -> HealthStateMachine:
@@ -36,7 +42,12 @@ def machine_at(status: HealthStatus) -> HealthStateMachine:
 def test_defaults_follow_the_design() -> None:
     cfg = HealthConfig()
     assert (cfg.suspicious_after_failures, cfg.unhealthy_after_failures, cfg.recover_after_successes) == (1, 3, 1)
-    assert (cfg.latency_spike_factor, cfg.baseline_alpha, cfg.check_interval_s, cfg.canary_max_retries) == (3.0, 0.1, 30.0, 2)
+    assert (cfg.latency_spike_factor, cfg.baseline_alpha, cfg.check_interval_s, cfg.canary_max_retries) == (
+        3.0,
+        0.1,
+        30.0,
+        2,
+    )
     assert cfg.breaker == BreakerConfig()
 
 

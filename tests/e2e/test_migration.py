@@ -95,5 +95,5 @@ async def test_sigkilled_workers_lose_no_request_and_no_token(tmp_path):
     different = [i for i in range(REQUESTS) if disturbed[i] != undisturbed[i]]
     examples = [(i, undisturbed[i], disturbed[i]) for i in different[:2]]
     assert different == [], f"{len(different)} streams differ, e.g. {examples}"
-    migrations = sum(float(v) for v in re.findall(r'^kvmesh_migrations_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
+    migrations = sum(float(v) for v in re.findall(r'^kvmesh_migration_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
     assert migrations > 0, "no request was caught mid-stream: the test did not test migration"

@@ -20,6 +20,7 @@ import msgspec
 from kvmesh.errors import MIGRATABLE, InvalidArgument, StreamIncomplete, Unknown
 from kvmesh.frontend.models import ModelEntry
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from kvmesh.health.migration import MigrationBudget, choose_migration, resume_request
 from kvmesh.protocol import (
     OutputChunk,
     OutputOptions,
@@ -37,6 +38,10 @@ __all__ = ["new_request_id", "preprocess", "Generation", "merge_chunks", "explai
 log = logging.getLogger("kvmesh.frontend")
 
 RETRIES_BEFORE_OUTPUT = 3
+
+
+def _no_prefill_model(tokens: int) -> float:
+    return 0.0
 _ids = itertools.count(1)
 _id_prefix = os.urandom(4).hex()
 _encode_request = msgspec.msgpack.Encoder().encode
@@ -199,7 +204,7 @@ class Generation:
         tried = {instance.worker_id}
         request = self.request
         generated: list[int] = []
-        migrations = 0
+        budget = MigrationBudget(self.entry.migration_limit)
         while True:
             stream = self._stream_on(instance, request)
             try:
@@ -211,10 +216,11 @@ class Generation:
                 if self.ctx.is_stopped():
                     raise
                 if generated:
-                    if migrations >= self.entry.migration_limit:
+                    if not budget.try_spend():
                         raise
-                    migrations += 1
-                    self.entry.metrics.migrated("re_prefill")
+                    # no KV transfer between workers yet: the cost model has no link
+                    method = choose_migration(len(self.request.token_ids), len(generated), 0, None, _no_prefill_model)
+                    self.entry.metrics.migrated(method)
                 elif len(tried) > RETRIES_BEFORE_OUTPUT:
                     raise
                 log.info(
@@ -224,26 +230,12 @@ class Generation:
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             self.entry.router.finished(self.request.request_id)  # release the failed booking
-            request = self._continuation(generated)
-            if request is None:  # every token was already streamed; only the end was lost
-                yield OutputChunk(finish_reason="length")
+            if generated and len(generated) >= (self.request.stop.max_tokens or 0):
+                yield OutputChunk(finish_reason="length")  # every token was streamed; only the end was lost
                 return
+            request = resume_request(self.request, generated)
             instance = await self.entry.router.pick(request, exclude=frozenset(tried))
             tried.add(instance.worker_id)
-
-    def _continuation(self, generated: list[int]) -> PreprocessedRequest | None:
-        """The original request resumed after ``generated``; None if nothing is left."""
-        r = self.request
-        if not generated:
-            return r
-        stop = r.stop
-        remaining = (stop.max_tokens or 0) - len(generated)
-        if remaining <= 0:
-            return None
-        stop = msgspec.structs.replace(stop, max_tokens=remaining, min_tokens=max(0, stop.min_tokens - len(generated)))
-        return msgspec.structs.replace(
-            r, token_ids=r.token_ids + generated, stop=stop, original_prompt_len=len(r.token_ids)
-        )
 
     async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
         pre = self.entry.preprocessor

@@ -162,4 +162,7 @@ def resume_request(request: PreprocessedRequest, generated: list[int]) -> Prepro
     stop = request.stop
     max_tokens = None if stop.max_tokens is None else max(0, stop.max_tokens - done)
     new_stop = msgspec.structs.replace(stop, max_tokens=max_tokens, min_tokens=max(0, stop.min_tokens - done))
-    return msgspec.structs.replace(request, token_ids=[*request.token_ids, *generated], stop=new_stop)
+    original = request.original_prompt_len if request.original_prompt_len is not None else len(request.token_ids)
+    return msgspec.structs.replace(
+        request, token_ids=[*request.token_ids, *generated], stop=new_stop, original_prompt_len=original
+    )

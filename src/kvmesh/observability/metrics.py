@@ -127,7 +127,7 @@ class FrontendMetrics:
             "kvmesh_router_block_size_mismatch", "Workers refused: KV block size differs from the router's", ["model"], registry=r
         )
         self.migrations = Counter(
-            "kvmesh_migrations", "Requests moved to another worker after a mid-stream failure", ["model", "method"], registry=r
+            "kvmesh_migration", "Requests moved to another worker after a mid-stream failure", ["model", "method"], registry=r
         )
         self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}

@@ -97,7 +97,8 @@ class InProcessStack:
         from kvmesh.config import FrontendConfig, MockerConfig, WorkerConfig
 
         self.worker_config = WorkerConfig(mocker=MockerConfig(speedup=speedup, **mocker))  # type: ignore[arg-type]
-        self.frontend_config = FrontendConfig(http_port=0, keepalive_s=0.2)
+        # canaries would add requests of their own to the engine these tests count
+        self.frontend_config = FrontendConfig(http_port=0, keepalive_s=0.2, canary_interval_s=0)
         self.port = 0
 
     @contextlib.asynccontextmanager

@@ -54,10 +54,18 @@ class MockerConfig:
     num_blocks: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    fault: str = ""  # fault injection, e.g. "hang", "slow:factor=4" (kvmesh.engines.mocker.faults)
 
     def __post_init__(self) -> None:
         for name in ("speedup", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             _positive(f"--{name.replace('_', '-')}", getattr(self, name))
+        if self.fault:
+            from kvmesh.engines.mocker.faults import FaultSpec
+
+            try:
+                FaultSpec.parse(self.fault)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"--fault {self.fault!r}: {exc}") from None
 
     def to_args(self) -> list[str]:
         return [
@@ -66,7 +74,7 @@ class MockerConfig:
             "--num-blocks", str(self.num_blocks),
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-        ]  # fmt: skip
+        ] + (["--fault", self.fault] if self.fault else [])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,10 @@ class FrontendConfig:
     admission_threshold: float | None = None  # None: no admission queue
     admission_max_queue: int = 1024
     migration_limit: int = 3  # re-issues of one request after mid-stream failures; 0: off
+    canary_interval_s: float = 30.0  # 0: no canary health checks
+    canary_timeout_s: float = 10.0
+    canary_files: tuple[str, ...] = ()
+    breaker_recovery_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:
@@ -120,6 +132,10 @@ class FrontendConfig:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
         for name in ("keepalive_s", "max_body_bytes", "connect_timeout_s", "response_timeout_s"):
             _positive(name, getattr(self, name))
+        if self.canary_interval_s < 0:
+            raise ValueError(f"--canary-interval must not be negative, got {self.canary_interval_s}")
+        _positive("--canary-timeout", self.canary_timeout_s)
+        _positive("--breaker-recovery", self.breaker_recovery_s)
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must not be negative, got {self.migration_limit}")
         if self.worker_wait_s < 0:

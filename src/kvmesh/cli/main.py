@@ -40,6 +40,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker")
     m.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max running sequences per worker")
     m.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
+    m.add_argument("--fault", default="", help="inject a fault: crash | hang | slow:factor=K | corrupt [,after_tokens=N,probability=P]")
     p.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
 
 
@@ -54,6 +55,11 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
         "--migration-limit", type=int, default=d.migration_limit,
         help="times a request may move to another worker after a mid-stream failure (0: never)",
     )  # fmt: skip
+    h = p.add_argument_group("health (canary checks, circuit breakers)")
+    h.add_argument("--canary-interval", type=float, default=d.canary_interval_s, help="seconds between canary checks per worker (0: off)")
+    h.add_argument("--canary-timeout", type=float, default=d.canary_timeout_s, help="seconds a canary may take")
+    h.add_argument("--canaries", action="append", default=[], metavar="FILE", help="a canary set (JSON; see `kvmesh canary record`)")
+    h.add_argument("--breaker-recovery", type=float, default=d.breaker_recovery_s, help="seconds an open circuit waits before a trial")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, help="seconds to connect to a worker")
     p.add_argument("--worker-wait", type=float, default=d.worker_wait_s, help="seconds a request waits for a worker to appear, then 503")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -141,6 +147,7 @@ def _mocker_config(ns: argparse.Namespace) -> MockerConfig:
         num_blocks=ns.num_blocks,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
+        fault=ns.fault,
     )
 
 
@@ -164,6 +171,10 @@ def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
         response_timeout_s=ns.response_timeout,
         connect_timeout_s=ns.connect_timeout,
         migration_limit=ns.migration_limit,
+        canary_interval_s=ns.canary_interval,
+        canary_timeout_s=ns.canary_timeout,
+        canary_files=tuple(ns.canaries),
+        breaker_recovery_s=ns.breaker_recovery,
         worker_wait_s=ns.worker_wait,
         kv_overlap_weight=ns.kv_overlap_weight,
         router_temperature=ns.router_temperature,

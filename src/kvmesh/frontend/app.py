@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import (
+    InvalidArgument,
     KvmeshError,
     MethodNotAllowed,
     PayloadTooLarge,
@@ -38,8 +39,17 @@ from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, S
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.event_plane.base import EventPlane
+from kvmesh.runtime.names import FAULT
 
 __all__ = ["Frontend", "error_response"]
+
+
+class _FaultRequest(msgspec.Struct):
+    worker: str
+    fault: str = ""
+
+
+_decode_str = msgspec.msgpack.Decoder(str).decode
 
 log = logging.getLogger("kvmesh.frontend")
 
@@ -86,6 +96,8 @@ class Frontend:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/live", self.live, methods=["GET"]),
                 Route("/metrics", self.render_metrics, methods=["GET"]),
+                Route("/admin/workers", self.list_workers, methods=["GET"]),
+                Route("/admin/fault", self.set_fault, methods=["POST"]),
             ],
             exception_handlers={404: self._not_found, 405: self._bad_method},
             lifespan=self._lifespan,
@@ -94,6 +106,8 @@ class Frontend:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.keepalive.start()
+        if self.registry.health is not None:
+            self.registry.health.start()
         try:
             yield
         finally:
@@ -119,6 +133,35 @@ class Frontend:
 
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def list_workers(self, request: Request) -> Response:
+        """Every worker with its health (for operators and fault drills)."""
+        health = self.registry.health
+        out = []
+        for name, entry in sorted(self.registry.models.items()):
+            for inst in entry.instances.all():
+                status = health.status(inst.worker_id) if health is not None else None
+                out.append(
+                    {"model": name, "worker": f"{inst.worker_id:x}", "address": inst.info.address,
+                     "status": status.name.lower() if status is not None else "unknown",
+                     "weight": health.weight(inst.worker_id) if health is not None else 1.0}
+                )  # fmt: skip
+        return Response(_json({"workers": out}), media_type=_JSON)
+
+    async def set_fault(self, request: Request) -> Response:
+        """``{"worker": "<hex id>", "fault": "hang"}``: switch a worker's fault injection."""
+        try:
+            body = msgspec.json.decode(await request.body(), type=_FaultRequest)
+            instance = self.registry.find_instance(int(body.worker, 16))
+            result = None
+            ctx = Context(f"fault-{body.worker}")
+            async for item in instance.client.stream(FAULT, msgspec.msgpack.encode(body.fault), ctx, decode=_decode_str):
+                result = item
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            return error_response(InvalidArgument(f"send {{\"worker\": \"<hex id>\", \"fault\": \"<spec>\"}}: {exc}"))
+        except KvmeshError as exc:
+            return error_response(exc)
+        return Response(_json({"worker": body.worker, "fault": result}), media_type=_JSON)
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(RouteNotFound(f"there is no route {request.url.path}; see /v1/models"))

@@ -18,6 +18,9 @@ import msgspec
 
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import InvalidArgument, ModelNotFound
+from kvmesh.health.breaker import BreakerConfig
+from kvmesh.health.monitor import HealthMonitor
+from kvmesh.health.state import HealthConfig
 from kvmesh.observability.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.preprocess import Preprocessor
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
@@ -33,6 +36,10 @@ if TYPE_CHECKING:
     from kvmesh.router.service import KvRouterService
 
 __all__ = ["ModelEntry", "ModelRegistry", "fetch_model_files", "model_cache_dir"]
+
+
+def _health_config(c: FrontendConfig) -> HealthConfig:
+    return HealthConfig(check_interval_s=c.canary_interval_s, breaker=BreakerConfig(recovery_timeout_s=c.breaker_recovery_s))
 
 _decode_files = msgspec.msgpack.Decoder(ModelFiles).decode
 
@@ -76,6 +83,7 @@ class ModelEntry:
         self.metrics = metrics
         self.kv: KvRouterService | None = None  # the KV router, in kv / kv-approx modes
         self.migration_limit = config.migration_limit
+        self.health: HealthMonitor | None = None
         self.created = int(time.time())
 
     @property
@@ -90,6 +98,9 @@ class ModelRegistry:
         self.config = config
         self.metrics = metrics
         self.event_plane = event_plane
+        self.health: HealthMonitor | None = None
+        if config.canary_interval_s > 0:
+            self.health = HealthMonitor(self, _health_config(config), config.canary_timeout_s, config.canary_files, metrics)
         self.models: dict[str, ModelEntry] = {}
         self._worker_model: dict[int, str] = {}
 
@@ -99,6 +110,8 @@ class ModelRegistry:
         entry = self.models.get(info.name)
         if entry is None:
             entry = self.models[info.name] = ModelEntry(info, self.config, self.metrics.model(info.name))
+            entry.health = self.health
+            entry.router.weights = self.health.weights if self.health is not None else None
         return entry
 
     def get(self, name: str) -> ModelEntry:
@@ -151,6 +164,8 @@ class ModelRegistry:
         if entry.kv is not None:
             entry.kv.add_worker(instance)  # refuses a worker whose block size differs
         entry.instances.add(instance)
+        if self.health is not None:
+            self.health.attached(instance)
         self._worker_model[info.worker_id] = name
         self.metrics.workers.labels(name).set(len(entry.instances))
         return instance
@@ -173,15 +188,26 @@ class ModelRegistry:
         instance = entry.instances.remove(worker_id)
         if entry.kv is not None:
             entry.kv.remove_worker(worker_id)
+        if self.health is not None:
+            self.health.detached(worker_id)
         self.metrics.workers.labels(name).set(len(entry.instances))
         return instance
 
     async def close(self) -> None:
+        if self.health is not None:
+            await self.health.close()
         for entry in self.models.values():
             if entry.kv is not None:
                 await entry.kv.close()
         if self.event_plane is not None:
             await self.event_plane.close()
+
+    def find_instance(self, worker_id: int) -> Instance:
+        name = self._worker_model.get(worker_id)
+        instance = self.models[name].instances.get(worker_id) if name is not None else None
+        if instance is None:
+            raise ModelNotFound(f"no worker {worker_id:x}; see GET /admin/workers")
+        return instance
 
     def ready(self) -> bool:
         return any(len(e.instances) for e in self.models.values())

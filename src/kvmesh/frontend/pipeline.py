@@ -215,6 +215,8 @@ class Generation:
             except MIGRATABLE as exc:
                 if self.ctx.is_stopped():
                     raise
+                if self.entry.health is not None:
+                    self.entry.health.stream_failed(instance.worker_id, exc)
                 if generated:
                     if not budget.try_spend():
                         raise

@@ -129,6 +129,16 @@ class FrontendMetrics:
         self.migrations = Counter(
             "kvmesh_migration", "Requests moved to another worker after a mid-stream failure", ["model", "method"], registry=r
         )
+        self.check_duration = Histogram(
+            "kvmesh_health_check_duration_seconds", "Canary checks by worker, type and result",
+            ["worker_id", "check_type", "result"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.worker_status = Gauge(
+            "kvmesh_worker_status", "Health: 0 healthy, 1 suspicious, 2 unhealthy, 3 draining, 4 dead", ["worker_id"], registry=r
+        )
+        self.breaker_state = Gauge(
+            "kvmesh_circuit_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", ["worker_id"], registry=r
+        )
         self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 

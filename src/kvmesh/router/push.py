@@ -11,7 +11,7 @@ queue) and hear of each request's first token and end.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from kvmesh.errors import NoWorkers
@@ -22,16 +22,25 @@ __all__ = ["Policy", "RoundRobin", "Random", "make_policy", "PushRouter"]
 
 
 class Policy(Protocol):
-    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int: ...
+    def select(self, ids: Sequence[int], request: PreprocessedRequest, weights: Mapping[int, float] | None = None) -> int:
+        """One of ``ids``. ``weights`` (health, in (0, 1]; None: all 1) scale each
+        worker's share of the traffic."""
+        ...
 
 
 class RoundRobin:
-    def __init__(self) -> None:
-        self._next = 0
+    """In turn; a worker of weight w < 1 takes its turn with probability w."""
 
-    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int:
-        worker = ids[self._next % len(ids)]
-        self._next += 1
+    def __init__(self, seed: int | None = None) -> None:
+        self._next = 0
+        self._rng = random.Random(seed)
+
+    def select(self, ids: Sequence[int], request: PreprocessedRequest, weights: Mapping[int, float] | None = None) -> int:
+        for _ in range(len(ids)):
+            worker = ids[self._next % len(ids)]
+            self._next += 1
+            if weights is None or self._rng.random() < weights.get(worker, 1.0):
+                return worker
         return worker
 
 
@@ -39,8 +48,10 @@ class Random:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int:
-        return ids[self._rng.randrange(len(ids))]
+    def select(self, ids: Sequence[int], request: PreprocessedRequest, weights: Mapping[int, float] | None = None) -> int:
+        if weights is None:
+            return ids[self._rng.randrange(len(ids))]
+        return self._rng.choices(ids, [weights.get(w, 1.0) for w in ids])[0]
 
 
 def make_policy(mode: str) -> Policy:
@@ -57,6 +68,8 @@ class PushRouter:
         self.policy = policy
         self.wait_s = wait_s
         self.what = what
+        # health weights of a list of worker ids (None: all 1); set by the health monitor
+        self.weights: Callable[[Sequence[int]], Mapping[int, float] | None] | None = None
 
     async def pick(self, request: PreprocessedRequest, exclude: frozenset[int] = frozenset()) -> Instance:
         if not self.instances.ids:
@@ -75,7 +88,13 @@ class PushRouter:
             ids = [i for i in ids if i not in exclude]
             if not ids:
                 raise NoWorkers(f"no other worker serves {self.what}")
-        instance = self.instances.get(self.policy.select(ids, request))
+        weights = self.weights(ids) if self.weights is not None else None
+        if weights is not None:
+            # weight 0 (unhealthy, open circuit) never gets traffic, unless all are 0:
+            # an all-unhealthy fleet still serves
+            live = [i for i in ids if weights[i] > 0]
+            ids = live or ids
+        instance = self.instances.get(self.policy.select(ids, request, weights))
         assert instance is not None
         return instance
 

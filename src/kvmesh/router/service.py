@@ -19,7 +19,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -243,12 +243,14 @@ class KvRouterService:
                 return
 
     # ------------------------------------------------------------------ requests
-    def route(self, request: PreprocessedRequest, candidates: Sequence[int]) -> Decision:
+    def route(
+        self, request: PreprocessedRequest, candidates: Sequence[int], health: Mapping[int, float] | None = None
+    ) -> Decision:
         hints = request.routing
         weights = None
-        if len(candidates) != len(self.workers):
+        if len(candidates) != len(self.workers) or health is not None:
             allowed = set(candidates)
-            weights = {w: (1.0 if w in allowed else 0.0) for w in self.workers}
+            weights = {w: (health.get(w, 1.0) if health else 1.0) if w in allowed else 0.0 for w in self.workers}
         start = time.perf_counter()
         decision = self.core.route(
             request.request_id,
@@ -281,8 +283,8 @@ class KvPolicy:
         self.service = service
         self.explained: dict[str, Decision] = {}
 
-    def select(self, ids: Sequence[int], request: PreprocessedRequest) -> int:
-        decision = self.service.route(request, ids)
+    def select(self, ids: Sequence[int], request: PreprocessedRequest, weights: Mapping[int, float] | None = None) -> int:
+        decision = self.service.route(request, ids, weights)
         if request.routing is not None and request.routing.explain:
             self.explained[request.request_id] = decision
         return decision.worker_id

@@ -42,6 +42,7 @@ def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> 
     model = load_model_folder(model_path)
     if cfg.engine == "mocker":
         from kvmesh.engines.mocker import MockerEngine, MockerOptions
+        from kvmesh.engines.mocker.faults import FaultSpec
 
         m = cfg.mocker
         options = MockerOptions(
@@ -57,6 +58,7 @@ def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> 
             worker_id=cfg.worker_id,
             model=model_path,
             served_model_name=model.name,
+            fault=FaultSpec.parse(m.fault) if m.fault else FaultSpec(),
         )
         return MockerEngine(options, publisher or NullPublisher()), model_path
     raise ValueError(f"unknown engine {cfg.engine!r}")

@@ -26,7 +26,7 @@ from kvmesh.errors import EngineShutdown, InvalidArgument
 from kvmesh.protocol import EngineConfig, InstanceInfo, KvDump, KvEventsSince, ModelFiles, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
-from kvmesh.runtime.names import GENERATE, INFO, KV_DUMP, KV_EVENTS, MODEL_FILES
+from kvmesh.runtime.names import FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, MODEL_FILES
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -72,6 +72,7 @@ class WorkerService:
         self.server.register(INFO, self._info)
         self.server.register(KV_DUMP, self._kv_dump)
         self.server.register(KV_EVENTS, self._kv_events)
+        self.server.register(FAULT, self._fault)
         if not getattr(self.server, "started", False):
             await self.server.start()
         return self.config
@@ -99,6 +100,20 @@ class WorkerService:
             raise InvalidArgument(f"kv_events wants one integer event id: {exc}") from None
         events = self.engine.kv_events_since(after)
         yield KvEventsSince(events or [], events is not None)
+
+    async def _fault(self, payload: bytes, ctx: Context) -> AsyncIterator[str]:
+        """Switch fault injection at run time: payload = a fault spec string ("" clears)."""
+        set_fault = getattr(self.engine, "set_fault", None)
+        if set_fault is None:
+            raise InvalidArgument(f"{type(self.engine).__name__} has no fault injection")
+        from kvmesh.engines.mocker.faults import FaultSpec
+
+        try:
+            spec = msgspec.msgpack.decode(payload, type=str)
+            set_fault(FaultSpec.parse(spec) if spec else FaultSpec())
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            raise InvalidArgument(f"bad fault spec: {exc}") from None
+        yield spec or "none"
 
     async def _model_files(self, payload: bytes, ctx: Context) -> AsyncIterator[ModelFiles]:
         """The model folder's small files, for frontends on other hosts."""

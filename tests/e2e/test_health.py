@@ -1,0 +1,116 @@
+"""Canary health checks on real worker processes with injected faults: a hung worker
+is detected within two canary intervals and its traffic (in flight too) moves; a
+corrupting worker is detected and taken out of routing; a recovered worker comes back
+through the half-open circuit."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import kvmesh_run
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
+INTERVAL = 0.5
+HEALTH_ARGS = ("--canary-interval", str(INTERVAL), "--canary-timeout", "0.3", "--breaker-recovery", "1")
+
+
+def _workers(url: str) -> dict[str, dict]:
+    return {w["worker"]: w for w in httpx.get(url + "/admin/workers").json()["workers"]}
+
+
+def _routed(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {w: float(v) for w, v in re.findall(r'kvmesh_router_decisions_total\{model="kvmesh-tiny",worker="([0-9a-f]+)"\} ([0-9.e+]+)', text)}
+
+
+def _wait(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _fault(url: str, worker: str, spec: str) -> None:
+    r = httpx.post(url + "/admin/fault", json={"worker": worker, "fault": spec})
+    assert r.status_code == 200, r.text
+
+
+class Load:
+    """A few streaming clients in threads until stopped; failures are collected."""
+
+    def __init__(self, url: str, clients: int = 4) -> None:
+        self.url, self.failures, self.done = url, [], 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
+
+    def _loop(self) -> None:
+        body = {"model": "kvmesh-tiny", "prompt": "def f():", "max_tokens": 16, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            while not self.stop.is_set() and self.done < 5000:
+                try:
+                    with client.stream("POST", "/v1/completions", json=body) as r:
+                        lines = [line for line in r.iter_lines() if line]
+                    if r.status_code != 200 or lines[-1] != "data: [DONE]" or '"completion_tokens":16' not in "".join(lines):
+                        self.failures.append((r.status_code, lines[-3:]))
+                    self.done += 1
+                except httpx.HTTPError as exc:
+                    self.failures.append(repr(exc))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_hung_worker_is_detected_and_its_traffic_moves(tmp_path):
+    with kvmesh_run(tmp_path, *HEALTH_ARGS, workers=2, speedup="2") as server:
+        url = server.url
+        _wait(lambda: len(_workers(url)) == 2 and all(w["status"] == "healthy" for w in _workers(url).values()), 20, "2 healthy")
+        hung, other = sorted(_workers(url))
+        with Load(url) as load:
+            _wait(lambda: load.done >= 10, 30, "warm load")
+            _fault(url, hung, "hang")
+            detected = _wait(lambda: _workers(url)[hung]["status"] != "healthy", 10, "detection")
+            assert detected < 2 * INTERVAL + 0.3, f"detected after {detected:.2f} s"
+            _wait(lambda: _workers(url)[hung]["weight"] == 0.0, 10, "the hung worker out of routing")
+            before = _routed(url).get(hung, 0)
+            done = load.done
+            _wait(lambda: load.done >= done + 30, 30, "load on the healthy worker")
+            assert _routed(url).get(hung, 0) == before
+        assert load.failures == []
+
+
+def test_corrupting_worker_is_removed_then_recovers_through_half_open(tmp_path):
+    with kvmesh_run(tmp_path, *HEALTH_ARGS, workers=2, speedup="2") as server:
+        url = server.url
+        _wait(lambda: len(_workers(url)) == 2 and all(w["status"] == "healthy" for w in _workers(url).values()), 20, "2 healthy")
+        bad, _ = sorted(_workers(url))
+        _fault(url, bad, "corrupt")
+        _wait(lambda: _workers(url)[bad]["status"] == "unhealthy", 10, "corruption detected")
+        assert _workers(url)[bad]["weight"] == 0.0
+        text = httpx.get(url + "/metrics").text
+        assert re.search(rf'kvmesh_health_check_duration_seconds_count\{{check_type="canary",result="wrong_tokens",worker_id="{bad}"\}} [1-9]', text)
+        assert f'kvmesh_circuit_breaker_state{{worker_id="{bad}"}} 1.0' in text or f'kvmesh_circuit_breaker_state{{worker_id="{bad}"}} 2.0' in text
+        before = _routed(url).get(bad, 0)
+        for _ in range(10):
+            assert httpx.post(url + "/v1/completions", json={"model": "kvmesh-tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+        assert _routed(url).get(bad, 0) == before  # removed from routing
+        _fault(url, bad, "")  # repaired: the next half-open trial passes
+        _wait(lambda: _workers(url)[bad]["status"] == "healthy" and _workers(url)[bad]["weight"] == 1.0, 15, "recovery")
+        for _ in range(10):
+            httpx.post(url + "/v1/completions", json={"model": "kvmesh-tiny", "prompt": "x", "max_tokens": 2})
+        assert _routed(url).get(bad, 0) > before

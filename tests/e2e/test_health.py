@@ -114,3 +114,35 @@ def test_corrupting_worker_is_removed_then_recovers_through_half_open(tmp_path):
         for _ in range(10):
             httpx.post(url + "/v1/completions", json={"model": "kvmesh-tiny", "prompt": "x", "max_tokens": 2})
         assert _routed(url).get(bad, 0) > before
+
+
+def test_canary_record_then_check_against_the_file(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import KvmeshProcess, free_port
+
+    port = free_port()
+    worker = KvmeshProcess(tmp_path, "worker", "--static", "--port", str(port), "--speedup", "1e9")
+    try:
+        worker.wait_ready()
+        out = tmp_path / "canaries.json"
+        r = subprocess.run(
+            [sys.executable, "-m", "kvmesh.cli.main", "canary", "record", "--worker", f"127.0.0.1:{port}", "--out", str(out)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        from kvmesh.health.canary import load_canaries
+
+        recorded = load_canaries(out)
+        assert recorded.model == "kvmesh-tiny" and len(recorded.canaries) == 2
+        assert all(len(c.expected_token_ids) == 8 for c in recorded.canaries)
+    finally:
+        worker.stop()
+    # a frontend checking every worker against the file: healthy workers pass it
+    with kvmesh_run(tmp_path, *HEALTH_ARGS, "--canaries", str(out), workers=2) as server:
+        _wait(lambda: len(_workers(server.url)) == 2, 20, "2 workers")
+        time.sleep(3 * INTERVAL)
+        assert all(w["status"] == "healthy" for w in _workers(server.url).values())
+        text = httpx.get(server.url + "/metrics").text
+        assert re.search(r'kvmesh_health_check_duration_seconds_count\{check_type="canary",result="ok",worker_id="[0-9a-f]+"\} [1-9]', text)

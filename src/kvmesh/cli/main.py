@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     frontend.add_argument("--model-path", default=None, help="load this model folder now (optional: models come from workers)")
 
+    from kvmesh.cli.canary import add_canary_args
     from kvmesh.cli.replay import add_replay_args
+
+    canary = sub.add_parser("canary", help="canary sets for health checks")
+    add_canary_args(canary)
 
     replay = sub.add_parser("replay", help="replay a Mooncake-format trace against mocker workers and compare routing policies")
     add_replay_args(replay)
@@ -198,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
 
             static = [a.strip() for a in ns.static_workers.split(",") if a.strip()]
             return run_frontend(_frontend_config(ns), _runtime_config(ns), static, ns.model_path, ns.log_level)
+        if ns.command == "canary":
+            from kvmesh.cli.canary import run_canary
+
+            return run_canary(ns)
         if ns.command == "replay":
             from kvmesh.cli.replay import run_replay
 

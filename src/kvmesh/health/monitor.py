@@ -34,7 +34,7 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import GENERATE
 
-__all__ = ["HealthMonitor", "DEFAULT_CANARY_PROMPTS"]
+__all__ = ["HealthMonitor", "DEFAULT_CANARY_PROMPTS", "generate_greedy"]
 
 log = logging.getLogger("kvmesh.health")
 
@@ -42,6 +42,26 @@ DEFAULT_CANARY_PROMPTS = ("The capital of France is", "def fibonacci(n):")
 _CANARY_TOKENS = 8
 _encode = msgspec.msgpack.encode
 _decode_chunk = msgspec.msgpack.Decoder(OutputChunk).decode
+
+
+async def generate_greedy(client: Any, model: str, prompt: list[int], n: int) -> tuple[list[int], list[float] | None]:
+    """``n`` greedy tokens for ``prompt`` straight from one worker (no router), with the
+    top log-probability of each token when the engine reports it."""
+    request = PreprocessedRequest(
+        request_id=f"canary-{time.monotonic_ns()}",
+        model=model,
+        token_ids=prompt,
+        sampling=SamplingOptions(temperature=0.0),
+        stop=StopConditions(max_tokens=n, ignore_eos=True),
+        output=OutputOptions(logprobs=1),
+    )
+    tokens: list[int] = []
+    top: list[float] = []
+    async for chunk in client.stream(GENERATE, _encode(request), Context(request.request_id), decode=_decode_chunk):
+        tokens.extend(chunk.token_ids)
+        if chunk.logprobs:
+            top.extend(lp.logprob for lp in chunk.logprobs)
+    return tokens, (top or None)
 
 
 class HealthMonitor:
@@ -158,22 +178,7 @@ class HealthMonitor:
         return evaluate(canary, tokens, top, time.monotonic() - start, baseline, spike_factor=self.config.latency_spike_factor)
 
     async def _generate(self, instance: Instance, prompt: list[int], n: int) -> tuple[list[int], list[float] | None]:
-        request = PreprocessedRequest(
-            request_id=f"canary-{instance.worker_id:x}-{time.monotonic_ns()}",
-            model=instance.info.engine.served_model_name,
-            token_ids=prompt,
-            sampling=SamplingOptions(temperature=0.0),
-            stop=StopConditions(max_tokens=n, ignore_eos=True),
-            output=OutputOptions(logprobs=1),
-        )
-        tokens: list[int] = []
-        top: list[float] = []
-        ctx = Context(request.request_id)
-        async for chunk in instance.client.stream(GENERATE, _encode(request), ctx, decode=_decode_chunk):
-            tokens.extend(chunk.token_ids)
-            if chunk.logprobs:
-                top.extend(lp.logprob for lp in chunk.logprobs)
-        return tokens, (top or None)
+        return await generate_greedy(instance.client, instance.info.engine.served_model_name, prompt, n)
 
     async def _canary_set(self, instance: Instance) -> CanarySet | None:
         model = instance.info.engine.served_model_name

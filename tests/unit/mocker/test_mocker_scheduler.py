@@ -456,3 +456,28 @@ def test_load_report_counts() -> None:
     assert (report.worker_id, report.num_running, report.num_waiting) == (4, 1, 1)
     assert report.active_blocks == sched.blocks.active_blocks > 0
     assert report.total_blocks == FAST.num_blocks and report.timestamp_ms == 12.5
+
+
+def test_premium_requests_wait_ahead_of_standard_and_best_effort():
+    from kvmesh.engines.mocker import MockerOptions
+    from kvmesh.engines.mocker.scheduler import Scheduler
+    from kvmesh.protocol import PreprocessedRequest, RoutingHints, StopConditions
+
+    sched = Scheduler(MockerOptions(max_num_seqs=1, eos_rate=0.0))
+
+    def add(name: str, priority: str | None) -> int:
+        routing = RoutingHints(priority=priority) if priority else None
+        req = PreprocessedRequest(request_id=name, model="m", token_ids=[5, 6, 7], routing=routing,
+                                  stop=StopConditions(max_tokens=2, ignore_eos=True))  # fmt: skip
+        return sched.add(req)
+
+    order = [add("be1", "best_effort"), add("std1", None), add("prem1", "premium"), add("std2", "standard"), add("prem2", "premium")]
+    finished: list[str] = []
+    for _ in range(100):
+        out = sched.step()
+        finished += [f.request_id for f in out.finished]
+        if not sched.has_work:
+            break
+    assert len(order) == 5
+    # all five wait before the first step: premium first, FCFS within each tier
+    assert finished == ["prem1", "prem2", "std1", "std2", "be1"]

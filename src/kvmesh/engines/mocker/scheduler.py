@@ -15,7 +15,7 @@ One step, in order:
    preempted (recompute style: blocks freed, progress forgotten, pushed back to the
    front of the waiting queue) until it fits; with nobody left to preempt, the request
    preempts itself, or fails with ``error`` when it is alone (it can never fit).
-2. **waiting requests**, FCFS, only if step 1 preempted nobody: reuse the longest
+2. **waiting requests**, FCFS within a priority tier (premium, standard, best_effort), only if step 1 preempted nobody: reuse the longest
    cached prefix (at least one token is always recomputed, to sample from), allocate
    blocks for the first chunk; stop at the first that does not fit, at
    ``max_num_seqs`` running, or when the budget is spent.
@@ -57,6 +57,8 @@ from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["Scheduler", "StepOutput", "Finished"]
 
+_PRIORITY_RANK = {"premium": 0, "standard": 1, "best_effort": 2, None: 1}
+
 
 @dataclass(frozen=True, slots=True)
 class Finished:
@@ -92,7 +94,7 @@ class _Seq:
 
     __slots__ = (
         "id", "request_id", "tokens", "prompt_len", "max_tokens", "min_tokens", "ignore_eos",
-        "stop_ids", "key", "vocab", "local_hashes", "seq_hashes", "num_computed",
+        "stop_ids", "key", "rank", "vocab", "local_hashes", "seq_hashes", "num_computed",
         "cached_tokens", "admitted", "running", "ever_admitted",
     )  # fmt: skip
 
@@ -106,6 +108,8 @@ class _Seq:
         self.ignore_eos = request.stop.ignore_eos
         self.stop_ids = frozenset(request.stop.stop_token_ids)
         self.key = request_key(request)
+        # lower is more urgent: premium 0, standard 1, best_effort 2 (vLLM's priority policy)
+        self.rank = _PRIORITY_RANK.get(request.routing.priority if request.routing else None, 1)
         self.vocab: tuple[int, ...] = ()
         self.local_hashes: list[int] = []
         self.seq_hashes: list[int] = []
@@ -222,8 +226,20 @@ class Scheduler:
             seq.local_hashes = local_block_hashes(seq.tokens, opts.block_size)
             seq.seq_hashes = chain_hashes(seq.local_hashes)
         self._seqs[seq_id] = seq
-        self._waiting.append(seq)
+        self._enqueue(seq)
         return seq_id
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """FCFS within a priority tier; a more urgent request waits ahead of less
+        urgent ones (all requests are ``standard`` unless they say otherwise)."""
+        waiting = self._waiting
+        if not waiting or waiting[-1].rank <= seq.rank:
+            waiting.append(seq)
+            return
+        for i, other in enumerate(waiting):
+            if other.rank > seq.rank:
+                waiting.insert(i, seq)
+                return
 
     def _admission_problem(self, prompt_len: int, max_tokens: int | None) -> str | None:
         opts = self.options

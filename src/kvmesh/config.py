@@ -124,6 +124,13 @@ class FrontendConfig:
     canary_timeout_s: float = 10.0
     canary_files: tuple[str, ...] = ()
     breaker_recovery_s: float = 60.0
+    # graceful degradation (off unless asked for): SLOs the capacity model is held to
+    degradation: bool = False
+    slo_ttft_ms: float = 500.0
+    slo_tpot_ms: float = 30.0
+    slo_output_tokens: int = 256
+    slo_max_batch: int = 256
+    shed_retry_after_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:

@@ -60,6 +60,13 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--canary-timeout", type=float, default=d.canary_timeout_s, help="seconds a canary may take")
     h.add_argument("--canaries", action="append", default=[], metavar="FILE", help="a canary set (JSON; see `kvmesh canary record`)")
     h.add_argument("--breaker-recovery", type=float, default=d.breaker_recovery_s, help="seconds an open circuit waits before a trial")
+    g = p.add_argument_group("graceful degradation (capacity of healthy workers vs demand, priority shedding)")
+    g.add_argument("--degradation", action="store_true", help="shed by priority tier when capacity falls short of demand")
+    g.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms, help="time-to-first-token SLO (default 500)")
+    g.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms, help="time per output token SLO (default 30)")
+    g.add_argument("--slo-output-tokens", type=int, default=d.slo_output_tokens, help="average output tokens (default 256)")
+    g.add_argument("--slo-max-batch", type=int, default=d.slo_max_batch, help="sequences one worker runs at once (default 256)")
+    g.add_argument("--shed-retry-after", type=float, default=d.shed_retry_after_s, help="Retry-After of shed requests (s)")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, help="seconds to connect to a worker")
     p.add_argument("--worker-wait", type=float, default=d.worker_wait_s, help="seconds a request waits for a worker to appear, then 503")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -179,6 +186,12 @@ def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
         canary_timeout_s=ns.canary_timeout,
         canary_files=tuple(ns.canaries),
         breaker_recovery_s=ns.breaker_recovery,
+        degradation=ns.degradation,
+        slo_ttft_ms=ns.slo_ttft_ms,
+        slo_tpot_ms=ns.slo_tpot_ms,
+        slo_output_tokens=ns.slo_output_tokens,
+        slo_max_batch=ns.slo_max_batch,
+        shed_retry_after_s=ns.shed_retry_after,
         worker_wait_s=ns.worker_wait,
         kv_overlap_weight=ns.kv_overlap_weight,
         router_temperature=ns.router_temperature,

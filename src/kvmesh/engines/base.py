@@ -37,7 +37,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 
-from kvmesh.protocol import EngineConfig, KvDump, KvEvent, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 
 __all__ = ["Engine"]
@@ -68,6 +68,10 @@ class Engine(abc.ABC):
     # in a worker's event stream with these). Synchronous and read-only.
     def kv_snapshot(self) -> KvDump | None:
         """The whole cached block set, consistent with the event ids; None if unsupported."""
+        return None
+
+    def load_report(self) -> LoadReport | None:
+        """Current load (blocks in use, waiting, running); None if unsupported."""
         return None
 
     def kv_events_since(self, event_id: int) -> list[KvEvent] | None:

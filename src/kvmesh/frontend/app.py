@@ -108,6 +108,8 @@ class Frontend:
         self.keepalive.start()
         if self.registry.health is not None:
             self.registry.health.start()
+        if self.registry.shedder is not None:
+            self.registry.shedder.start()
         try:
             yield
         finally:
@@ -196,6 +198,7 @@ class Frontend:
             body = await self._read_body(request)
             req = parse(body, kind)  # type: ignore[arg-type]
             entry = self.registry.get(req.model)
+            self._admit(request, req.priority)
             explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
             preq = preprocess(entry, req, new_request_id(), explain)
         except ClientDisconnect:
@@ -225,6 +228,22 @@ class Frontend:
         if route is not None:
             response.headers["x-kvmesh-route"] = _json(route).decode()
         return response
+
+    def _admit(self, request: Request, priority: str | None) -> None:
+        """Shed by priority tier (body ``priority`` or header ``x-kvmesh-priority``)."""
+        shedder = self.registry.shedder
+        if shedder is None:
+            return
+        tier = priority or request.headers.get("x-kvmesh-priority")
+        if tier not in (None, "premium", "standard", "best_effort"):
+            raise InvalidArgument(f"priority must be premium, standard or best_effort, got {tier!r}")
+        decision = shedder.admit(tier)
+        if not decision.allowed:
+            self.metrics.shed.labels(tier or "standard").inc()
+            raise ResourceExhausted(
+                f"the service is degraded and sheds {tier or 'standard'} requests now; retry later",
+                retry_after=decision.retry_after_s,
+            )
 
     async def _sse_events(
         self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str, include_usage: bool

@@ -19,7 +19,9 @@ import msgspec
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import InvalidArgument, ModelNotFound
 from kvmesh.health.breaker import BreakerConfig
+from kvmesh.health.degradation import CapacityConfig
 from kvmesh.health.monitor import HealthMonitor
+from kvmesh.health.shedding import LoadShedder
 from kvmesh.health.state import HealthConfig
 from kvmesh.observability.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.preprocess import Preprocessor
@@ -36,6 +38,17 @@ if TYPE_CHECKING:
     from kvmesh.router.service import KvRouterService
 
 __all__ = ["ModelEntry", "ModelRegistry", "fetch_model_files", "model_cache_dir"]
+
+
+def _capacity_config(c: FrontendConfig) -> CapacityConfig:
+    return CapacityConfig(
+        slo_ttft_ms=c.slo_ttft_ms,
+        slo_tpot_ms=c.slo_tpot_ms,
+        avg_output_tokens=c.slo_output_tokens,
+        max_batch_size=c.slo_max_batch,
+        retry_after_s=c.shed_retry_after_s,
+        recover_hold_s=min(30.0, 10 * c.slo_ttft_ms / 1000 + 5),
+    )
 
 
 def _health_config(c: FrontendConfig) -> HealthConfig:
@@ -99,6 +112,9 @@ class ModelRegistry:
         self.metrics = metrics
         self.event_plane = event_plane
         self.health: HealthMonitor | None = None
+        self.shedder: LoadShedder | None = None
+        if config.degradation:
+            self.shedder = LoadShedder(self, _capacity_config(config), metrics=metrics)
         if config.canary_interval_s > 0:
             self.health = HealthMonitor(self, _health_config(config), config.canary_timeout_s, config.canary_files, metrics)
         self.models: dict[str, ModelEntry] = {}
@@ -194,6 +210,8 @@ class ModelRegistry:
         return instance
 
     async def close(self) -> None:
+        if self.shedder is not None:
+            await self.shedder.close()
         if self.health is not None:
             await self.health.close()
         for entry in self.models.values():

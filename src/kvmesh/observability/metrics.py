@@ -139,6 +139,8 @@ class FrontendMetrics:
         self.breaker_state = Gauge(
             "kvmesh_circuit_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", ["worker_id"], registry=r
         )
+        self.shed = Counter("kvmesh_frontend_shed", "Requests refused by graceful degradation, by tier", ["priority"], registry=r)
+        self.degradation_level = Gauge("kvmesh_degradation_level", "0 normal … 4 reject new requests", registry=r)
         self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 

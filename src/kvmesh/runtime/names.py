@@ -1,6 +1,6 @@
 """Well-known names shared by workers and their callers."""
 
-__all__ = ["COMPONENT", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "FAULT", "KV_EVENTS_TOPIC", "LOAD_TOPIC"]
+__all__ = ["COMPONENT", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "LOAD", "FAULT", "KV_EVENTS_TOPIC", "LOAD_TOPIC"]
 
 COMPONENT = "backend"  # the component every serving worker registers under
 
@@ -10,6 +10,7 @@ MODEL_FILES = "model_files"
 INFO = "info"
 KV_DUMP = "kv_dump"
 KV_EVENTS = "kv_events"
+LOAD = "load"  # the engine's current LoadReport
 FAULT = "fault"  # switch an engine's fault injection (tests, drills)
 
 # event-plane topics

@@ -23,10 +23,10 @@ import msgspec
 from kvmesh.engines.adapter import AbortMonitor, run_generate
 from kvmesh.engines.base import Engine
 from kvmesh.errors import EngineShutdown, InvalidArgument
-from kvmesh.protocol import EngineConfig, InstanceInfo, KvDump, KvEventsSince, ModelFiles, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import EngineConfig, InstanceInfo, KvDump, KvEventsSince, LoadReport, ModelFiles, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
-from kvmesh.runtime.names import FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, MODEL_FILES
+from kvmesh.runtime.names import FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, MODEL_FILES
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -73,6 +73,7 @@ class WorkerService:
         self.server.register(KV_DUMP, self._kv_dump)
         self.server.register(KV_EVENTS, self._kv_events)
         self.server.register(FAULT, self._fault)
+        self.server.register(LOAD, self._load)
         if not getattr(self.server, "started", False):
             await self.server.start()
         return self.config
@@ -100,6 +101,12 @@ class WorkerService:
             raise InvalidArgument(f"kv_events wants one integer event id: {exc}") from None
         events = self.engine.kv_events_since(after)
         yield KvEventsSince(events or [], events is not None)
+
+    async def _load(self, payload: bytes, ctx: Context) -> AsyncIterator[LoadReport]:
+        report = self.engine.load_report()
+        if report is None:
+            raise InvalidArgument(f"{type(self.engine).__name__} does not report its load")
+        yield report
 
     async def _fault(self, payload: bytes, ctx: Context) -> AsyncIterator[str]:
         """Switch fault injection at run time: payload = a fault spec string ("" clears)."""

@@ -481,3 +481,30 @@ def test_premium_requests_wait_ahead_of_standard_and_best_effort():
     assert len(order) == 5
     # all five wait before the first step: premium first, FCFS within each tier
     assert finished == ["prem1", "prem2", "std1", "std2", "be1"]
+
+
+def test_premium_arrival_preempts_the_least_urgent_running_request_which_still_completes():
+    from kvmesh.engines.mocker import MockerOptions
+    from kvmesh.engines.mocker.scheduler import Scheduler
+    from kvmesh.protocol import PreprocessedRequest, RoutingHints, StopConditions
+
+    sched = Scheduler(MockerOptions(max_num_seqs=2, eos_rate=0.0))
+
+    def add(name: str, priority: str) -> None:
+        req = PreprocessedRequest(request_id=name, model="m", token_ids=[5, 6, 7, 8], routing=RoutingHints(priority=priority),
+                                  stop=StopConditions(max_tokens=6, ignore_eos=True))  # fmt: skip
+        sched.add(req)
+
+    add("std", "standard")
+    add("be", "best_effort")
+    sched.step()  # both running
+    add("prem", "premium")
+    out = sched.step()
+    assert len(out.preempted) == 1  # the best-effort one made room
+    finished: dict[str, int] = {}
+    for _ in range(100):
+        for f in sched.step().finished:
+            finished[f.request_id] = f.usage.completion_tokens
+        if not sched.has_work:
+            break
+    assert finished == {"std": 6, "be": 6, "prem": 6}

@@ -229,17 +229,19 @@ class Scheduler:
         self._enqueue(seq)
         return seq_id
 
-    def _enqueue(self, seq: _Seq) -> None:
+    def _enqueue(self, seq: _Seq, front: bool = False) -> None:
         """FCFS within a priority tier; a more urgent request waits ahead of less
-        urgent ones (all requests are ``standard`` unless they say otherwise)."""
+        urgent ones (all requests are ``standard`` unless they say otherwise).
+        ``front``: first of its tier (a preempted request resumes before newcomers)."""
         waiting = self._waiting
-        if not waiting or waiting[-1].rank <= seq.rank:
+        if not front and (not waiting or waiting[-1].rank <= seq.rank):
             waiting.append(seq)
             return
         for i, other in enumerate(waiting):
-            if other.rank > seq.rank:
+            if other.rank > seq.rank or (front and other.rank == seq.rank):
                 waiting.insert(i, seq)
                 return
+        waiting.append(seq)
 
     def _admission_problem(self, prompt_len: int, max_tokens: int | None) -> str | None:
         opts = self.options
@@ -283,8 +285,9 @@ class Scheduler:
     def step(self) -> StepOutput:
         """Schedule and execute one forward pass (see the module docstring)."""
         plan = _Plan(self.options.max_num_batched_tokens)
+        yielded = self._yield_to_priority(plan)
         self._schedule_running(plan)
-        if not plan.preempted:
+        if not plan.preempted or yielded:
             self._admit_waiting(plan)
         usage = self.blocks.usage
         finished, self._rejected = self._rejected, []
@@ -331,6 +334,25 @@ class Scheduler:
                 plan.failed.append(seq)
             return False
         return True
+
+    def _yield_to_priority(self, plan: _Plan) -> bool:
+        """With every sequence slot taken, a waiting request of a more urgent tier
+        preempts the least urgent, most recently admitted running one (vLLM's priority
+        policy). Returns whether anything was preempted for that reason."""
+        yielded = False
+        while self._waiting and len(self._running) >= self.options.max_num_seqs:
+            head = self._waiting[0]
+            victim = max(self._running, key=lambda q: (q.rank, q.admitted))
+            if victim.rank <= head.rank:
+                break
+            self._running.remove(victim)
+            self.blocks.free(victim.id)
+            victim.running = False
+            victim.num_computed = 0
+            self._enqueue(victim, front=True)
+            plan.preempted.append(victim.id)
+            yielded = True
+        return yielded
 
     def _preempt(self, seq: _Seq, plan: _Plan) -> None:
         self._running.remove(seq)

@@ -1,0 +1,110 @@
+"""Graceful degradation in the frontend: the fleet's capacity (from healthy workers'
+load reports and the configured SLOs) against the measured demand sets a degradation
+level (:mod:`kvmesh.health.degradation`); each new request's priority tier is admitted
+or refused with 503 + ``Retry-After`` at that level.
+
+:class:`RateMeter` is pure (clock passed in); :class:`LoadShedder` is the async glue
+that polls every worker's ``load`` endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+import msgspec
+
+from kvmesh.errors import KvmeshError
+from kvmesh.health.degradation import CapacityConfig, Decision, DegradationController, admit
+from kvmesh.protocol import LoadReport
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.names import LOAD
+
+__all__ = ["RateMeter", "LoadShedder"]
+
+log = logging.getLogger("kvmesh.health")
+
+_decode_load = msgspec.msgpack.Decoder(LoadReport).decode
+
+
+class RateMeter:
+    """Events per second, exponentially smoothed with time constant ``tau_s``."""
+
+    __slots__ = ("tau_s", "_rate", "_last")
+
+    def __init__(self, tau_s: float = 2.0) -> None:
+        self.tau_s = tau_s
+        self._rate = 0.0
+        self._last: float | None = None
+
+    def _decay(self, now: float) -> None:
+        if self._last is not None and now > self._last:
+            self._rate *= math.exp(-(now - self._last) / self.tau_s)
+        self._last = now if self._last is None else max(self._last, now)
+
+    def tick(self, now: float) -> None:
+        self._decay(now)
+        self._rate += 1.0 / self.tau_s
+
+    def rate(self, now: float) -> float:
+        self._decay(now)
+        return self._rate
+
+
+class LoadShedder:
+    def __init__(self, registry: Any, config: CapacityConfig, period_s: float = 0.5, metrics: Any = None) -> None:
+        self.registry = registry
+        self.controller = DegradationController(config)
+        self.meter = RateMeter()
+        self.period_s = period_s
+        self.metrics = metrics
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def admit(self, priority: str | None) -> Decision:
+        """Count the arrival, then admit or refuse it at the current level."""
+        self.meter.tick(time.monotonic())
+        return admit(priority, self.controller.level, retry_after_s=self.controller.config.retry_after_s)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                await self._evaluate()
+            except Exception:  # noqa: BLE001 - degradation must never stop serving
+                log.exception("degradation update failed")
+
+    async def _evaluate(self) -> None:
+        health = self.registry.health
+        instances = [i for e in self.registry.models.values() for i in e.instances.all()]
+        live = [i for i in instances if health is None or health.weight(i.worker_id) > 0]
+        reports = [r for r in await asyncio.gather(*(self._load(i) for i in live)) if r is not None]
+        weights = {i.worker_id: health.weight(i.worker_id) for i in live} if health is not None else None
+        now = time.monotonic()
+        change = self.controller.evaluate(reports, now, weights=weights, demand_rps=self.meter.rate(now))
+        if change is not None:
+            log.warning("degradation level %d -> %d (capacity/demand %.2f)", change.src, change.dst, change.ratio)
+        if self.metrics is not None:
+            self.metrics.degradation_level.set(int(self.controller.level))
+
+    async def _load(self, instance: Any) -> LoadReport | None:
+        report = None
+        try:
+            stream = instance.client.stream(LOAD, b"\xc0", Context(f"load-{instance.worker_id:x}"), decode=_decode_load)
+            async for item in stream:
+                report = item
+        except KvmeshError:
+            return None
+        if report is not None:
+            report = msgspec.structs.replace(report, worker_id=instance.worker_id)
+        return report

@@ -1,0 +1,83 @@
+"""3× overload with mixed priority tiers: the fleet's capacity (2 mocker workers of 4
+sequences each, held to a 150 ms TTFT / 6 ms-per-token SLO) is a third of the offered
+load. Premium requests keep meeting their TTFT SLO, best-effort ones get 503 with
+Retry-After, and the frontend's memory stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import kvmesh_run
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
+SLO_TTFT_S = 0.150
+ARGS = (
+    "--degradation", "--slo-ttft-ms", "150", "--slo-tpot-ms", "6", "--slo-output-tokens", "16", "--slo-max-batch", "4",
+    "--max-num-seqs", "4", "--shed-retry-after", "2", "--canary-interval", "0",
+)  # fmt: skip
+CAPACITY_RPS = 2 * 4 / (SLO_TTFT_S + 16 * 0.006)  # the model's estimate: ~33 requests/s
+OFFERED_RPS = 3 * CAPACITY_RPS
+DURATION_S = 8.0
+WARMUP_S = 2.5  # demand is measured over a few seconds before the level settles
+TIERS = ["premium"] * 2 + ["standard"] * 4 + ["best_effort"] * 4
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+async def _one(client: httpx.AsyncClient, i: int, tier: str, start: float, out: list) -> None:
+    rng = random.Random(i)
+    body = {"model": "kvmesh-tiny", "prompt": [rng.randrange(100, 2000) for _ in range(64)], "max_tokens": 16,
+            "ignore_eos": True, "stream": True, "priority": tier}  # fmt: skip
+    sent = time.monotonic()
+    ttft = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        retry_after = r.headers.get("retry-after")
+        async for line in r.aiter_lines():
+            if ttft is None and line.startswith('data: {"id"') and '"text":""' not in line:
+                ttft = time.monotonic() - sent
+    out.append((sent - start, tier, r.status_code, ttft, retry_after))
+
+
+async def _overload(url: str) -> list:
+    results: list = []
+    rng = random.Random(3)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=2000)) as client:
+        start = time.monotonic()
+        tasks = []
+        for i in range(int(OFFERED_RPS * DURATION_S)):
+            delay = start + i / OFFERED_RPS - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(_one(client, i, rng.choice(TIERS), start, results)))
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    return results
+
+
+async def test_three_times_overload_sheds_best_effort_and_keeps_premium_fast(tmp_path):
+    with kvmesh_run(tmp_path, *ARGS, workers=2, speedup="1") as server:
+        rss_before = _rss_kib(server.proc.pid)
+        results = await _overload(server.url)
+        rss_after = _rss_kib(server.proc.pid)
+        level = float(re.search(r"^kvmesh_degradation_level ([0-9.]+)$", httpx.get(server.url + "/metrics").text, re.M).group(1))
+    late = [r for r in results if r[0] >= WARMUP_S]
+    premium = [r for r in late if r[1] == "premium"]
+    best_effort = [r for r in late if r[1] == "best_effort"]
+    assert level >= 2, "the overload was not noticed"
+    assert premium and all(r[2] == 200 for r in premium), "premium requests were refused"
+    ttfts = sorted(r[3] for r in premium)
+    p90 = ttfts[int(0.9 * (len(ttfts) - 1))]
+    assert p90 < SLO_TTFT_S, f"premium TTFT p90 {p90 * 1000:.0f} ms over the {SLO_TTFT_S * 1000:.0f} ms SLO"
+    shed = [r for r in best_effort if r[2] == 503]
+    assert len(shed) >= 0.9 * len(best_effort), f"only {len(shed)} of {len(best_effort)} best-effort requests shed"
+    assert all(r[4] is not None and int(r[4]) >= 1 for r in shed), "a shed request lacks Retry-After"
+    assert rss_after - rss_before < 64 * 1024, f"frontend grew {(rss_after - rss_before) / 1024:.0f} MiB"

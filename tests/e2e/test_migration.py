@@ -97,3 +97,4 @@ async def test_sigkilled_workers_lose_no_request_and_no_token(tmp_path):
     assert different == [], f"{len(different)} streams differ, e.g. {examples}"
     migrations = sum(float(v) for v in re.findall(r'^kvmesh_migration_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
     assert migrations > 0, "no request was caught mid-stream: the test did not test migration"
+    assert re.search(r'^kvmesh_migration_duration_seconds_count\{method="re_prefill"\} [1-9]', metrics, re.M)

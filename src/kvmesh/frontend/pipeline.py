@@ -205,10 +205,14 @@ class Generation:
         request = self.request
         generated: list[int] = []
         budget = MigrationBudget(self.entry.migration_limit)
+        moved: tuple[str, float] | None = None  # (method, when the worker failed)
         while True:
             stream = self._stream_on(instance, request)
             try:
                 async for chunk in stream:
+                    if moved is not None:  # the new worker answered: the move is done
+                        self.entry.metrics.migration_took(moved[0], time.perf_counter() - moved[1])
+                        moved = None
                     generated.extend(chunk.token_ids)
                     yield chunk
                 return
@@ -223,6 +227,7 @@ class Generation:
                     # no KV transfer between workers yet: the cost model has no link
                     method = choose_migration(len(self.request.token_ids), len(generated), 0, None, _no_prefill_model)
                     self.entry.metrics.migrated(method)
+                    moved = (method, time.perf_counter())
                 elif len(tried) > RETRIES_BEFORE_OUTPUT:
                     raise
                 log.info(

@@ -52,6 +52,7 @@ class ModelMetrics:
         "cached_tokens",
         "router",
         "_migrations",
+        "_migration_duration",
     )
 
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
@@ -68,9 +69,13 @@ class ModelMetrics:
         self.cached_tokens = parent.cached_tokens.labels(model)
         self.router = RouterMetrics(parent, model)
         self._migrations = parent.migrations
+        self._migration_duration = parent.migration_duration
 
     def migrated(self, method: str) -> None:
         self._migrations.labels(self._model, method).inc()
+
+    def migration_took(self, method: str, seconds: float) -> None:
+        self._migration_duration.labels(method).observe(seconds)
 
     def routed(self, worker_id: int) -> None:
         child = self._routed.get(worker_id)
@@ -141,6 +146,10 @@ class FrontendMetrics:
         )
         self.shed = Counter("kvmesh_frontend_shed", "Requests refused by graceful degradation, by tier", ["priority"], registry=r)
         self.degradation_level = Gauge("kvmesh_degradation_level", "0 normal … 4 reject new requests", registry=r)
+        self.migration_duration = Histogram(
+            "kvmesh_migration_duration_seconds", "From a worker failing mid-stream to the next worker's first token",
+            ["method"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.workers = Gauge("kvmesh_frontend_workers", "Live worker instances", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 

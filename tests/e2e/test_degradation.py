@@ -63,12 +63,25 @@ async def _overload(url: str) -> list:
     return results
 
 
+async def _highest_level(url: str, stop: asyncio.Event) -> float:
+    highest = 0.0
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        while not stop.is_set():
+            text = (await client.get("/metrics")).text
+            highest = max(highest, float(re.search(r"^kvmesh_degradation_level ([0-9.]+)$", text, re.M).group(1)))
+            await asyncio.sleep(0.25)
+    return highest
+
+
 async def test_three_times_overload_sheds_best_effort_and_keeps_premium_fast(tmp_path):
     with kvmesh_run(tmp_path, *ARGS, workers=2, speedup="1") as server:
         rss_before = _rss_kib(server.proc.pid)
+        stop = asyncio.Event()
+        watcher = asyncio.ensure_future(_highest_level(server.url, stop))
         results = await _overload(server.url)
+        stop.set()
+        level = await watcher
         rss_after = _rss_kib(server.proc.pid)
-        level = float(re.search(r"^kvmesh_degradation_level ([0-9.]+)$", httpx.get(server.url + "/metrics").text, re.M).group(1))
     late = [r for r in results if r[0] >= WARMUP_S]
     premium = [r for r in late if r[1] == "premium"]
     best_effort = [r for r in late if r[1] == "best_effort"]

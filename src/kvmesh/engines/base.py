@@ -70,6 +70,10 @@ class Engine(abc.ABC):
         """The whole cached block set, consistent with the event ids; None if unsupported."""
         return None
 
+    def set_batch_multiplier(self, multiplier: float) -> None:
+        """Graceful degradation: run at most ``multiplier`` (0, 1] of the usual batch.
+        Engines that cannot change their batch at run time ignore it (the default)."""
+
     def load_report(self) -> LoadReport | None:
         """Current load (blocks in use, waiting, running); None if unsupported."""
         return None

@@ -21,7 +21,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.health.degradation import CapacityConfig, Decision, DegradationController, admit
 from kvmesh.protocol import LoadReport
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.names import LOAD
+from kvmesh.runtime.names import LOAD, TUNE
 
 __all__ = ["RateMeter", "LoadShedder"]
 
@@ -62,6 +62,7 @@ class LoadShedder:
         self.period_s = period_s
         self.metrics = metrics
         self._task: asyncio.Task[None] | None = None
+        self._batch: dict[int, float] = {}  # worker -> batch multiplier it was told
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -94,8 +95,23 @@ class LoadShedder:
         change = self.controller.evaluate(reports, now, weights=weights, demand_rps=self.meter.rate(now))
         if change is not None:
             log.warning("degradation level %d -> %d (capacity/demand %.2f)", change.src, change.dst, change.ratio)
+        multiplier = self.controller.actions.batch_multiplier
+        for instance in instances:
+            if self._batch.get(instance.worker_id) != multiplier:
+                await self._tune(instance, multiplier)
         if self.metrics is not None:
             self.metrics.degradation_level.set(int(self.controller.level))
+
+    async def _tune(self, instance: Any, multiplier: float) -> None:
+        """Tell a worker the level's batch multiplier (once per change per worker)."""
+        try:
+            ctx = Context(f"tune-{instance.worker_id:x}")
+            async for _ in instance.client.stream(TUNE, msgspec.msgpack.encode(multiplier), ctx):
+                pass
+        except KvmeshError as exc:
+            log.warning("worker %x not tuned: %s", instance.worker_id, exc.message)
+            return
+        self._batch[instance.worker_id] = multiplier
 
     async def _load(self, instance: Any) -> LoadReport | None:
         report = None

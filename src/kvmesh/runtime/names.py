@@ -1,6 +1,6 @@
 """Well-known names shared by workers and their callers."""
 
-__all__ = ["COMPONENT", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "LOAD", "FAULT", "KV_EVENTS_TOPIC", "LOAD_TOPIC"]
+__all__ = ["COMPONENT", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "LOAD", "TUNE", "FAULT", "KV_EVENTS_TOPIC", "LOAD_TOPIC"]
 
 COMPONENT = "backend"  # the component every serving worker registers under
 
@@ -11,6 +11,7 @@ INFO = "info"
 KV_DUMP = "kv_dump"
 KV_EVENTS = "kv_events"
 LOAD = "load"  # the engine's current LoadReport
+TUNE = "tune"  # degradation actions on a worker (batch multiplier)
 FAULT = "fault"  # switch an engine's fault injection (tests, drills)
 
 # event-plane topics

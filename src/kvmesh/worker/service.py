@@ -26,7 +26,7 @@ from kvmesh.errors import EngineShutdown, InvalidArgument
 from kvmesh.protocol import EngineConfig, InstanceInfo, KvDump, KvEventsSince, LoadReport, ModelFiles, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
-from kvmesh.runtime.names import FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, MODEL_FILES
+from kvmesh.runtime.names import FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, MODEL_FILES, TUNE
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -74,6 +74,7 @@ class WorkerService:
         self.server.register(KV_EVENTS, self._kv_events)
         self.server.register(FAULT, self._fault)
         self.server.register(LOAD, self._load)
+        self.server.register(TUNE, self._tune)
         if not getattr(self.server, "started", False):
             await self.server.start()
         return self.config
@@ -107,6 +108,15 @@ class WorkerService:
         if report is None:
             raise InvalidArgument(f"{type(self.engine).__name__} does not report its load")
         yield report
+
+    async def _tune(self, payload: bytes, ctx: Context) -> AsyncIterator[float]:
+        """payload: the batch multiplier (a float in (0, 1])."""
+        try:
+            multiplier = msgspec.msgpack.decode(payload, type=float)
+            self.engine.set_batch_multiplier(multiplier)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            raise InvalidArgument(f"tune wants a batch multiplier in (0, 1]: {exc}") from None
+        yield multiplier
 
     async def _fault(self, payload: bytes, ctx: Context) -> AsyncIterator[str]:
         """Switch fault injection at run time: payload = a fault spec string ("" clears)."""

@@ -508,3 +508,23 @@ def test_premium_arrival_preempts_the_least_urgent_running_request_which_still_c
         if not sched.has_work:
             break
     assert finished == {"std": 6, "be": 6, "prem": 6}
+
+
+def test_batch_multiplier_caps_running_sequences():
+    import pytest
+
+    from kvmesh.engines.mocker import MockerOptions
+    from kvmesh.engines.mocker.scheduler import Scheduler
+    from kvmesh.protocol import PreprocessedRequest, StopConditions
+
+    sched = Scheduler(MockerOptions(max_num_seqs=4, eos_rate=0.0))
+    sched.set_batch_multiplier(0.5)
+    for i in range(6):
+        sched.add(PreprocessedRequest(request_id=str(i), model="m", token_ids=[5, 6, 7], stop=StopConditions(max_tokens=3, ignore_eos=True)))
+    sched.step()
+    assert sched.num_running == 2 and sched.num_waiting == 4
+    sched.set_batch_multiplier(1.0)
+    sched.step()
+    assert sched.num_running == 4
+    with pytest.raises(ValueError):
+        sched.set_batch_multiplier(0.0)

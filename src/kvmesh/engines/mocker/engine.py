@@ -189,6 +189,9 @@ class MockerEngine(Engine):
         """Sequence hashes of every block now in the prefix cache."""
         return self._scheduler.kv_dump()
 
+    def set_batch_multiplier(self, multiplier: float) -> None:
+        self._scheduler.set_batch_multiplier(multiplier)
+
     def kv_snapshot(self) -> KvDump:
         blocks = self._scheduler.blocks
         return KvDump(self.options.worker_id, blocks.next_event_id - 1, sorted(self._scheduler.kv_dump()))

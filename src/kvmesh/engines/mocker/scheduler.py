@@ -166,6 +166,8 @@ class Scheduler:
         self._caching = options.enable_prefix_caching
         self._eos_threshold = eos_threshold(options.eos_rate)
         self._waiting: deque[_Seq] = deque()
+        # graceful degradation may shrink the batch at run time (set_batch_multiplier)
+        self.max_num_seqs = options.max_num_seqs
         self._running: list[_Seq] = []
         self._seqs: dict[int, _Seq] = {}
         self._rejected: list[Finished] = []
@@ -335,12 +337,19 @@ class Scheduler:
             return False
         return True
 
+    def set_batch_multiplier(self, multiplier: float) -> None:
+        """Run at most ``multiplier`` × ``max_num_seqs`` sequences (at least 1); running
+        ones beyond that finish, no new one is admitted meanwhile."""
+        if not 0 < multiplier <= 1:
+            raise ValueError(f"the batch multiplier must be in (0, 1], got {multiplier}")
+        self.max_num_seqs = max(1, int(self.options.max_num_seqs * multiplier))
+
     def _yield_to_priority(self, plan: _Plan) -> bool:
         """With every sequence slot taken, a waiting request of a more urgent tier
         preempts the least urgent, most recently admitted running one (vLLM's priority
         policy). Returns whether anything was preempted for that reason."""
         yielded = False
-        while self._waiting and len(self._running) >= self.options.max_num_seqs:
+        while self._waiting and len(self._running) >= self.max_num_seqs:
             head = self._waiting[0]
             victim = max(self._running, key=lambda q: (q.rank, q.admitted))
             if victim.rank <= head.rank:
@@ -363,7 +372,7 @@ class Scheduler:
         plan.preempted.append(seq.id)
 
     def _admit_waiting(self, plan: _Plan) -> None:
-        max_seqs = self.options.max_num_seqs
+        max_seqs = self.max_num_seqs
         bs = self.options.block_size
         while self._waiting and plan.budget > 0 and len(self._running) < max_seqs:
             seq = self._waiting[0]

@@ -45,16 +45,16 @@ async def _record(ns: argparse.Namespace) -> int:
     from kvmesh.health.monitor import DEFAULT_CANARY_PROMPTS, generate_greedy
     from kvmesh.preprocess import Preprocessor
     from kvmesh.protocol import InstanceInfo
-    from kvmesh.runtime.context import Context
+    from kvmesh.runtime.distributed import call
     from kvmesh.runtime.names import INFO
     from kvmesh.runtime.tcp_client import TcpClient
 
     client = TcpClient(ns.worker, response_timeout=ns.timeout)
     try:
-        info = None
-        async for item in client.stream(INFO, b"\xc0", Context("canary-info"), decode=msgspec.msgpack.Decoder(InstanceInfo).decode):
-            info = item
-        assert info is not None
+        info = await call(client, INFO, decode=msgspec.msgpack.Decoder(InstanceInfo).decode)
+        if info is None:
+            print(f"kvmesh canary record: the worker at {ns.worker} sent no card", file=sys.stderr)
+            return 1
         model = info.engine.served_model_name
         pre = Preprocessor.from_folder(await fetch_model_files(client, model), name=model)
         outputs = []

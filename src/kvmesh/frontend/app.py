@@ -38,6 +38,7 @@ from kvmesh.frontend.schemas import parse
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.names import FAULT
 
@@ -155,10 +156,7 @@ class Frontend:
         try:
             body = msgspec.json.decode(await request.body(), type=_FaultRequest)
             instance = self.registry.find_instance(int(body.worker, 16))
-            result = None
-            ctx = Context(f"fault-{body.worker}")
-            async for item in instance.client.stream(FAULT, msgspec.msgpack.encode(body.fault), ctx, decode=_decode_str):
-                result = item
+            result = await call(instance.client, FAULT, msgspec.msgpack.encode(body.fault), _decode_str)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             return error_response(InvalidArgument(f"send {{\"worker\": \"<hex id>\", \"fault\": \"<spec>\"}}: {exc}"))
         except KvmeshError as exc:

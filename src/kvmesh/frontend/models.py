@@ -28,8 +28,7 @@ from kvmesh.preprocess import Preprocessor
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
 from kvmesh.protocol import EngineConfig, InstanceInfo, ModelFiles
 from kvmesh.router.push import PushRouter, make_policy
-from kvmesh.runtime.context import Context
-from kvmesh.runtime.distributed import RequestClient
+from kvmesh.runtime.distributed import RequestClient, call
 from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.instances import Instance, InstanceSet
 from kvmesh.runtime.names import KV_EVENTS_TOPIC, MODEL_FILES
@@ -64,9 +63,7 @@ def model_cache_dir() -> Path:
 
 async def fetch_model_files(client: RequestClient, name: str) -> str:
     """Copy a worker's model files (config, tokenizer, template) into the local cache."""
-    files: ModelFiles | None = None
-    async for item in client.stream(MODEL_FILES, b"\xc0", Context(f"model-files-{name}"), decode=_decode_files):
-        files = item
+    files: ModelFiles | None = await call(client, MODEL_FILES, decode=_decode_files)
     if files is None or "tokenizer.json" not in files.files:
         raise InvalidArgument(f"the worker serving {name!r} sent no tokenizer.json")
     digest = hashlib.sha256(b"".join(files.files[k] for k in sorted(files.files))).hexdigest()[:16]

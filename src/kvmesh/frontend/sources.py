@@ -12,8 +12,7 @@ import msgspec
 from kvmesh.errors import KvmeshError
 from kvmesh.frontend.models import ModelRegistry
 from kvmesh.protocol import InstanceInfo
-from kvmesh.runtime.context import Context
-from kvmesh.runtime.distributed import Client, DistributedRuntime
+from kvmesh.runtime.distributed import Client, DistributedRuntime, call
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.names import COMPONENT, GENERATE, INFO
 
@@ -71,9 +70,7 @@ class StaticWorkers:
     async def _poll(self, address: str) -> None:
         client = TcpClient(address, connect_timeout=self.interval_s)
         try:
-            info = None
-            async for item in client.stream(INFO, b"\xc0", Context(f"info-{address}"), decode=_decode_info):
-                info = item
+            info = await call(client, INFO, decode=_decode_info)
         except KvmeshError:
             info = None
         finally:

@@ -20,7 +20,7 @@ import msgspec
 from kvmesh.errors import KvmeshError
 from kvmesh.health.degradation import CapacityConfig, Decision, DegradationController, admit
 from kvmesh.protocol import LoadReport
-from kvmesh.runtime.context import Context
+from kvmesh.runtime.distributed import call
 from kvmesh.runtime.names import LOAD, TUNE
 
 __all__ = ["RateMeter", "LoadShedder"]
@@ -105,20 +105,15 @@ class LoadShedder:
     async def _tune(self, instance: Any, multiplier: float) -> None:
         """Tell a worker the level's batch multiplier (once per change per worker)."""
         try:
-            ctx = Context(f"tune-{instance.worker_id:x}")
-            async for _ in instance.client.stream(TUNE, msgspec.msgpack.encode(multiplier), ctx):
-                pass
+            await call(instance.client, TUNE, msgspec.msgpack.encode(multiplier))
         except KvmeshError as exc:
             log.warning("worker %x not tuned: %s", instance.worker_id, exc.message)
             return
         self._batch[instance.worker_id] = multiplier
 
     async def _load(self, instance: Any) -> LoadReport | None:
-        report = None
         try:
-            stream = instance.client.stream(LOAD, b"\xc0", Context(f"load-{instance.worker_id:x}"), decode=_decode_load)
-            async for item in stream:
-                report = item
+            report = await call(instance.client, LOAD, decode=_decode_load)
         except KvmeshError:
             return None
         if report is not None:

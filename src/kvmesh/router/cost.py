@@ -208,7 +208,7 @@ def select_greedy(
             if cost is None:
                 cost = by_overlap[overlap] = _cost(overlap, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
         costs.append(cost)
-    idle_cost = overlap_weight * prompt_tokens / block_size + n_blocks
+    idle_cost = _cost(0, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
     has_idle = len(busy) < len(workers)
     best = min(min(costs, default=math.inf), idle_cost if has_idle else math.inf)
     limit = best + _TIE_RTOL * max(1.0, abs(best))

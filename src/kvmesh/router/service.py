@@ -27,7 +27,7 @@ import msgspec
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
 from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
-from kvmesh.runtime.context import Context
+from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import Subscription
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import KV_DUMP, KV_EVENTS
@@ -170,10 +170,7 @@ class KvRouterService:
         instance = self.workers.get(worker_id)
         if instance is None:
             raise InvalidArgument(f"worker {worker_id:x} left")
-        result = None
-        async for item in instance.client.stream(endpoint, payload, Context(f"kv-{endpoint}"), decode=decode):
-            result = item
-        return result
+        return await call(instance.client, endpoint, payload, decode)
 
     async def _repair_from_buffer(self, worker_id: int) -> bool:
         last = self._last_applied.get(worker_id)

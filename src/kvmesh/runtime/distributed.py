@@ -36,6 +36,7 @@ import msgspec
 
 from kvmesh.config import RuntimeConfig
 from kvmesh.protocol import InstanceInfo
+from kvmesh.runtime.context import Context
 from kvmesh.runtime.discovery.base import Discovery, Lease
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.tcp_server import Handler, TcpServer
@@ -50,6 +51,8 @@ __all__ = [
     "RequestServer",
     "instance_key",
     "endpoint_prefix",
+    "call",
+    "NIL",
 ]
 
 log = logging.getLogger("kvmesh.runtime")
@@ -72,6 +75,18 @@ class RequestServer(Protocol):
 class RequestClient(Protocol):
     def stream(self, endpoint: str, payload: bytes, ctx: Any, decode: Any = None, merge: Any = None) -> Any: ...
     async def close(self) -> None: ...
+
+
+NIL = b"\xc0"  # msgpack nil: the payload of an endpoint that takes no argument
+
+
+async def call(client: RequestClient, endpoint: str, payload: bytes = NIL, decode: Any = None) -> Any:
+    """One request, one answer: the last item ``endpoint`` streams back (None if none).
+    Typed errors propagate as from :meth:`RequestClient.stream`."""
+    result = None
+    async for item in client.stream(endpoint, payload, Context(f"call-{endpoint}"), decode=decode):
+        result = item
+    return result
 
 
 def endpoint_prefix(namespace: str, component: str, endpoint: str) -> str:

@@ -95,7 +95,10 @@ def test_hung_worker_is_detected_and_its_traffic_moves(tmp_path):
 
 
 def test_corrupting_worker_is_removed_then_recovers_through_half_open(tmp_path):
-    with kvmesh_run(tmp_path, *HEALTH_ARGS, workers=2, speedup="2") as server:
+    # three failed half-open trials move a worker to DRAINING for good: a 3 s recovery
+    # timeout leaves ~9 s between detection and repair, however slow the machine is
+    args = [*HEALTH_ARGS[:-1], "3"]
+    with kvmesh_run(tmp_path, *args, workers=2, speedup="2") as server:
         url = server.url
         _wait(lambda: len(_workers(url)) == 2 and all(w["status"] == "healthy" for w in _workers(url).values()), 20, "2 healthy")
         bad, _ = sorted(_workers(url))
@@ -110,7 +113,7 @@ def test_corrupting_worker_is_removed_then_recovers_through_half_open(tmp_path):
             assert httpx.post(url + "/v1/completions", json={"model": "kvmesh-tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
         assert _routed(url).get(bad, 0) == before  # removed from routing
         _fault(url, bad, "")  # repaired: the next half-open trial passes
-        _wait(lambda: _workers(url)[bad]["status"] == "healthy" and _workers(url)[bad]["weight"] == 1.0, 15, "recovery")
+        _wait(lambda: _workers(url)[bad]["status"] == "healthy" and _workers(url)[bad]["weight"] == 1.0, 20, "recovery")
         for _ in range(10):
             httpx.post(url + "/v1/completions", json={"model": "kvmesh-tiny", "prompt": "x", "max_tokens": 2})
         assert _routed(url).get(bad, 0) > before

@@ -528,3 +528,21 @@ def test_batch_multiplier_caps_running_sequences():
     assert sched.num_running == 4
     with pytest.raises(ValueError):
         sched.set_batch_multiplier(0.0)
+
+
+def test_reduced_batch_still_lets_premium_fill_the_full_batch():
+    from kvmesh.engines.mocker import MockerOptions
+    from kvmesh.engines.mocker.scheduler import Scheduler
+    from kvmesh.protocol import PreprocessedRequest, RoutingHints, StopConditions
+
+    sched = Scheduler(MockerOptions(max_num_seqs=4, eos_rate=0.0))
+    sched.set_batch_multiplier(0.5)
+    for i in range(3):
+        sched.add(PreprocessedRequest(request_id=f"s{i}", model="m", token_ids=[5, 6, 7], stop=StopConditions(max_tokens=9, ignore_eos=True)))
+    sched.step()
+    assert sched.num_running == 2  # standard requests get the reduced batch
+    for i in range(3):
+        sched.add(PreprocessedRequest(request_id=f"p{i}", model="m", token_ids=[5, 6, 7], routing=RoutingHints(priority="premium"),
+                                      stop=StopConditions(max_tokens=9, ignore_eos=True)))  # fmt: skip
+    sched.step()
+    assert sched.num_running == 4  # premium fills up to max_num_seqs

@@ -339,17 +339,22 @@ class Scheduler:
 
     def set_batch_multiplier(self, multiplier: float) -> None:
         """Run at most ``multiplier`` × ``max_num_seqs`` sequences (at least 1); running
-        ones beyond that finish, no new one is admitted meanwhile."""
+        ones beyond that finish, no new one is admitted meanwhile. Premium requests may
+        still fill the full ``max_num_seqs``: the reduced batch sheds the less urgent."""
         if not 0 < multiplier <= 1:
             raise ValueError(f"the batch multiplier must be in (0, 1], got {multiplier}")
         self.max_num_seqs = max(1, int(self.options.max_num_seqs * multiplier))
+
+    def _cap(self, seq: _Seq) -> int:
+        """Running sequences allowed when admitting ``seq``."""
+        return self.options.max_num_seqs if seq.rank == 0 else self.max_num_seqs
 
     def _yield_to_priority(self, plan: _Plan) -> bool:
         """With every sequence slot taken, a waiting request of a more urgent tier
         preempts the least urgent, most recently admitted running one (vLLM's priority
         policy). Returns whether anything was preempted for that reason."""
         yielded = False
-        while self._waiting and len(self._running) >= self.max_num_seqs:
+        while self._waiting and len(self._running) >= self._cap(self._waiting[0]):
             head = self._waiting[0]
             victim = max(self._running, key=lambda q: (q.rank, q.admitted))
             if victim.rank <= head.rank:
@@ -372,9 +377,8 @@ class Scheduler:
         plan.preempted.append(seq.id)
 
     def _admit_waiting(self, plan: _Plan) -> None:
-        max_seqs = self.max_num_seqs
         bs = self.options.block_size
-        while self._waiting and plan.budget > 0 and len(self._running) < max_seqs:
+        while self._waiting and plan.budget > 0 and len(self._running) < self._cap(self._waiting[0]):
             seq = self._waiting[0]
             hit = 0
             if self._caching:

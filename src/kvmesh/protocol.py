@@ -30,6 +30,13 @@ __all__ = [
     "OutputChunk",
     "ErrorInfo",
     "EngineConfig",
+    "KvLayout",
+    "KvReservation",
+    "KvEndpoint",
+    "DisaggThresholds",
+    "PrefillJob",
+    "QueueStatus",
+    "DisaggStats",
     "BlockStored",
     "BlockRemoved",
     "AllBlocksCleared",
@@ -89,8 +96,37 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
     explain: bool = False
 
 
+class KvLayout(msgspec.Struct, frozen=True):
+    """How an engine's KV blocks look to a KV connector (decode workers publish it).
+
+    ``block_shape`` and ``dtype`` describe one block's tensor (for example
+    ``(layers, 2, kv_heads, block_size, head_dim)``, ``"float32"``). ``bytes_per_block``
+    is the block's real size, what a transfer is charged for; ``wire_bytes_per_block``
+    is what ``kv_export`` returns per block: the same for engines with real tensors,
+    less for the mocker, which sends a digest of each block's tokens and simulates the
+    rest: connectors then add ``bytes_per_block`` × blocks ÷ ``simulated_bytes_per_s``
+    seconds to every transfer.
+    """
+
+    engine: str
+    block_size: int
+    num_blocks: int
+    block_shape: tuple[int, ...]
+    dtype: str
+    bytes_per_block: int
+    wire_bytes_per_block: int
+    simulated_bytes_per_s: float = 0.0
+
+
 class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
-    """Prefill → decode handoff. Filled by the disaggregation issue."""
+    """KV that lives on another worker.
+
+    ``kind="kv_source"``: a draining worker handed this request off; its KV for the
+    first ``num_tokens`` tokens sits in ``block_ids`` on ``worker_id``, readable at
+    the KV-transfer ``address`` under ``transfer_id`` until the new worker says done.
+    (A stream carries it in one chunk just before its migratable error; the frontend
+    copies it onto the resumed request when moving the KV beats re-prefilling.)
+    """
 
     kind: str = ""
     bootstrap_host: str | None = None
@@ -98,6 +134,10 @@ class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
     block_ids: list[int] = []
     worker_id: int | None = None
     first_token_id: int | None = None
+    num_tokens: int = 0
+    address: str = ""
+    transfer_id: str = ""
+    layout: KvLayout | None = None
 
 
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
@@ -191,6 +231,21 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     bootstrap_port: int | None = None
 
 
+class KvReservation(msgspec.Struct):
+    """Blocks an engine holds for one request outside its scheduler (disaggregation, migration).
+
+    ``block_ids`` (engine-local) cover the first ``num_tokens`` tokens of the request;
+    the KV of the first ``cached_tokens`` of them is valid (a prefix-cache hit, or
+    tokens already computed), always a whole number of blocks except for a detached
+    in-flight request.
+    """
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    cached_tokens: int
+
+
 # ---------------------------------------------------------------------------- events
 
 
@@ -251,6 +306,77 @@ class LoadReport(msgspec.Struct, omit_defaults=True):
     timestamp_ms: float = 0.0
 
 
+# ---------------------------------------------------------------------------- disaggregation
+
+
+class KvEndpoint(msgspec.Struct, frozen=True):
+    """Where and how to move a worker's KV blocks (its KV metadata, in discovery):
+    the TCP KV-transfer server's ``host:port`` and the block layout (which gives the
+    capacity: ``layout.num_blocks``)."""
+
+    address: str
+    layout: KvLayout
+
+
+class DisaggThresholds(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Conditional disaggregation: prefill remotely only when the prompt's tokens not
+    in the prefix cache exceed ``max_local_prefill_length`` and the prefill queue
+    holds fewer than ``max_prefill_queue_size`` jobs. Changeable at run time (stored in
+    discovery at ``/disagg/{namespace}/thresholds``)."""
+
+    max_local_prefill_length: int = 1000
+    max_prefill_queue_size: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_local_prefill_length < 0 or self.max_prefill_queue_size < 0:
+            raise ValueError("disaggregation thresholds must be >= 0")
+
+
+class PrefillJob(msgspec.Struct, frozen=True):
+    """One remote prefill on the global prefill queue. Only block ids travel: the
+    prefill worker looks up the decode worker's :class:`KvEndpoint` by ``worker_id``.
+
+    The prefill worker reads blocks ``block_ids[:cached_tokens // block_size]`` (the
+    decode worker's prefix hit), computes tokens ``[cached_tokens, upto)`` and writes
+    the blocks covering them into ``block_ids``, then tells the decode worker done."""
+
+    job_id: str
+    worker_id: int
+    request: PreprocessedRequest
+    block_ids: list[int]
+    cached_tokens: int
+    upto: int
+    enqueued_at: float = 0.0
+
+
+class QueueStatus(msgspec.Struct, frozen=True):
+    """The prefill queue as a decode worker sees it (embedded mode's queue server also
+    hands out the current thresholds)."""
+
+    depth: int
+    thresholds: DisaggThresholds | None = None
+
+
+class DisaggStats(msgspec.Struct, omit_defaults=True):
+    """A worker's disaggregation and KV-transfer counters (the ``disagg_stats`` endpoint)."""
+
+    mode: str = "aggregated"
+    remote_prefills: int = 0
+    local_prefills: int = 0
+    local_by_queue: int = 0  # local because the prefill queue was full
+    remote_fallbacks: int = 0  # remote prefill failed or timed out: done locally
+    prefill_jobs_done: int = 0
+    prefill_jobs_failed: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    kv_transfer_s: float = 0.0
+    kv_migrations_in: int = 0
+    kv_migrations_out: int = 0
+    kv_migration_fallbacks: int = 0
+    reserved_blocks: int = 0
+    active_blocks: int = 0
+
+
 # ---------------------------------------------------------------------------- instances
 
 
@@ -278,6 +404,7 @@ class InstanceInfo(msgspec.Struct, omit_defaults=True):
     subject: str = ""
     hostname: str = ""
     event_address: str = ""
+    kv: KvEndpoint | None = None
 
 
 class ModelFiles(msgspec.Struct):

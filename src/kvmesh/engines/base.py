@@ -35,9 +35,19 @@ state outside the engine. :mod:`kvmesh.engines.sample` is a small runnable examp
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
-from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
+from kvmesh.errors import InvalidArgument
+from kvmesh.protocol import (
+    EngineConfig,
+    KvDump,
+    KvEvent,
+    KvLayout,
+    KvReservation,
+    LoadReport,
+    OutputChunk,
+    PreprocessedRequest,
+)
 from kvmesh.runtime.context import Context
 
 __all__ = ["Engine"]
@@ -81,3 +91,55 @@ class Engine(abc.ABC):
     def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
         """Buffered KV events after ``event_id``; None if some were dropped or unsupported."""
         return None
+
+    # Optional KV block access: disaggregated prefill and KV-transfer migration move
+    # blocks between engines through these (a KV connector carries the bytes). An
+    # engine supports them all or none; ``kv_layout() is None`` means none.
+    #
+    # Decode side of a remote prefill:  kv_reserve → (connector writes: kv_import) →
+    # kv_commit → generate (starts after the committed tokens); kv_release on cancel.
+    # Prefill side: prefill_remote.  Migration source: kv_detach → kv_export → kv_release.
+    def kv_layout(self) -> KvLayout | None:
+        """The block layout, or None when this engine cannot export or import KV."""
+        return None
+
+    def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
+        """Allocate and hold blocks for all of ``request.token_ids`` (prefix-cache hits
+        reused, their KV valid: ``cached_tokens``). None when the cache has no room."""
+        raise _no_kv(self)
+
+    def kv_release(self, request_id: str) -> None:
+        """Give back a reservation (or detached request) that will not be generated."""
+        raise _no_kv(self)
+
+    def kv_export(self, block_ids: Sequence[int]) -> bytes:
+        """The KV of these blocks in order, ``wire_bytes_per_block`` each."""
+        raise _no_kv(self)
+
+    def kv_import(self, block_ids: Sequence[int], data: bytes) -> None:
+        """Overwrite these blocks with ``data`` from ``kv_export`` of a same-layout engine."""
+        raise _no_kv(self)
+
+    def kv_commit(self, request_id: str, computed_tokens: int) -> None:
+        """The reservation's first ``computed_tokens`` tokens now hold valid KV; the next
+        ``generate`` of this request id computes only the tokens after them (at least one)."""
+        raise _no_kv(self)
+
+    async def prefill_remote(
+        self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
+    ) -> bytes:
+        """Prefill worker: compute the KV of ``request.token_ids[:upto]`` given the KV of
+        the first ``cached_tokens`` (``prefix_kv``: ``cached_tokens // block_size`` blocks);
+        return the KV of blocks ``cached_tokens // block_size`` .. ``ceil(upto / block_size) - 1``."""
+        raise _no_kv(self)
+
+    def kv_detach(self, request_id: str) -> KvReservation | None:
+        """Stop generating an in-flight request and keep its blocks as a reservation
+        (``num_tokens``: prompt + output so far; ``cached_tokens``: those with valid KV).
+        Its stream delivers every token generated so far, then ends ``cancelled``.
+        None when the request is unknown or holds no blocks."""
+        raise _no_kv(self)
+
+
+def _no_kv(engine: Engine) -> InvalidArgument:
+    return InvalidArgument(f"engine {type(engine).__name__} does not export or import KV blocks")

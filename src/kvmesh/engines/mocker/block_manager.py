@@ -127,6 +127,11 @@ class BlockManager:
         seq = self._seqs.get(seq_id)
         return len(seq.blocks) if seq is not None else 0
 
+    def block_table(self, seq_id: int) -> list[int]:
+        """A copy of ``seq_id``'s block ids, in token order (empty if unknown)."""
+        seq = self._seqs.get(seq_id)
+        return list(seq.blocks) if seq is not None else []
+
     def dump(self) -> set[int]:
         """Sequence hashes of every cached block, referenced or free."""
         return set(self._cached)

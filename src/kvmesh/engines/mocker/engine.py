@@ -31,15 +31,26 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+import struct
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 
 from kvmesh.engines.base import Engine
 from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput
-from kvmesh.errors import EngineShutdown, KvmeshError
-from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
+from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput, _Seq
+from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted
+from kvmesh.protocol import (
+    EngineConfig,
+    KvDump,
+    KvEvent,
+    KvLayout,
+    KvReservation,
+    LoadReport,
+    OutputChunk,
+    PreprocessedRequest,
+)
+from kvmesh.router.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
 
@@ -56,10 +67,11 @@ _MAX_CATCH_UP_S = 0.005
 class _Mailbox:
     """One request's slot between the step loop (producer) and its stream (consumer)."""
 
-    __slots__ = ("tokens", "finished", "cancelled", "error", "_waiter")
+    __slots__ = ("tokens", "pushed", "finished", "cancelled", "error", "_waiter")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.pushed = 0  # tokens handed to this box so far
         self.finished: Finished | None = None
         self.cancelled = False
         self.error: KvmeshError | None = None
@@ -67,6 +79,7 @@ class _Mailbox:
 
     def push(self, token: int) -> None:
         self.tokens.append(token)
+        self.pushed += 1
         self._wake()
 
     def finish(self, finished: Finished) -> None:
@@ -115,6 +128,7 @@ class MockerEngine(Engine):
         self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
         self._scheduler = Scheduler(self.options, self._publisher)
         self._boxes: dict[int, _Mailbox] = {}
+        self._sids: dict[str, int] = {}  # request id -> sequence id, for kv_detach
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_load: tuple[int, int, int] | None = None
@@ -202,6 +216,113 @@ class MockerEngine(Engine):
     def load_report(self) -> LoadReport:
         return self._scheduler.load_report(time.time() * 1000.0)
 
+    # ------------------------------------------------------------------ KV blocks
+    # The mocker has no tensors: a block's "KV" on the wire is an 8-byte digest of the
+    # tokens it holds (the chained block hash; a partial block hashes its partial
+    # tokens). Imports are checked against the digests the receiver expects when the
+    # reservation is committed, so a transfer that moved the wrong blocks fails loudly.
+
+    def kv_layout(self) -> KvLayout:
+        opts = self.options
+        return KvLayout(
+            engine="mocker",
+            block_size=opts.block_size,
+            num_blocks=opts.num_blocks,
+            block_shape=(opts.block_size, opts.kv_bytes_per_token),
+            dtype="uint8",
+            bytes_per_block=opts.block_size * opts.kv_bytes_per_token,
+            wire_bytes_per_block=_DIGEST.size,
+            simulated_bytes_per_s=opts.kv_bandwidth * opts.speedup,
+        )
+
+    def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
+        seq = self._scheduler.reserve(request)
+        if seq is None:
+            return None
+        return KvReservation(request.request_id, self._scheduler.block_ids(seq), len(seq.tokens), seq.num_computed)
+
+    def kv_release(self, request_id: str) -> None:
+        self._scheduler.release(request_id)
+
+    def kv_export(self, block_ids: Sequence[int]) -> bytes:
+        bs = self.options.block_size
+        digests: dict[int, list[int]] = {}
+        out = bytearray()
+        for seq, index in self._locate(block_ids):
+            if index * bs >= seq.num_computed:
+                raise InvalidArgument(f"block {index} of request {seq.request_id!r} holds no computed KV yet")
+            if seq.id not in digests:
+                digests[seq.id] = block_digests(seq.tokens, seq.num_computed, bs)
+            out += _DIGEST.pack(digests[seq.id][index])
+        return bytes(out)
+
+    def kv_import(self, block_ids: Sequence[int], data: bytes) -> None:
+        size = _DIGEST.size
+        if len(data) != size * len(block_ids):
+            raise InvalidArgument(f"KV import of {len(block_ids)} blocks needs {size * len(block_ids)} bytes, got {len(data)}")
+        for i, (seq, index) in enumerate(self._locate(block_ids)):
+            seq.imported[index] = _DIGEST.unpack_from(data, i * size)[0]
+
+    def kv_commit(self, request_id: str, computed_tokens: int) -> None:
+        sched = self._scheduler
+        seq = sched.reservation(request_id)
+        if seq is None:
+            raise InvalidArgument(f"no KV reservation for request {request_id!r}")
+        bs = self.options.block_size
+        want = block_digests(seq.tokens, computed_tokens, bs)
+        for index in range(seq.num_computed // bs, len(want)):
+            if seq.imported.get(index) != want[index]:
+                raise InvalidArgument(f"KV block {index} of request {request_id!r} was not imported or holds other tokens")
+        seq.imported.clear()
+        sched.commit_reserved(request_id, computed_tokens)
+
+    async def prefill_remote(
+        self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
+    ) -> bytes:
+        opts = self.options
+        bs = opts.block_size
+        tokens = request.token_ids
+        if cached_tokens % bs or not 0 <= cached_tokens < upto <= len(tokens):
+            raise InvalidArgument(f"remote prefill range [{cached_tokens}, {upto}) of {len(tokens)} tokens is not valid")
+        digests = block_digests(tokens, upto, bs)
+        first = cached_tokens // bs
+        if len(prefix_kv) != first * _DIGEST.size or any(
+            _DIGEST.unpack_from(prefix_kv, i * _DIGEST.size)[0] != digests[i] for i in range(first)
+        ):
+            raise InvalidArgument(f"the prefix KV read for request {request.request_id!r} holds other tokens")
+        # hold the blocks being computed for as long as the computation takes
+        blocks = self._scheduler.blocks
+        tmp = -1 - id(request)
+        if not blocks.allocate(tmp, upto - cached_tokens):
+            raise ResourceExhausted(f"no KV room for a remote prefill of {upto - cached_tokens} tokens")
+        try:
+            await asyncio.sleep(opts.remote_prefill_ms(upto - cached_tokens) / 1000.0)
+        finally:
+            blocks.free(tmp)
+        return b"".join(_DIGEST.pack(d) for d in digests[first:])
+
+    def kv_detach(self, request_id: str) -> KvReservation | None:
+        sid = self._sids.get(request_id)
+        box = None if sid is None else self._boxes.get(sid)
+        # a step in progress may have sampled a token not delivered yet: it is dropped
+        seq = None if box is None else self._scheduler.detach(sid, box.pushed)  # type: ignore[arg-type]
+        if seq is None or box is None:
+            return None
+        del self._boxes[sid]  # type: ignore[arg-type]
+        box.cancel()
+        return KvReservation(request_id, self._scheduler.block_ids(seq), len(seq.tokens), seq.num_computed)
+
+    def _locate(self, block_ids: Sequence[int]) -> list[tuple[_Seq, int]]:
+        """(reservation sequence, index in its block table) of each block id."""
+        where: dict[int, tuple[_Seq, int]] = {}
+        for seq in self._scheduler.reservations():
+            for index, b in enumerate(self._scheduler.block_ids(seq)):
+                where[b] = (seq, index)
+        try:
+            return [where[b] for b in block_ids]
+        except KeyError as exc:
+            raise InvalidArgument(f"KV block {exc.args[0]} belongs to no reservation on this worker") from None
+
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
@@ -211,11 +332,14 @@ class MockerEngine(Engine):
         box = _Mailbox()
         sid = self._scheduler.add(request)
         self._boxes[sid] = box
+        self._sids[request.request_id] = sid
         wake.set()
         ctx.on_stop(partial(self._on_stop, sid))
         try:
             while True:
                 if box.cancelled or ctx.is_stopped():
+                    if box.tokens and not ctx.is_stopped():  # detached: deliver what was made
+                        yield OutputChunk(token_ids=box.take())
                     yield OutputChunk.cancelled()
                     return
                 if box.error is not None:
@@ -229,6 +353,8 @@ class MockerEngine(Engine):
                 await box.wait()
         finally:
             self._boxes.pop(sid, None)
+            if self._sids.get(request.request_id) == sid:
+                del self._sids[request.request_id]
             self._scheduler.abort(sid)
 
     def _on_stop(self, sid: int, _ctx: Context) -> None:
@@ -301,3 +427,17 @@ class MockerEngine(Engine):
 
 def _terminal(tokens: list[int], fin: Finished) -> OutputChunk:
     return OutputChunk(token_ids=tokens, finish_reason=fin.reason, usage=fin.usage, error=fin.error)
+
+
+_DIGEST = struct.Struct("<Q")
+
+
+def block_digests(tokens: Sequence[int], upto: int, block_size: int) -> list[int]:
+    """The mocker's stand-in for KV content: one chained hash per block of
+    ``tokens[:upto]`` (the last block may be partial and hashes only its tokens)."""
+    full = upto // block_size
+    out = chain_hashes(local_block_hashes(tokens[: full * block_size], block_size))
+    if upto > full * block_size:
+        part = tokens[full * block_size : upto]
+        out.append(chain_one(out[-1] if out else None, local_block_hashes(part, len(part))[0]))
+    return out

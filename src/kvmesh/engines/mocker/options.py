@@ -47,6 +47,12 @@ class MockerOptions:
     prefill_coeffs: tuple[float, float, float] = (4.21e-7, 1.518e-2, 16.5)
     decode_coeffs: tuple[float, float, float] = (-25.74, 54.01, 5.74)
     eos_rate: float = 1.0 / 64.0
+    # KV transfer (disaggregation, migration): the modelled size of one token's KV
+    # (kvmesh-tiny in fp32: 4 layers × 2 KV heads × 64 dims × K and V × 4 bytes) and the
+    # link's bandwidth; a transfer of n blocks takes n·block_size·kv_bytes_per_token ÷
+    # kv_bandwidth seconds, divided by speedup.
+    kv_bytes_per_token: int = 4096
+    kv_bandwidth: float = 10e9
     load_report_interval_steps: int = 1
     event_ring_capacity: int = 1024
     fault: FaultSpec = FaultSpec()
@@ -62,7 +68,10 @@ class MockerOptions:
             "context_length",
             "load_report_interval_steps",
             "event_ring_capacity",
+            "kv_bytes_per_token",
         )
+        if not (math.isfinite(self.kv_bandwidth) and self.kv_bandwidth > 0):
+            raise ValueError(f"kv_bandwidth must be a positive finite number, got {self.kv_bandwidth}")
         if not self.model:
             raise ValueError("model must be a non-empty string")
         if not (math.isfinite(self.speedup) and self.speedup > 0):
@@ -98,6 +107,16 @@ class MockerOptions:
         """Model time of one decode pass at KV usage fraction ``kv_usage`` (no speedup)."""
         a, b, c = self.decode_coeffs
         return max(0.0, (a * kv_usage + b) * kv_usage + c)
+
+    def remote_prefill_ms(self, new_tokens: int) -> float:
+        """Model time of a prefill worker computing ``new_tokens`` alone, in chunks of
+        ``max_num_batched_tokens`` (speedup applied)."""
+        total, left = 0.0, new_tokens
+        while left > 0:
+            chunk = min(left, self.max_num_batched_tokens)
+            total += self.prefill_ms(chunk)
+            left -= chunk
+        return total / self.speedup
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
         """Duration of one pass, speedup applied: the prefill part if the pass prefills,

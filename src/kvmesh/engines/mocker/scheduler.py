@@ -95,7 +95,7 @@ class _Seq:
     __slots__ = (
         "id", "request_id", "tokens", "prompt_len", "max_tokens", "min_tokens", "ignore_eos",
         "stop_ids", "key", "rank", "vocab", "local_hashes", "seq_hashes", "num_computed",
-        "cached_tokens", "admitted", "running", "ever_admitted",
+        "cached_tokens", "admitted", "running", "ever_admitted", "reserved", "imported",
     )  # fmt: skip
 
     def __init__(self, seq_id: int, request: PreprocessedRequest, max_tokens: int) -> None:
@@ -118,6 +118,9 @@ class _Seq:
         self.admitted = -1
         self.running = False
         self.ever_admitted = False
+        # holds blocks outside the queues (kv_reserve / kv_detach): admitted as is
+        self.reserved = False
+        self.imported: dict[int, int] = {}  # block -> digest written into it (KV import)
 
     @property
     def is_decode(self) -> bool:
@@ -171,6 +174,8 @@ class Scheduler:
         self._running: list[_Seq] = []
         self._seqs: dict[int, _Seq] = {}
         self._rejected: list[Finished] = []
+        # request id -> a sequence holding blocks outside the queues (disaggregation, migration)
+        self._reserved: dict[str, _Seq] = {}
         self._next_id = 0
         self._admissions = 0
 
@@ -205,7 +210,22 @@ class Scheduler:
 
     def add(self, request: PreprocessedRequest) -> int:
         """Queue ``request`` (FCFS) and return its sequence id. A request that can never
-        run is not queued; it finishes with ``error`` at the next :meth:`step`."""
+        run is not queued; it finishes with ``error`` at the next :meth:`step`. A request
+        with a reservation (:meth:`reserve`) is queued with its blocks and computed tokens."""
+        seq = self._reserved.pop(request.request_id, None)
+        if seq is not None:
+            self._seqs[seq.id] = seq
+            self._enqueue(seq)
+            return seq.id
+        seq, problem = self._new_seq(request)
+        if problem is not None:
+            self._rejected.append(_finished(seq, "error", problem))
+            return seq.id
+        self._seqs[seq.id] = seq
+        self._enqueue(seq)
+        return seq.id
+
+    def _new_seq(self, request: PreprocessedRequest) -> tuple[_Seq, str | None]:
         seq_id = self._next_id
         self._next_id += 1
         opts = self.options
@@ -221,15 +241,80 @@ class Scheduler:
                 seq.vocab = drawable_vocab(opts.vocab_size, excluded)
             except ValueError as exc:
                 problem = str(exc)
-        if problem is not None:
-            self._rejected.append(_finished(seq, "error", problem))
-            return seq_id
-        if self._caching:
+        if problem is None and self._caching:
             seq.local_hashes = local_block_hashes(seq.tokens, opts.block_size)
             seq.seq_hashes = chain_hashes(seq.local_hashes)
-        self._seqs[seq_id] = seq
-        self._enqueue(seq)
-        return seq_id
+        return seq, problem
+
+    # ------------------------------------------------------------------ reservations
+
+    def reserve(self, request: PreprocessedRequest) -> _Seq | None:
+        """Allocate blocks for all of ``request``'s prompt without queueing it (prefix
+        hits reused, at least one token left to compute). None when the pool is short
+        or the request could never run. The next :meth:`add` of the same request id
+        queues it with these blocks; :meth:`release` gives them back."""
+        if request.request_id in self._reserved:
+            raise ValueError(f"request {request.request_id!r} already holds a reservation")
+        seq, problem = self._new_seq(request)
+        if problem is not None:
+            return None
+        bs = self.options.block_size
+        hit = self.blocks.lookup(seq.seq_hashes[: (len(seq.tokens) - 1) // bs]) if self._caching else 0
+        if not self.blocks.allocate(seq.id, len(seq.tokens), seq.seq_hashes[:hit]):
+            return None
+        seq.num_computed = seq.cached_tokens = hit * bs
+        seq.ever_admitted = seq.reserved = True
+        self._reserved[request.request_id] = seq
+        return seq
+
+    def reservation(self, request_id: str) -> _Seq | None:
+        return self._reserved.get(request_id)
+
+    def reservations(self) -> list[_Seq]:
+        return list(self._reserved.values())
+
+    def block_ids(self, seq: _Seq) -> list[int]:
+        return self.blocks.block_table(seq.id)
+
+    def commit_reserved(self, request_id: str, computed_tokens: int) -> None:
+        """The reservation's first ``computed_tokens`` tokens hold valid KV now (imported):
+        full blocks join the prefix cache (``BlockStored``)."""
+        seq = self._reserved[request_id]
+        if not seq.num_computed <= computed_tokens < len(seq.tokens):
+            raise ValueError(
+                f"computed tokens must be in [{seq.num_computed}, {len(seq.tokens) - 1}], got {computed_tokens}"
+            )
+        seq.num_computed = computed_tokens
+        if self._caching:
+            self.blocks.commit(seq.id, seq.seq_hashes, seq.local_hashes, computed_tokens // self.options.block_size)
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation's blocks; False if there is none."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is None:
+            return False
+        self.blocks.free(seq.id)
+        return True
+
+    def detach(self, seq_id: int, delivered: int) -> _Seq | None:
+        """Take a queued or running request out of the schedule, keeping its blocks and
+        computed tokens as a reservation (KV migration's source side). Output tokens
+        beyond the first ``delivered`` are forgotten, and the last kept token counts as
+        not computed (whoever resumes computes it, to sample from)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or not self.blocks.held_blocks(seq_id):
+            return None
+        del self._seqs[seq_id]
+        del seq.tokens[seq.prompt_len + delivered :]
+        seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
+        if seq.running:
+            self._running.remove(seq)
+            seq.running = False
+        else:
+            self._waiting.remove(seq)
+        seq.reserved = True
+        self._reserved[seq.request_id] = seq
+        return seq
 
     def _enqueue(self, seq: _Seq, front: bool = False) -> None:
         """FCFS within a priority tier; a more urgent request waits ahead of less
@@ -279,6 +364,7 @@ class Scheduler:
         self._running.clear()
         self._seqs.clear()
         self._rejected.clear()
+        self._reserved.clear()
         self.blocks.reset()
         return aborted
 
@@ -380,15 +466,20 @@ class Scheduler:
         bs = self.options.block_size
         while self._waiting and plan.budget > 0 and len(self._running) < self._cap(self._waiting[0]):
             seq = self._waiting[0]
-            hit = 0
-            if self._caching:
+            if seq.reserved:  # holds its blocks and computed tokens already
+                computed = seq.num_computed
+                hit = 0
+            elif self._caching:
                 hit = self.blocks.lookup(seq.seq_hashes[: (len(seq.tokens) - 1) // bs])
-            computed = hit * bs
+                computed = hit * bs
+            else:
+                hit = computed = 0
             n = min(len(seq.tokens) - computed, plan.budget)
             if not self.blocks.allocate(seq.id, computed + n, seq.seq_hashes[:hit]):
                 return
             self._waiting.popleft()
             seq.num_computed = computed
+            seq.reserved = False
             if not seq.ever_admitted:
                 seq.ever_admitted = True
                 seq.cached_tokens = computed

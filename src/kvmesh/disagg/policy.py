@@ -1,0 +1,33 @@
+"""Conditional disaggregation: where one request's prefill runs. Pure.
+
+A decode worker has allocated the request's blocks (so it knows its prefix-cache hit)
+and asks: remote only if the tokens left to compute exceed
+``max_local_prefill_length`` (short prefills piggyback on decode steps; a long prefix
+hit makes the rest memory-bound) and the global queue holds fewer than
+``max_prefill_queue_size`` jobs (a long queue means the prefill workers lag behind:
+better to prefill here until more join).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvmesh.protocol import DisaggThresholds
+
+__all__ = ["Placement", "needs_queue_check", "place_prefill"]
+
+Placement = Literal["remote", "local", "local_queue_full"]
+
+
+def needs_queue_check(prompt_len: int, cached_tokens: int, t: DisaggThresholds) -> bool:
+    """Whether the prompt is long enough that the queue's depth matters (saves asking)."""
+    return prompt_len - cached_tokens > t.max_local_prefill_length
+
+
+def place_prefill(prompt_len: int, cached_tokens: int, queue_depth: int, t: DisaggThresholds) -> Placement:
+    """Where to prefill a prompt of ``prompt_len`` tokens with ``cached_tokens`` already cached."""
+    if not needs_queue_check(prompt_len, cached_tokens, t) or prompt_len - 1 <= cached_tokens:
+        return "local"
+    if queue_depth >= t.max_prefill_queue_size:
+        return "local_queue_full"
+    return "remote"

@@ -1,0 +1,147 @@
+"""The prefill worker's loop: pull one job, prefill it into the decode worker's blocks.
+
+For each job (one at a time: a prefill runs alone, for a fast TTFT):
+
+1. look up the decode worker's :class:`~kvmesh.protocol.KvEndpoint` (loaded from
+   discovery the first time this worker serves that decode worker, then cached);
+2. read the prefix-hit blocks from it, compute the rest (``engine.prefill_remote``),
+   write the new blocks into the blocks the decode worker allocated;
+3. tell it done (or the error, so it falls back to a local prefill at once), ack.
+
+:meth:`PrefillWorker.stop` stops pulling and lets the current job finish its writes:
+removing a prefill worker needs nothing else. Adding one needs nothing at all: it
+starts pulling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from kvmesh.disagg.queue import PrefillQueue
+from kvmesh.disagg.transfer import KvConnector
+from kvmesh.engines.base import Engine
+from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.protocol import DisaggStats, KvEndpoint, PrefillJob
+
+__all__ = ["PrefillWorker", "KvMetadataCache"]
+
+log = logging.getLogger(__name__)
+
+
+class KvMetadataCache:
+    """Decode workers' KV endpoints, each loaded once (``lookup``) and kept until a
+    transfer to it fails."""
+
+    def __init__(self, lookup: Callable[[int], Awaitable[KvEndpoint | None]]) -> None:
+        self._lookup = lookup
+        self._cache: dict[int, KvEndpoint] = {}
+        self.loads = 0
+
+    async def get(self, worker_id: int) -> KvEndpoint | None:
+        endpoint = self._cache.get(worker_id)
+        if endpoint is None:
+            self.loads += 1
+            endpoint = await self._lookup(worker_id)
+            if endpoint is not None:
+                self._cache[worker_id] = endpoint
+        return endpoint
+
+    def forget(self, worker_id: int) -> None:
+        self._cache.pop(worker_id, None)
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        queue: PrefillQueue,
+        connector: KvConnector,
+        metadata: KvMetadataCache,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.connector = connector
+        self.metadata = metadata
+        self.poll_s = poll_s
+        self.stats = DisaggStats(mode="prefill")
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.busy = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="prefill-worker")
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop pulling; wait for the job in hand to finish its writes."""
+        self._stopping.set()
+        if self._task is not None:
+            await asyncio.wait([self._task], timeout=timeout_s)
+            if not self._task.done():
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+        await self.connector.close()
+
+    def disagg_stats(self) -> DisaggStats:
+        sent = self.connector.stats
+        self.stats.kv_bytes_sent = sent.bytes_sent
+        self.stats.kv_bytes_received = sent.bytes_received
+        self.stats.kv_transfer_s = round(sent.seconds, 6)
+        report = self.engine.load_report()
+        self.stats.active_blocks = report.active_blocks if report is not None else 0
+        return self.stats
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                delivery = await self.queue.pull(self.poll_s)
+            except KvmeshError as exc:
+                log.warning("pulling from the prefill queue failed: %s", exc)
+                await asyncio.sleep(self.poll_s)
+                continue
+            if delivery is None:
+                continue
+            self.busy = True
+            try:
+                await self.serve(delivery.job)
+            finally:
+                self.busy = False
+                await _quietly(delivery.ack())
+
+    async def serve(self, job: PrefillJob) -> bool:
+        """Run one job; True when its KV reached the decode worker."""
+        peer = await self.metadata.get(job.worker_id)
+        if peer is None:  # the decode worker is gone: nothing to fill
+            self.stats.prefill_jobs_failed += 1
+            log.info("prefill job %s: decode worker %x not found", job.job_id, job.worker_id)
+            return False
+        try:
+            await self._fill(peer, job)
+        except KvmeshError as exc:
+            self.stats.prefill_jobs_failed += 1
+            self.metadata.forget(job.worker_id)
+            log.info("prefill job %s failed: %s", job.job_id, exc.message)
+            await _quietly(self.connector.done(peer, job.job_id, 0, exc.message))
+            return False
+        self.stats.prefill_jobs_done += 1
+        return True
+
+    async def _fill(self, peer: KvEndpoint, job: PrefillJob) -> None:
+        layout = self.engine.kv_layout()
+        if layout is None:
+            raise InvalidArgument(f"{type(self.engine).__name__} cannot export KV")
+        bs = peer.layout.block_size
+        first, last = job.cached_tokens // bs, -(-job.upto // bs)
+        prefix = await self.connector.read(peer, job.job_id, job.block_ids[:first], layout)
+        data = await self.engine.prefill_remote(job.request, prefix, job.cached_tokens, job.upto)
+        await self.connector.write(peer, job.job_id, job.block_ids[first:last], data, layout)
+        await self.connector.done(peer, job.job_id, job.upto)
+
+
+async def _quietly(op: Awaitable[None]) -> None:
+    try:
+        await op
+    except Exception as exc:  # noqa: BLE001 - best effort (peer or queue gone)
+        log.debug("ignored: %s", exc)

@@ -1,0 +1,250 @@
+"""The global prefill queue: decode workers put remote-prefill jobs, prefill workers
+pull them one at a time.
+
+Backends (one contract, :class:`PrefillQueue`):
+
+* :class:`JetStreamPrefillQueue`: distributed mode. A NATS JetStream stream with
+  work-queue retention and one durable pull consumer shared by every prefill worker:
+  a job goes to exactly one puller and leaves the stream when acknowledged; a job
+  whose puller died unacknowledged is redelivered after ``ack_wait``. New prefill
+  workers just start pulling: no registration.
+* :class:`LocalPrefillQueue`: in-process (embedded mode; tests).
+* :class:`RemotePrefillQueue`: embedded mode's worker processes reach the
+  ``kvmesh run`` process's :class:`LocalPrefillQueue` over the TCP request plane
+  (:func:`serve_queue` registers its endpoints there).
+
+``depth()`` counts jobs waiting to be pulled (not the ones being prefilled): it is
+what conditional disaggregation compares with ``max_prefill_queue_size``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.protocol import DisaggThresholds, KvEndpoint, PrefillJob, QueueStatus
+from kvmesh.runtime.context import Context
+
+__all__ = [
+    "Delivery",
+    "PrefillQueue",
+    "LocalPrefillQueue",
+    "JetStreamPrefillQueue",
+    "RemotePrefillQueue",
+    "serve_queue",
+    "QUEUE_PUT",
+    "QUEUE_PULL",
+    "QUEUE_STATUS",
+    "KV_METADATA",
+]
+
+log = logging.getLogger(__name__)
+
+# request-plane endpoints of embedded mode's queue server
+QUEUE_PUT = "prefill_queue_put"
+QUEUE_PULL = "prefill_queue_pull"
+QUEUE_STATUS = "prefill_queue_status"
+KV_METADATA = "kv_metadata"  # a decode worker's KvEndpoint by worker id (embedded mode's discovery)
+
+_encode = msgspec.msgpack.encode
+_decode_job = msgspec.msgpack.Decoder(PrefillJob).decode
+
+
+@dataclass(slots=True)
+class Delivery:
+    """A pulled job; ``ack()`` once it is done (or abandoned for good)."""
+
+    job: PrefillJob
+    ack: Callable[[], Awaitable[None]]
+
+
+class PrefillQueue(abc.ABC):
+    @abc.abstractmethod
+    async def put(self, job: PrefillJob) -> None: ...
+
+    @abc.abstractmethod
+    async def status(self) -> QueueStatus: ...
+
+    @abc.abstractmethod
+    async def pull(self, timeout_s: float) -> Delivery | None:
+        """The next job, or None when none came within ``timeout_s``."""
+
+    async def close(self) -> None:
+        return None
+
+
+async def _no_ack() -> None:
+    return None
+
+
+class LocalPrefillQueue(PrefillQueue):
+    """FIFO in one process; ``thresholds`` is what embedded mode hands to decode workers."""
+
+    def __init__(self, thresholds: DisaggThresholds | None = None) -> None:
+        self.thresholds = thresholds if thresholds is not None else DisaggThresholds()
+        self._jobs: deque[PrefillJob] = deque()
+        self._ready = asyncio.Condition()
+        self.put_count = 0
+
+    async def put(self, job: PrefillJob) -> None:
+        async with self._ready:
+            self._jobs.append(job)
+            self.put_count += 1
+            self._ready.notify()
+
+    async def status(self) -> QueueStatus:
+        return QueueStatus(len(self._jobs), self.thresholds)
+
+    async def pull(self, timeout_s: float) -> Delivery | None:
+        async with self._ready:
+            try:
+                await asyncio.wait_for(self._ready.wait_for(lambda: bool(self._jobs)), timeout_s)
+            except TimeoutError:
+                return None
+            return Delivery(self._jobs.popleft(), _no_ack)
+
+
+class JetStreamPrefillQueue(PrefillQueue):
+    """A JetStream work queue (see the module docstring); ``nc`` is a connected nats-py client."""
+
+    def __init__(self, nc: Any, namespace: str = "kvmesh", ack_wait_s: float = 60.0) -> None:
+        self._nc = nc
+        self.stream = f"KVMESH_PREFILL_{namespace}".replace(".", "_").replace("-", "_")
+        self.subject = f"{namespace}.prefill_queue"
+        self.durable = "prefill_workers"
+        self._ack_wait_s = ack_wait_s
+        self._js: Any = None
+        self._sub: Any = None
+
+    async def _jetstream(self) -> Any:
+        if self._js is None:
+            from nats.js.api import RetentionPolicy, StreamConfig
+            from nats.js.errors import BadRequestError
+
+            js = self._nc.jetstream()
+            config = StreamConfig(name=self.stream, subjects=[self.subject], retention=RetentionPolicy.WORK_QUEUE)
+            try:
+                await js.add_stream(config)
+            except BadRequestError:  # exists already (created by another worker)
+                pass
+            self._js = js
+        return self._js
+
+    async def put(self, job: PrefillJob) -> None:
+        js = await self._jetstream()
+        await js.publish(self.subject, _encode(job), stream=self.stream)
+
+    async def status(self) -> QueueStatus:
+        js = await self._jetstream()
+        info = await js.stream_info(self.stream)
+        pending = info.state.messages
+        try:  # delivered but not yet acknowledged jobs are being prefilled, not queued
+            consumer = await js.consumer_info(self.stream, self.durable)
+            pending -= consumer.num_ack_pending
+        except Exception:  # noqa: BLE001 - no puller yet: everything is queued
+            pass
+        return QueueStatus(max(0, pending))
+
+    async def pull(self, timeout_s: float) -> Delivery | None:
+        if self._sub is None:
+            from nats.js.api import AckPolicy, ConsumerConfig
+
+            js = await self._jetstream()
+            config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self._ack_wait_s, max_ack_pending=-1)
+            self._sub = await js.pull_subscribe(self.subject, durable=self.durable, stream=self.stream, config=config)
+        from nats.errors import TimeoutError as NatsTimeout
+
+        try:
+            msgs = await self._sub.fetch(1, timeout=timeout_s)
+        except (TimeoutError, NatsTimeout):
+            return None
+        msg = msgs[0]
+        try:
+            job = _decode_job(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.error("dropping a malformed prefill job: %s", exc)
+            await msg.term()
+            return None
+        return Delivery(job, msg.ack)
+
+    async def close(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection already gone
+                pass
+
+
+class RemotePrefillQueue(PrefillQueue):
+    """Embedded mode: the queue of the ``kvmesh run`` process, over the request plane."""
+
+    def __init__(self, address: str) -> None:
+        from kvmesh.runtime.tcp_client import TcpClient
+
+        self._client = TcpClient(address)
+
+    async def _call(self, endpoint: str, payload: bytes, decode: Any) -> Any:
+        from kvmesh.runtime.distributed import call
+
+        return await call(self._client, endpoint, payload, decode=decode)
+
+    async def put(self, job: PrefillJob) -> None:
+        await self._call(QUEUE_PUT, _encode(job), None)
+
+    async def status(self) -> QueueStatus:
+        return await self._call(QUEUE_STATUS, _encode(None), msgspec.msgpack.Decoder(QueueStatus).decode)
+
+    async def pull(self, timeout_s: float) -> Delivery | None:
+        job = await self._call(QUEUE_PULL, _encode(timeout_s), msgspec.msgpack.Decoder(PrefillJob | None).decode)
+        return None if job is None else Delivery(job, _no_ack)
+
+    async def kv_metadata(self, worker_id: int) -> KvEndpoint | None:
+        return await self._call(KV_METADATA, _encode(worker_id), msgspec.msgpack.Decoder(KvEndpoint | None).decode)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+def serve_queue(
+    server: Any, queue: LocalPrefillQueue, kv_metadata: Callable[[int], Awaitable[KvEndpoint | None]]
+) -> None:
+    """Register the queue's endpoints (and the KV-metadata lookup) on a request server."""
+
+    async def put(payload: bytes, ctx: Context) -> AsyncIterator[int]:
+        await queue.put(_decode_or_400(payload, PrefillJob))
+        yield 1
+
+    async def status(payload: bytes, ctx: Context) -> AsyncIterator[QueueStatus]:
+        yield await queue.status()
+
+    async def pull(payload: bytes, ctx: Context) -> AsyncIterator[PrefillJob | None]:
+        timeout_s = _decode_or_400(payload, float)
+        delivery = await queue.pull(min(max(timeout_s, 0.0), 30.0))
+        if delivery is not None and ctx.is_stopped():  # the puller went away: keep the job
+            await queue.put(delivery.job)
+            delivery = None
+        yield None if delivery is None else delivery.job
+
+    async def metadata(payload: bytes, ctx: Context) -> AsyncIterator[KvEndpoint | None]:
+        yield await kv_metadata(_decode_or_400(payload, int))
+
+    server.register(QUEUE_PUT, put)
+    server.register(QUEUE_STATUS, status)
+    server.register(QUEUE_PULL, pull)
+    server.register(KV_METADATA, metadata)
+
+
+def _decode_or_400(payload: bytes, kind: Any) -> Any:
+    try:
+        return msgspec.msgpack.decode(payload, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidArgument(f"malformed prefill-queue call: {exc}") from None

@@ -1,0 +1,363 @@
+"""KV transfer: moving blocks between workers' engines over TCP.
+
+The **server** runs on every worker that holds KV others may read or write (decode
+workers, and any worker that hands requests off when it drains). It only touches
+blocks it was told to expect: :meth:`KvTransferServer.expect` (a remote prefill: the
+prefill worker may read the prefix-hit blocks and write the rest) and
+:meth:`KvTransferServer.offer` (a migration source: the new worker may read them).
+An operation naming an unknown transfer (cancelled, timed out) is refused, so a
+late write can never land in blocks that were given back and reused.
+
+The **connector** (:class:`TcpKvConnector`, behind :class:`KvConnector`) is the
+client: ``read``, ``write`` and ``done`` against a worker's :class:`KvEndpoint`.
+Contiguous block ids travel as runs ``(first, count)``, and all runs of one
+operation as one payload. A layout-conversion hook runs after reads and before
+writes when the two engines' layouts differ. For engines that simulate their KV
+(the mocker: ``simulated_bytes_per_s`` > 0) the connector adds the modelled transfer
+time of the real bytes.
+
+Wire format, both directions: ``u32 little-endian header length``, a msgpack
+:class:`KvOp` (request) or :class:`KvReply` (answer), then ``nbytes`` of raw KV.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from kvmesh.engines.base import Engine
+from kvmesh.errors import CannotConnect, Disconnected, InvalidArgument, KvmeshError
+from kvmesh.protocol import KvEndpoint, KvLayout
+
+__all__ = [
+    "KvOp",
+    "KvReply",
+    "block_runs",
+    "LayoutConverter",
+    "convert_layout",
+    "KvTransferServer",
+    "KvConnector",
+    "TcpKvConnector",
+    "TransferStats",
+]
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+_MAX_HEADER = 16 * 1024 * 1024
+_MAX_PAYLOAD = 8 * 1024 * 1024 * 1024
+
+
+class KvOp(msgspec.Struct, frozen=True, omit_defaults=True):
+    op: Literal["read", "write", "done"]
+    transfer_id: str
+    runs: list[tuple[int, int]] = []
+    nbytes: int = 0
+    num_tokens: int = 0
+    error: str = ""
+
+
+class KvReply(msgspec.Struct, frozen=True, omit_defaults=True):
+    ok: bool
+    error: str = ""
+    nbytes: int = 0
+
+
+_encode = msgspec.msgpack.encode
+_decode_op = msgspec.msgpack.Decoder(KvOp).decode
+_decode_reply = msgspec.msgpack.Decoder(KvReply).decode
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive ids as ``(first, count)`` runs, in order: [3, 4, 5, 9] → [(3, 3), (9, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def _expand(runs: Sequence[tuple[int, int]]) -> list[int]:
+    return [b for first, count in runs for b in range(first, first + count)]
+
+
+LayoutConverter = Callable[[bytes, KvLayout, KvLayout], bytes]
+
+
+def convert_layout(data: bytes, src: KvLayout, dst: KvLayout) -> bytes:
+    """The default layout hook: same layouts pass as they are; simulated (digest) KV
+    passes between engines of the same block size; anything else needs a converter."""
+    if src.block_size != dst.block_size:
+        raise InvalidArgument(f"cannot move KV between block sizes {src.block_size} and {dst.block_size}")
+    same = (src.block_shape, src.dtype, src.wire_bytes_per_block) == (dst.block_shape, dst.dtype, dst.wire_bytes_per_block)
+    digests = src.simulated_bytes_per_s > 0 and dst.simulated_bytes_per_s > 0
+    if same or (digests and src.wire_bytes_per_block == dst.wire_bytes_per_block):
+        return data
+    raise InvalidArgument(
+        f"KV layouts differ ({src.engine} {src.block_shape} {src.dtype} → {dst.engine} {dst.block_shape} {dst.dtype});"
+        " pass a LayoutConverter to the connector"
+    )
+
+
+@dataclass(slots=True)
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    transfers: int = 0
+
+
+@dataclass(slots=True)
+class _Expected:
+    readable: frozenset[int]
+    writable: frozenset[int]
+    done: asyncio.Future[tuple[int, str]]
+    touched: set[str] = field(default_factory=set)
+
+
+class KvTransferServer:
+    """A worker's KV-transfer endpoint; see the module docstring."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.stats = TransferStats()
+        self._expected: dict[str, _Expected] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: dict[asyncio.StreamWriter, asyncio.Task[None] | None] = {}
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def endpoint(self) -> KvEndpoint | None:
+        layout = self.engine.kv_layout()
+        return None if layout is None else KvEndpoint(self.address, layout)
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            for writer in list(self._conns):
+                writer.close()
+            tasks = [t for t in self._conns.values() if t is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+            await server.wait_closed()
+        for exp in self._expected.values():
+            if not exp.done.done():
+                exp.done.set_result((0, "the worker's KV-transfer server closed"))
+        self._expected.clear()
+
+    # ------------------------------------------------------------------ transfers
+
+    def expect(self, transfer_id: str, readable: Sequence[int], writable: Sequence[int]) -> asyncio.Future[tuple[int, str]]:
+        """Allow reads of ``readable`` and writes of ``writable`` under ``transfer_id``
+        until ``done``; the future gets ``(num_tokens, error)`` from the peer's done."""
+        done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+        self._expected[transfer_id] = _Expected(frozenset(readable), frozenset(writable), done)
+        return done
+
+    def offer(self, transfer_id: str, readable: Sequence[int]) -> asyncio.Future[tuple[int, str]]:
+        """Let a peer read ``readable`` (a migration source) until it says done."""
+        return self.expect(transfer_id, readable, ())
+
+    def forget(self, transfer_id: str) -> None:
+        """Refuse every later operation on ``transfer_id`` (cancelled, timed out)."""
+        exp = self._expected.pop(transfer_id, None)
+        if exp is not None and not exp.done.done():
+            exp.done.cancel()
+
+    @property
+    def pending(self) -> int:
+        return len(self._expected)
+
+    # ------------------------------------------------------------------ connection
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._conns[writer] = asyncio.current_task()
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(_LEN.size)
+                except asyncio.IncompleteReadError:
+                    return
+                op = _decode_op(await _read_sized(reader, _LEN.unpack(header)[0], _MAX_HEADER))
+                payload = await _read_sized(reader, op.nbytes, _MAX_PAYLOAD) if op.op == "write" else b""
+                reply, data = self._handle(op, payload)
+                _send(writer, _encode(reply), data)
+                await writer.drain()
+        except (ConnectionError, msgspec.DecodeError, ValueError) as exc:
+            log.warning("KV-transfer connection dropped: %s", exc)
+        finally:
+            self._conns.pop(writer, None)
+            writer.close()
+
+    def _handle(self, op: KvOp, payload: bytes) -> tuple[KvReply, bytes]:
+        exp = self._expected.get(op.transfer_id)
+        if exp is None:
+            return KvReply(False, f"no transfer {op.transfer_id!r} here (cancelled or finished)"), b""
+        blocks = _expand(op.runs)
+        try:
+            if op.op == "read":
+                if not exp.readable.issuperset(blocks):
+                    raise InvalidArgument(f"transfer {op.transfer_id!r} may not read blocks {sorted(set(blocks) - exp.readable)}")
+                data = b"".join(self.engine.kv_export(range(first, first + n)) for first, n in op.runs)
+                self.stats.bytes_sent += len(data)
+                return KvReply(True, nbytes=len(data)), data
+            if op.op == "write":
+                if not exp.writable.issuperset(blocks):
+                    raise InvalidArgument(f"transfer {op.transfer_id!r} may not write blocks {sorted(set(blocks) - exp.writable)}")
+                self.engine.kv_import(blocks, payload)
+                self.stats.bytes_received += len(payload)
+                return KvReply(True), b""
+            del self._expected[op.transfer_id]
+            if not exp.done.done():
+                exp.done.set_result((op.num_tokens, op.error))
+            return KvReply(True), b""
+        except KvmeshError as exc:
+            return KvReply(False, exc.message), b""
+
+
+async def _read_sized(reader: asyncio.StreamReader, n: int, limit: int) -> bytes:
+    if n > limit:
+        raise ValueError(f"frame of {n} bytes over the limit of {limit}")
+    return await reader.readexactly(n)
+
+
+def _send(writer: asyncio.StreamWriter, header: bytes, data: bytes) -> None:
+    writer.write(_LEN.pack(len(header)) + header)
+    if data:
+        writer.write(data)
+
+
+class KvConnector(abc.ABC):
+    """Moves KV blocks to and from another worker (see :class:`TcpKvConnector`)."""
+
+    stats: TransferStats
+
+    @abc.abstractmethod
+    async def read(self, peer: KvEndpoint, transfer_id: str, block_ids: Sequence[int], into: KvLayout) -> bytes:
+        """The peer's blocks, converted to layout ``into``."""
+
+    @abc.abstractmethod
+    async def write(self, peer: KvEndpoint, transfer_id: str, block_ids: Sequence[int], data: bytes, src: KvLayout) -> None:
+        """Write ``data`` (layout ``src``) into the peer's blocks."""
+
+    @abc.abstractmethod
+    async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "") -> None:
+        """Tell the peer the transfer is over (``error`` if it failed)."""
+
+    async def close(self) -> None:
+        return None
+
+
+class _Link:
+    """One TCP connection to a peer; operations on it take turns."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.lock = asyncio.Lock()
+
+    async def call(self, op: KvOp, data: bytes = b"") -> tuple[KvReply, bytes]:
+        async with self.lock:
+            _send(self.writer, _encode(op), data)
+            await self.writer.drain()
+            header = await self.reader.readexactly(_LEN.size)
+            reply = _decode_reply(await _read_sized(self.reader, _LEN.unpack(header)[0], _MAX_HEADER))
+            payload = await _read_sized(self.reader, reply.nbytes, _MAX_PAYLOAD) if reply.nbytes else b""
+            return reply, payload
+
+
+class TcpKvConnector(KvConnector):
+    """Bulk KV transfer over TCP, one connection per peer, reused."""
+
+    def __init__(self, convert: LayoutConverter = convert_layout, connect_timeout_s: float = 5.0) -> None:
+        self.convert = convert
+        self.connect_timeout_s = connect_timeout_s
+        self.stats = TransferStats()
+        self._links: dict[str, _Link] = {}
+
+    async def _link(self, address: str) -> _Link:
+        link = self._links.get(address)
+        if link is not None and not link.writer.is_closing():
+            return link
+        host, _, port = address.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.connect_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise CannotConnect(f"cannot reach the KV-transfer server at {address}: {exc}") from None
+        link = self._links[address] = _Link(reader, writer)
+        return link
+
+    async def _call(self, peer: KvEndpoint, op: KvOp, data: bytes = b"") -> bytes:
+        link = await self._link(peer.address)
+        try:
+            reply, payload = await link.call(op, data)
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            self._links.pop(peer.address, None)
+            link.writer.close()
+            raise Disconnected(f"KV-transfer connection to {peer.address} lost: {exc}") from None
+        if not reply.ok:
+            raise InvalidArgument(f"KV transfer {op.op} at {peer.address} refused: {reply.error}")
+        return payload
+
+    async def read(self, peer: KvEndpoint, transfer_id: str, block_ids: Sequence[int], into: KvLayout) -> bytes:
+        if not block_ids:
+            return b""
+        started = time.perf_counter()
+        data = await self._call(peer, KvOp("read", transfer_id, block_runs(block_ids)))
+        await _simulate(peer.layout, len(block_ids))
+        self._account(started, received=_real_bytes(peer.layout, len(block_ids), len(data)))
+        return self.convert(data, peer.layout, into)
+
+    async def write(self, peer: KvEndpoint, transfer_id: str, block_ids: Sequence[int], data: bytes, src: KvLayout) -> None:
+        if not block_ids:
+            return
+        started = time.perf_counter()
+        data = self.convert(data, src, peer.layout)
+        await _simulate(peer.layout, len(block_ids))  # simulated bytes land when they would have arrived
+        await self._call(peer, KvOp("write", transfer_id, block_runs(block_ids), nbytes=len(data)), data)
+        self._account(started, sent=_real_bytes(peer.layout, len(block_ids), len(data)))
+
+    async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "") -> None:
+        await self._call(peer, KvOp("done", transfer_id, num_tokens=num_tokens, error=error))
+
+    def _account(self, started: float, sent: int = 0, received: int = 0) -> None:
+        stats = self.stats
+        stats.bytes_sent += sent
+        stats.bytes_received += received
+        stats.seconds += time.perf_counter() - started
+        stats.transfers += 1
+
+    async def close(self) -> None:
+        links, self._links = self._links, {}
+        for link in links.values():
+            link.writer.close()
+
+
+async def _simulate(layout: KvLayout, blocks: int) -> None:
+    """Engines without real tensors: take the time the real bytes would take."""
+    if layout.simulated_bytes_per_s > 0:
+        await asyncio.sleep(blocks * layout.bytes_per_block / layout.simulated_bytes_per_s)
+
+
+def _real_bytes(layout: KvLayout, blocks: int, wire: int) -> int:
+    """What a transfer moved: the wire bytes, or the modelled ones for simulated KV."""
+    return blocks * layout.bytes_per_block if layout.simulated_bytes_per_s > 0 else wire

@@ -15,6 +15,7 @@ __all__ = [
     "RuntimeConfig",
     "ROUTER_MODES",
     "ENGINES",
+    "WORKER_MODES",
     "DISCOVERY_BACKENDS",
     "REQUEST_PLANES",
     "EVENT_PLANES",
@@ -22,6 +23,7 @@ __all__ = [
 ]
 
 ROUTER_MODES = ("round_robin", "random", "kv", "kv-approx")
+WORKER_MODES = ("aggregated", "prefill", "decode")
 ENGINES = ("mocker",)
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("tcp", "nats")
@@ -87,12 +89,26 @@ class WorkerConfig:
     mocker: MockerConfig = field(default_factory=MockerConfig)
     validate_streams: bool = False
     grace_s: float = 30.0
+    # disaggregation (kvmesh.disagg): the worker's role and the global prefill queue
+    mode: str = "aggregated"  # aggregated | prefill | decode
+    prefill_queue: str = ""  # "" / "nats": JetStream (distributed); "tcp://host:port": embedded mode's queue
+    max_local_prefill_length: int = 1000
+    max_prefill_queue_size: int = 2
+    remote_prefill_timeout_s: float = 30.0
+    drain_migrate: bool = False  # on SIGTERM, hand in-flight requests (and their KV) to other workers
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.mode not in WORKER_MODES:
+            raise ValueError(f"--mode must be one of {', '.join(WORKER_MODES)}, got {self.mode!r}")
+        if self.prefill_queue not in ("", "nats") and not self.prefill_queue.startswith("tcp://"):
+            raise ValueError(f"--prefill-queue must be 'nats' or tcp://host:port, got {self.prefill_queue!r}")
+        if self.max_local_prefill_length < 0 or self.max_prefill_queue_size < 0:
+            raise ValueError("--max-local-prefill-length and --max-prefill-queue-size must be >= 0")
+        _positive("--remote-prefill-timeout", self.remote_prefill_timeout_s)
 
     def to_args(self) -> list[str]:
         args = ["--engine", self.engine, "--worker-id", str(self.worker_id), "--host", self.host]
@@ -101,6 +117,15 @@ class WorkerConfig:
             args += ["--model-path", self.model_path]
         if self.validate_streams:
             args.append("--validate-streams")
+        if self.mode != "aggregated":
+            args += ["--mode", self.mode]
+        if self.prefill_queue:
+            args += ["--prefill-queue", self.prefill_queue]
+        args += ["--max-local-prefill-length", str(self.max_local_prefill_length)]
+        args += ["--max-prefill-queue-size", str(self.max_prefill_queue_size)]
+        args += ["--remote-prefill-timeout", repr(self.remote_prefill_timeout_s)]
+        if self.drain_migrate:
+            args.append("--drain-migrate")
         return args + self.mocker.to_args()
 
 
@@ -167,10 +192,21 @@ class RunConfig:
     frontend: FrontendConfig
     worker: WorkerConfig
     workers: int = 2
+    # disaggregated: this many prefill and decode workers instead of ``workers`` aggregated ones
+    prefill_workers: int = 0
+    decode_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("--prefill-workers and --decode-workers must be >= 0")
+        if (self.prefill_workers > 0) != (self.decode_workers > 0):
+            raise ValueError("disaggregated serving needs both --prefill-workers and --decode-workers (at least 1 each)")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode_workers > 0
 
 
 def _default_file_dir() -> str:

@@ -15,6 +15,7 @@ import sys
 from kvmesh.config import (
     DISCOVERY_BACKENDS,
     ENGINES,
+    WORKER_MODES,
     ENV_VARS,
     EVENT_PLANES,
     REQUEST_PLANES,
@@ -42,6 +43,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
     m.add_argument("--fault", default="", help="inject a fault: crash | hang | slow:factor=K | corrupt [,after_tokens=N,probability=P]")
     p.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
+    d = WorkerConfig()
+    g = p.add_argument_group("disaggregated prefill/decode")
+    g.add_argument("--max-local-prefill-length", type=int, default=d.max_local_prefill_length,
+                   help="decode workers prefill remotely only prompts with more uncached tokens than this")
+    g.add_argument("--max-prefill-queue-size", type=int, default=d.max_prefill_queue_size,
+                   help="... and only while the prefill queue holds fewer jobs than this")
+    g.add_argument("--remote-prefill-timeout", type=float, default=d.remote_prefill_timeout_s,
+                   help="seconds a decode worker waits for a remote prefill before prefilling locally")
+    g.add_argument("--drain-migrate", action="store_true",
+                   help="on SIGTERM, hand in-flight requests with their KV to other workers instead of finishing them")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_frontend_args(run)
     _add_engine_args(run)
     run.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
+    run.add_argument("--prefill-workers", type=int, default=0, help="disaggregated: prefill worker processes")
+    run.add_argument("--decode-workers", type=int, default=0, help="disaggregated: decode worker processes")
 
     frontend = sub.add_parser("frontend", help="serve the HTTP API for the workers that discovery (or --static-workers) names")
     _add_frontend_args(frontend)
@@ -147,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--port", type=int, default=0, help="request-plane TCP port (0: any free port)")
     worker.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     worker.add_argument("--static", action="store_true", help="no discovery: serve TCP on --host/--port only")
+    worker.add_argument("--mode", default="aggregated", choices=WORKER_MODES,
+                        help="aggregated (default), prefill (pulls the prefill queue) or decode (prefills long prompts remotely)")
+    worker.add_argument("--prefill-queue", default="",
+                        help="distributed: JetStream on --nats-url (default); embedded: tcp://host:port of kvmesh run's queue")
     worker.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -168,6 +185,10 @@ def _worker_config(ns: argparse.Namespace, **overrides: object) -> WorkerConfig:
         engine=ns.engine,
         mocker=_mocker_config(ns),
         validate_streams=ns.validate_streams or debug_enabled(),
+        max_local_prefill_length=ns.max_local_prefill_length,
+        max_prefill_queue_size=ns.max_prefill_queue_size,
+        remote_prefill_timeout_s=ns.remote_prefill_timeout,
+        drain_migrate=ns.drain_migrate,
     )
     fields.update(overrides)
     return WorkerConfig(**fields)  # type: ignore[arg-type]
@@ -206,7 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         if ns.command == "run":
-            cfg = RunConfig(frontend=_frontend_config(ns), worker=_worker_config(ns), workers=ns.workers)
+            cfg = RunConfig(
+                frontend=_frontend_config(ns),
+                worker=_worker_config(ns),
+                workers=ns.workers,
+                prefill_workers=ns.prefill_workers,
+                decode_workers=ns.decode_workers,
+            )
             from kvmesh.cli.run import run_embedded
 
             return run_embedded(cfg, ns.log_level)
@@ -226,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "worker":
             rcfg = _runtime_config(ns)
             worker_id = ns.worker_id if ns.worker_id is not None else ns.port
-            wcfg = _worker_config(ns, worker_id=worker_id, host=rcfg.host, port=ns.port, grace_s=ns.grace)
+            wcfg = _worker_config(
+                ns, worker_id=worker_id, host=rcfg.host, port=ns.port, grace_s=ns.grace,
+                mode=ns.mode, prefill_queue=ns.prefill_queue,
+            )  # fmt: skip
             from kvmesh.cli.worker import run_worker
 
             return run_worker(wcfg, None if ns.static else rcfg, die_with_parent=ns.die_with_parent)

@@ -20,8 +20,15 @@ import msgspec
 from kvmesh.errors import MIGRATABLE, InvalidArgument, StreamIncomplete, Unknown
 from kvmesh.frontend.models import ModelEntry
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
-from kvmesh.health.migration import MigrationBudget, choose_migration, resume_request
+from kvmesh.health.migration import (
+    LINK_BYTES_PER_S,
+    MigrationBudget,
+    choose_migration,
+    prefill_ms_at,
+    resume_request,
+)
 from kvmesh.protocol import (
+    DisaggregatedParams,
     OutputChunk,
     OutputOptions,
     PreprocessedRequest,
@@ -40,8 +47,16 @@ log = logging.getLogger("kvmesh.frontend")
 RETRIES_BEFORE_OUTPUT = 3
 
 
-def _no_prefill_model(tokens: int) -> float:
-    return 0.0
+def migration_method(request: PreprocessedRequest, generated: int, handoff: DisaggregatedParams | None) -> str:
+    """KV transfer or re-prefill, by the migration cost model: a worker that handed the
+    request off with its KV (``handoff``) offers the link; without one, re-prefill."""
+    layout = handoff.layout if handoff is not None and handoff.kind == "kv_source" else None
+    if layout is None:
+        return "re_prefill"
+    link = layout.simulated_bytes_per_s or LINK_BYTES_PER_S["tcp"]
+    per_token = layout.bytes_per_block // layout.block_size
+    return choose_migration(len(request.token_ids), generated, per_token, link, prefill_ms_at())
+
 _ids = itertools.count(1)
 _id_prefix = os.urandom(4).hex()
 _encode_request = msgspec.msgpack.Encoder().encode
@@ -206,6 +221,7 @@ class Generation:
         generated: list[int] = []
         budget = MigrationBudget(self.entry.migration_limit)
         moved: tuple[str, float] | None = None  # (method, when the worker failed)
+        handoff: DisaggregatedParams | None = None  # where a draining worker left the KV
         while True:
             stream = self._stream_on(instance, request)
             try:
@@ -213,6 +229,8 @@ class Generation:
                     if moved is not None:  # the new worker answered: the move is done
                         self.entry.metrics.migration_took(moved[0], time.perf_counter() - moved[1])
                         moved = None
+                    if chunk.disaggregated_params is not None:
+                        handoff = chunk.disaggregated_params
                     generated.extend(chunk.token_ids)
                     yield chunk
                 return
@@ -224,8 +242,7 @@ class Generation:
                 if generated:
                     if not budget.try_spend():
                         raise
-                    # no KV transfer between workers yet: the cost model has no link
-                    method = choose_migration(len(self.request.token_ids), len(generated), 0, None, _no_prefill_model)
+                    method = migration_method(self.request, len(generated), handoff)
                     self.entry.metrics.migrated(method)
                     moved = (method, time.perf_counter())
                 elif len(tried) > RETRIES_BEFORE_OUTPUT:
@@ -241,6 +258,9 @@ class Generation:
                 yield OutputChunk(finish_reason="length")  # every token was streamed; only the end was lost
                 return
             request = resume_request(self.request, generated)
+            if generated and handoff is not None and moved is not None and moved[0] == "kv_transfer":
+                request = msgspec.structs.replace(request, disaggregated_params=handoff)
+            handoff = None
             instance = await self.entry.router.pick(request, exclude=frozenset(tried))
             tried.add(instance.worker_id)
 

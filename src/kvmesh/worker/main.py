@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import msgspec
 
@@ -23,8 +23,11 @@ from kvmesh.runtime.distributed import DistributedRuntime
 from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.events import CallbackPublisher, EventPublisher, NullPublisher
 from kvmesh.runtime.tcp_server import TcpServer
-from kvmesh.runtime.names import COMPONENT, GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
+from kvmesh.runtime.names import GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
 from kvmesh.worker.service import WorkerService
+
+if TYPE_CHECKING:
+    from kvmesh.worker.disagg import Roles
 
 __all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher"]
 
@@ -99,9 +102,12 @@ def _announce(info: InstanceInfo, out: TextIO) -> None:
 
 
 async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
+    from kvmesh.worker.disagg import wire
+
     plane, publisher, event_address = await event_publisher("zmq", cfg.worker_id, host=cfg.host)
     engine, model_path = build_engine(cfg, publisher)
-    service = WorkerService(engine, TcpServer(cfg.host, cfg.port), validate=cfg.validate_streams)
+    roles = await wire(cfg, engine, cfg.worker_id)
+    service = WorkerService(roles.engine, TcpServer(cfg.host, cfg.port), cfg.validate_streams, roles.stats)
     try:
         config = await service.start()
         info = InstanceInfo(
@@ -110,24 +116,49 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
             config,
             model_path,
             os.getpid(),
-            component=COMPONENT,
+            component=roles.component,
             endpoint=GENERATE,
             event_address=event_address,
+            kv=roles.kv_endpoint(),
         )
         service.info = info
+        if roles.prefill is not None:
+            roles.prefill.start()
         _announce(info, ready_out)
         await stop.wait()
         log.info("worker %d draining", cfg.worker_id)
+        await _step_down(cfg, roles)
     finally:
         await service.shutdown(cfg.grace_s)
+        await _close_roles(roles)
         await plane.close()
 
 
+async def _step_down(cfg: WorkerConfig, roles: Roles) -> None:
+    """Before the service drains: a prefill worker stops pulling and finishes its
+    writes; with ``drain_migrate``, in-flight requests leave with their KV."""
+    if roles.prefill is not None:
+        await roles.prefill.stop(cfg.grace_s)
+    if cfg.drain_migrate and roles.disagg is not None:
+        moved = roles.disagg.hand_off_all()
+        log.info("handed %d in-flight requests off with their KV", moved)
+
+
+async def _close_roles(roles: Roles) -> None:
+    for close in roles.closers:
+        try:
+            await close()
+        except Exception as exc:  # noqa: BLE001 - best effort at exit
+            log.debug("closing: %s", exc)
+
+
 async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
+    from kvmesh.worker.disagg import start_watch, wire
+
     runtime = DistributedRuntime(rcfg)
     await runtime.start()
-    endpoint = runtime.namespace().component(COMPONENT).endpoint(GENERATE)
     service: WorkerService | None = None
+    roles: Roles | None = None
     try:
         rc = runtime.config
         plane, publisher, event_address = await event_publisher(
@@ -136,12 +167,20 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         runtime.add_closer(plane.close)
         # KV events name the worker by its lease id, as the routers know it
         engine, model_path = build_engine(dataclasses.replace(cfg, worker_id=runtime.lease_id), publisher)
-        server = await runtime.request_server(COMPONENT)
-        service = WorkerService(engine, server, validate=cfg.validate_streams)
+        roles = await wire(cfg, engine, runtime.lease_id, runtime=runtime)
+        endpoint = runtime.namespace().component(roles.component).endpoint(GENERATE)
+        server = await runtime.request_server(roles.component)
+        service = WorkerService(roles.engine, server, cfg.validate_streams, roles.stats)
         config = await service.start()
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
+        info = msgspec.structs.replace(info, kv=roles.kv_endpoint())
         service.info = info
         await endpoint.register(info)
+        watch = start_watch(runtime.discovery, rc.namespace, roles)
+        if watch is not None:
+            runtime.add_closer(lambda: _cancel(watch))
+        if roles.prefill is not None:
+            roles.prefill.start()
         _announce(info, ready_out)
         lost = asyncio.ensure_future(runtime.lease_lost.wait())
         stopped = asyncio.ensure_future(stop.wait())
@@ -154,10 +193,18 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
             await endpoint.unregister()
             # routers that have not seen the removal yet may still pick us: keep serving
             await asyncio.sleep(min(cfg.grace_s, UNREGISTER_GRACE_S))
+        await _step_down(cfg, roles)
     finally:
         if service is not None:
             await service.shutdown(cfg.grace_s)
+        if roles is not None:
+            await _close_roles(roles)
         await runtime.shutdown()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def event_publisher(

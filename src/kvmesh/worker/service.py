@@ -15,7 +15,7 @@ the cancellation monitor calls ``engine.abort(ctx)`` when the caller stops, and 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
@@ -23,10 +23,20 @@ import msgspec
 from kvmesh.engines.adapter import AbortMonitor, run_generate
 from kvmesh.engines.base import Engine
 from kvmesh.errors import EngineShutdown, InvalidArgument
-from kvmesh.protocol import EngineConfig, InstanceInfo, KvDump, KvEventsSince, LoadReport, ModelFiles, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import (
+    DisaggStats,
+    EngineConfig,
+    InstanceInfo,
+    KvDump,
+    KvEventsSince,
+    LoadReport,
+    ModelFiles,
+    OutputChunk,
+    PreprocessedRequest,
+)
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
-from kvmesh.runtime.names import FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, MODEL_FILES, TUNE
+from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, MODEL_FILES, TUNE
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -54,8 +64,15 @@ def read_model_files(folder: str, name: str) -> ModelFiles:
 
 
 class WorkerService:
-    def __init__(self, engine: Engine, server: RequestServer | None = None, validate: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        server: RequestServer | None = None,
+        validate: bool = False,
+        disagg_stats: Callable[[], DisaggStats | None] | None = None,
+    ) -> None:
         self.engine = engine
+        self._disagg_stats = disagg_stats
         self.server: RequestServer = server if server is not None else TcpServer()
         self.config: EngineConfig | None = None
         self.info: InstanceInfo | None = None  # set by the owner once it knows its address
@@ -75,6 +92,7 @@ class WorkerService:
         self.server.register(FAULT, self._fault)
         self.server.register(LOAD, self._load)
         self.server.register(TUNE, self._tune)
+        self.server.register(DISAGG_STATS, self._stats)
         if not getattr(self.server, "started", False):
             await self.server.start()
         return self.config
@@ -108,6 +126,10 @@ class WorkerService:
         if report is None:
             raise InvalidArgument(f"{type(self.engine).__name__} does not report its load")
         yield report
+
+    async def _stats(self, payload: bytes, ctx: Context) -> AsyncIterator[DisaggStats]:
+        stats = self._disagg_stats() if self._disagg_stats is not None else None
+        yield stats if stats is not None else DisaggStats()
 
     async def _tune(self, payload: bytes, ctx: Context) -> AsyncIterator[float]:
         """payload: the batch multiplier (a float in (0, 1])."""

@@ -1,0 +1,149 @@
+"""A worker's disaggregation wiring: its role (``--mode``), the prefill queue it uses,
+where it finds other workers' KV endpoints, and the run-time thresholds.
+
+* ``aggregated`` (default) and ``decode`` workers run their engine inside a
+  :class:`~kvmesh.disagg.engine.DisaggEngine` with a KV-transfer server, whose
+  :class:`~kvmesh.protocol.KvEndpoint` goes into the worker's discovery record (the
+  decode worker's KV metadata); ``decode`` ones also put remote prefills on the queue.
+* ``prefill`` workers run a :class:`~kvmesh.disagg.prefill.PrefillWorker` that pulls
+  the queue; they register under the ``prefill`` component, so frontends never route
+  requests to them.
+
+Distributed mode uses a NATS JetStream queue and reads KV endpoints from discovery;
+embedded mode (``--prefill-queue tcp://...``) asks ``kvmesh run``'s queue server for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvmesh.config import WorkerConfig
+from kvmesh.disagg.engine import DisaggEngine
+from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
+from kvmesh.disagg.queue import JetStreamPrefillQueue, PrefillQueue, RemotePrefillQueue
+from kvmesh.disagg.transfer import KvTransferServer, TcpKvConnector
+from kvmesh.engines.base import Engine
+from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint
+from kvmesh.runtime.distributed import instance_key
+from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
+
+__all__ = ["Roles", "wire", "thresholds_key", "watch_thresholds", "put_thresholds"]
+
+log = logging.getLogger(__name__)
+
+_decode_info = msgspec.json.Decoder(InstanceInfo).decode
+_decode_thresholds = msgspec.json.Decoder(DisaggThresholds).decode
+
+
+@dataclass
+class Roles:
+    """What :func:`wire` built: the engine to serve, and the prefill loop if any."""
+
+    engine: Engine
+    component: str
+    prefill: PrefillWorker | None = None
+    queue: PrefillQueue | None = None
+    closers: tuple[Callable[[], Any], ...] = ()
+
+    @property
+    def disagg(self) -> DisaggEngine | None:
+        return self.engine if isinstance(self.engine, DisaggEngine) else None
+
+    def stats(self) -> DisaggStats | None:
+        if self.prefill is not None:
+            return self.prefill.disagg_stats()
+        return self.disagg.disagg_stats() if self.disagg is not None else None
+
+    def kv_endpoint(self) -> KvEndpoint | None:
+        return self.disagg.kv_endpoint if self.disagg is not None else None
+
+
+async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: Any = None) -> Roles:
+    """Build the worker's role around ``engine`` (``runtime`` None: static/embedded mode)."""
+    if engine.kv_layout() is None:
+        if cfg.mode != "aggregated":
+            raise ValueError(f"--mode {cfg.mode} needs an engine that moves KV blocks; {cfg.engine} does not")
+        return Roles(engine, COMPONENT)
+    queue = await _queue(cfg, runtime) if cfg.mode != "aggregated" else None
+    thresholds = DisaggThresholds(cfg.max_local_prefill_length, cfg.max_prefill_queue_size)
+    if cfg.mode == "prefill":
+        assert queue is not None
+        metadata = KvMetadataCache(_metadata_lookup(queue, runtime))
+        worker = PrefillWorker(engine, queue, TcpKvConnector(), metadata)
+        return Roles(engine, PREFILL_COMPONENT, prefill=worker, queue=queue, closers=(queue.close,))
+    wrapped = DisaggEngine(
+        engine,
+        worker_id=worker_id,
+        transfer=KvTransferServer(engine, host=cfg.host),
+        connector=TcpKvConnector(),
+        mode=cfg.mode,
+        queue=queue,
+        thresholds=thresholds,
+        remote_timeout_s=cfg.remote_prefill_timeout_s,
+    )
+    return Roles(wrapped, COMPONENT, queue=queue)
+
+
+async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:
+    if cfg.prefill_queue.startswith("tcp://"):
+        return RemotePrefillQueue(cfg.prefill_queue[len("tcp://") :])
+    if runtime is None:
+        raise ValueError(f"a static --mode {cfg.mode} worker needs --prefill-queue tcp://host:port (kvmesh run's queue)")
+    nc = runtime.nats
+    if nc is None:
+        from kvmesh.runtime.nats_plane import connect_nats
+
+        nc = await connect_nats(runtime.config.nats_url)
+        runtime.add_closer(nc.close)
+    return JetStreamPrefillQueue(nc, runtime.config.namespace)
+
+
+def _metadata_lookup(queue: PrefillQueue, runtime: Any) -> Callable[[int], Any]:
+    if runtime is None:
+        assert isinstance(queue, RemotePrefillQueue)
+        return queue.kv_metadata
+
+    async def from_discovery(worker_id: int) -> KvEndpoint | None:
+        key = instance_key(runtime.config.namespace, COMPONENT, GENERATE, worker_id)
+        found = await runtime.discovery.get_prefix(key)
+        value = found.get(key)
+        return None if value is None else _decode_info(value).kv
+
+    return from_discovery
+
+
+# ------------------------------------------------------------------ run-time thresholds
+
+
+def thresholds_key(namespace: str) -> str:
+    return f"/disagg/{namespace}/thresholds"
+
+
+async def put_thresholds(discovery: Any, namespace: str, thresholds: DisaggThresholds) -> None:
+    """Change every decode worker's thresholds (they watch this key)."""
+    await discovery.put(thresholds_key(namespace), msgspec.json.encode(thresholds))
+
+
+async def watch_thresholds(discovery: Any, namespace: str, engine: DisaggEngine) -> None:
+    """Keep ``engine.thresholds`` equal to the discovery key (until cancelled)."""
+    key = thresholds_key(namespace)
+    async for event in discovery.watch_prefix(key):
+        if event.key != key or event.kind != "put":
+            continue
+        try:
+            engine.thresholds = _decode_thresholds(event.value)
+            log.info("disaggregation thresholds now %s", engine.thresholds)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("ignoring bad thresholds at %s: %s", key, exc)
+
+
+def start_watch(discovery: Any, namespace: str, roles: Roles) -> asyncio.Task[None] | None:
+    if roles.disagg is None or roles.disagg.mode != "decode":
+        return None
+    return asyncio.get_running_loop().create_task(watch_thresholds(discovery, namespace, roles.disagg))

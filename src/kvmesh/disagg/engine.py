@@ -91,6 +91,8 @@ class DisaggEngine(Engine):
         self._live: set[str] = set()
         self._handoffs: dict[str, DisaggregatedParams] = {}
         self._offers: dict[str, asyncio.Future[tuple[int, str]]] = {}
+        self._decide = asyncio.Lock()
+        self._done: dict[str, asyncio.Future[tuple[int, str]]] = {}  # remote prefills put, not yet awaited
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,18 +160,23 @@ class DisaggEngine(Engine):
             self.stats.local_prefills += 1
             return True
         n, cached = len(request.token_ids), reservation.cached_tokens
-        placement = "local"
         if time.monotonic() - self._thresholds_at >= self.thresholds_refresh_s:
             await self._queue_status()  # a queue that carries thresholds (embedded mode) may have new ones
+        job: PrefillJob | None = None
+        placement = "local"
         if needs_queue_check(n, cached, self.thresholds):
-            status = await self._queue_status()
-            placement = place_prefill(n, cached, status.depth, status.thresholds or self.thresholds)
-        if placement != "remote":
+            # decisions take turns, so that concurrent ones see each other's jobs in the depth
+            async with self._decide:
+                status = await self._queue_status()
+                placement = place_prefill(n, cached, status.depth, status.thresholds or self.thresholds)
+                if placement == "remote":
+                    job = await self._enqueue(request, reservation)
+        if job is None:
             self.inner.kv_release(request.request_id)
             self.stats.local_prefills += 1
             self.stats.local_by_queue += placement == "local_queue_full"
             return True
-        return await self._run_remote(request, reservation, ctx)
+        return await self._await_remote(request, job, ctx)
 
     async def _queue_status(self) -> QueueStatus:
         assert self.queue is not None
@@ -183,20 +190,28 @@ class DisaggEngine(Engine):
         self._thresholds_at = time.monotonic()
         return status
 
-    async def _run_remote(self, request: PreprocessedRequest, res: KvReservation, ctx: Context) -> bool:
+    async def _enqueue(self, request: PreprocessedRequest, res: KvReservation) -> PrefillJob | None:
+        """Put the job on the queue, expecting its transfer; None if the queue refused."""
         assert self.queue is not None
-        layout = self._layout()
-        bs = layout.block_size
+        bs = self._layout().block_size
         upto = len(request.token_ids) - 1  # the last prompt token is computed here, to sample from
         first, last = res.cached_tokens // bs, -(-upto // bs)
         job = PrefillJob(uuid.uuid4().hex, self.worker_id, _plain(request), res.block_ids, res.cached_tokens, upto)
-        done = self.transfer.expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
-        outcome = ""
+        self._done[job.job_id] = self.transfer.expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
         try:
             await self.queue.put(job)
-            outcome = await _wait_done(done, ctx, self.remote_timeout_s)
         except KvmeshError as exc:
-            outcome = f"prefill queue: {exc.message}"
+            log.warning("prefill queue refused a job (%s); prefilling locally", exc.message)
+            self.transfer.forget(job.job_id)
+            del self._done[job.job_id]
+            self.stats.remote_fallbacks += 1
+            return None
+        return job
+
+    async def _await_remote(self, request: PreprocessedRequest, job: PrefillJob, ctx: Context) -> bool:
+        done = self._done.pop(job.job_id)
+        try:
+            outcome = await _wait_done(done, ctx, self.remote_timeout_s)
         finally:
             self.transfer.forget(job.job_id)
         if outcome == "cancelled":
@@ -204,7 +219,7 @@ class DisaggEngine(Engine):
             return False
         if not outcome:
             try:
-                self.inner.kv_commit(request.request_id, upto)
+                self.inner.kv_commit(request.request_id, job.upto)
                 self.stats.remote_prefills += 1
                 return True
             except KvmeshError as exc:

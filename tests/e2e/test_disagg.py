@@ -1,0 +1,218 @@
+"""Disaggregated serving with real etcd and a real nats-server (JetStream prefill queue):
+`kvmesh frontend`, decode and prefill `kvmesh worker` processes, the openai client.
+
+Long prompts go to the prefill workers and short ones stay local (the workers' own
+counters say so), a full queue forces local prefill, thresholds change at run time
+through discovery, prefill workers join and leave under load with no failed request,
+and a drained worker hands its in-flight requests (with their KV) to another one;
+every stream equals the aggregated run's."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+
+import msgspec
+import openai
+import pytest
+
+from kvmesh.protocol import DisaggStats
+from kvmesh.runtime.distributed import call
+from kvmesh.runtime.names import DISAGG_STATS
+from kvmesh.runtime.tcp_client import TcpClient
+from tests.e2e.test_distributed import _runtime_env
+from tests.helpers import KvmeshProcess, free_port, wait_healthy
+from tests.services import binary
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
+LONG, SHORT = 700, 60  # prompt tokens; the decode workers' threshold is 300
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(i * 13 + salt * 101) % 1800 + 20 for i in range(n)]
+
+
+class Fleet:
+    def __init__(self, tmp_path, etcd, nats, namespace: str) -> None:
+        self.tmp_path = tmp_path
+        self.etcd = etcd
+        self.env = dict(_runtime_env(etcd, nats), KVMESH_NAMESPACE=namespace)
+        self.namespace = namespace
+        self.port = free_port()
+        self.procs: list[KvmeshProcess] = []
+        self._client: openai.AsyncOpenAI | None = None
+        self.frontend = self._spawn("frontend", "--http-port", str(self.port), "--canary-interval", "0")
+
+    def _spawn(self, role: str, *args: str) -> KvmeshProcess:
+        proc = KvmeshProcess(self.tmp_path, role, *args, env=self.env)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, mode: str, *args: str, speedup: str = "20") -> tuple[KvmeshProcess, str]:
+        proc = self._spawn(
+            "worker", "--mode", mode, "--speedup", speedup, "--max-local-prefill-length", "300", "--grace", "15", *args
+        )
+        return proc, proc.wait_ready()["address"]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> openai.AsyncOpenAI:
+        if self._client is None:
+            self._client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    def set_thresholds(self, max_local: int, max_queue: int) -> None:
+        value = msgspec.json.encode({"max_local_prefill_length": max_local, "max_prefill_queue_size": max_queue})
+        subprocess.run(
+            [binary("etcdctl"), "--endpoints", self.etcd.endpoint, "put", f"/disagg/{self.namespace}/thresholds", value],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+async def stats(address: str) -> DisaggStats:
+    client = TcpClient(address)
+    try:
+        return await call(client, DISAGG_STATS, decode=msgspec.msgpack.Decoder(DisaggStats).decode)
+    finally:
+        await client.close()
+
+
+async def complete(client: openai.AsyncOpenAI, tokens: list[int], max_tokens: int = 16) -> str:
+    stream = await client.completions.create(
+        model="kvmesh-tiny", prompt=tokens, max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True}
+    )
+    text, finish = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length", finish
+    return text
+
+
+@pytest.fixture
+async def fleets(tmp_path, etcd, nats):
+    made: list[Fleet] = []
+
+    def make(namespace: str) -> Fleet:
+        fleet = Fleet(tmp_path, etcd, nats, namespace)
+        made.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in made:
+        await fleet.aclose()
+        fleet.close()
+
+
+async def test_disaggregated_serving_end_to_end(fleets) -> None:
+    agg = fleets("agg")
+    agg.worker("aggregated")
+    dis = fleets("dis")
+    _, decode = dis.worker("decode")
+    prefills = [dis.worker("prefill", speedup="0.5")[1] for _ in range(2)]  # a 700-token prefill: ~55 ms
+    wait_healthy(agg.url)
+    wait_healthy(dis.url)
+    prompts = [prompt(LONG, i) for i in range(4)] + [prompt(SHORT, 10 + i) for i in range(4)]
+
+    # one at a time: long prompts go remote, short ones stay local
+    got = [await complete(dis.client(), p) for p in prompts]
+    s = await stats(decode)
+    assert (s.remote_prefills, s.local_prefills, s.remote_fallbacks) == (4, 4, 0), s
+    done = [(await stats(a)).prefill_jobs_done for a in prefills]
+    assert sum(done) == 4, done
+    assert s.kv_bytes_received > 0 and s.active_blocks == 0
+    want = [await complete(agg.client(), p) for p in prompts]
+    assert got == want
+
+    # queue pressure: 16 long prompts at once, two prefill workers busy ~60 ms a job → the
+    # queue reaches its limit of 2 and the decode worker prefills the rest itself
+    burst = [prompt(LONG, 100 + i) for i in range(16)]
+    before = await stats(decode)
+    texts = await asyncio.gather(*(complete(dis.client(), p) for p in burst))
+    after = await stats(decode)
+    assert after.local_by_queue > before.local_by_queue, after
+    assert after.remote_prefills > before.remote_prefills, after
+    assert list(texts) == [await complete(agg.client(), p) for p in burst]
+
+    # thresholds change at run time through discovery: nothing is long enough now
+    dis.set_thresholds(5000, 2)
+    await asyncio.sleep(1.0)
+    before = await stats(decode)
+    await complete(dis.client(), prompt(LONG, 500))
+    after = await stats(decode)
+    assert after.remote_prefills == before.remote_prefills and after.local_prefills == before.local_prefills + 1
+
+
+async def test_prefill_workers_join_and_leave_under_load(fleets) -> None:
+    dis = fleets("xpyd")
+    _, decode = dis.worker("decode")
+    first, first_addr = dis.worker("prefill")
+    wait_healthy(dis.url)
+    client = dis.client()
+    failures: list[str] = []
+    finished = 0
+    stop = asyncio.Event()
+
+    async def loop(worker: int) -> None:
+        nonlocal finished
+        i = 0
+        while not stop.is_set() and i < 200:
+            i += 1
+            try:
+                await complete(client, prompt(LONG if i % 2 else SHORT, worker * 1000 + i), max_tokens=8)
+                finished += 1
+            except Exception as exc:  # noqa: BLE001 - collected and asserted on
+                failures.append(repr(exc))
+
+    tasks = [asyncio.ensure_future(loop(w)) for w in range(4)]
+    await asyncio.sleep(2.0)
+    _, second_addr = dis.worker("prefill")  # joins: no registration, it just pulls
+    await asyncio.sleep(2.0)
+    first.signal(signal.SIGTERM)  # leaves: stops pulling, finishes its writes
+    await asyncio.to_thread(first.proc.wait, 20)
+    await asyncio.sleep(2.0)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert failures == []
+    assert finished > 20
+    s = await stats(decode)
+    assert s.remote_prefills > 0 and s.remote_fallbacks == 0, s
+    assert (await stats(second_addr)).prefill_jobs_done > 0
+    assert first.proc.returncode == 0, first.log()
+    assert first_addr
+
+
+async def test_drained_worker_hands_requests_off_with_their_kv(fleets) -> None:
+    agg = fleets("ref")
+    agg.worker("aggregated", speedup="1e6")
+    mig = fleets("mig")
+    # 400 tokens at ~12 ms a decode step (speedup 0.5): ~5 s per request
+    source, source_addr = mig.worker("aggregated", "--drain-migrate", speedup="0.5")
+    wait_healthy(mig.url)
+    wait_healthy(agg.url)
+    tokens = [prompt(400, 900 + i) for i in range(3)]
+    tasks = [asyncio.ensure_future(complete(mig.client(), t, max_tokens=400)) for t in tokens]
+    await asyncio.sleep(1.0)  # all three are decoding on the only worker
+    target, target_addr = mig.worker("aggregated", speedup="0.5")
+    await asyncio.sleep(1.0)  # the frontend sees the new worker
+    source.signal(signal.SIGTERM)
+    texts = await asyncio.gather(*tasks)
+    assert list(texts) == [await complete(agg.client(), t, max_tokens=400) for t in tokens]
+    s = await stats(target_addr)
+    assert s.kv_migrations_in == 3 and s.kv_migration_fallbacks == 0, s
+    await asyncio.to_thread(source.proc.wait, 20)
+    assert source.proc.returncode == 0, source.log()
+    assert source_addr

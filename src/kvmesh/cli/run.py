@@ -55,8 +55,7 @@ def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
 async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[no-untyped-def]
     from kvmesh.config import RuntimeConfig
     from kvmesh.runtime.distributed import DistributedRuntime, instance_key
-    from kvmesh.runtime.names import COMPONENT, GENERATE
-    from kvmesh.worker.supervisor import Supervisor
+    from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 
     # the supervisor publishes its workers in in-process discovery; the frontend
     # watches it exactly as it watches etcd in distributed mode
@@ -65,13 +64,16 @@ async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[n
     ns = runtime.config.namespace
 
     async def on_ready(info):  # type: ignore[no-untyped-def]
-        await runtime.discovery.put(instance_key(ns, COMPONENT, GENERATE, info.worker_id), msgspec.json.encode(info))
+        key = instance_key(ns, info.component or COMPONENT, GENERATE, info.worker_id)
+        await runtime.discovery.put(key, msgspec.json.encode(info))
 
     async def on_exit(worker_id: int) -> None:
-        await runtime.discovery.delete(instance_key(ns, COMPONENT, GENERATE, worker_id))
+        for component in (COMPONENT, PREFILL_COMPONENT):
+            await runtime.discovery.delete(instance_key(ns, component, GENERATE, worker_id))
 
-    supervisor = Supervisor(cfg.worker, cfg.workers, on_ready, on_exit)
-    supervisor.start()
+    supervisors = await _supervisors(cfg, runtime, on_ready, on_exit)
+    for one in supervisors:
+        one.start()
     # uvicorn restores and re-raises the signals it caught; these make that a no-op
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
@@ -94,9 +96,53 @@ async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[n
             announcer.cancel()
             await watcher.close()
     finally:
-        await supervisor.stop()
+        for one in supervisors:
+            await one.stop()
         await runtime.shutdown()
     return 0
+
+
+async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit) -> list:  # type: ignore[no-untyped-def]
+    """The worker processes to keep running: ``workers`` aggregated ones, or (with
+    ``--prefill-workers``/``--decode-workers``) decode and prefill ones sharing this
+    process's prefill queue, served on the request plane."""
+    from kvmesh.worker.supervisor import Supervisor
+
+    if not cfg.disaggregated:
+        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit)]
+    address = await _serve_prefill_queue(cfg, runtime)
+    decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
+    prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")
+    return [
+        Supervisor(decode, cfg.decode_workers, on_ready, on_exit),
+        Supervisor(prefill, cfg.prefill_workers, on_ready, on_exit, first_id=1_000_000),
+    ]
+
+
+async def _serve_prefill_queue(cfg: RunConfig, runtime) -> str:  # type: ignore[no-untyped-def]
+    """Embedded mode's global prefill queue (in this process), and the decode workers'
+    KV endpoints from this process's discovery, for the workers to reach over TCP."""
+    from kvmesh.disagg.queue import LocalPrefillQueue, serve_queue
+    from kvmesh.protocol import DisaggThresholds, InstanceInfo
+    from kvmesh.runtime.distributed import instance_key
+    from kvmesh.runtime.names import COMPONENT, GENERATE
+    from kvmesh.runtime.tcp_server import TcpServer
+
+    decode_info = msgspec.json.Decoder(InstanceInfo).decode
+    ns = runtime.config.namespace
+
+    async def kv_metadata(worker_id: int):  # type: ignore[no-untyped-def]
+        key = instance_key(ns, COMPONENT, GENERATE, worker_id)
+        value = (await runtime.discovery.get_prefix(key)).get(key)
+        return None if value is None else decode_info(value).kv
+
+    w = cfg.worker
+    queue = LocalPrefillQueue(DisaggThresholds(w.max_local_prefill_length, w.max_prefill_queue_size))
+    server = TcpServer(w.host, 0)
+    serve_queue(server, queue, kv_metadata)
+    await server.start()
+    runtime.add_closer(server.close)
+    return server.address
 
 
 async def _announce(cfg: RunConfig, model: str, server, registry) -> None:  # type: ignore[no-untyped-def]
@@ -107,6 +153,13 @@ async def _announce(cfg: RunConfig, model: str, server, registry) -> None:  # ty
         port = server.servers[0].sockets[0].getsockname()[1]
     print(
         f"kvmesh: serving {model!r} at http://{host}:{port}/v1 "
-        f"({cfg.workers} {cfg.worker.engine} worker{'s' if cfg.workers > 1 else ''})",
+        f"({_fleet(cfg)})",
         flush=True,
     )
+
+
+def _fleet(cfg: RunConfig) -> str:
+    engine = cfg.worker.engine
+    if cfg.disaggregated:
+        return f"{cfg.decode_workers} decode + {cfg.prefill_workers} prefill {engine} workers"
+    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}"

@@ -218,13 +218,13 @@ class KvTransferServer:
                 if not exp.readable.issuperset(blocks):
                     raise InvalidArgument(f"transfer {op.transfer_id!r} may not read blocks {sorted(set(blocks) - exp.readable)}")
                 data = b"".join(self.engine.kv_export(range(first, first + n)) for first, n in op.runs)
-                self.stats.bytes_sent += len(data)
+                self.stats.bytes_sent += self._real(len(blocks), len(data))
                 return KvReply(True, nbytes=len(data)), data
             if op.op == "write":
                 if not exp.writable.issuperset(blocks):
                     raise InvalidArgument(f"transfer {op.transfer_id!r} may not write blocks {sorted(set(blocks) - exp.writable)}")
                 self.engine.kv_import(blocks, payload)
-                self.stats.bytes_received += len(payload)
+                self.stats.bytes_received += self._real(len(blocks), len(payload))
                 return KvReply(True), b""
             del self._expected[op.transfer_id]
             if not exp.done.done():
@@ -232,6 +232,11 @@ class KvTransferServer:
             return KvReply(True), b""
         except KvmeshError as exc:
             return KvReply(False, exc.message), b""
+
+
+    def _real(self, blocks: int, wire: int) -> int:
+        layout = self.engine.kv_layout()
+        return wire if layout is None else _real_bytes(layout, blocks, wire)
 
 
 async def _read_sized(reader: asyncio.StreamReader, n: int, limit: int) -> bytes:

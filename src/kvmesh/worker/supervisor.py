@@ -44,9 +44,11 @@ class Supervisor:
         restart: bool = True,
         backoff_s: float = 0.5,
         startup_timeout_s: float = 60.0,
+        first_id: int = 0,
     ) -> None:
         self.template = template
         self.count = count
+        self.first_id = first_id  # worker ids first_id, first_id + 1, ...; replacements after them
         self.on_ready = on_ready
         self.on_exit = on_exit
         self.restart = restart
@@ -55,7 +57,7 @@ class Supervisor:
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._next_id = count
+        self._next_id = first_id + count
         self.exits = 0
 
     def start(self) -> None:
@@ -63,7 +65,7 @@ class Supervisor:
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep(slot)))
 
     async def _keep(self, slot: int) -> None:
-        worker_id = slot
+        worker_id = self.first_id + slot
         while not self._stopping:
             cfg = replace(self.template, worker_id=worker_id)
             try:

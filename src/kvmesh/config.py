@@ -96,6 +96,7 @@ class WorkerConfig:
     max_prefill_queue_size: int = 2
     remote_prefill_timeout_s: float = 30.0
     drain_migrate: bool = False  # on SIGTERM, hand in-flight requests (and their KV) to other workers
+    metrics_port: int | None = None  # Prometheus endpoint for the disaggregation counters (0: any free port)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -126,6 +127,8 @@ class WorkerConfig:
         args += ["--remote-prefill-timeout", repr(self.remote_prefill_timeout_s)]
         if self.drain_migrate:
             args.append("--drain-migrate")
+        if self.metrics_port is not None:
+            args += ["--metrics-port", str(self.metrics_port)]
         return args + self.mocker.to_args()
 
 

@@ -373,7 +373,7 @@ class DisaggStats(msgspec.Struct, omit_defaults=True):
     kv_migrations_in: int = 0
     kv_migrations_out: int = 0
     kv_migration_fallbacks: int = 0
-    reserved_blocks: int = 0
+    queue_depth: int = 0  # the prefill queue's depth when last asked
     active_blocks: int = 0
 
 
@@ -405,6 +405,7 @@ class InstanceInfo(msgspec.Struct, omit_defaults=True):
     hostname: str = ""
     event_address: str = ""
     kv: KvEndpoint | None = None
+    metrics_address: str = ""  # the worker's Prometheus endpoint (host:port), when it serves one
 
 
 class ModelFiles(msgspec.Struct):

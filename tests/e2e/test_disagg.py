@@ -13,6 +13,7 @@ import asyncio
 import signal
 import subprocess
 
+import httpx
 import msgspec
 import openai
 import pytest
@@ -43,6 +44,7 @@ class Fleet:
         self.port = free_port()
         self.procs: list[KvmeshProcess] = []
         self._client: openai.AsyncOpenAI | None = None
+        self.cards: dict[str, dict] = {}  # READY cards by request-plane address
         self.frontend = self._spawn("frontend", "--http-port", str(self.port), "--canary-interval", "0")
 
     def _spawn(self, role: str, *args: str) -> KvmeshProcess:
@@ -54,7 +56,9 @@ class Fleet:
         proc = self._spawn(
             "worker", "--mode", mode, "--speedup", speedup, "--max-local-prefill-length", "300", "--grace", "15", *args
         )
-        return proc, proc.wait_ready()["address"]
+        card = proc.wait_ready()
+        self.cards[card["address"]] = card
+        return proc, card["address"]
 
     @property
     def url(self) -> str:
@@ -121,7 +125,7 @@ async def test_disaggregated_serving_end_to_end(fleets) -> None:
     agg = fleets("agg")
     agg.worker("aggregated")
     dis = fleets("dis")
-    _, decode = dis.worker("decode")
+    _, decode = dis.worker("decode", "--metrics-port", "0")
     prefills = [dis.worker("prefill", speedup="0.5")[1] for _ in range(2)]  # a 700-token prefill: ~55 ms
     wait_healthy(agg.url)
     wait_healthy(dis.url)
@@ -136,6 +140,9 @@ async def test_disaggregated_serving_end_to_end(fleets) -> None:
     assert s.kv_bytes_received > 0 and s.active_blocks == 0
     want = [await complete(agg.client(), p) for p in prompts]
     assert got == want
+    metrics = httpx.get(f"http://{dis.cards[decode]['metrics_address']}/metrics").text
+    assert 'kvmesh_disagg_remote_prefills_total{mode="decode"} 4.0' in metrics, metrics
+    assert 'kvmesh_disagg_local_prefills_total{mode="decode"} 4.0' in metrics
 
     # queue pressure: 16 long prompts at once, two prefill workers busy ~60 ms a job → the
     # queue reaches its limit of 2 and the decode worker prefills the rest itself

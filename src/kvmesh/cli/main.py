@@ -51,6 +51,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="... and only while the prefill queue holds fewer jobs than this")
     g.add_argument("--remote-prefill-timeout", type=float, default=d.remote_prefill_timeout_s,
                    help="seconds a decode worker waits for a remote prefill before prefilling locally")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the worker's disaggregation counters for Prometheus on this port (0: any free port)")
     g.add_argument("--drain-migrate", action="store_true",
                    help="on SIGTERM, hand in-flight requests with their KV to other workers instead of finishing them")
 
@@ -189,6 +191,7 @@ def _worker_config(ns: argparse.Namespace, **overrides: object) -> WorkerConfig:
         max_prefill_queue_size=ns.max_prefill_queue_size,
         remote_prefill_timeout_s=ns.remote_prefill_timeout,
         drain_migrate=ns.drain_migrate,
+        metrics_port=ns.metrics_port,
     )
     fields.update(overrides)
     return WorkerConfig(**fields)  # type: ignore[arg-type]

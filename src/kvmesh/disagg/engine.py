@@ -188,6 +188,7 @@ class DisaggEngine(Engine):
         if status.thresholds is not None:
             self.thresholds = status.thresholds
         self._thresholds_at = time.monotonic()
+        self.stats.queue_depth = status.depth
         return status
 
     async def _enqueue(self, request: PreprocessedRequest, res: KvReservation) -> PrefillJob | None:

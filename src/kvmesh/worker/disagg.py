@@ -33,7 +33,7 @@ from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpo
 from kvmesh.runtime.distributed import instance_key
 from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 
-__all__ = ["Roles", "wire", "thresholds_key", "watch_thresholds", "put_thresholds"]
+__all__ = ["Roles", "wire", "thresholds_key", "watch_thresholds", "put_thresholds", "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -147,3 +147,48 @@ def start_watch(discovery: Any, namespace: str, roles: Roles) -> asyncio.Task[No
     if roles.disagg is None or roles.disagg.mode != "decode":
         return None
     return asyncio.get_running_loop().create_task(watch_thresholds(discovery, namespace, roles.disagg))
+
+
+# ------------------------------------------------------------------ Prometheus
+
+
+_COUNTERS = {
+    "remote_prefills": "prefills done by a prefill worker for this decode worker",
+    "local_prefills": "prefills done here",
+    "local_by_queue": "prefills done here because the prefill queue was full",
+    "remote_fallbacks": "remote prefills that failed or timed out and were done here",
+    "prefill_jobs_done": "prefill jobs this prefill worker completed",
+    "prefill_jobs_failed": "prefill jobs this prefill worker gave up",
+    "kv_bytes_sent": "KV bytes sent to other workers",
+    "kv_bytes_received": "KV bytes received from other workers",
+    "kv_transfer_s": "seconds spent in KV transfers this worker started",
+    "kv_migrations_in": "requests resumed here with KV moved from a draining worker",
+    "kv_migrations_out": "requests handed off with their KV on drain",
+    "kv_migration_fallbacks": "KV migrations that fell back to re-prefill",
+}
+
+
+def serve_metrics(roles: Roles, host: str, port: int) -> int:
+    """Serve this worker's disaggregation counters and queue depth for Prometheus on
+    ``host:port`` (a daemon thread); returns the port."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class _Collector:
+        def collect(self):  # type: ignore[no-untyped-def]
+            stats = roles.stats()
+            if stats is None:
+                return
+            for name, doc in _COUNTERS.items():
+                family = CounterMetricFamily(f"kvmesh_disagg_{name}", doc, labels=["mode"])
+                family.add_metric([stats.mode], getattr(stats, name))
+                yield family
+            for name, doc in (("queue_depth", "prefill queue depth when last asked"), ("active_blocks", "KV blocks in use")):
+                gauge = GaugeMetricFamily(f"kvmesh_disagg_{name}", doc, labels=["mode"])
+                gauge.add_metric([stats.mode], getattr(stats, name))
+                yield gauge
+
+    registry = CollectorRegistry()
+    registry.register(_Collector())
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_port

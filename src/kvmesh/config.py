@@ -24,7 +24,7 @@ __all__ = [
 
 ROUTER_MODES = ("round_robin", "random", "kv", "kv-approx")
 WORKER_MODES = ("aggregated", "prefill", "decode")
-ENGINES = ("mocker",)
+ENGINES = ("mocker", "vllm", "hf")
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("tcp", "nats")
 EVENT_PLANES = ("zmq", "nats", "memory")

@@ -64,6 +64,20 @@ def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> 
             fault=FaultSpec.parse(m.fault) if m.fault else FaultSpec(),
         )
         return MockerEngine(options, publisher or NullPublisher()), model_path
+    if cfg.engine == "vllm":
+        from kvmesh.engines.vllm import VllmEngine, VllmOptions
+
+        options = VllmOptions.from_env(model_path, served_model_name=model.name, worker_id=cfg.worker_id)
+        return VllmEngine(options, publisher or NullPublisher()), model_path
+    if cfg.engine == "hf":
+        from kvmesh.engines.hf import HfEngine, HfOptions
+
+        # the KV block size is the one flag engines share (the KV router must agree);
+        # the rest comes from KVMESH_HF_* variables
+        hf = HfOptions.from_env(
+            model_path, served_model_name=model.name, worker_id=cfg.worker_id, block_size=cfg.mocker.block_size
+        )
+        return HfEngine(hf, publisher or NullPublisher()), model_path
     raise ValueError(f"unknown engine {cfg.engine!r}")
 
 

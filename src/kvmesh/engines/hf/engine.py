@@ -1,0 +1,595 @@
+"""``HfEngine``: a Llama-family Hugging Face model on the CPU, behind the Engine contract.
+
+Shape (one event loop, one forward thread)::
+
+    generate() ──add──▶ Scheduler ◀── step loop (one owned task, on the loop)
+        ▲                               │ schedule → inputs (loop)
+        │                               │ forward + sample (the one "hf-forward" thread)
+        └── one-slot mailbox ◀──────────┘ complete: stop rules, KV events (loop)
+
+* **Continuous batching**: every pass runs the decode token of every running request
+  and prefill chunks of new ones as one packed forward (:mod:`.model`); requests
+  join and leave between passes. :attr:`HfEngine.stats` counts passes and tokens.
+* **Threads**: scheduler state, mailboxes and events live on the event loop only. The
+  forward thread receives immutable tensors and per-row sampling parameters and
+  returns tokens; it writes the KV pool only at the slots of the pass's own new
+  tokens. NOTE: blocks of a sequence aborted, released or detached during a pass stay
+  allocated until the pass ends (the scheduler defers their freeing), so no other
+  request can be given, or import into, a block the thread is writing.
+* **Cancellation**: ``ctx.on_stop`` drops the request from the scheduler at once and
+  wakes its stream, which ends ``cancelled`` without waiting for the pass in flight.
+* **KV block access** (:meth:`kv_export` & co.): real fp32 tensors, ``bytes_per_block``
+  on the wire (:mod:`.kv`). Export/import run on the loop, while a pass may be running:
+  they touch only blocks the pass does not write (reserved ones; an exported prefix is
+  cached content, which is never rewritten).
+* **Prefix caching, KV events, load reports**: the mocker's block manager, so the
+  KV router treats an ``hf`` worker like any other. ``start`` resets the pool, so the
+  first event of every start is ``AllBlocksCleared``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from kvmesh.engines.base import Engine
+from kvmesh.engines.hf.batch import Chunk, make_inputs
+from kvmesh.engines.hf.kv import KvPool
+from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs
+from kvmesh.engines.hf.options import HfOptions
+from kvmesh.engines.hf.sampling import Sampled, SampleParams, params_for, sample
+from kvmesh.engines.hf.scheduler import Finished, Plan, Scheduler, SchedulerLimits, Seq
+from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted
+from kvmesh.protocol import (
+    EngineConfig,
+    KvDump,
+    KvEvent,
+    KvLayout,
+    KvReservation,
+    LoadReport,
+    OutputChunk,
+    PreprocessedRequest,
+    TokenLogprob,
+)
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
+
+__all__ = ["HfEngine", "EngineStats"]
+
+_log = logging.getLogger(__name__)
+
+# With work queued but nothing schedulable (the pool is held by reservations), how
+# long the loop waits for a release before looking again.
+_IDLE_POLL_S = 0.05
+
+
+@dataclass
+class EngineStats:
+    """Counters since start: forward passes, tokens through them, the largest batch."""
+
+    steps: int = 0
+    forward_tokens: int = 0
+    sampled_tokens: int = 0
+    max_batch: int = 0
+    forward_s: float = 0.0
+
+
+class _Mailbox:
+    """One request's slot between the step loop (producer) and its stream (consumer)."""
+
+    __slots__ = ("tokens", "logprobs", "finished", "cancelled", "error", "_waiter")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finished: Finished | None = None
+        self.cancelled = False
+        self.error: KvmeshError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, s: Sampled) -> None:
+        self.tokens.append(s.token)
+        if s.logprob is not None:
+            self.logprobs.append(s.logprob)
+        self._wake()
+
+    def finish(self, finished: Finished) -> None:
+        self.finished = finished
+        self._wake()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._wake()
+
+    def fail(self, error: KvmeshError) -> None:
+        self.error = error
+        self._wake()
+
+    def take(self) -> tuple[list[int], list[TokenLogprob] | None]:
+        tokens, self.tokens = self.tokens, []
+        logprobs, self.logprobs = self.logprobs, []
+        return tokens, logprobs or None
+
+    async def wait(self) -> None:
+        if self.tokens or self.finished or self.cancelled or self.error:
+            return
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """What ``start`` builds; None before it and after ``cleanup``."""
+
+    model: LlamaModel
+    pool: KvPool
+    context_length: int
+    eos_ids: frozenset[int]
+    name: str
+
+
+class HfEngine(Engine):
+    """A real model on the CPU with continuous batching; see the module docstring."""
+
+    def __init__(self, options: HfOptions, publisher: EventPublisher | None = None) -> None:
+        self.options = options
+        self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
+        self._loaded: _Loaded | None = None
+        self._scheduler: Scheduler | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._boxes: dict[int, _Mailbox] = {}
+        self._sids: dict[str, int] = {}
+        self._last_load: tuple[int, int, int] | None = None
+        self._default_gen = torch.Generator()
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> EngineConfig:
+        if self._task is not None:
+            return self.config
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
+        self._loaded = await asyncio.to_thread(self._load)
+        loaded = self._loaded
+        self._scheduler = Scheduler(self._limits(loaded), self._publisher)
+        self._scheduler.reset()  # AllBlocksCleared: drop what an earlier incarnation published
+        seed = self.options.seed
+        self._default_gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-forward")
+        self._last_load = None
+        self.stats = EngineStats()
+        self._wake = wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(wake), name="hf-step-loop")
+        return self.config
+
+    def _load(self) -> _Loaded:
+        """Read the folder and the weights, size and allocate the KV pool (a thread)."""
+        from kvmesh.preprocess.model import load_model_folder
+
+        opts = self.options
+        info = load_model_folder(opts.model_path, name=opts.served_model_name)
+        model = LlamaModel.from_folder(opts.model_path)
+        spec = model.spec
+        context = min(info.context_length, spec.max_position_embeddings)
+        num_blocks = opts.num_blocks or self._auto_blocks(spec, context)
+        pool = KvPool(num_blocks, opts.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        context = min(context, num_blocks * opts.block_size)
+        _log.info("hf engine: %s, %d KV blocks of %d tokens, context %d", info.name, num_blocks, opts.block_size, context)
+        return _Loaded(model, pool, context, frozenset(info.eos_token_ids), info.name)
+
+    def _auto_blocks(self, spec: LlamaSpec, context: int) -> int:
+        opts = self.options
+        per_block = KvPool.bytes_per_block_for(opts.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        budget = (opts.kv_cache_mb << 20) // per_block
+        enough = opts.max_num_seqs * -(-context // opts.block_size)
+        return max(1, min(budget, enough))
+
+    def _limits(self, loaded: _Loaded) -> SchedulerLimits:
+        opts = self.options
+        return SchedulerLimits(
+            block_size=opts.block_size,
+            num_blocks=loaded.pool.num_blocks,
+            max_num_seqs=opts.max_num_seqs,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            context_length=loaded.context_length,
+            enable_prefix_caching=opts.enable_prefix_caching,
+            worker_id=opts.worker_id,
+            event_ring_capacity=opts.event_ring_capacity,
+        )
+
+    @property
+    def config(self) -> EngineConfig:
+        loaded = self._require()
+        return EngineConfig(
+            model=self.options.model_path,
+            served_model_name=loaded.name,
+            context_length=loaded.context_length,
+            kv_block_size=self.options.block_size,
+            total_kv_blocks=loaded.pool.num_blocks,
+            max_num_seqs=self.options.max_num_seqs,
+            max_num_batched_tokens=self.options.max_num_batched_tokens,
+        )
+
+    async def drain(self) -> None:
+        self._publish_load()
+
+    async def cleanup(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        self._fail_all("hf engine was cleaned up")
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        if self._scheduler is not None:
+            self._scheduler.reset()  # AllBlocksCleared: this worker's cache is gone
+        self._scheduler = None
+        self._loaded = None
+
+    def _require(self) -> _Loaded:
+        if self._loaded is None:
+            raise EngineShutdown("hf engine is not started")
+        return self._loaded
+
+    def _sched(self) -> Scheduler:
+        if self._scheduler is None:
+            raise EngineShutdown("hf engine is not started")
+        return self._scheduler
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._sched()
+
+    @property
+    def kv_event_ring(self) -> KvEventRing:
+        return self._sched().blocks.ring
+
+    def kv_dump(self) -> set[int]:
+        return self._sched().blocks.dump()
+
+    def kv_snapshot(self) -> KvDump:
+        blocks = self._sched().blocks
+        return KvDump(self.options.worker_id, blocks.next_event_id - 1, sorted(blocks.dump()))
+
+    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
+        return self._sched().blocks.ring.since(event_id)
+
+    def load_report(self) -> LoadReport:
+        return self._sched().load_report(time.time() * 1000.0)
+
+    def set_batch_multiplier(self, multiplier: float) -> None:
+        self._sched().set_batch_multiplier(multiplier)
+
+    # ------------------------------------------------------------------ requests
+
+    def _new_seq(self, request: PreprocessedRequest, *, prefill_upto: int | None = None) -> Seq:
+        """Check ``request`` and make its sequence; raises InvalidArgument."""
+        loaded = self._require()
+        tokens = list(request.token_ids)
+        vocab = loaded.model.spec.vocab_size
+        if not tokens:
+            raise InvalidArgument("empty prompt")
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"token ids {bad[:4]} are outside the vocabulary (0..{vocab - 1})")
+        room = loaded.context_length - len(tokens)
+        if room <= 0:
+            raise InvalidArgument(f"prompt of {len(tokens)} tokens leaves no room in context length {loaded.context_length}")
+        stop = request.stop
+        if stop.max_tokens is not None and stop.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be at least 1, got {stop.max_tokens}")
+        if stop.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be >= 0, got {stop.min_tokens}")
+        max_tokens = room if stop.max_tokens is None else min(stop.max_tokens, room)
+        return Seq(
+            request.request_id,
+            tokens,
+            params_for(request, vocab, self._default_gen),
+            max_tokens=max_tokens,
+            min_tokens=stop.min_tokens,
+            ignore_eos=stop.ignore_eos,
+            eos_ids=loaded.eos_ids | frozenset(request.eos_token_ids),
+            stop_ids=frozenset(request.stop.stop_token_ids),
+            prefill_upto=prefill_upto,
+        )
+
+    def _enqueue(self, request: PreprocessedRequest) -> Seq:
+        """The request's sequence queued: its reservation if it holds one, else new."""
+        sched = self._sched()
+        held = sched.reservation(request.request_id)
+        if held is not None and held.tokens != list(request.token_ids):
+            sched.release(request.request_id)
+            raise InvalidArgument(f"request {request.request_id!r} does not match the tokens of its KV reservation")
+        fresh = self._new_seq(request)  # checks the request even when a reservation exists
+        seq = sched.adopt(request.request_id)
+        if seq is None:
+            sched.add(fresh)
+            return fresh
+        # the reservation brings blocks and computed tokens; this request brings the rest
+        seq.prompt_len, seq.params = fresh.prompt_len, fresh.params
+        seq.max_tokens, seq.min_tokens, seq.ignore_eos = fresh.max_tokens, fresh.min_tokens, fresh.ignore_eos
+        seq.eos_ids, seq.stop_ids = fresh.eos_ids, fresh.stop_ids
+        return seq
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
+        wake = self._wake
+        if self._task is None or self._task.done() or wake is None:
+            raise EngineShutdown("hf engine is not running")
+        seq = self._enqueue(request)
+        box = self._boxes[seq.id] = _Mailbox()
+        self._sids[request.request_id] = seq.id
+        wake.set()
+        ctx.on_stop(partial(self._on_stop, seq.id))
+        first = True
+        try:
+            while True:
+                if box.cancelled or ctx.is_stopped():
+                    if box.tokens and not ctx.is_stopped():  # detached: deliver what was made
+                        yield OutputChunk(token_ids=box.take()[0])
+                    yield OutputChunk.cancelled()
+                    return
+                if box.error is not None:
+                    raise box.error
+                if box.finished is not None:
+                    yield _terminal(box, box.finished)
+                    return
+                if box.tokens:
+                    tokens, logprobs = box.take()
+                    yield OutputChunk(token_ids=tokens, logprobs=logprobs, cached_tokens=seq.cached_tokens if first else None)
+                    first = False
+                    continue
+                await box.wait()
+        finally:
+            self._boxes.pop(seq.id, None)
+            if self._sids.get(request.request_id) == seq.id:
+                del self._sids[request.request_id]
+            if self._scheduler is not None:
+                self._scheduler.abort(seq.id)
+
+    def _on_stop(self, seq_id: int, _ctx: Context) -> None:
+        if self._scheduler is not None:
+            self._scheduler.abort(seq_id)
+        box = self._boxes.get(seq_id)
+        if box is not None:
+            box.cancel()
+
+    def _fail_all(self, message: str) -> None:
+        for box in self._boxes.values():
+            box.fail(EngineShutdown(message))
+
+    # ------------------------------------------------------------------ step loop
+
+    async def _run(self, wake: asyncio.Event) -> None:
+        try:
+            await self._loop(wake)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug here must end streams, not hang them
+            _log.exception("hf step loop failed")
+            self._fail_all(f"hf step loop failed: {exc!r}")
+
+    async def _loop(self, wake: asyncio.Event) -> None:
+        sched = self._sched()
+        while True:
+            if not sched.has_work:
+                self._publish_load()
+                wake.clear()
+                await wake.wait()
+                continue
+            plan = sched.schedule()
+            self._deliver_finished(plan.failed)
+            if not plan.entries:
+                wake.clear()  # nothing fits now: wait for a release (or poll)
+                try:
+                    await asyncio.wait_for(wake.wait(), _IDLE_POLL_S)
+                except TimeoutError:
+                    pass
+                continue
+            await self._step(sched, plan)
+            self._publish_load()
+
+    async def _step(self, sched: Scheduler, plan: Plan) -> None:
+        """Run one planned pass in the forward thread and apply its results."""
+        samplers = plan.samples
+        inputs = make_inputs(self._chunks(sched, plan), self.options.block_size)
+        params = [self._row_params(s) for s in samplers]
+        loaded = self._require()
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        sampled = await loop.run_in_executor(self._executor, _forward_and_sample, loaded, inputs, params)
+        self._count(plan, len(samplers), time.perf_counter() - t0)
+        by_seq = {s.id: r for s, r in zip(samplers, sampled, strict=True)}
+        finished, emitted = sched.complete(plan, {sid: r.token for sid, r in by_seq.items()})
+        for sid in emitted:
+            box = self._boxes.get(sid)
+            if box is not None:
+                box.push(by_seq[sid])
+        self._deliver_finished(finished)
+
+    def _chunks(self, sched: Scheduler, plan: Plan) -> list[Chunk]:
+        bs = self.options.block_size
+        chunks = []
+        for seq, n in plan.entries:
+            start = seq.num_computed
+            table = sched.block_table(seq)[: -(-(start + n) // bs)]
+            wants = seq.prefill_upto is None and start + n == len(seq.tokens)
+            chunks.append(Chunk(seq.tokens[start : start + n], start, table, wants))
+        return chunks
+
+    @staticmethod
+    def _row_params(seq: Seq) -> SampleParams:
+        """The sequence's sampling parameters with this step's bans and token history
+        (a copy: the forward thread must not see later changes)."""
+        p = seq.params
+        if not p.penalised:
+            return dataclasses.replace(p, banned=seq.banned())
+        history = tuple(seq.tokens)
+        return dataclasses.replace(p, banned=seq.banned(), history=history, output=history[seq.prompt_len :])
+
+    def _count(self, plan: Plan, samples: int, seconds: float) -> None:
+        st = self.stats
+        st.steps += 1
+        st.forward_tokens += plan.num_tokens
+        st.sampled_tokens += samples
+        st.max_batch = max(st.max_batch, len(plan.entries))
+        st.forward_s += seconds
+
+    def _deliver_finished(self, finished: list[Finished]) -> None:
+        for fin in finished:
+            box = self._boxes.get(fin.seq_id)
+            if box is not None:
+                box.finish(fin)
+
+    def _publish_load(self) -> None:
+        sched = self._scheduler
+        if sched is None:
+            return
+        key = (sched.blocks.active_blocks, sched.num_waiting, sched.num_running)
+        if key != self._last_load:
+            self._last_load = key
+            self._publisher.publish_load(self.load_report())
+
+    # ------------------------------------------------------------------ KV blocks
+
+    def kv_layout(self) -> KvLayout | None:
+        if self._loaded is None:
+            return None
+        pool = self._loaded.pool
+        return KvLayout(
+            engine="hf",
+            block_size=pool.block_size,
+            num_blocks=pool.num_blocks,
+            block_shape=pool.block_shape,
+            dtype="float32",
+            bytes_per_block=pool.bytes_per_block,
+            wire_bytes_per_block=pool.bytes_per_block,
+        )
+
+    def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
+        sched = self._sched()
+        if sched.reservation(request.request_id) is not None:
+            raise InvalidArgument(f"request {request.request_id!r} already holds a KV reservation")
+        seq = self._new_seq(request)
+        if not sched.reserve(seq):
+            return None
+        return _reservation(sched, seq)
+
+    def kv_release(self, request_id: str) -> None:
+        if self._scheduler is not None and self._scheduler.release(request_id):
+            self._wake_loop()
+
+    def kv_export(self, block_ids: Sequence[int]) -> bytes:
+        return self._require().pool.export(block_ids)
+
+    def kv_import(self, block_ids: Sequence[int], data: bytes) -> None:
+        writable = self._writable_blocks()
+        refused = [b for b in block_ids if b not in writable]
+        if refused:
+            raise InvalidArgument(f"KV blocks {refused[:4]} belong to no reservation's uncomputed part on this worker")
+        self._require().pool.import_(block_ids, data)
+
+    def _writable_blocks(self) -> set[int]:
+        """Blocks a KV import may overwrite: reservations' blocks past their valid prefix."""
+        sched = self._sched()
+        bs = self.options.block_size
+        out: set[int] = set()
+        for seq in sched.reservations():
+            out.update(sched.block_table(seq)[seq.num_computed // bs :])
+        return out
+
+    def kv_commit(self, request_id: str, computed_tokens: int) -> None:
+        sched = self._sched()
+        if sched.reservation(request_id) is None:
+            raise InvalidArgument(f"no KV reservation for request {request_id!r}")
+        try:
+            sched.commit_reserved(request_id, computed_tokens)
+        except ValueError as exc:
+            raise InvalidArgument(f"KV commit of request {request_id!r}: {exc}") from None
+
+    def kv_detach(self, request_id: str) -> KvReservation | None:
+        sid = self._sids.get(request_id)
+        sched = self._scheduler
+        if sid is None or sched is None:
+            return None
+        seq = sched.detach(sid)
+        box = self._boxes.pop(sid, None)
+        if seq is None:
+            return None
+        if box is not None:
+            box.cancel()
+        return _reservation(sched, seq)
+
+    async def prefill_remote(
+        self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
+    ) -> bytes:
+        loaded, sched = self._require(), self._sched()
+        bs = self.options.block_size
+        if cached_tokens % bs or not 0 <= cached_tokens < upto <= len(request.token_ids):
+            raise InvalidArgument(
+                f"remote prefill range [{cached_tokens}, {upto}) of {len(request.token_ids)} tokens is not valid"
+            )
+        first = cached_tokens // bs
+        if len(prefix_kv) != first * loaded.pool.bytes_per_block:
+            raise InvalidArgument(f"prefix KV of {len(prefix_kv)} bytes does not hold {first} blocks")
+        seq = self._new_seq(request, prefill_upto=upto)
+        if not sched.hold_prefill(seq, cached_tokens):
+            raise ResourceExhausted(f"no KV room for a remote prefill of {upto} tokens")
+        box = self._boxes[seq.id] = _Mailbox()
+        try:
+            table = sched.block_table(seq)
+            loaded.pool.import_(table[:first], prefix_kv)
+            self._wake_loop()
+            while box.finished is None and box.error is None:
+                await box.wait()
+            if box.error is not None:
+                raise box.error
+            if box.finished is not None and box.finished.reason != "stop":
+                raise ResourceExhausted(box.finished.error or f"remote prefill ended with {box.finished.reason}")
+            return loaded.pool.export(table[first : -(-upto // bs)])
+        finally:
+            self._boxes.pop(seq.id, None)
+            if self._scheduler is not None:
+                self._scheduler.release_held(seq.id)
+                self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+
+def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
+    return KvReservation(seq.request_id, sched.block_table(seq), len(seq.tokens), seq.num_computed)
+
+
+def _forward_and_sample(loaded: _Loaded, inputs: StepInputs, params: list[SampleParams]) -> list[Sampled]:
+    """The forward thread's whole job for one pass."""
+    logits = loaded.model.forward(inputs, loaded.pool)
+    return sample(logits, params) if params else []
+
+
+def _terminal(box: _Mailbox, fin: Finished) -> OutputChunk:
+    tokens, logprobs = box.take()
+    return OutputChunk(token_ids=tokens, finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error)

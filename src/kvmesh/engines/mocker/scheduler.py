@@ -147,7 +147,9 @@ class _Plan:
     def add(self, seq: _Seq, n: int) -> None:
         self.scheduled.append((seq, n))
         self.budget -= n
-        if n == 1 and seq.is_decode:
+        # one token that completes the sequence costs a decode: a decode proper, or the
+        # last prompt token after a remote prefill (or a prefix hit of all but one token)
+        if n == 1 and seq.num_computed == len(seq.tokens) - 1:
             self.decode_seqs += 1
         else:
             self.prefill_tokens += n

@@ -39,6 +39,7 @@ from _lib import (  # noqa: E402  (re-exported API)
     kvmesh_command,
     launch_server,
     measure_cpu,
+    precompile_kvmesh,
     read_mem,
     run_async,
     run_load,
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = shlex.split(a.server_cmd.replace("{port}", str(port))) + a.extra
             else:
                 cmd = kvmesh_command(port, a.workers, a.speedup, a.router_mode, a.extra)
+                precompile_kvmesh()
             report["server_cmd"] = cmd
             server = launch_server(cmd, port, a.server_log)
             url, pids = server.url, [server.pid]

@@ -2,8 +2,9 @@
 processes; no etcd, no NATS.
 
 Start-up order is chosen for time-to-first-completion: check the model folder and
-bind the HTTP port (both fail fast with one line), spawn the workers, and only then
-import and build the HTTP stack, while the workers start in parallel.
+bind the HTTP port (both fail fast with one line), fork the workers (before the event
+loop exists, see :func:`kvmesh.worker.supervisor.prefork`), and only then import and
+build the HTTP stack, while the workers start in parallel.
 """
 
 from __future__ import annotations
@@ -46,13 +47,30 @@ def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
     except OSError as exc:
         return _fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
     cfg = replace(cfg, worker=replace(cfg.worker, model_path=model_path))
+    run = event_loop_runner()
+    preforked = _fork_workers(cfg, sock)
     try:
-        return event_loop_runner()(_serve(cfg, sock, log_level))
+        return run(_serve(cfg, sock, log_level, preforked))
     except KvmeshError as exc:
         return _fail(exc.message)
 
 
-async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[no-untyped-def]
+def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
+    """Fork the aggregated workers now, before this process has an event loop; the
+    modules both sides use are imported first, once. Disaggregated workers are
+    started later: they need the address of the prefill queue this process serves."""
+    if cfg.disaggregated:
+        return []
+    import kvmesh.runtime.distributed  # noqa: F401 - shared with the workers
+    from kvmesh.worker.supervisor import prefork
+
+    if cfg.frontend.router_mode == "kv":
+        import kvmesh.runtime.event_plane.zmq  # noqa: F401 - the KV event subscriber, as the workers publish
+
+    return prefork(cfg.worker, cfg.workers, close=[sock])
+
+
+async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int:  # type: ignore[no-untyped-def]
     from kvmesh.config import RuntimeConfig
     from kvmesh.runtime.distributed import DistributedRuntime, instance_key
     from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
@@ -71,10 +89,11 @@ async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[n
         for component in (COMPONENT, PREFILL_COMPONENT):
             await runtime.discovery.delete(instance_key(ns, component, GENERATE, worker_id))
 
-    supervisors = await _supervisors(cfg, runtime, on_ready, on_exit)
+    supervisors = await _supervisors(cfg, runtime, on_ready, on_exit, preforked)
     for one in supervisors:
         one.start()
-    # uvicorn restores and re-raises the signals it caught; these make that a no-op
+    # the HTTP server handles SIGINT/SIGTERM while it serves, then puts these back:
+    # a signal during the workers' orderly stop below must not cut it short
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
     try:
@@ -84,7 +103,9 @@ async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[n
 
         from kvmesh.runtime.event_plane import make_event_plane
 
-        frontend = Frontend(cfg.frontend, make_event_plane("zmq", host=cfg.worker.host))
+        # only the kv router subscribes to the workers' KV events
+        events = make_event_plane("zmq", host=cfg.worker.host) if cfg.frontend.router_mode == "kv" else None
+        frontend = Frontend(cfg.frontend, events)
         entry = frontend.registry.add_model(cfg.worker.model_path or "")
         watcher = await watch_workers(runtime, frontend.registry)
         server = make_server(frontend.app, log_level)
@@ -102,14 +123,14 @@ async def _serve(cfg: RunConfig, sock, log_level: str) -> int:  # type: ignore[n
     return 0
 
 
-async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit) -> list:  # type: ignore[no-untyped-def]
-    """The worker processes to keep running: ``workers`` aggregated ones, or (with
-    ``--prefill-workers``/``--decode-workers``) decode and prefill ones sharing this
-    process's prefill queue, served on the request plane."""
+async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: list) -> list:  # type: ignore[no-untyped-def]
+    """The worker processes to keep running: ``workers`` aggregated ones (``preforked``
+    already), or (with ``--prefill-workers``/``--decode-workers``) decode and prefill
+    ones sharing this process's prefill queue, served on the request plane."""
     from kvmesh.worker.supervisor import Supervisor
 
     if not cfg.disaggregated:
-        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit)]
+        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit, preforked=preforked)]
     address = await _serve_prefill_queue(cfg, runtime)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")

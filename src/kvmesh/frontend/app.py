@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (Starlette routes over uvicorn).
+"""The OpenAI-compatible HTTP API: the routes of the frontend's own HTTP server
+(:mod:`kvmesh.frontend.server`).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` (200 once a worker serves a model), ``GET /live``, ``GET /metrics``.
@@ -17,10 +18,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import (
@@ -35,6 +32,7 @@ from kvmesh.errors import (
 from kvmesh.frontend.models import ModelRegistry
 from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess
 from kvmesh.frontend.schemas import parse
+from kvmesh.frontend.server import HttpApp, Request, Response
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context
@@ -69,7 +67,12 @@ def error_response(exc: BaseException) -> Response:
     headers = None
     if isinstance(exc, ResourceExhausted):
         headers = {"retry-after": str(int(exc.retry_after or 1))}
-    return Response(body, status_code=status, media_type=_JSON, headers=headers)
+    return Response(body, status, _JSON, headers)
+
+
+def protocol_error(status: int, message: str) -> Response:
+    """A request the HTTP server refused before any route saw it."""
+    return error_response(PayloadTooLarge(message) if status == 413 else InvalidArgument(message))
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
@@ -89,23 +92,27 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.registry = ModelRegistry(config, self.metrics, event_plane)
         self.keepalive = KeepAlive(config.keepalive_s)
-        self.app = Starlette(
-            routes=[
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/models", self.list_models, methods=["GET"]),
-                Route("/health", self.health, methods=["GET"]),
-                Route("/live", self.live, methods=["GET"]),
-                Route("/metrics", self.render_metrics, methods=["GET"]),
-                Route("/admin/workers", self.list_workers, methods=["GET"]),
-                Route("/admin/fault", self.set_fault, methods=["POST"]),
-            ],
-            exception_handlers={404: self._not_found, 405: self._bad_method},
+        self.app = HttpApp(
+            {
+                "/v1/chat/completions": {"POST": self.chat_completions},
+                "/v1/completions": {"POST": self.completions},
+                "/v1/models": {"GET": self.list_models},
+                "/health": {"GET": self.health},
+                "/live": {"GET": self.live},
+                "/metrics": {"GET": self.render_metrics},
+                "/admin/workers": {"GET": self.list_workers},
+                "/admin/fault": {"POST": self.set_fault},
+            },
+            not_found=self._not_found,
+            bad_method=self._bad_method,
+            on_error=error_response,
+            protocol_error=protocol_error,
             lifespan=self._lifespan,
+            max_body_bytes=config.max_body_bytes,
         )
 
     @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+    async def _lifespan(self) -> AsyncIterator[None]:
         self.keepalive.start()
         if self.registry.health is not None:
             self.registry.health.start()
@@ -123,19 +130,19 @@ class Frontend:
             {"id": name, "object": "model", "created": e.created, "owned_by": "kvmesh"}
             for name, e in sorted(self.registry.models.items())
         ]
-        return Response(_json({"object": "list", "data": data}), media_type=_JSON)
+        return Response(_json({"object": "list", "data": data}))
 
     async def health(self, request: Request) -> Response:
         models = {name: len(e.instances) for name, e in self.registry.models.items()}
         ready = self.registry.ready()
         body = _json({"status": "ready" if ready else "not_ready", "models": models})
-        return Response(body, status_code=200 if ready else 503, media_type=_JSON)
+        return Response(body, 200 if ready else 503)
 
     async def live(self, request: Request) -> Response:
-        return Response(b'{"status":"live"}', media_type=_JSON)
+        return Response(b'{"status":"live"}')
 
     async def render_metrics(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
     async def list_workers(self, request: Request) -> Response:
         """Every worker with its health (for operators and fault drills)."""
@@ -149,25 +156,25 @@ class Frontend:
                      "status": status.name.lower() if status is not None else "unknown",
                      "weight": health.weight(inst.worker_id) if health is not None else 1.0}
                 )  # fmt: skip
-        return Response(_json({"workers": out}), media_type=_JSON)
+        return Response(_json({"workers": out}))
 
     async def set_fault(self, request: Request) -> Response:
         """``{"worker": "<hex id>", "fault": "hang"}``: switch a worker's fault injection."""
         try:
-            body = msgspec.json.decode(await request.body(), type=_FaultRequest)
+            body = msgspec.json.decode(self._read_body(request), type=_FaultRequest)
             instance = self.registry.find_instance(int(body.worker, 16))
             result = await call(instance.client, FAULT, msgspec.msgpack.encode(body.fault), _decode_str)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             return error_response(InvalidArgument(f"send {{\"worker\": \"<hex id>\", \"fault\": \"<spec>\"}}: {exc}"))
         except KvmeshError as exc:
             return error_response(exc)
-        return Response(_json({"worker": body.worker, "fault": result}), media_type=_JSON)
+        return Response(_json({"worker": body.worker, "fault": result}))
 
-    async def _not_found(self, request: Request, exc: Exception) -> Response:
-        return error_response(RouteNotFound(f"there is no route {request.url.path}; see /v1/models"))
+    def _not_found(self, request: Request) -> Response:
+        return error_response(RouteNotFound(f"there is no route {request.path}; see /v1/models"))
 
-    async def _bad_method(self, request: Request, exc: Exception) -> Response:
-        return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+    def _bad_method(self, request: Request) -> Response:
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
 
     # ------------------------------------------------------------------ completions
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
@@ -176,31 +183,21 @@ class Frontend:
     async def completions(self, request: Request) -> Response | SSEResponse:
         return await self._serve(request, "completion")
 
-    async def _read_body(self, request: Request) -> bytes:
+    def _read_body(self, request: Request) -> bytes:
+        """The body the server read (it keeps none past the limit, only counts it)."""
         limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"the request body has {declared} bytes; the limit is {limit} bytes")
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        if request.body_size > limit:
+            raise PayloadTooLarge(f"the request body has {request.body_size} bytes; the limit is {limit} bytes")
+        return request.body
 
     async def _serve(self, request: Request, kind: str) -> Response | SSEResponse:
         endpoint = "chat_completions" if kind == "chat" else "completions"
         try:
-            body = await self._read_body(request)
-            req = parse(body, kind)  # type: ignore[arg-type]
+            req = parse(self._read_body(request), kind)  # type: ignore[arg-type]
             entry = self.registry.get(req.model)
             self._admit(request, req.priority)
             explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
             preq = preprocess(entry, req, new_request_id(), explain)
-        except ClientDisconnect:
-            return Response(b"", status_code=499)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
             return error_response(exc)
         metrics = entry.metrics
@@ -259,15 +256,15 @@ class Frontend:
                     yield chunks.content_with_logprobs(text, self._logprobs(gen, chunk, kind))
                 elif text:
                     yield chunks.content(text)
-            yield chunks.finish(gen.finish_reason or "stop")
+            # the end of the stream as one write: finish, usage, [DONE]
+            tail = chunks.finish(gen.finish_reason or "stop")
             if include_usage:
-                yield chunks.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
-            yield DONE
+                tail += chunks.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+            yield tail + DONE
         except KvmeshError as exc:
             status = str(exc.status)
             if not gen.ctx.is_stopped():
-                yield error_event(exc.message, exc.kind, exc.status)
-                yield DONE
+                yield error_event(exc.message, exc.kind, exc.status) + DONE
         finally:
             if gen.ctx.is_stopped() and gen.finish_reason is None:
                 status = "499"
@@ -313,7 +310,7 @@ class Frontend:
         }
         if route is not None:
             body["kvmesh_route"] = route
-        return Response(_json(body), media_type=_JSON)
+        return Response(_json(body))
 
     def _finish(self, gen: Generation, endpoint: str, status: str) -> None:
         m = gen.entry.metrics

@@ -1,28 +1,62 @@
-"""Serving the ASGI app with uvicorn on a socket bound beforehand (so a taken port is
-reported before anything else starts)."""
+"""The frontend's HTTP/1.1 server: one asyncio protocol per connection over
+httptools' parser, calling :class:`HttpApp` handlers directly (no ASGI layer).
+
+Why its own server: under streaming load, one SSE event per token crossed uvicorn's
+ASGI ``send`` (a message dict, header checks) and three Starlette middleware wrappers
+before reaching the socket, a listener task per stream watched for disconnects, and
+importing uvicorn + Starlette cost ~90 ms of every launch (docs/performance.md). Here
+a streamed event is one ``transport.write`` and a disconnect is a callback.
+
+Per connection (:class:`_Connection`):
+
+1. requests are parsed as bytes arrive; a complete request (body read in full,
+   bounded by the app's ``max_body_bytes``) waits in a queue; requests are served
+   one at a time in arrival order (pipelining), each in its own task;
+2. a handler returns a :class:`Response` (written at once with ``content-length``)
+   or a streaming response (``await response.send_to(out)``, where ``out`` is the
+   connection's :class:`ResponseStream`: chunked transfer coding, written as called);
+3. the connection closing (client gone) marks the stream ``disconnected`` and calls
+   its ``on_disconnect``; ``pause_writing`` makes the stream's ``drain()`` wait;
+4. an idle keep-alive connection is closed after ``keepalive_timeout_s``.
+
+:meth:`HttpServer.serve` runs the app's lifespan around listening, and returns after
+``should_exit`` (SIGINT/SIGTERM set it): stop listening, close idle connections, give
+in-flight requests ``timeout_graceful_shutdown`` seconds, then close the rest.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import http
+import logging
+import signal
 import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import httptools
 
-__all__ = ["bind_http", "make_server"]
+__all__ = [
+    "bind_http",
+    "make_server",
+    "HttpServer",
+    "HttpApp",
+    "Request",
+    "Response",
+    "ResponseStream",
+    "StreamingResponse",
+]
 
+log = logging.getLogger("kvmesh.http")
 
-class _NoDelayProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with TCP_NODELAY set on every connection, so SSE
-    events leave as soon as they are written."""
-
-    def connection_made(self, transport):  # type: ignore[no-untyped-def]
-        super().connection_made(transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+_MAX_HEAD_BYTES = 64 * 1024
+_MAX_QUEUED = 16  # pipelined requests waiting before reading pauses
+_CHUNKED = b"transfer-encoding: chunked\r\n"
+_CLOSE = b"connection: close\r\n"
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -40,14 +74,521 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app, log_level: str = "warning") -> uvicorn.Server:  # type: ignore[no-untyped-def]
-    config = uvicorn.Config(
-        app,
-        http=_NoDelayProtocol,
-        lifespan="on",
-        access_log=False,
-        log_level=log_level,
-        timeout_keep_alive=30,
-        backlog=2048,
-    )
-    return uvicorn.Server(config)
+# ---------------------------------------------------------------------------- values
+
+
+class Request:
+    """One parsed request. ``headers``: lower-case names → last value."""
+
+    __slots__ = ("method", "path", "query", "headers", "body", "body_size", "keep_alive", "http_version")
+
+    def __init__(
+        self, method: str, path: str, query: str, headers: dict[str, str], body: bytes, body_size: int,
+        keep_alive: bool, http_version: str,
+    ) -> None:  # fmt: skip
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.body_size = body_size  # bytes received; > len(body) when over the app's limit
+        self.keep_alive = keep_alive
+        self.http_version = http_version
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name, default)
+
+
+class Response:
+    """A complete response: status, body, content type and extra headers."""
+
+    __slots__ = ("status", "body", "content_type", "headers")
+
+    def __init__(
+        self, body: bytes = b"", status: int = 200, content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = headers if headers is not None else {}
+
+
+class StreamingResponse(Protocol):
+    async def send_to(self, out: ResponseStream) -> None: ...
+
+
+Handler = Callable[[Request], Awaitable["Response | StreamingResponse"]]
+
+
+class HttpApp:
+    """Routes (path → method → handler); what to answer for 404, 405, a handler's
+    exception and a request the server refuses (``protocol_error(status, message)``:
+    400 unparsable, 413 declared body over ``max_body_bytes``); a lifespan context
+    manager run around serving."""
+
+    def __init__(
+        self,
+        routes: dict[str, dict[str, Handler]],
+        not_found: Callable[[Request], Response],
+        bad_method: Callable[[Request], Response],
+        on_error: Callable[[BaseException], Response],
+        protocol_error: Callable[[int, str], Response],
+        lifespan: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
+        max_body_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.routes = routes
+        self.not_found = not_found
+        self.bad_method = bad_method
+        self.on_error = on_error
+        self.protocol_error = protocol_error
+        self.lifespan = lifespan or _no_lifespan
+        self.max_body_bytes = max_body_bytes
+
+    async def handle(self, request: Request) -> Response | StreamingResponse:
+        methods = self.routes.get(request.path)
+        if methods is None:
+            return self.not_found(request)
+        handler = methods.get(request.method)
+        if handler is None and request.method == "HEAD":
+            handler = methods.get("GET")
+        if handler is None:
+            return self.bad_method(request)
+        try:
+            return await handler(request)
+        except Exception as exc:  # noqa: BLE001 - every error becomes one response
+            return self.on_error(exc)
+
+
+@contextlib.asynccontextmanager
+async def _no_lifespan() -> AsyncIterator[None]:
+    yield
+
+
+# ---------------------------------------------------------------------------- writing
+
+_status_lines: dict[int, bytes] = {}
+_date = [0, b""]
+
+
+def _status_line(status: int) -> bytes:
+    line = _status_lines.get(status)
+    if line is None:
+        try:
+            phrase = http.HTTPStatus(status).phrase
+        except ValueError:
+            phrase = ""
+        line = _status_lines[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode()
+    return line
+
+
+def _date_header() -> bytes:
+    now = int(time.time())
+    if now != _date[0]:
+        _date[0] = now
+        _date[1] = time.strftime("date: %a, %d %b %Y %H:%M:%S GMT\r\n", time.gmtime(now)).encode()
+    return _date[1]  # type: ignore[return-value]
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]], extra: bytes) -> bytes:
+    parts = [_status_line(status), _date_header()]
+    for name, value in headers:
+        if b"\r" in value or b"\n" in value:
+            raise ValueError(f"invalid value for header {name!r}")
+        parts += (name, b": ", value, b"\r\n")
+    parts += (extra, b"\r\n")
+    return b"".join(parts)
+
+
+class ResponseStream:
+    """Where a streaming response writes: ``start`` (status and headers), ``write``
+    (one chunk per call, written now), ``end`` (optionally with a last chunk, in the
+    same write). The head goes out with the first chunk (one write, not two).
+    ``disconnected`` turns true, and ``on_disconnect`` runs, when the client goes
+    away; ``paused``/``drain()`` give the socket's flow control."""
+
+    __slots__ = ("_transport", "_chunked", "_keep_alive", "_head", "ended", "disconnected",
+                 "on_disconnect", "paused", "_drained")  # fmt: skip
+
+    def __init__(self, conn: _Connection, chunked: bool, keep_alive: bool) -> None:
+        self._transport = conn.transport
+        self._chunked = chunked
+        self._keep_alive = keep_alive
+        self._head: bytes | None = None  # set by start(), written with the first chunk
+        self.ended = False
+        self.disconnected = False
+        self.on_disconnect: Callable[[], None] | None = None
+        self.paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        extra = (_CHUNKED if self._chunked else b"") + (b"" if self._keep_alive else _CLOSE)
+        self._head = _head(status, headers, extra)
+
+    @property
+    def head_pending(self) -> bool:
+        """Nothing of the response went out yet (``start`` or not)."""
+        return self._head != b""
+
+    def write(self, data: bytes) -> None:
+        if self.disconnected or self.ended or not data:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._head:
+            data = self._head + data
+            self._head = b""
+        self._transport.write(data)  # type: ignore[union-attr]
+
+    def end(self, data: bytes = b"") -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.disconnected:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        if self._head:
+            data = self._head + data
+            self._head = b""
+        if data:
+            self._transport.write(data)  # type: ignore[union-attr]
+
+    async def drain(self) -> None:
+        while self.paused and not self.disconnected:
+            if self._drained is None:
+                self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    # -- called by the connection
+    def _lost(self) -> None:
+        if self.disconnected:
+            return
+        self.disconnected = True
+        self._wake()
+        if self.on_disconnect is not None and not self.ended:
+            self.on_disconnect()
+
+    def _pause(self, paused: bool) -> None:
+        self.paused = paused
+        if not paused:
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+# ---------------------------------------------------------------------------- connection
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.app = server.app
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[Request] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.out: ResponseStream | None = None
+        self.closing = False  # no new request will be served
+        self.reading_paused = False
+        self.idle_timer: asyncio.TimerHandle | None = None
+        # the request being parsed
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._head_bytes = 0
+        self._body: list[bytes] = []
+        self._size = 0
+        self._limit = self.app.max_body_bytes
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:  # SSE events leave as soon as they are written
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self.server.connections.add(self)
+        self._arm_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.closing = True
+        self.queue.clear()
+        self._disarm_idle()
+        if self.out is not None:
+            self.out._lost()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too: the client is gone
+
+    def pause_writing(self) -> None:
+        if self.out is not None:
+            self.out._pause(True)
+
+    def resume_writing(self) -> None:
+        if self.out is not None:
+            self.out._pause(False)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except _BadRequest as exc:
+            self._refuse(exc.status, exc.message)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _BadRequest):
+                self._refuse(cause.status, cause.message)
+            else:
+                self._refuse(400, f"invalid HTTP request: {exc}")
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self._disarm_idle()
+        self._url = b""
+        self._headers = {}
+        self._head_bytes = 0
+        self._body = []
+        self._size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > _MAX_HEAD_BYTES:
+            raise _BadRequest(400, f"the request head exceeds {_MAX_HEAD_BYTES} bytes")
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self._headers.get("expect", "").lower() == "100-continue":
+            declared = self._headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self._limit:  # answer before the body comes
+                raise _BadRequest(413, f"the request body has {declared} bytes; the limit is {self._limit} bytes")
+            if self.transport is not None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size <= self._limit:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        path, _, query = self._url.decode("latin-1").partition("?")
+        body = b"".join(self._body) if self._size <= self._limit else b""
+        keep_alive = self.parser.should_keep_alive() and not self.closing
+        request = Request(
+            self.parser.get_method().decode("ascii", "replace"), path, query, self._headers, body, self._size,
+            keep_alive, self.parser.get_http_version(),
+        )  # fmt: skip
+        self._body = []
+        self.queue.append(request)
+        if len(self.queue) > _MAX_QUEUED and self.transport is not None:
+            self.reading_paused = True
+            self.transport.pause_reading()
+        self._next()
+
+    # -- serving
+    def _next(self) -> None:
+        if self.task is not None or not self.queue or self.transport is None:
+            return
+        if self.reading_paused and len(self.queue) <= _MAX_QUEUED // 2:
+            self.reading_paused = False
+            self.transport.resume_reading()
+        request = self.queue.popleft()
+        self.task = self.loop.create_task(self._serve(request))
+
+    async def _serve(self, request: Request) -> None:
+        keep_alive = request.keep_alive
+        try:
+            response = await self.app.handle(request)
+            keep_alive = keep_alive and not self.server.exiting
+            if isinstance(response, Response):
+                self._write_response(response, request, keep_alive)
+            else:
+                keep_alive = await self._stream(response, request, keep_alive)
+        except Exception:  # noqa: BLE001 - e.g. a header value the app should not have set
+            log.exception("answering %s %s failed", request.method, request.path)
+            keep_alive = False
+        finally:
+            self.task = None
+            if not keep_alive or self.closing:
+                self.closing = True
+                if self.transport is not None:
+                    self.transport.close()
+            elif self.queue:
+                self._next()
+            else:
+                self._arm_idle()
+
+    async def _stream(self, response: StreamingResponse, request: Request, keep_alive: bool) -> bool:
+        """Run a streaming response; False when the connection must close after it."""
+        chunked = request.http_version != "1.0"
+        self.out = out = ResponseStream(self, chunked, keep_alive and chunked)
+        if self.transport is None or self.transport.is_closing():
+            out._lost()
+        try:
+            await response.send_to(out)
+            out.end()
+            return keep_alive and chunked
+        except Exception as exc:  # noqa: BLE001 - a broken stream ends the connection, not the server
+            if out.head_pending:  # nothing sent yet: a plain error response
+                self._write_response(self.app.on_error(exc), request, False)
+            else:
+                log.exception("stream for %s %s failed", request.method, request.path)
+            return False
+        finally:
+            self.out = None
+
+    def _write_response(self, response: Response, request: Request, keep_alive: bool) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        headers = [(b"content-type", response.content_type.encode("latin-1"))]
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
+        body = response.body
+        extra = b"content-length: %d\r\n" % len(body) + (b"" if keep_alive else _CLOSE)
+        head = _head(response.status, headers, extra)
+        self.transport.write(head if request.method == "HEAD" else head + body)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """A request we cannot parse: answer it (if nothing else is being answered) and close."""
+        self.closing = True
+        self.queue.clear()
+        if self.transport is None:
+            return
+        if self.task is None:
+            self._write_response(self.app.protocol_error(status, message), _NO_REQUEST, False)
+        self.transport.close()
+
+    def shutdown(self) -> None:
+        """Server exiting: close now if idle, else after the response in flight."""
+        self.closing = True
+        if self.task is None and self.transport is not None:
+            self.transport.close()
+
+    def _arm_idle(self) -> None:
+        self._disarm_idle()
+        self.idle_timer = self.loop.call_later(self.server.config.keepalive_timeout_s, self._idle)
+
+    def _disarm_idle(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _idle(self) -> None:
+        self.idle_timer = None
+        if self.task is None and self.transport is not None:
+            self.transport.close()
+
+
+_NO_REQUEST = Request("GET", "", "", {}, b"", 0, False, "1.1")
+
+
+# ---------------------------------------------------------------------------- server
+
+
+@dataclass
+class ServerConfig:
+    keepalive_timeout_s: float = 30.0
+    timeout_graceful_shutdown: float | None = None  # None: wait for in-flight requests
+
+
+class HttpServer:
+    """Serves an :class:`HttpApp` on sockets bound beforehand (see module docstring)."""
+
+    def __init__(self, app: HttpApp, config: ServerConfig | None = None) -> None:
+        self.app = app
+        self.config = config or ServerConfig()
+        self.connections: set[_Connection] = set()
+        self.servers: list[asyncio.AbstractServer] = []
+        self.started = False
+        self.exiting = False
+        self._exit = asyncio.Event()
+        self._force = False
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit.set()
+
+    def _on_signal(self) -> None:
+        if self._exit.is_set():
+            self._force = True  # a second signal: do not wait for in-flight requests
+        self._exit.set()
+
+    async def serve(self, sockets: list[socket.socket]) -> None:
+        loop = asyncio.get_running_loop()
+        previous = _install_signals(loop, self._on_signal)
+        try:
+            async with self.app.lifespan():
+                for sock in sockets:
+                    self.servers.append(await loop.create_server(lambda: _Connection(self), sock=sock, backlog=2048))
+                self.started = True
+                await self._exit.wait()
+                await self._shutdown()
+        finally:
+            _restore_signals(loop, previous)
+
+    async def _shutdown(self) -> None:
+        self.exiting = True
+        for server in self.servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.shutdown()
+        timeout = self.config.timeout_graceful_shutdown
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while not self._force and any(c.task is not None for c in self.connections):
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        tasks = [c.task for c in self.connections if c.task is not None]
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for server in self.servers:
+            await server.wait_closed()
+
+
+def _install_signals(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> dict[int, Any]:
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.getsignal(sig)
+            loop.add_signal_handler(sig, callback)
+        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            previous.pop(sig, None)
+    return previous
+
+
+def _restore_signals(loop: asyncio.AbstractEventLoop, previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def make_server(app: HttpApp, log_level: str = "warning") -> HttpServer:
+    """The server for ``app`` (``log_level`` sets this module's logger)."""
+    log.setLevel(log_level.upper())
+    return HttpServer(app)

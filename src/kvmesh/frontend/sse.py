@@ -3,10 +3,12 @@
 Encoding: the constant parts of every chunk of one response (id, created, model) are
 encoded once per request; a content event is then ``prefix + json(text) + suffix``.
 
-Writing (:class:`SSEResponse`): headers go out after routing, before the first token;
-one listener task watches for the client's disconnect and stops the request's
-context (which stops the engine); :class:`KeepAlive` sends ``: keep-alive`` comments
-on streams that have been idle for its interval, from one task for all streams.
+Writing (:class:`SSEResponse`): the head goes out with the first event (or the first
+keep-alive comment); each event is one write on the connection (the end of a stream,
+``finish`` + ``usage`` + ``[DONE]`` + the chunked terminator, is one write); the
+client's disconnect, a callback from the connection, stops the request's context
+(which stops the engine); :class:`KeepAlive` sends ``: keep-alive`` comments on
+streams that have been idle for its interval, from one task for all streams.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.frontend.server import ResponseStream
 from kvmesh.runtime.context import Context
 
 __all__ = ["ChatChunks", "CompletionChunks", "SSEResponse", "KeepAlive", "DONE", "error_event"]
@@ -113,7 +116,7 @@ class _Live:
 
     __slots__ = ("send", "last", "open")
 
-    def __init__(self, send: Callable[[Any], Any]) -> None:
+    def __init__(self, send: Callable[[bytes], None]) -> None:
         self.send = send
         self.last = time.monotonic()
         self.open = True
@@ -137,7 +140,7 @@ class KeepAlive:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def register(self, send: Callable[[Any], Any]) -> _Live:
+    def register(self, send: Callable[[bytes], None]) -> _Live:
         live = _Live(send)
         self._streams.add(live)
         return live
@@ -154,14 +157,15 @@ class KeepAlive:
             for live in [s for s in self._streams if now - s.last >= self.interval]:
                 live.last = now
                 try:
-                    await live.send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+                    live.send(_KEEPALIVE)
                 except (RuntimeError, OSError):
-                    # the stream completed between the check and the send
                     self._streams.discard(live)
 
 
 class SSEResponse:
-    """An ASGI response streaming pre-encoded SSE events from ``events``."""
+    """A streaming response of pre-encoded SSE events from ``events``."""
+
+    __slots__ = ("headers", "events", "ctx", "keepalive", "on_disconnect")
 
     def __init__(
         self,
@@ -176,33 +180,31 @@ class SSEResponse:
         self.ctx = ctx
         self.keepalive = keepalive
         self.on_disconnect = on_disconnect
-        self.disconnected = False
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        listener = asyncio.get_running_loop().create_task(self._listen(receive))
-        live = self.keepalive.register(send)
+    async def send_to(self, out: ResponseStream) -> None:
+        out.on_disconnect = self._disconnected
+        if out.disconnected:  # gone before the stream started
+            self._disconnected()
+        out.start(200, self.headers)
+        live = self.keepalive.register(out.write)
         events = self.events
+        monotonic = time.monotonic
         try:
             async for event in events:
-                if self.disconnected:
+                if out.disconnected:
                     break
-                live.last = time.monotonic()
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            self.keepalive.unregister(live)
-            if not self.disconnected:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                live.last = monotonic()
+                if event.endswith(DONE):  # the last event: with the terminator, one write
+                    out.end(event)
+                    continue
+                out.write(event)
+                if out.paused:
+                    await out.drain()
         finally:
             self.keepalive.unregister(live)
-            listener.cancel()
             await events.aclose()  # type: ignore[attr-defined]
 
-    async def _listen(self, receive: Any) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-        self.disconnected = True
+    def _disconnected(self) -> None:
         if self.on_disconnect is not None:
             self.on_disconnect()
         self.ctx.stop_generating()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -29,6 +29,7 @@ __all__ = [
     "Ctl",
     "Ack",
     "Out",
+    "OutItem",
     "End",
     "Err",
     "Frame",
@@ -64,6 +65,14 @@ class Out(msgspec.Struct, tag=4, array_like=True, gc=False):
     payload: msgspec.Raw
 
 
+class OutItem(msgspec.Struct, tag=4, array_like=True, gc=False):
+    """An ``Out`` frame as the worker writes it: the item itself, encoded inside the
+    frame in one pass (the same bytes as ``Out(sid, Raw(encode(item)))``)."""
+
+    sid: int
+    payload: Any
+
+
 class End(msgspec.Struct, tag=5, array_like=True):
     sid: int
 
@@ -82,40 +91,57 @@ _LEN = struct.Struct(">I")
 class FrameWriter:
     """Queues length-prefixed frames. With a ``transport`` set, :meth:`send` writes what
     was queued in one event-loop iteration with one syscall (the flush is scheduled
-    with ``call_soon``); without one, frames are dropped at the flush."""
+    with ``call_soon``); without one, frames are dropped at the flush.
 
-    __slots__ = ("buffer", "_encoder", "transport", "_scheduled")
+    ``coalesce`` (the worker side): the flush waits one more loop iteration, so frames
+    from back-to-back work (a fast engine's consecutive steps, each of which yields to
+    the loop) share one write, and the caller one wake-up. A loop with nothing else
+    ready runs that iteration at once: the cost is at most one round of ready work.
+    An ``urgent`` frame (a stream's first token) is flushed in this iteration."""
 
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-        self._encoder = msgspec.msgpack.Encoder()
+    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now")
+
+    def __init__(self, coalesce: bool = False) -> None:
+        self.parts: list[bytes] = []  # encoded frames, each with its length prefix
+        self._encode = msgspec.msgpack.Encoder().encode
         self.transport: asyncio.WriteTransport | None = None
-        self._scheduled = False
+        self._scheduled = False  # a flush is scheduled (this iteration or the next)
+        self._coalesce = coalesce
+        self._now = False  # a flush is scheduled for this iteration
 
-    def add(self, frame: Frame) -> None:
-        buf = self.buffer
-        start = len(buf)
-        buf.extend(b"\0\0\0\0")
-        self._encoder.encode_into(frame, buf, -1)
-        _LEN.pack_into(buf, start, len(buf) - start - 4)
+    def add(self, frame: Frame | OutItem) -> None:
+        data = self._encode(frame)  # a frame that cannot be encoded leaves nothing queued
+        self.parts.append(_LEN.pack(len(data)) + data)
 
     def take(self) -> bytes:
-        data = bytes(self.buffer)
-        self.buffer.clear()
+        parts = self.parts
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        parts.clear()
         return data
 
-    def send(self, frame: Frame) -> None:
+    def send(self, frame: Frame | OutItem, urgent: bool = False) -> None:
         self.add(frame)
-        if not self._scheduled:
-            self._scheduled = True
+        if self._coalesce and not urgent:
+            if not self._scheduled:
+                self._scheduled = True
+                asyncio.get_running_loop().call_soon(self._next_round)
+        elif not self._now:
+            self._scheduled = self._now = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def _next_round(self) -> None:
+        if not self._now:
+            self._now = True
             asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
-        self._scheduled = False
-        if self.transport is not None and self.buffer:
+        self._scheduled = self._now = False
+        if not self.parts:
+            return
+        if self.transport is not None:
             self.transport.write(self.take())
         else:
-            self.buffer.clear()
+            self.parts.clear()
 
 
 class FrameReader:

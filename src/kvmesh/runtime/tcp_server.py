@@ -3,8 +3,10 @@ per connection.
 
 An endpoint handler is ``handler(payload: bytes-like, ctx) -> AsyncIterator[Struct]``;
 each item goes back as one ``Out`` frame, the end of the iterator as ``End``, a raised
-KvmeshError as ``Err`` with its type. Frames produced in one event-loop iteration are
-written with one syscall (the write buffer is flushed by a ``call_soon``).
+KvmeshError as ``Err`` with its type. Frames are written one loop iteration after the
+iteration that produced them, with one syscall for all of them (``FrameWriter``
+with ``coalesce``: an engine's back-to-back steps share a write); a stream's first
+item (the first token) goes out in the iteration that produced it.
 
 Cancellation: a ``Ctl`` STOP frame calls ``ctx.stop_generating()``, KILL calls
 ``ctx.kill()``; a dropped connection kills every stream it carried.
@@ -22,7 +24,7 @@ import msgspec
 
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
+from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, OutItem, Req
 
 __all__ = ["Handler", "TcpServer"]
 
@@ -35,11 +37,10 @@ class _Conn(asyncio.Protocol):
     def __init__(self, server: TcpServer) -> None:
         self._server = server
         self._reader = FrameReader(server.max_frame_bytes)
-        self._writer = FrameWriter()
+        self._writer = FrameWriter(coalesce=True)
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, Context] = {}
         self._paused: asyncio.Future[None] | None = None
-        self._encode = msgspec.msgpack.Encoder().encode
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -116,11 +117,13 @@ class _Conn(asyncio.Protocol):
     async def _serve(self, sid: int, handler: Handler, payload: msgspec.Raw, ctx: Context) -> None:
         self._send(Ack(sid))
         stream = handler(payload, ctx)
+        first = True  # a stream's first item goes out without waiting for company
         try:
             async for item in stream:
                 if self._transport is None:
                     break
-                self._send(Out(sid, msgspec.Raw(self._encode(item))))
+                self._writer.send(OutItem(sid, item), first)
+                first = False
                 if self._paused is not None:
                     await self._paused
             else:

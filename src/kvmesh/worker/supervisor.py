@@ -5,17 +5,29 @@ takes down only itself: the supervisor reports the exit (the frontend drops the
 instance), waits a backoff and starts a replacement with a fresh worker id. Workers
 die with the supervisor's process (Linux parent-death signal), and :meth:`stop`
 ends them in order: SIGTERM (graceful drain), then SIGKILL after a timeout.
+
+Start-up: :func:`prefork` forks the first workers from the ``kvmesh run`` process
+before its event loop and HTTP stack exist. There is no exec: a child keeps the
+interpreter and the modules already imported, and runs the same ``kvmesh worker``
+command line in-process. So the workers start in parallel with the frontend, and
+each skips an interpreter start. The supervisor adopts them (:class:`ForkedWorker`);
+replacements start with exec (:func:`worker_command`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
+import random
 import signal
+import socket
 import sys
-from collections.abc import Awaitable, Callable
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 
@@ -23,15 +35,132 @@ from kvmesh.config import WorkerConfig
 from kvmesh.protocol import InstanceInfo
 from kvmesh.worker.main import READY_PREFIX
 
-__all__ = ["Supervisor", "worker_command"]
+__all__ = ["Supervisor", "worker_command", "prefork", "ForkedWorker"]
 
 log = logging.getLogger("kvmesh.supervisor")
 
 _decode_info = msgspec.json.Decoder(InstanceInfo).decode
 
 
+def _worker_args(cfg: WorkerConfig) -> list[str]:
+    return ["worker", *cfg.to_args(), "--static", "--die-with-parent"]
+
+
 def worker_command(cfg: WorkerConfig) -> list[str]:
-    return [sys.executable, "-m", "kvmesh.cli.main", "worker", *cfg.to_args(), "--static", "--die-with-parent"]
+    return [sys.executable, "-m", "kvmesh.cli.main", *_worker_args(cfg)]
+
+
+class ForkedWorker:
+    """A worker forked by :func:`prefork`. It offers the part of
+    ``asyncio.subprocess.Process`` the supervisor uses: ``pid``, ``returncode``,
+    ``stdout`` and ``wait()``. :meth:`adopt` runs first, in the event loop."""
+
+    def __init__(self, pid: int, stdout_fd: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout: asyncio.StreamReader | None = None
+        self._stdout_fd = stdout_fd
+        self._exited: asyncio.Future[int] | None = None
+        self._pidfd = -1
+
+    async def adopt(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.stdout = reader = asyncio.StreamReader()
+        pipe = os.fdopen(self._stdout_fd, "rb", buffering=0)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        self._exited = loop.create_future()
+        try:
+            self._pidfd = os.pidfd_open(self.pid)  # readable once the child has exited
+        except (AttributeError, OSError):  # pragma: no cover - Linux < 5.3
+            self._poll()
+        else:
+            loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> bool:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: its code is lost
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
+            return False
+        if self._pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        self.returncode = os.waitstatus_to_exitcode(status)
+        if self._exited is not None and not self._exited.done():
+            self._exited.set_result(self.returncode)
+        return True
+
+    def _poll(self) -> None:
+        if not self._reap():
+            asyncio.get_running_loop().call_later(0.05, self._poll)
+
+    async def wait(self) -> int:
+        if self._exited is None:
+            raise RuntimeError("adopt() the forked worker first")
+        return await asyncio.shield(self._exited)
+
+
+def prefork(
+    template: WorkerConfig, count: int, first_id: int = 0, close: Sequence[socket.socket] = ()
+) -> list[ForkedWorker]:
+    """Fork workers ``first_id .. first_id + count - 1`` now, for a
+    :class:`Supervisor` to adopt. Call it before this process has an event loop or a
+    thread. ``close``: sockets of this process the workers must not hold (the HTTP
+    listener)."""
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    workers = []
+    for worker_id in range(first_id, first_id + count):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker; never returns
+            os.close(read_fd)
+            _forked_worker_main(replace(template, worker_id=worker_id), parent, write_fd, close)
+        os.close(write_fd)
+        workers.append(ForkedWorker(pid, read_fd))
+    return workers
+
+
+def _forked_worker_main(cfg: WorkerConfig, parent: int, stdout_fd: int, close: Sequence[socket.socket]) -> None:
+    code = 1
+    try:
+        _die_with(parent)
+        for sock in close:
+            sock.close()  # this process's copy only
+        os.dup2(stdout_fd, 1)  # the READY line goes to the supervisor's pipe
+        os.close(stdout_fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        random.seed()  # not the frontend's random state
+        logging.root.handlers.clear()  # the worker sets up its own logging
+        from kvmesh.cli.main import main
+
+        code = main(_worker_args(cfg))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - report it, then leave without the parent's atexit
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM this process when ``parent`` dies (Linux), also if it died already."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Supervisor:
@@ -45,6 +174,7 @@ class Supervisor:
         backoff_s: float = 0.5,
         startup_timeout_s: float = 60.0,
         first_id: int = 0,
+        preforked: Sequence[ForkedWorker] = (),
     ) -> None:
         self.template = template
         self.count = count
@@ -54,7 +184,9 @@ class Supervisor:
         self.restart = restart
         self.backoff_s = backoff_s
         self.startup_timeout_s = startup_timeout_s
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.procs: dict[int, Any] = {}  # asyncio.subprocess.Process or ForkedWorker
+        # worker id -> its first process, forked ahead (see prefork)
+        self._preforked = {first_id + i: proc for i, proc in enumerate(preforked)}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._next_id = first_id + count
@@ -79,9 +211,13 @@ class Supervisor:
             self._next_id += 1
 
     async def _run_once(self, cfg: WorkerConfig) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            *worker_command(cfg), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
-        )
+        proc = self._preforked.pop(cfg.worker_id, None)
+        if proc is not None:
+            await proc.adopt()
+        else:
+            proc = await asyncio.create_subprocess_exec(
+                *worker_command(cfg), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
+            )
         self.procs[cfg.worker_id] = proc
         ready = False
         try:
@@ -113,6 +249,8 @@ class Supervisor:
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every worker, wait, SIGKILL what is left; end the slot tasks."""
         self._stopping = True
+        for proc in self._preforked.values():  # forked, never adopted (start-up failed)
+            _signal(proc, signal.SIGTERM)
         procs = list(self.procs.values())
         for proc in procs:
             _signal(proc, signal.SIGTERM)
@@ -131,7 +269,7 @@ class Supervisor:
         return {wid: p.pid for wid, p in self.procs.items()}
 
 
-def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _signal(proc: Any, sig: int) -> None:
     if proc.returncode is None:
         try:
             os.kill(proc.pid, sig)

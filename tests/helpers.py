@@ -167,3 +167,19 @@ class KvmeshProcess:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+async def worker_disagg_stats(address: str):  # type: ignore[no-untyped-def]
+    """A worker's DisaggStats, from its ``disagg_stats`` endpoint at ``address``."""
+    import msgspec
+
+    from kvmesh.protocol import DisaggStats
+    from kvmesh.runtime.distributed import call
+    from kvmesh.runtime.names import DISAGG_STATS
+    from kvmesh.runtime.tcp_client import TcpClient
+
+    client = TcpClient(address)
+    try:
+        return await call(client, DISAGG_STATS, decode=msgspec.msgpack.Decoder(DisaggStats).decode)
+    finally:
+        await client.close()

@@ -18,12 +18,8 @@ import msgspec
 import openai
 import pytest
 
-from kvmesh.protocol import DisaggStats
-from kvmesh.runtime.distributed import call
-from kvmesh.runtime.names import DISAGG_STATS
-from kvmesh.runtime.tcp_client import TcpClient
 from tests.e2e.test_distributed import _runtime_env
-from tests.helpers import KvmeshProcess, free_port, wait_healthy
+from tests.helpers import worker_disagg_stats, KvmeshProcess, free_port, wait_healthy
 from tests.services import binary
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
@@ -85,12 +81,7 @@ class Fleet:
             proc.stop()
 
 
-async def stats(address: str) -> DisaggStats:
-    client = TcpClient(address)
-    try:
-        return await call(client, DISAGG_STATS, decode=msgspec.msgpack.Decoder(DisaggStats).decode)
-    finally:
-        await client.close()
+stats = worker_disagg_stats  # the worker counters the tests read
 
 
 async def complete(client: openai.AsyncOpenAI, tokens: list[int], max_tokens: int = 16) -> str:

@@ -4,33 +4,27 @@ prefill queue lives in the run process; no etcd, no NATS), through the openai cl
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
-import msgspec
 import openai
 import pytest
 
-from kvmesh.protocol import DisaggStats
-from kvmesh.runtime.distributed import call
-from kvmesh.runtime.names import DISAGG_STATS
-from kvmesh.runtime.tcp_client import TcpClient
-from tests.helpers import kvmesh_run
+from tests.helpers import worker_disagg_stats, kvmesh_run
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 
-async def stats(address: str) -> DisaggStats:
-    client = TcpClient(address)
-    try:
-        return await call(client, DISAGG_STATS, decode=msgspec.msgpack.Decoder(DisaggStats).decode)
-    finally:
-        await client.close()
+stats = worker_disagg_stats  # the worker counters the tests read
 
 
 def test_embedded_prefill_and_decode_workers(tmp_path) -> None:
     args = ("--prefill-workers", "1", "--decode-workers", "1", "--max-local-prefill-length", "300", "--canary-interval", "0")
     with kvmesh_run(tmp_path, *args, workers=1, speedup="50") as server:
-        assert "1 decode + 1 prefill" in server.log()
+        deadline = time.monotonic() + 10  # the banner follows the first healthy answer
+        while "1 decode + 1 prefill" not in server.log():
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         texts = []
         for n in (700, 40, 900):

@@ -159,6 +159,13 @@ class DisaggEngine(Engine):
         if reservation is None:  # no room to hold the blocks now: the scheduler queues it
             self.stats.local_prefills += 1
             return True
+        try:
+            return await self._place(request, reservation, ctx)
+        except BaseException:  # cancelled or failed before the stream started: give the blocks back
+            self.inner.kv_release(request.request_id)
+            raise
+
+    async def _place(self, request: PreprocessedRequest, reservation: KvReservation, ctx: Context) -> bool:
         n, cached = len(request.token_ids), reservation.cached_tokens
         if time.monotonic() - self._thresholds_at >= self.thresholds_refresh_s:
             await self._queue_status()  # a queue that carries thresholds (embedded mode) may have new ones
@@ -182,8 +189,8 @@ class DisaggEngine(Engine):
         assert self.queue is not None
         try:
             status = await self.queue.status()
-        except KvmeshError as exc:  # queue unreachable: prefill here
-            log.warning("prefill queue status failed: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - queue unreachable (any backend's error): prefill here
+            log.warning("prefill queue status failed: %r", exc)
             return QueueStatus(depth=1 << 30)
         if status.thresholds is not None:
             self.thresholds = status.thresholds
@@ -201,8 +208,8 @@ class DisaggEngine(Engine):
         self._done[job.job_id] = self.transfer.expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
         try:
             await self.queue.put(job)
-        except KvmeshError as exc:
-            log.warning("prefill queue refused a job (%s); prefilling locally", exc.message)
+        except Exception as exc:  # noqa: BLE001 - any backend's error: prefill locally
+            log.warning("prefill queue refused a job (%r); prefilling locally", exc)
             self.transfer.forget(job.job_id)
             del self._done[job.job_id]
             self.stats.remote_fallbacks += 1

@@ -42,13 +42,14 @@ from functools import partial
 import torch
 
 from kvmesh.engines.base import Engine
+from kvmesh.engines.mailbox import Mailbox
 from kvmesh.engines.hf.batch import Chunk, make_inputs
 from kvmesh.engines.hf.kv import KvPool
 from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs
 from kvmesh.engines.hf.options import HfOptions
 from kvmesh.engines.hf.sampling import Sampled, SampleParams, params_for, sample
 from kvmesh.engines.hf.scheduler import Finished, Plan, Scheduler, SchedulerLimits, Seq
-from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted
+from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
 from kvmesh.protocol import (
     EngineConfig,
     KvDump,
@@ -83,18 +84,14 @@ class EngineStats:
     forward_s: float = 0.0
 
 
-class _Mailbox:
-    """One request's slot between the step loop (producer) and its stream (consumer)."""
+class _Mailbox(Mailbox):
+    """The hf engine's slot: tokens and their logprobs."""
 
-    __slots__ = ("tokens", "logprobs", "finished", "cancelled", "error", "_waiter")
+    __slots__ = ("logprobs",)
 
     def __init__(self) -> None:
-        self.tokens: list[int] = []
+        super().__init__()
         self.logprobs: list[TokenLogprob] = []
-        self.finished: Finished | None = None
-        self.cancelled = False
-        self.error: KvmeshError | None = None
-        self._waiter: asyncio.Future[None] | None = None
 
     def push(self, s: Sampled) -> None:
         self.tokens.append(s.token)
@@ -102,36 +99,10 @@ class _Mailbox:
             self.logprobs.append(s.logprob)
         self._wake()
 
-    def finish(self, finished: Finished) -> None:
-        self.finished = finished
-        self._wake()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self._wake()
-
-    def fail(self, error: KvmeshError) -> None:
-        self.error = error
-        self._wake()
-
     def take(self) -> tuple[list[int], list[TokenLogprob] | None]:
         tokens, self.tokens = self.tokens, []
         logprobs, self.logprobs = self.logprobs, []
         return tokens, logprobs or None
-
-    async def wait(self) -> None:
-        if self.tokens or self.finished or self.cancelled or self.error:
-            return
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,10 +36,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 
 from kvmesh.engines.base import Engine
+from kvmesh.engines.mailbox import Mailbox
 from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput, _Seq
-from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted
+from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
 from kvmesh.protocol import (
     EngineConfig,
     KvDump,
@@ -64,54 +65,23 @@ _MIN_SLEEP_S = 0.0005
 _MAX_CATCH_UP_S = 0.005
 
 
-class _Mailbox:
-    """One request's slot between the step loop (producer) and its stream (consumer)."""
+class _Mailbox(Mailbox):
+    """The mocker's slot: tokens, and how many were ever pushed (for ``kv_detach``)."""
 
-    __slots__ = ("tokens", "pushed", "finished", "cancelled", "error", "_waiter")
+    __slots__ = ("pushed",)
 
     def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.pushed = 0  # tokens handed to this box so far
-        self.finished: Finished | None = None
-        self.cancelled = False
-        self.error: KvmeshError | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        super().__init__()
+        self.pushed = 0
 
     def push(self, token: int) -> None:
         self.tokens.append(token)
         self.pushed += 1
         self._wake()
 
-    def finish(self, finished: Finished) -> None:
-        self.finished = finished
-        self._wake()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self._wake()
-
-    def fail(self, error: KvmeshError) -> None:
-        self.error = error
-        self._wake()
-
     def take(self) -> list[int]:
         tokens, self.tokens = self.tokens, []
         return tokens
-
-    async def wait(self) -> None:
-        """Return once anything was put in the slot (at once if it is not empty)."""
-        if self.tokens or self.finished or self.cancelled or self.error:
-            return
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class MockerEngine(Engine):

@@ -39,6 +39,7 @@ ENV_VARS = {
     "request_plane": "KVMESH_REQUEST_PLANE",
     "event_plane": "KVMESH_EVENT_PLANE",
     "host": "KVMESH_HOST",
+    "lease_ttl_s": "KVMESH_LEASE_TTL",
 }
 
 

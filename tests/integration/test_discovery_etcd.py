@@ -17,6 +17,7 @@ from kvmesh.errors import CannotConnect, InvalidArgument
 from kvmesh.runtime.discovery import WatchEvent
 from kvmesh.runtime.discovery.etcd import EtcdDiscovery
 from tests.helpers import free_port
+from tests.proxy import CuttableProxy
 from tests.services import Etcd
 
 T = TypeVar("T")
@@ -127,6 +128,7 @@ async def test_etcdctl_revoke_removes_keys_and_sets_lost(etcd: Etcd, connect) ->
     etcd.etcdctl("lease", "revoke", f"{lease.id:x}")
     assert await worker.get_prefix("/services/") == {}
     await asyncio.wait_for(lease.lost.wait(), 2.5)  # next keep-alive, at TTL/3
+    assert not lease.expired  # gone while in contact: revoked, the stop signal
 
 
 async def test_watch_resumes_after_etcd_restart(etcd: Etcd, connect, caplog: pytest.LogCaptureFixture) -> None:
@@ -169,15 +171,38 @@ async def test_lease_survives_a_shorter_outage(etcd: Etcd, connect) -> None:
     assert int(json.loads(etcd.etcdctl("lease", "timetolive", f"{lease.id:x}", "-w", "json"))["ttl"]) > 5
 
 
-async def test_lease_lost_when_outage_outlasts_ttl(etcd: Etcd, connect) -> None:
-    worker = await connect()
+async def test_lease_outlives_an_etcd_outage_longer_than_its_ttl(etcd: Etcd, connect) -> None:
+    worker = await connect(retry_max_s=0.3)
     lease = await worker.grant_lease(2)
+    await worker.put("/services/w", b"w", lease.id)
     etcd.kill()
-    killed = time.monotonic()
-    await asyncio.sleep(1.5)
-    assert not lease.lost.is_set()  # shorter than the TTL so far: keep retrying
-    await asyncio.wait_for(lease.lost.wait(), 3)
-    assert time.monotonic() - killed > 2
+    await asyncio.sleep(3 * lease.ttl_s)  # unreachable for 3 TTLs: not a lost lease
+    assert not lease.lost.is_set()
+    etcd.start()  # etcd extends every lease on restart; the keep-alive finds it
+    await retry(lambda: worker.get_prefix("/services/"))
+    await asyncio.sleep(lease.ttl_s)  # past the extended TTL: only keep-alives hold it now
+    assert not lease.lost.is_set()
+    assert (await worker.get_prefix("/services/")).keys() == {"/services/w"}
+
+
+async def test_lease_expired_while_cut_off_is_lost_as_expired(etcd: Etcd, connect) -> None:
+    host, port = etcd.endpoint.removeprefix("http://").split(":")
+    proxy = CuttableProxy(host, int(port))
+    await proxy.start()
+    try:
+        worker, other = await connect([proxy.endpoint], retry_max_s=0.3), await connect()
+        lease = await worker.grant_lease(2)
+        await worker.put("/services/w", b"w", lease.id)
+        await proxy.cut()  # etcd is up; only this client cannot reach it
+        watch = Collector(other.watch_prefix("/services/"))
+        await watch.wait_for(WatchEvent("delete", "/services/w"), timeout=10)
+        assert not lease.lost.is_set()  # it cannot know yet
+        await proxy.restore()
+        await asyncio.wait_for(lease.lost.wait(), 10)
+        assert lease.expired  # may have run out while cut off: the owner re-registers
+        await watch.close()
+    finally:
+        await proxy.close()
 
 
 async def test_watch_after_compaction_yields_the_difference(etcd: Etcd, connect, caplog: pytest.LogCaptureFixture) -> None:

@@ -210,6 +210,7 @@ async def test_worker_going_away_mid_stream_is_disconnected(plane):
 async def test_serving_resumes_after_nats_server_restarts(plane, nats):
     nats.kill()
     plane.client.connect_timeout = 0.5
+    plane.client.plane_wait_s = 0.5  # past it, the plane's error goes to the caller
     with pytest.raises((CannotConnect, ConnectionTimeout)):
         await _collect(plane.client, "count", 1)
     nats.start()  # same port: both clients reconnect and the worker re-subscribes
@@ -221,6 +222,33 @@ async def test_serving_resumes_after_nats_server_restarts(plane, nats):
         except (CannotConnect, ConnectionTimeout):
             assert time.monotonic() < deadline, "serving did not resume"
             await asyncio.sleep(0.1)
+
+
+async def test_request_sent_while_nats_is_down_waits_for_it_and_completes(plane, nats):
+    plane.client.connect_timeout = 0.5
+    plane.client.response_timeout = 20  # it bounds the wait for the plane too
+    nats.kill()
+    await _eventually(lambda: not plane.nc.is_connected, 5)
+    pending = asyncio.ensure_future(_collect(plane.client, "count", 200))
+    await asyncio.sleep(1.5)  # several sends time out meanwhile
+    assert not pending.done()
+    nats.start()
+    # sent again under new stream ids: answers to the earlier sends are killed, so the
+    # caller sees one stream, not several interleaved
+    assert await asyncio.wait_for(pending, 15) == list(range(200))
+
+
+async def test_request_while_nats_stays_down_fails_after_plane_wait(plane, nats):
+    plane.client.connect_timeout = 0.3
+    plane.client.plane_wait_s = 1.0
+    nats.kill()
+    await _eventually(lambda: not plane.nc.is_connected, 5)
+    started = time.monotonic()
+    with pytest.raises((CannotConnect, ConnectionTimeout)):
+        await _collect(plane.client, "count", 1)
+    assert time.monotonic() - started >= 1.0
+    nats.start()  # for the fixture's clean close
+    await _eventually(lambda: plane.nc.is_connected, 10)
 
 
 async def test_malformed_request_is_a_typed_error_and_the_server_keeps_serving(plane):

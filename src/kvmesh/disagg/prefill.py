@@ -106,6 +106,9 @@ class PrefillWorker:
             self.busy = True
             try:
                 await self.serve(delivery.job)
+            except Exception:  # noqa: BLE001 - one job must not end the loop
+                self.stats.prefill_jobs_failed += 1
+                log.exception("prefill job %s failed", delivery.job.job_id)
             finally:
                 self.busy = False
                 await _quietly(delivery.ack())

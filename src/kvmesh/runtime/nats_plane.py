@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -74,6 +73,7 @@ from kvmesh.runtime.frames import (
 
 # NOTE: the call-home stream reuses the TCP plane's worker-side connection protocol and
 # caller-side mailbox rather than duplicating them (see the module docstring).
+from kvmesh.runtime.sockets import tune_stream_socket
 from kvmesh.runtime.tcp_client import _END, _Mailbox
 from kvmesh.runtime.tcp_server import Handler, _Conn
 
@@ -463,9 +463,7 @@ class _HomeConn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._writer.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_stream_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         if peer:
             self.peer = f"{peer[0]}:{peer[1]}"

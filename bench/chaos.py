@@ -20,7 +20,9 @@ before the load), failed, the longest stall a client saw between two chunks, and
 what discovery did. Scenarios, in order:
 
     cut_c          host c's link down mid-load, then back: its streams migrate to b,
-                   discovery drops c within its lease TTL, c rejoins and takes traffic
+                   discovery drops c within its lease TTL (plus an election, and
+                   the leases extended by it, when c's etcd member was the leader),
+                   c rejoins (same process, new lease) and takes traffic
     etcd_member    one etcd member SIGKILLed, restarted later: nothing fails, no churn
     nats_restart   nats-server SIGKILLed, restarted 3 s later: nothing lost
     etcd_outage    every etcd member down for 3 lease TTLs: nothing fails, the fleet
@@ -235,6 +237,8 @@ class Load:
         self.stop_file.touch()
         self.proc.wait(180)
         self._reader.join(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         if self.result is None:
             raise RuntimeError("the load generator printed no result")
         for key in ("sent", "completed", "identical", "failed", "failovers", "workers_min", "workers_max", "errors"):
@@ -375,6 +379,15 @@ class Fleet:
         m = re.search(rf'kvmesh_router_decisions_total\{{model="{MODEL}",worker="{wid}"\}} ([0-9.e+]+)', text)
         return float(m.group(1)) if m else 0.0
 
+    def leader(self) -> str:
+        """The host whose etcd member leads."""
+        endpoints = ",".join(self.etcd_url(x) for x in HOSTS)
+        out = self.hosts.run("a", [binary("etcdctl"), "--endpoints", endpoints, "endpoint", "status", "-w", "json"])
+        for status in json.loads(out):
+            if status["Status"]["header"]["member_id"] == status["Status"]["leader"]:
+                return next(h for h in HOSTS if self.hosts.addr(h) in status["Endpoint"])
+        return "?"
+
     def registered(self) -> set[int]:
         """Decode workers in discovery (by worker id), as etcd says."""
         out = self.etcdctl("get", "--prefix", f"/services/{NAMESPACE}/backend/generate-", "--keys-only")
@@ -425,6 +438,8 @@ def cut_c(fleet: Fleet) -> Report:
     c_id = fleet.workers["c"][1]
     load = fleet.load()
     try:
+        # when c's member leads, the others elect a leader first, which extends leases
+        report.notes["etcd leader"] = fleet.leader()
         fleet.hosts.cut("c")
         report.notes["c dropped after (s)"] = _until(lambda: c_id not in fleet.registered(), 30, "c dropped")
         load.wait_more(30)

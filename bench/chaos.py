@@ -58,9 +58,12 @@ from tests.services import binary  # noqa: E402
 MODEL = "kvmesh-tiny"
 NAMESPACE = "chaos"
 HTTP_PORT = 8000
-MAX_TOKENS = 24
+MAX_TOKENS = 48
 DISTINCT_PROMPTS = 8
 CONCURRENCY = 8
+SPEEDUP = "1"  # the mocker at real speed: streams last long enough to be cut mid-way
+CUT_S = 10.0  # how long host c stays cut off
+LEADER_AT_CUT = os.environ.get("CHAOS_LEADER", "")  # "" leaves etcd's choice
 
 
 def prompt(i: int) -> list[int]:
@@ -271,7 +274,7 @@ class Fleet:
             binary("etcd"), "--name", f"m{host}", "--data-dir", str(self.workdir / f"etcd-{host}"),
             "--listen-client-urls", self.etcd_url(host), "--advertise-client-urls", self.etcd_url(host),
             "--listen-peer-urls", f"http://{h.addr(host)}:2380", "--initial-advertise-peer-urls", f"http://{h.addr(host)}:2380",
-            "--initial-cluster", cluster, "--initial-cluster-state", state, "--initial-cluster-token", h.tag,
+            "--initial-cluster", cluster, "--initial-cluster-state", state, "--initial-cluster-token", h.tag, "--pre-vote",
         ]  # fmt: skip
         self.etcd[host] = h.spawn(host, argv, f"etcd-{host}.log")
 
@@ -324,7 +327,7 @@ class Fleet:
 
     def start_worker(self, name: str, host: str, mode: str) -> None:
         argv = [
-            sys.executable, "-m", "kvmesh.cli.main", "worker", "--mode", mode, "--speedup", "5",
+            sys.executable, "-m", "kvmesh.cli.main", "worker", "--mode", mode, "--speedup", SPEEDUP,
             "--max-local-prefill-length", "300", "--remote-prefill-timeout", "3", "--grace", "15",
         ]  # fmt: skip
         log = f"worker-{name}.log"
@@ -349,7 +352,7 @@ class Fleet:
         index = len(self.frontends)
         argv = [
             sys.executable, "-m", "kvmesh.cli.main", "frontend", "--http-host", self.hosts.addr("a"),
-            "--http-port", str(HTTP_PORT + index), "--canary-interval", "0",
+            "--http-port", str(HTTP_PORT + index), "--canary-interval", "0", "--log-level", "info",
         ]  # fmt: skip
         proc = self.hosts.spawn("a", argv, f"frontend-{index}.log", env=self.env("a"))
         self.frontends.append(proc)
@@ -387,6 +390,22 @@ class Fleet:
             if status["Status"]["header"]["member_id"] == status["Status"]["leader"]:
                 return next(h for h in HOSTS if self.hosts.addr(h) in status["Endpoint"])
         return "?"
+
+    def decisions(self) -> float:
+        """Routing decisions of the last frontend started, over every worker: one per
+        request, plus one per move to another worker after a failure."""
+        text = self.hosts.run("a", ["curl", "-s", "--max-time", "2", self.url(len(self.frontends) - 1) + "/metrics"])
+        return sum(float(v) for v in re.findall(r"^kvmesh_router_decisions_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+    def move_leader(self, host: str) -> None:
+        """Make ``host``'s etcd member the leader (a cut then costs no election)."""
+        if self.leader() == host:
+            return
+        endpoints = ",".join(self.etcd_url(x) for x in HOSTS)
+        members = json.loads(self.hosts.run("a", [binary("etcdctl"), "--endpoints", endpoints, "member", "list", "-w", "json"]))
+        target = next(m["ID"] for m in members["members"] if m["name"] == f"m{host}")
+        current = self.etcd_url(self.leader())
+        self.hosts.run("a", [binary("etcdctl"), "--endpoints", current, "move-leader", f"{target:x}"])
 
     def registered(self) -> set[int]:
         """Decode workers in discovery (by worker id), as etcd says."""
@@ -436,13 +455,20 @@ def _holds(predicate) -> bool:  # type: ignore[no-untyped-def]
 def cut_c(fleet: Fleet) -> Report:
     report = Report("cut_c")
     c_id = fleet.workers["c"][1]
+    decided = fleet.decisions()
     load = fleet.load()
     try:
         # when c's member leads, the others elect a leader first, which extends leases
+        if LEADER_AT_CUT:
+            fleet.move_leader(LEADER_AT_CUT)
         report.notes["etcd leader"] = fleet.leader()
         fleet.hosts.cut("c")
+        cut = time.monotonic()
         report.notes["c dropped after (s)"] = _until(lambda: c_id not in fleet.registered(), 30, "c dropped")
         load.wait_more(30)
+        # c stays away long enough for its connections to be found dead (its streams
+        # then migrate to b), not just for TCP to retransmit over a short gap
+        time.sleep(max(0.0, CUT_S - (time.monotonic() - cut)))
         fleet.hosts.restore("c")
         report.notes["c back after (s)"] = _until(lambda: c_id in fleet.registered(), 30, "c re-registered")
         before = fleet.routed("c")
@@ -450,6 +476,8 @@ def cut_c(fleet: Fleet) -> Report:
     finally:
         fleet.hosts.restore("c")
         load.finish(report)
+    # the undisturbed texts, the load, and the requests moved off c by the frontend
+    report.notes["moved to b"] = int(fleet.decisions() - decided - DISTINCT_PROMPTS - report.sent)
     report.notes["processes alive"] = fleet.alive()
     return report
 

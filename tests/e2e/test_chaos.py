@@ -65,6 +65,10 @@ def test_cut_host_c_streams_migrate_discovery_drops_it_and_it_rejoins(fleet) -> 
     ttls = 2 if report.notes["etcd leader"] == "c" else 1
     assert report.notes["c dropped after (s)"] <= ttls * LEASE_TTL + 3
     assert report.workers_min == 1 and report.workers_max == 2
+    assert report.notes["moved to b"] > 0, "nothing moved off c"
+    # streams cut mid-way moved to b once their connections were found dead (TCP
+    # keep-alive, ~5 s), not when c came back (TCP retransmits would resume them then)
+    assert report.stall_s < chaos.CUT_S - 1, "c's streams waited for it instead of moving to b"
 
 
 def test_one_etcd_member_killed_and_restarted_no_failure_no_churn(fleet) -> None:  # type: ignore[no-untyped-def]

@@ -213,7 +213,7 @@ class EtcdDiscovery(Discovery):
         while True:
             await asyncio.sleep(interval if ttl is not None else min(interval, self._retry_max_s))
             sent = loop.time()
-            ttl = await self._refresh(lease.id)
+            ttl = await self._refresh(lease.id, interval)
             if ttl is None:
                 if loop.time() - last_ok > lease.ttl_s and not lease.out_of_contact:
                     lease.out_of_contact = True
@@ -237,19 +237,25 @@ class EtcdDiscovery(Discovery):
         self._keepalives.pop(lease.id, None)
         lease.lost.set()
 
-    async def _refresh(self, lease_id: int) -> int | None:
-        """The TTL etcd answered (<= 0: the lease is gone), or None if unreachable."""
+    async def _refresh(self, lease_id: int, timeout: float) -> int | None:
+        """The TTL etcd answered (<= 0: the lease is gone), or None if unreachable.
+
+        NOTE: bounded by ``timeout`` (TTL/3), well under the request timeout: a member
+        that lost its leader holds a keep-alive until it times out, and etcd extends
+        leases by only about their TTL when a new leader takes over, so a keep-alive
+        must give up early and try again (on the next endpoint) to be in time."""
         client = self._client()
         try:
-            reply = await client.refresh_lease(lease_id)
-        except _UNREACHABLE as exc:
-            log.debug("etcd keep-alive for lease %x: %s", lease_id, exc)
+            reply = await asyncio.wait_for(client.refresh_lease(lease_id), timeout)
+        except (*_UNREACHABLE, TimeoutError) as exc:
+            log.debug("etcd keep-alive for lease %x: %r", lease_id, exc)
             self._failed(client)
             return None
         except aetcd.ClientError as exc:
             if _lease_not_found(exc):
                 return 0
             log.warning("etcd keep-alive for lease %x failed: %s", lease_id, exc)
+            self._failed(client)
             return None
         return None if reply is None else int(reply.TTL)
 

@@ -270,6 +270,28 @@ async def test_etcd_down_for_3_ttls_fails_nothing_and_the_fleet_stays_whole(clus
     assert w1.proc.poll() is None and w2.proc.poll() is None
 
 
+async def test_sigterm_while_etcd_is_down_drains_and_exits(cluster_factory, etcd):
+    cluster = cluster_factory(lease_ttl=LEASE_TTL)
+    w1, _ = cluster.worker()
+    cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 2, 20, "two workers")
+    load = Load(cluster.url, max_requests=2000)
+
+    async def scenario():
+        await _until(lambda: load.done >= 20, 60, "warm load")
+        etcd.kill()
+        w1.signal(signal.SIGTERM)  # it cannot unregister: it drains and exits all the same
+        await asyncio.to_thread(w1.proc.wait, 40)
+        done = load.done
+        await _until(lambda: load.done >= done + 20, 60, "load on the other worker")
+        etcd.start()
+
+    await load.run_while(scenario)
+    assert load.failures == []
+    assert w1.proc.returncode == 0, w1.log()
+
+
 async def test_revoked_lease_with_a_short_ttl_drains_and_exits(cluster_factory, etcd):
     cluster = cluster_factory(lease_ttl=LEASE_TTL)
     w1, lease1 = cluster.worker()

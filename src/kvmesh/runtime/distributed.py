@@ -66,6 +66,8 @@ __all__ = [
 
 log = logging.getLogger("kvmesh.runtime")
 
+REVOKE_TIMEOUT_S = 3.0  # how long shutdown tries to revoke the lease
+
 _decode_info = msgspec.json.Decoder(InstanceInfo).decode
 _encode = msgspec.json.encode
 
@@ -227,7 +229,8 @@ class DistributedRuntime:
             await asyncio.gather(self._holder, return_exceptions=True)
         if self.lease is not None and not self.lease.lost.is_set():
             try:
-                await self.lease.revoke()
+                # bounded: discovery may be out of reach (then the lease expires)
+                await asyncio.wait_for(self.lease.revoke(), REVOKE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the lease will expire on its own
                 log.warning("could not revoke lease %x; it will expire", self.lease.id)
         for server in self._servers.values():

@@ -396,3 +396,35 @@ async def test_cancellation_crosses_processes(nats, tmp_path):
             proc.wait(5)
         await home.close()
         await nc.close()
+
+
+async def test_a_late_answer_to_an_earlier_send_is_killed_not_merged():
+    """A request sent again after a plane outage gets a new stream id: if the worker
+    that got the first send calls home after all, that stream is killed and none of
+    its items reach the caller."""
+    from kvmesh.runtime.frames import KILL, Ack, Ctl, End, FrameReader, FrameWriter, Out
+    from kvmesh.runtime.tcp_client import _END, _Mailbox
+
+    home = CallHomeServer()
+    await home.start()
+    try:
+        stream = home._open(_Mailbox(dec, None))
+        first = stream.sid
+        home._rekey(stream)  # what NatsRequestClient does before sending again
+        assert stream.sid != first and home.streams == {stream.sid: stream}
+        reader, writer = await asyncio.open_connection("127.0.0.1", home.port)
+        frames = FrameWriter()
+        for frame in (Ack(first), Out(first, msgspec.Raw(enc("late"))), End(first)):
+            frames.add(frame)
+        for frame in (Ack(stream.sid), Out(stream.sid, msgspec.Raw(enc("answer"))), End(stream.sid)):
+            frames.add(frame)
+        writer.write(frames.take())
+        got = []
+        while (item := await asyncio.wait_for(stream.box.next(), 5)) is not _END:
+            got.append(item)
+        assert got == ["answer"]
+        kill = FrameReader().feed(await asyncio.wait_for(reader.read(4096), 5))
+        assert kill == [Ctl(first, KILL)]
+        writer.close()
+    finally:
+        await home.close()

@@ -196,10 +196,9 @@ class DistributedRuntime:
                     lease = await self.discovery.grant_lease(self.config.lease_ttl_s)
                 for key, value in list(self._leased.items()):
                     await self.discovery.put(key, value, lease.id)
-            except InvalidArgument:  # "lease not found": it went already; take another
-                lease = None
-                continue
             except KvmeshError as exc:
+                if isinstance(exc, InvalidArgument):  # "lease not found": it went already; take another
+                    lease = None
                 log.warning("cannot re-register yet: %s", exc.message)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import msgspec
 import pytest
 
 from kvmesh.errors import CannotConnect, InvalidArgument
@@ -233,3 +234,47 @@ async def test_watch_after_compaction_yields_the_difference(etcd: Etcd, connect,
 def _revision(etcd: Etcd) -> int:
     status = json.loads(etcd.etcdctl("endpoint", "status", "-w", "json"))
     return int(status[0]["Status"]["header"]["revision"])
+
+
+async def test_runtime_cut_off_past_its_ttl_comes_back_under_the_same_key(etcd: Etcd, connect) -> None:
+    """A process cut off from etcd (etcd itself up) for longer than its lease TTL:
+    discovery drops its instance; once it reaches etcd again it takes a new lease and
+    its record comes back under the same key with the same worker id, and nothing
+    tells it to stop."""
+    from kvmesh.config import RuntimeConfig
+    from kvmesh.protocol import EngineConfig
+    from kvmesh.runtime.distributed import DistributedRuntime
+
+    host, port = etcd.endpoint.removeprefix("http://").split(":")
+    proxy = CuttableProxy(host, int(port))
+    await proxy.start()
+    discovery = EtcdDiscovery([proxy.endpoint], retry_max_s=0.3)
+    runtime = DistributedRuntime(RuntimeConfig(discovery="etcd", lease_ttl_s=2), discovery=discovery)
+    await runtime.start()
+    other = await connect()
+    watch = Collector(other.watch_prefix("/services/"))
+    try:
+        endpoint = runtime.namespace("ns").component("backend").endpoint("generate")
+
+        class Server:
+            host, port = "127.0.0.1", 1
+
+        info = endpoint.describe(Server(), engine=EngineConfig("m", "m", 128, 16, 64, 8, 256), model_path="m")  # type: ignore[arg-type]
+        await endpoint.register(info)
+        key = f"/services/ns/backend/generate-{runtime.lease_id:x}"
+        await watch.wait_for(WatchEvent("put", key, msgspec.json.encode(info)))
+        first_lease = runtime.lease.id  # type: ignore[union-attr]
+        await proxy.cut()
+        await watch.wait_for(WatchEvent("delete", key), timeout=10)
+        await proxy.restore()
+        async with asyncio.timeout(15):
+            while runtime.renewals < 1:
+                await asyncio.sleep(0.05)
+        assert [e.kind for e in watch.events if e.key == key] == ["put", "delete", "put"]
+        assert watch.events[-1].value == watch.events[0].value  # the same record: same worker id
+        assert runtime.lease.id != first_lease and runtime.lease_id == first_lease  # type: ignore[union-attr]
+        assert not runtime.lease_lost.is_set()
+    finally:
+        await watch.close()
+        await runtime.shutdown()
+        await proxy.close()

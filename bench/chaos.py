@@ -11,8 +11,8 @@ addresses that exist only inside them; torn down at the end), then runs on them:
     host b: etcd member, a decode `kvmesh worker` and a prefill `kvmesh worker`
     host c: etcd member, a decode `kvmesh worker`
 
-with the NATS request plane, the JetStream prefill queue and etcd discovery (lease
-TTL ``--lease-ttl``). Each scenario streams requests (the openai client, 8 at a
+with the NATS request plane (``--request-plane tcp`` for the TCP one), the JetStream
+prefill queue and etcd discovery (lease TTL ``--lease-ttl``). Each scenario streams requests (the openai client, 8 at a
 time, prompts long enough that half of them are prefilled remotely) while it
 injects its fault, and reports: requests sent, completed, identical to the
 undisturbed run (the mocker is deterministic: each prompt's text is taken once
@@ -253,10 +253,11 @@ class Load:
 class Fleet:
     """etcd (3 members), nats-server and the kvmesh processes on three hosts."""
 
-    def __init__(self, hosts: Hosts, workdir: Path, lease_ttl: float) -> None:
+    def __init__(self, hosts: Hosts, workdir: Path, lease_ttl: float, request_plane: str = "nats") -> None:
         self.hosts = hosts
         self.workdir = workdir
         self.lease_ttl = lease_ttl
+        self.request_plane = request_plane
         self.etcd: dict[str, subprocess.Popen[bytes]] = {}
         self.nats: subprocess.Popen[bytes] | None = None
         self.frontends: list[subprocess.Popen[bytes]] = []
@@ -317,7 +318,7 @@ class Fleet:
             KVMESH_DISCOVERY="etcd",
             KVMESH_ETCD_ENDPOINTS=",".join([self.etcd_url(host), *others]),  # the local member first
             KVMESH_NATS_URL=f"nats://{self.hosts.addr('a')}:4222",
-            KVMESH_REQUEST_PLANE="nats",
+            KVMESH_REQUEST_PLANE=self.request_plane,
             KVMESH_EVENT_PLANE="zmq",
             KVMESH_HOST=self.hosts.addr(host),
             KVMESH_NAMESPACE=NAMESPACE,
@@ -565,6 +566,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="default: all, in order")
     p.add_argument("--lease-ttl", type=float, default=3.0)
+    p.add_argument("--request-plane", choices=("nats", "tcp"), default="nats", help="the JetStream prefill queue is used either way")
     p.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print its path")
     a = p.parse_args(argv)
     reason = unavailable()
@@ -575,10 +577,10 @@ def main(argv: list[str]) -> int:
     reports = []
     try:
         with Hosts(workdir) as hosts:
-            fleet = Fleet(hosts, workdir, a.lease_ttl)
+            fleet = Fleet(hosts, workdir, a.lease_ttl, a.request_plane)
             started = time.monotonic()
             fleet.start()
-            print(f"fleet up in {time.monotonic() - started:.1f} s (lease TTL {a.lease_ttl:g} s)", flush=True)
+            print(f"fleet up in {time.monotonic() - started:.1f} s (lease TTL {a.lease_ttl:g} s, {a.request_plane} request plane)", flush=True)
             print(HEADER, flush=True)
             for name in a.scenario or list(SCENARIOS):
                 report = SCENARIOS[name](fleet)

@@ -3,12 +3,16 @@ and the JetStream prefill queue in use: `kvmesh frontend`, two decode workers an
 prefill worker, the openai client. No request fails, and every text equals the
 undisturbed run's (the mocker is deterministic), whether its request was in flight at
 the cut, sent while the plane was down (it waits for the plane and is sent again), or
-its prefill job was lost with the server (the decode worker prefills locally)."""
+its prefill job was lost with the server (the decode worker prefills locally). Every
+prompt is new, so every long one goes through the JetStream queue."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+
+import httpx
 
 import openai
 import pytest
@@ -43,17 +47,18 @@ async def test_nats_restart_mid_load_loses_nothing(tmp_path, etcd, nats):
     env = dict(_runtime_env(etcd, nats, request_plane="nats"), KVMESH_NAMESPACE="outage")
     port = free_port()
     procs = [KvmeshProcess(tmp_path, "frontend", "--http-port", str(port), "--canary-interval", "0", env=env)]
-    common = ("--speedup", "5", "--max-local-prefill-length", "300", "--remote-prefill-timeout", "3", "--grace", "15")
+    common = (
+        "--speedup", "5", "--max-local-prefill-length", "300", "--remote-prefill-timeout", "3", "--grace", "15",
+        "--metrics-port", "0",
+    )  # fmt: skip
     for mode in ("decode", "decode", "prefill"):
         procs.append(KvmeshProcess(tmp_path, "worker", "--mode", mode, *common, env=env))
     try:
-        for p in procs[1:]:
-            p.wait_ready()
+        cards = [p.wait_ready() for p in procs[1:]]
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc=procs[0].proc)
         client = Stream(url)
-        distinct = 8
-        expected = {i: await client.text(i) for i in range(distinct)}  # undisturbed
+        await client.text(10_000)  # warm-up
         sent, failures, results = 0, [], []
         longest = 0.0
         stop = asyncio.Event()
@@ -65,7 +70,7 @@ async def test_nats_restart_mid_load_loses_nothing(tmp_path, etcd, nats):
                 sent += 1
                 started = time.monotonic()
                 try:
-                    results.append((i % distinct, await client.text(i % distinct)))
+                    results.append((i, await client.text(i)))  # every prompt new: no prefix hits
                 except Exception as exc:  # noqa: BLE001 - collected and asserted on
                     failures.append(repr(exc))
                 longest = max(longest, time.monotonic() - started)
@@ -86,12 +91,38 @@ async def test_nats_restart_mid_load_loses_nothing(tmp_path, etcd, nats):
         stop.set()
         await asyncio.wait_for(asyncio.gather(*loops), 120)
         print(f"sent {sent}, completed {len(results)}, failed {len(failures)}, longest stall {longest:.1f} s")
-        await client.client.close()
         assert failures == [], failures[:3]
         assert len(results) >= after + 30, "load did not resume after the restart"
-        differ = [(i, text) for i, text in results if text != expected[i]]
-        assert differ == []
+        expected = await _undisturbed(client, [i for i, _ in results])
+        await client.client.close()
+        differ = [i for i, text in results if text != expected[i]]
+        assert differ == [], f"{len(differ)} texts differ from the undisturbed run's"
         assert all(p.proc.poll() is None for p in procs), "a process died with the NATS restart"
+        counters = _disagg_counters([c["metrics_address"] for c in cards[:2]])
+        print("decode workers:", counters)
+        assert counters["remote_prefills"] > 0, "the JetStream prefill queue was not used"
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def _disagg_counters(addresses: list[str]) -> dict[str, float]:
+    """The decode workers' remote prefills and fallbacks to local ones, summed."""
+    totals = {"remote_prefills": 0.0, "remote_fallbacks": 0.0, "local_prefills": 0.0}
+    for address in addresses:
+        text = httpx.get(f"http://{address}/metrics").text
+        for name in totals:
+            found = re.search(rf"^kvmesh_disagg_{name}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+            totals[name] += float(found.group(1)) if found else 0.0
+    return totals
+
+
+async def _undisturbed(client: Stream, prompts: list[int]) -> dict[int, str]:
+    """Each prompt's text from a run with nothing broken (8 at a time)."""
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(i: int) -> tuple[int, str]:
+        async with gate:
+            return i, await client.text(i)
+
+    return dict(await asyncio.gather(*(one(i) for i in prompts)))

@@ -43,7 +43,14 @@ def unavailable() -> str | None:
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
         return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        for what in (("veth", "peer", "name", "p1"), ("bridge",)):
+            link = subprocess.run(["ip", "-n", probe, "link", "add", "p0", "type", *what], capture_output=True, text=True)
+            if link.returncode != 0:
+                return f"cannot make a {what[0]} link in a namespace: {link.stderr.strip()}"
+            subprocess.run(["ip", "-n", probe, "link", "del", "p0"], capture_output=True)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 

@@ -278,3 +278,33 @@ async def test_runtime_cut_off_past_its_ttl_comes_back_under_the_same_key(etcd: 
         await watch.close()
         await runtime.shutdown()
         await proxy.close()
+
+
+async def test_thresholds_watch_outlives_an_etcd_restart(etcd: Etcd, connect) -> None:
+    """A decode worker's watch of the disaggregation thresholds: etcd SIGKILLed and
+    restarted, and a change made afterwards still reaches the worker."""
+    from types import SimpleNamespace
+
+    from kvmesh.protocol import DisaggThresholds
+    from kvmesh.worker.disagg import put_thresholds, watch_thresholds
+
+    worker, operator = await connect(retry_max_s=0.3), await connect(retry_max_s=0.3)
+    engine = SimpleNamespace(thresholds=DisaggThresholds(100, 4))
+    task = asyncio.get_running_loop().create_task(watch_thresholds(worker, "ns", engine))  # type: ignore[arg-type]
+    try:
+        await put_thresholds(operator, "ns", DisaggThresholds(200, 8))
+        async with asyncio.timeout(10):
+            while engine.thresholds != DisaggThresholds(200, 8):
+                await asyncio.sleep(0.02)
+        etcd.kill()
+        await asyncio.sleep(3)
+        assert engine.thresholds == DisaggThresholds(200, 8)  # kept while etcd is gone
+        etcd.start()
+        await retry(lambda: put_thresholds(operator, "ns", DisaggThresholds(300, 2)))
+        async with asyncio.timeout(15):
+            while engine.thresholds != DisaggThresholds(300, 2):
+                await asyncio.sleep(0.05)
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

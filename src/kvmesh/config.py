@@ -39,6 +39,7 @@ ENV_VARS = {
     "request_plane": "KVMESH_REQUEST_PLANE",
     "event_plane": "KVMESH_EVENT_PLANE",
     "host": "KVMESH_HOST",
+    "lease_ttl_s": "KVMESH_LEASE_TTL",
 }
 
 
@@ -245,7 +246,7 @@ class RuntimeConfig:
                 )
         if not self.namespace or "." in self.namespace or "/" in self.namespace:
             raise ValueError(f"--namespace must be a non-empty name without '.' or '/', got {self.namespace!r}")
-        _positive("lease_ttl_s", self.lease_ttl_s)
+        _positive("--lease-ttl (or KVMESH_LEASE_TTL)", self.lease_ttl_s)
 
     @property
     def needs_nats(self) -> bool:

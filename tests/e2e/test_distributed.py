@@ -5,6 +5,7 @@ is drained with SIGTERM, a lease is revoked with etcdctl, and etcd itself is SIG
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
@@ -33,9 +34,11 @@ def _runtime_env(etcd, nats, request_plane="tcp") -> dict[str, str]:
 
 
 class Cluster:
-    def __init__(self, tmp_path, etcd, nats, request_plane="tcp"):
+    def __init__(self, tmp_path, etcd, nats, request_plane="tcp", lease_ttl=None):
         self.tmp_path = tmp_path
         self.env = _runtime_env(etcd, nats, request_plane)
+        if lease_ttl is not None:
+            self.env["KVMESH_LEASE_TTL"] = str(lease_ttl)
         self.port = free_port()
         self.procs: list[KvmeshProcess] = []
         self.frontend = self._spawn("frontend", "--http-port", str(self.port), "--log-level", "info")
@@ -71,8 +74,8 @@ class Cluster:
 def cluster_factory(tmp_path, etcd, nats):
     made = []
 
-    def make(request_plane="tcp"):
-        c = Cluster(tmp_path, etcd, nats, request_plane)
+    def make(request_plane="tcp", lease_ttl=None):
+        c = Cluster(tmp_path, etcd, nats, request_plane, lease_ttl)
         made.append(c)
         return c
 
@@ -225,6 +228,94 @@ async def test_etcd_sigkill_for_5s_fails_nothing_and_discovery_heals(cluster_fac
 
     await load.run_while(scenario)
     assert load.failures == []
+
+
+LEASE_TTL = 2
+
+
+async def test_etcd_down_for_3_ttls_fails_nothing_and_the_fleet_stays_whole(cluster_factory, etcd):
+    """Losing etcd for longer than the lease TTL is not a revoke: the workers keep
+    serving (same processes, same leases), the frontend keeps routing to them, and
+    when etcd is back (restarted on the same data dir) discovery reconciles: a worker
+    that died during the outage is dropped, a new one is found."""
+    cluster = cluster_factory(lease_ttl=LEASE_TTL)
+    w1, lease1 = cluster.worker()
+    w2, lease2 = cluster.worker()
+    w3, _ = cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 3, 20, "three workers")
+    load = Load(cluster.url, max_requests=3000)
+
+    async def scenario():
+        await _until(lambda: load.done >= 20, 60, "warm load")
+        etcd.kill()
+        done = load.done
+        w3.proc.kill()  # dies while nobody can tell discovery: its streams migrate
+        await asyncio.sleep(3 * LEASE_TTL + 1)
+        assert load.done > done + 10, "requests stalled while etcd was down"
+        assert w1.proc.poll() is None and w2.proc.poll() is None, "a worker stopped during the outage"
+        etcd.start()
+        # the dead worker's lease (extended when etcd restarted) runs out: it is dropped
+        await _until(lambda: cluster.workers_seen() == 2, 30, "the dead worker dropped")
+        before = cluster.routed()
+        await _until(
+            lambda: all(cluster.routed().get(w, 0) >= before.get(w, 0) + 5 for w in (lease1, lease2)), 30,
+            lambda: f"traffic on both workers after the outage: {cluster.routed()}",
+        )  # fmt: skip
+        # the live ones kept their leases (etcd extends them when it restarts)
+        for lease in (lease1, lease2):
+            assert int(json.loads(etcd.etcdctl("lease", "timetolive", f"{lease:x}", "-w", "json"))["ttl"]) > 0
+        # and discovery works: a new worker is found
+        _, lease4 = await asyncio.to_thread(cluster.worker)
+        await _until(lambda: cluster.routed().get(lease4, 0) >= 3, 30, "traffic on a worker started after the outage")
+        assert cluster.workers_seen() == 3
+
+    await load.run_while(scenario)
+    assert load.failures == []
+    assert w1.proc.poll() is None and w2.proc.poll() is None
+
+
+async def test_sigterm_while_etcd_is_down_drains_and_exits(cluster_factory, etcd):
+    cluster = cluster_factory(lease_ttl=LEASE_TTL)
+    w1, _ = cluster.worker()
+    cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 2, 20, "two workers")
+    load = Load(cluster.url, max_requests=2000)
+
+    async def scenario():
+        await _until(lambda: load.done >= 20, 60, "warm load")
+        etcd.kill()
+        w1.signal(signal.SIGTERM)  # it cannot unregister: it drains and exits all the same
+        await asyncio.to_thread(w1.proc.wait, 40)
+        done = load.done
+        await _until(lambda: load.done >= done + 20, 60, "load on the other worker")
+        etcd.start()
+
+    await load.run_while(scenario)
+    assert load.failures == []
+    assert w1.proc.returncode == 0, w1.log()
+
+
+async def test_revoked_lease_with_a_short_ttl_drains_and_exits(cluster_factory, etcd):
+    cluster = cluster_factory(lease_ttl=LEASE_TTL)
+    w1, lease1 = cluster.worker()
+    cluster.worker()
+    wait_healthy(cluster.url, proc=cluster.frontend.proc)
+    await _until(lambda: cluster.workers_seen() == 2, 20, "two workers")
+    load = Load(cluster.url, max_requests=2000)
+
+    async def scenario():
+        await _until(lambda: cluster.routed().get(lease1, 0) >= 5, 60, "traffic on worker 1")
+        etcd.etcdctl("lease", "revoke", f"{lease1:x}")
+        await asyncio.to_thread(w1.proc.wait, 40)
+        done = load.done
+        await _until(lambda: load.done >= done + 20, 60, "load after the revoke")
+
+    await load.run_while(scenario)
+    assert load.failures == []
+    assert w1.proc.returncode == 0
+    assert "revoked; shutting down gracefully" in w1.log()
 
 
 async def test_nats_request_plane_streams_and_cancels_across_processes(cluster_factory):

@@ -210,6 +210,7 @@ async def test_worker_going_away_mid_stream_is_disconnected(plane):
 async def test_serving_resumes_after_nats_server_restarts(plane, nats):
     nats.kill()
     plane.client.connect_timeout = 0.5
+    plane.client.plane_wait_s = 0.5  # past it, the plane's error goes to the caller
     with pytest.raises((CannotConnect, ConnectionTimeout)):
         await _collect(plane.client, "count", 1)
     nats.start()  # same port: both clients reconnect and the worker re-subscribes
@@ -221,6 +222,33 @@ async def test_serving_resumes_after_nats_server_restarts(plane, nats):
         except (CannotConnect, ConnectionTimeout):
             assert time.monotonic() < deadline, "serving did not resume"
             await asyncio.sleep(0.1)
+
+
+async def test_request_sent_while_nats_is_down_waits_for_it_and_completes(plane, nats):
+    plane.client.connect_timeout = 0.5
+    plane.client.response_timeout = 20  # it bounds the wait for the plane too
+    nats.kill()
+    await _eventually(lambda: not plane.nc.is_connected, 5)
+    pending = asyncio.ensure_future(_collect(plane.client, "count", 200))
+    await asyncio.sleep(1.5)  # several sends time out meanwhile
+    assert not pending.done()
+    nats.start()
+    # sent again under new stream ids: answers to the earlier sends are killed, so the
+    # caller sees one stream, not several interleaved
+    assert await asyncio.wait_for(pending, 15) == list(range(200))
+
+
+async def test_request_while_nats_stays_down_fails_after_plane_wait(plane, nats):
+    plane.client.connect_timeout = 0.3
+    plane.client.plane_wait_s = 1.0
+    nats.kill()
+    await _eventually(lambda: not plane.nc.is_connected, 5)
+    started = time.monotonic()
+    with pytest.raises((CannotConnect, ConnectionTimeout)):
+        await _collect(plane.client, "count", 1)
+    assert time.monotonic() - started >= 1.0
+    nats.start()  # for the fixture's clean close
+    await _eventually(lambda: plane.nc.is_connected, 10)
 
 
 async def test_malformed_request_is_a_typed_error_and_the_server_keeps_serving(plane):
@@ -368,3 +396,35 @@ async def test_cancellation_crosses_processes(nats, tmp_path):
             proc.wait(5)
         await home.close()
         await nc.close()
+
+
+async def test_a_late_answer_to_an_earlier_send_is_killed_not_merged():
+    """A request sent again after a plane outage gets a new stream id: if the worker
+    that got the first send calls home after all, that stream is killed and none of
+    its items reach the caller."""
+    from kvmesh.runtime.frames import KILL, Ack, Ctl, End, FrameReader, FrameWriter, Out
+    from kvmesh.runtime.tcp_client import _END, _Mailbox
+
+    home = CallHomeServer()
+    await home.start()
+    try:
+        stream = home._open(_Mailbox(dec, None))
+        first = stream.sid
+        home._rekey(stream)  # what NatsRequestClient does before sending again
+        assert stream.sid != first and home.streams == {stream.sid: stream}
+        reader, writer = await asyncio.open_connection("127.0.0.1", home.port)
+        frames = FrameWriter()
+        for frame in (Ack(first), Out(first, msgspec.Raw(enc("late"))), End(first)):
+            frames.add(frame)
+        for frame in (Ack(stream.sid), Out(stream.sid, msgspec.Raw(enc("answer"))), End(stream.sid)):
+            frames.add(frame)
+        writer.write(frames.take())
+        got = []
+        while (item := await asyncio.wait_for(stream.box.next(), 5)) is not _END:
+            got.append(item)
+        assert got == ["answer"]
+        kill = FrameReader().feed(await asyncio.wait_for(reader.read(4096), 5))
+        assert kill == [Ctl(first, KILL)]
+        writer.close()
+    finally:
+        await home.close()

@@ -115,6 +115,10 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-plane", default=_env("request_plane", d.request_plane), help=f"KVMESH_REQUEST_PLANE: {'|'.join(REQUEST_PLANES)}")
     g.add_argument("--event-plane", default=_env("event_plane", d.event_plane), help=f"KVMESH_EVENT_PLANE: {'|'.join(EVENT_PLANES)}")
     g.add_argument("--host", default=_env("host", d.host), help="KVMESH_HOST: address to bind and advertise")
+    g.add_argument(
+        "--lease-ttl", type=float, default=_env("lease_ttl_s", str(d.lease_ttl_s)),  # argparse applies type
+        help="KVMESH_LEASE_TTL: seconds a dead process stays in discovery (etcd grants at least its minimum, 2 s by default)",
+    )  # fmt: skip
 
 
 def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
@@ -127,6 +131,7 @@ def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
         request_plane=ns.request_plane,
         event_plane=ns.event_plane,
         host=ns.host,
+        lease_ttl_s=ns.lease_ttl,
     )
 
 

@@ -106,13 +106,23 @@ class PrefillWorker:
             self.busy = True
             try:
                 await self.serve(delivery.job)
+            except Exception:  # noqa: BLE001 - one job must not end the loop
+                self.stats.prefill_jobs_failed += 1
+                log.exception("prefill job %s failed", delivery.job.job_id)
             finally:
                 self.busy = False
                 await _quietly(delivery.ack())
 
     async def serve(self, job: PrefillJob) -> bool:
         """Run one job; True when its KV reached the decode worker."""
-        peer = await self.metadata.get(job.worker_id)
+        try:
+            peer = await self.metadata.get(job.worker_id)
+        except KvmeshError as exc:
+            # discovery out of reach (an etcd outage): give the job up; the decode
+            # worker prefills locally when its remote-prefill timeout passes
+            self.stats.prefill_jobs_failed += 1
+            log.warning("prefill job %s: decode worker %x's KV endpoint unknown: %s", job.job_id, job.worker_id, exc.message)
+            return False
         if peer is None:  # the decode worker is gone: nothing to fill
             self.stats.prefill_jobs_failed += 1
             log.info("prefill job %s: decode worker %x not found", job.job_id, job.worker_id)

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import CannotConnect, InvalidArgument
 from kvmesh.protocol import DisaggThresholds, KvEndpoint, PrefillJob, QueueStatus
 from kvmesh.runtime.context import Context
 
@@ -154,6 +154,16 @@ class JetStreamPrefillQueue(PrefillQueue):
         return QueueStatus(max(0, pending))
 
     async def pull(self, timeout_s: float) -> Delivery | None:
+        """The next job, or None; :class:`CannotConnect` while NATS is out of reach
+        (the puller retries: a job taken but not acknowledged is delivered again)."""
+        import nats.errors
+
+        try:
+            return await self._pull(timeout_s)
+        except nats.errors.Error as exc:
+            raise CannotConnect(f"prefill queue unreachable: {exc or type(exc).__name__}") from None
+
+    async def _pull(self, timeout_s: float) -> Delivery | None:
         if self._sub is None:
             from nats.js.api import AckPolicy, ConsumerConfig
 

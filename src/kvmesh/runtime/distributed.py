@@ -3,9 +3,17 @@
 
 One runtime per process holds one primary lease; every key the process registers is
 bound to it, so when the lease goes (revoked with ``etcdctl``, expired, or revoked at
-shutdown) the process's instances leave discovery together. ``runtime.lease_lost``
-fires when that happens against the process's will; workers then shut down
-gracefully.
+shutdown) the process's instances leave discovery together.
+
+Losing contact with discovery is not losing the lease. While etcd is unreachable the
+process keeps serving and its keep-alives keep trying. If, once etcd answers again,
+the lease turns out to have expired meanwhile (the process was cut off for longer
+than the TTL), the runtime takes a new lease and puts its keys again, under the same
+names and with the same records: the process keeps its identity (``lease_id``, the
+id of its *first* lease, which names its keys, NATS subjects and KV events), so
+watchers see the instance come back, never a second one. Only a revoke (a lease
+found gone although a keep-alive succeeded less than a TTL before) is the deliberate
+stop signal: ``runtime.lease_lost`` fires and workers shut down gracefully.
 
 Lifecycle::
 
@@ -35,6 +43,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvmesh.config import RuntimeConfig
+from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.discovery.base import Discovery, Lease
@@ -56,6 +65,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvmesh.runtime")
+
+REVOKE_TIMEOUT_S = 3.0  # how long shutdown tries to revoke the lease
 
 _decode_info = msgspec.json.Decoder(InstanceInfo).decode
 _encode = msgspec.json.encode
@@ -101,7 +112,12 @@ class DistributedRuntime:
     def __init__(self, config: RuntimeConfig, discovery: Discovery | None = None) -> None:
         self.config = config
         self._discovery = discovery
-        self.lease: Lease | None = None
+        self.lease: Lease | None = None  # the current lease (replaced if it expires)
+        self._id: int | None = None  # the first lease's id: this process's identity
+        self._leased: dict[str, bytes] = {}  # keys bound to the lease, put again on a new one
+        self._revoked = asyncio.Event()
+        self._holder: asyncio.Task[None] | None = None
+        self.renewals = 0  # leases taken after one expired out of contact
         self.nats: Any = None
         self._servers: dict[str, RequestServer] = {}
         self._callhome: Any = None
@@ -119,6 +135,8 @@ class DistributedRuntime:
             )
         await self._discovery.connect()
         self.lease = await self._discovery.grant_lease(self.config.lease_ttl_s)
+        self._id = self.lease.id
+        self._holder = asyncio.get_running_loop().create_task(self._hold_lease(), name="runtime-lease")
         if self.config.needs_nats:
             from kvmesh.runtime.nats_plane import connect_nats
 
@@ -132,14 +150,66 @@ class DistributedRuntime:
 
     @property
     def lease_id(self) -> int:
-        if self.lease is None:
+        """This process's identity: the id of its first lease (kept if that lease is
+        replaced after an outage)."""
+        if self._id is None:
             raise RuntimeError("DistributedRuntime.start() was not awaited")
-        return self.lease.id
+        return self._id
 
     @property
     def lease_lost(self) -> asyncio.Event:
+        """Set when the lease was revoked (the deliberate stop signal); never merely
+        because discovery could not be reached."""
+        return self._revoked
+
+    async def put_leased(self, key: str, value: bytes) -> None:
+        """Put ``key`` bound to the lease; it is put again if the lease is replaced."""
         assert self.lease is not None
-        return self.lease.lost
+        self._leased[key] = value
+        await self.discovery.put(key, value, self.lease.id)
+
+    async def delete_leased(self, key: str) -> None:
+        self._leased.pop(key, None)
+        await self.discovery.delete(key)
+
+    async def _hold_lease(self) -> None:
+        """Replace a lease that expired while out of contact; report a revoked one."""
+        while True:
+            lease = self.lease
+            assert lease is not None
+            await lease.lost.wait()
+            if self._closed:
+                return
+            if not lease.expired:
+                log.warning("lease %x revoked", lease.id)
+                self._revoked.set()
+                return
+            await self._renew(lease)
+
+    async def _renew(self, old: Lease) -> None:
+        """A new lease (retrying until discovery grants one), and every key put again."""
+        lease: Lease | None = None
+        delay = 0.1
+        while not self._closed:
+            try:
+                if lease is None or lease.lost.is_set():
+                    lease = await self.discovery.grant_lease(self.config.lease_ttl_s)
+                for key, value in list(self._leased.items()):
+                    await self.discovery.put(key, value, lease.id)
+            except KvmeshError as exc:
+                if isinstance(exc, InvalidArgument):  # "lease not found": it went already; take another
+                    lease = None
+                log.warning("cannot re-register yet: %s", exc.message)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            self.lease = lease
+            self.renewals += 1
+            log.warning(
+                "lease %x expired while out of contact; %d keys of instance %x re-registered under lease %x",
+                old.id, len(self._leased), self.lease_id, lease.id,
+            )  # fmt: skip
+            return
 
     def add_closer(self, close: Callable[[], Awaitable[None]]) -> None:
         """Something to close at shutdown, before the planes (e.g. an event plane)."""
@@ -153,9 +223,13 @@ class DistributedRuntime:
         if self._closed:
             return
         self._closed = True
+        if self._holder is not None:
+            self._holder.cancel()
+            await asyncio.gather(self._holder, return_exceptions=True)
         if self.lease is not None and not self.lease.lost.is_set():
             try:
-                await self.lease.revoke()
+                # bounded: discovery may be out of reach (then the lease expires)
+                await asyncio.wait_for(self.lease.revoke(), REVOKE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the lease will expire on its own
                 log.warning("could not revoke lease %x; it will expire", self.lease.id)
         for server in self._servers.values():
@@ -267,12 +341,12 @@ class Endpoint:
     async def register(self, info: InstanceInfo) -> None:
         rt = self.runtime
         self._key = instance_key(self.component.namespace.name, self.component.name, self.name, rt.lease_id)
-        await rt.discovery.put(self._key, _encode(info), rt.lease_id)
+        await rt.put_leased(self._key, _encode(info))
 
     async def unregister(self) -> None:
         if self._key is not None:
             key, self._key = self._key, None
-            await self.runtime.discovery.delete(key)
+            await self.runtime.delete_leased(key)
 
     def client(
         self,

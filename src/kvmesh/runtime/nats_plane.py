@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -73,6 +73,7 @@ from kvmesh.runtime.frames import (
 
 # NOTE: the call-home stream reuses the TCP plane's worker-side connection protocol and
 # caller-side mailbox rather than duplicating them (see the module docstring).
+from kvmesh.runtime.sockets import tune_stream_socket
 from kvmesh.runtime.tcp_client import _END, _Mailbox
 from kvmesh.runtime.tcp_server import Handler, _Conn
 
@@ -85,11 +86,17 @@ __all__ = [
     "connect_nats",
     "sync_with_server",
     "request_subject",
+    "plane_settling",
+    "PLANE_WAIT_S",
 ]
 
 log = logging.getLogger(__name__)
 
 _BAD_TOKEN_CHARS = frozenset(" \t\r\n.*>")
+
+# How long a request waits for the NATS plane to come back before its error goes to
+# the caller (NatsRequestClient); override per client with ``plane_wait_s``.
+PLANE_WAIT_S = 15.0
 
 
 class NatsRequest(msgspec.Struct, array_like=True):
@@ -153,6 +160,8 @@ async def connect_nats(
 
     async def on_reconnected() -> None:
         log.info("NATS: reconnected")
+        if client:
+            _reconnected_at[client[0]] = asyncio.get_running_loop().time()
 
     try:
         nc = await nats.connect(
@@ -174,6 +183,19 @@ async def connect_nats(
     nc.options["max_reconnect_attempts"] = -1
     client.append(nc)
     return nc
+
+
+# when each client last reconnected (loop time), for plane_settling()
+_reconnected_at: weakref.WeakKeyDictionary[NatsClient, float] = weakref.WeakKeyDictionary()
+
+
+def plane_settling(nc: NatsClient, within_s: float) -> bool:
+    """True while the NATS plane is down for ``nc`` (disconnected, reconnecting) or came
+    back less than ``within_s`` ago (other clients may not have re-subscribed yet)."""
+    if not nc.is_connected:
+        return True
+    since = _reconnected_at.get(nc)
+    return since is not None and asyncio.get_running_loop().time() - since < within_s
 
 
 async def sync_with_server(nc: NatsClient, timeout: float = 2.0) -> None:
@@ -441,9 +463,7 @@ class _HomeConn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._writer.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_stream_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         if peer:
             self.peer = f"{peer[0]}:{peer[1]}"
@@ -547,6 +567,15 @@ class CallHomeServer:
         self.streams[stream.sid] = stream
         return stream
 
+    def _rekey(self, stream: _Stream) -> None:
+        """Give an unanswered stream a new id before its request is sent again: a late
+        Ack for the old id finds no stream and is killed (see _bind), so a request
+        sent twice is served once."""
+        self.streams.pop(stream.sid, None)
+        fresh = self._open(stream.box)
+        stream.sid = fresh.sid
+        self.streams[stream.sid] = stream
+
     def _bind(self, sid: int, conn: _HomeConn) -> None:
         stream = self.streams.get(sid)
         if stream is None:
@@ -616,6 +645,15 @@ class NatsRequestClient:
     Same ``stream``/``close`` surface as :class:`~kvmesh.runtime.tcp_client.TcpClient`.
     ``connect_timeout`` bounds the NATS request/reply and the wait for the worker to
     call home; ``response_timeout`` (if set) the wait for the first response item.
+
+    A request whose NATS hop fails because the plane itself is down (this process is
+    disconnected from NATS, or reconnected less than ``plane_wait_s`` ago, when the
+    worker may not have re-subscribed yet) is not failed at once: it waits for the
+    plane and is sent again, under a new stream id, until ``plane_wait_s``
+    (:data:`PLANE_WAIT_S`, 15 s by default) after the first failure; then the error
+    goes to the caller (the frontend migrates the request). Only requests no worker
+    has called home for are sent again, and a late answer to an earlier send is
+    killed, so a request is never served twice.
     """
 
     def __init__(
@@ -627,10 +665,12 @@ class NatsRequestClient:
         lease_id: int,
         connect_timeout: float = 5.0,
         response_timeout: float | None = None,
+        plane_wait_s: float | None = None,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
         self.nc = nc
         self.callhome = callhome
+        self.plane_wait_s = PLANE_WAIT_S if plane_wait_s is None else plane_wait_s
         self.namespace = namespace
         self.component = component
         self.lease_id = lease_id
@@ -696,6 +736,35 @@ class NatsRequestClient:
             stream.ack_timer = loop.call_later(self.connect_timeout, self._no_call_home, stream, subject)
 
     async def _request(self, subject: str, stream: _Stream, payload: bytes) -> None:
+        """The NATS hop, sent again while the plane itself is down or settling (see the
+        class docstring); any other failure, or one past ``plane_wait_s``, is raised."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        delay = 0.05
+        while True:
+            try:
+                await self._request_once(subject, stream, payload)
+                return
+            except (CannotConnect, ConnectionTimeout) as exc:
+                if not plane_settling(self.nc, self.plane_wait_s):
+                    raise
+                deadline = deadline or loop.time() + self.plane_wait_s
+                if loop.time() >= deadline or stream.conn is not None or stream.box.ended:
+                    raise
+                log.info("NATS plane down or settling (%s); sending %s again", exc.message, subject)
+            await self._plane_back(deadline)
+            await asyncio.sleep(delay)  # let the worker's subscription come back too
+            delay = min(delay * 2, 0.5)
+            if stream.conn is not None or stream.box.ended:
+                return  # answered after all (a late reply), or abandoned meanwhile
+            self.callhome._rekey(stream)
+
+    async def _plane_back(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.nc.is_connected and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def _request_once(self, subject: str, stream: _Stream, payload: bytes) -> None:
         data = self._encode(NatsRequest(stream.sid, self.callhome.address, msgspec.Raw(payload)))
         try:
             msg = await self.nc.request(subject, data, timeout=self.connect_timeout)

@@ -15,7 +15,6 @@ worker's own typed errors unchanged.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,6 +24,7 @@ import msgspec
 from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, InvalidArgument, ResponseTimeout, from_wire
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
+from kvmesh.runtime.sockets import tune_stream_socket
 
 __all__ = ["TcpClient"]
 
@@ -98,9 +98,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._writer.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_stream_socket(transport.get_extra_info("socket"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

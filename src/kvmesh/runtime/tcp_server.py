@@ -25,6 +25,7 @@ import msgspec
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, OutItem, Req
+from kvmesh.runtime.sockets import tune_stream_socket
 
 __all__ = ["Handler", "TcpServer"]
 
@@ -46,9 +47,7 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._writer.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_stream_socket(transport.get_extra_info("socket"))
         self._server._conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

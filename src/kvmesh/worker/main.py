@@ -18,8 +18,9 @@ import msgspec
 
 from kvmesh.config import RuntimeConfig, WorkerConfig
 from kvmesh.engines.base import Engine
+from kvmesh.errors import KvmeshError
 from kvmesh.protocol import InstanceInfo
-from kvmesh.runtime.distributed import DistributedRuntime
+from kvmesh.runtime.distributed import DistributedRuntime, Endpoint
 from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.events import CallbackPublisher, EventPublisher, NullPublisher
 from kvmesh.runtime.tcp_server import TcpServer
@@ -35,6 +36,7 @@ log = logging.getLogger("kvmesh.worker")
 
 READY_PREFIX = "KVMESH_READY "
 UNREGISTER_GRACE_S = 0.5
+UNREGISTER_TIMEOUT_S = 2.0
 
 
 def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> tuple[Engine, str]:
@@ -94,7 +96,8 @@ def die_with_parent() -> None:
 
 
 async def serve(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, ready_out: TextIO = sys.stdout) -> None:
-    """Serve until SIGTERM/SIGINT (or, in distributed mode, until the lease is lost).
+    """Serve until SIGTERM/SIGINT (or, in distributed mode, until the lease is revoked;
+    an etcd outage, however long, is not a reason to stop).
 
     ``runtime_cfg`` None: static mode (fixed or free TCP port, no discovery; the
     embedded supervisor reads the READY line). Otherwise: join the distributed runtime
@@ -211,9 +214,9 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         lost.cancel()
         stopped.cancel()
         if runtime.lease_lost.is_set():
-            log.warning("worker lease %x lost; shutting down gracefully", runtime.lease_id)
+            log.warning("worker lease %x revoked; shutting down gracefully", runtime.lease_id)
         else:
-            await endpoint.unregister()
+            await _unregister(endpoint)
             # routers that have not seen the removal yet may still pick us: keep serving
             await asyncio.sleep(min(cfg.grace_s, UNREGISTER_GRACE_S))
         await _step_down(cfg, roles)
@@ -223,6 +226,15 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         if roles is not None:
             await _close_roles(roles)
         await runtime.shutdown()
+
+
+async def _unregister(endpoint: Endpoint) -> None:
+    """Leave discovery before draining; bounded, since etcd may be out of reach (the
+    record then goes with the lease, revoked or expiring, after the drain)."""
+    try:
+        await asyncio.wait_for(endpoint.unregister(), UNREGISTER_TIMEOUT_S)
+    except (KvmeshError, TimeoutError) as exc:
+        log.warning("could not unregister before draining (%s); the lease takes the record with it", exc)
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -11,9 +11,12 @@ Contract (every backend):
    stops keep-alives and watches but does not revoke leases: the owner revokes first
    when it wants its keys gone at once.
 2. ``await grant_lease(ttl_s)`` returns a :class:`Lease` kept alive in the background
-   until revoked or lost. ``lease.lost`` is set when the lease is gone for good
-   (revoked by anyone, expired because keep-alives failed for longer than its TTL);
-   a transient outage shorter than the TTL does not set it.
+   until revoked or lost. An unreachable backend is not a lost lease: keep-alives go
+   on, for as long as it takes. ``lease.lost`` is set once the backend, reachable
+   again, says the lease is gone; ``lease.expired`` then tells why: True when it may
+   have run out while the backend could not be reached (no keep-alive succeeded for a
+   whole TTL; the owner may take a new lease and put its keys again), False when it
+   cannot have expired, so someone revoked it (the deliberate stop signal).
 3. ``put(key, value, lease_id)`` binds the key to the lease: it disappears when the
    lease does. ``delete(key)`` removes it now. ``get_prefix(prefix)`` is a snapshot.
 4. ``watch_prefix(prefix)`` is an async iterator that first yields the current keys
@@ -51,6 +54,8 @@ class Lease(abc.ABC):
         self.id = lease_id
         self.ttl_s = ttl_s
         self.lost = asyncio.Event()
+        # set before ``lost``: True if the lease ran out while out of contact, False if revoked
+        self.expired = False
 
     @abc.abstractmethod
     async def revoke(self) -> None:

@@ -5,12 +5,15 @@
   unreachable moves on to the next one.
   One ``aetcd.Client`` (one gRPC channel) per endpoint lives from ``connect`` to
   ``close``; gRPC reconnects a channel by itself, with backoff capped at 1 s here.
-* A lease is kept alive by a task owned by the discovery, every TTL/3. A keep-alive
-  answered with TTL <= 0 or "lease not found" sets ``lost`` at once; unreachable etcd
-  is retried, and ``lost`` is set only once no keep-alive has succeeded for longer
-  than the TTL. (etcd itself extends every lease by its TTL when it restarts, so a
-  lease outlives an outage shorter than its TTL.) etcd grants at least its minimum
-  TTL (2 s with default settings); ``lease.ttl_s`` is the TTL etcd granted.
+* A lease is kept alive by a task owned by the discovery, every TTL/3. Unreachable
+  etcd is retried (every ``retry_max_s`` at most), however long the outage: losing
+  contact is not losing the lease. (etcd itself extends every lease by its TTL when
+  it restarts or elects a new leader, so a lease outlives an outage of etcd itself.)
+  A keep-alive answered with TTL <= 0 or "lease not found" sets ``lost``, with
+  ``expired`` True if no keep-alive had succeeded for a whole TTL before (it may have
+  run out while this process was cut off), False otherwise (it was revoked). etcd
+  grants at least its minimum TTL (2 s with default settings); ``lease.ttl_s`` is the
+  TTL etcd granted.
 * A watch reads a snapshot (noting its revision R), yields it as puts, then watches
   from R + 1. On any error it backs off and resumes from the last revision it yielded
   + 1; if that revision was compacted it re-reads the prefix and yields the
@@ -61,6 +64,7 @@ class EtcdLease(Lease):
     def __init__(self, owner: EtcdDiscovery, lease_id: int, ttl_s: float) -> None:
         super().__init__(lease_id, ttl_s)
         self._owner = owner
+        self.out_of_contact = False  # no keep-alive has succeeded for longer than the TTL
 
     async def revoke(self) -> None:
         await self._owner._revoke(self)
@@ -199,36 +203,59 @@ class EtcdDiscovery(Discovery):
             lease.lost.set()
 
     async def _keep_alive(self, lease: EtcdLease) -> None:
+        """Refresh every TTL/3 (every ``retry_max_s`` at most while etcd is unreachable),
+        for as long as it takes: an unreachable etcd never ends the lease here. Only
+        etcd's own answer that the lease is gone does; see :meth:`_gone`."""
         loop = asyncio.get_running_loop()
         interval = lease.ttl_s / 3
-        last_ok = loop.time()
+        last_ok = loop.time()  # when the last successful keep-alive was *sent*
         ttl: int | None = 1
         while True:
             await asyncio.sleep(interval if ttl is not None else min(interval, self._retry_max_s))
-            ttl = await self._refresh(lease.id)
-            if ttl is not None and ttl <= 0:
-                log.warning("etcd lease %x lost: revoked or expired", lease.id)
-                break
-            if ttl is not None:
-                last_ok = loop.time()
-            elif loop.time() - last_ok > lease.ttl_s:
-                log.warning("etcd lease %x lost: no keep-alive for %.1f s", lease.id, loop.time() - last_ok)
-                break
+            sent = loop.time()
+            ttl = await self._refresh(lease.id, interval)
+            if ttl is None:
+                if loop.time() - last_ok > lease.ttl_s and not lease.out_of_contact:
+                    lease.out_of_contact = True
+                    log.warning("etcd unreachable for longer than lease %x's TTL (%.0f s); still trying", lease.id, lease.ttl_s)
+                continue
+            if ttl > 0:
+                if lease.out_of_contact:
+                    log.warning("etcd reachable again; lease %x kept", lease.id)
+                last_ok, lease.out_of_contact = sent, False
+                continue
+            self._gone(lease, loop.time() - last_ok)
+            return
+
+    def _gone(self, lease: EtcdLease, since_ok: float) -> None:
+        # NOTE: etcd resets a lease's expiry to now + TTL on each keep-alive it handles,
+        # which is after we sent it; so if less than a TTL has passed since the last
+        # successful one was sent, the lease cannot have expired: it was revoked.
+        lease.expired = since_ok >= lease.ttl_s
+        how = "expired while etcd was out of reach" if lease.expired else "revoked"
+        log.warning("etcd lease %x %s (%.1f s since the last keep-alive)", lease.id, how, since_ok)
+        self._keepalives.pop(lease.id, None)
         lease.lost.set()
 
-    async def _refresh(self, lease_id: int) -> int | None:
-        """The TTL etcd answered (<= 0: the lease is gone), or None if unreachable."""
+    async def _refresh(self, lease_id: int, timeout: float) -> int | None:
+        """The TTL etcd answered (<= 0: the lease is gone), or None if unreachable.
+
+        NOTE: bounded by ``timeout`` (TTL/3), well under the request timeout: a member
+        that lost its leader holds a keep-alive until it times out, and etcd extends
+        leases by only about their TTL when a new leader takes over, so a keep-alive
+        must give up early and try again (on the next endpoint) to be in time."""
         client = self._client()
         try:
-            reply = await client.refresh_lease(lease_id)
-        except _UNREACHABLE as exc:
-            log.debug("etcd keep-alive for lease %x: %s", lease_id, exc)
+            reply = await asyncio.wait_for(client.refresh_lease(lease_id), timeout)
+        except (*_UNREACHABLE, TimeoutError) as exc:
+            log.debug("etcd keep-alive for lease %x: %r", lease_id, exc)
             self._failed(client)
             return None
         except aetcd.ClientError as exc:
             if _lease_not_found(exc):
                 return 0
             log.warning("etcd keep-alive for lease %x failed: %s", lease_id, exc)
+            self._failed(client)
             return None
         return None if reply is None else int(reply.TTL)
 

@@ -125,6 +125,7 @@ class FileDiscovery(Discovery):
                 last_ok = time.monotonic()
             elif outcome is _Touch.GONE or time.monotonic() - last_ok > lease.ttl_s:
                 log.warning("file lease %x lost (%s)", lease.id, outcome.value)
+                lease.expired = outcome is not _Touch.GONE
                 lease.lost.set()
                 with contextlib.suppress(OSError):  # readers collect them otherwise
                     self._drop_keys_of(lease.id)

@@ -49,13 +49,15 @@ class MemoryStore:
         lease = self._leases[lease_id] = MemoryLease(self, lease_id, ttl_s)
         return lease
 
-    def end_lease(self, lease_id: int) -> None:
-        """Revoke or expire: the lease's keys are deleted and ``lost`` is set. Idempotent."""
+    def end_lease(self, lease_id: int, expired: bool = False) -> None:
+        """Revoke or expire: the lease's keys are deleted and ``lost`` is set. Idempotent.
+        ``expired``: as if its owner had been cut off for longer than the TTL."""
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return
         for key in [k for k, (_, owner) in self._entries.items() if owner == lease_id]:
             self.delete(key)
+        lease.expired = expired
         lease.lost.set()
 
     def put(self, key: str, value: bytes, lease_id: int | None) -> None:
@@ -112,6 +114,11 @@ class MemoryDiscovery(Discovery):
     def expire(self, lease_id: int) -> None:
         """Simulate the lease's expiry: its keys vanish and ``lost`` is set."""
         self.store.end_lease(lease_id)
+
+    def cut_off(self, lease_id: int) -> None:
+        """Simulate the lease's owner out of contact for longer than its TTL: its keys
+        vanish and ``lost`` is set with ``expired`` (the owner may take a new lease)."""
+        self.store.end_lease(lease_id, expired=True)
 
     async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
         self.store.put(key, value, lease_id)

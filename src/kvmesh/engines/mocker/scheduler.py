@@ -59,6 +59,7 @@ from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["Scheduler", "StepOutput", "Finished"]
 
+_BATCH_EMA = 0.25  # weight of the latest pass in the load report's batch_tokens
 _PRIORITY_RANK = {"premium": 0, "standard": 1, "best_effort": 2, None: 1}
 
 
@@ -185,6 +186,7 @@ class Scheduler:
         self._reserved: dict[str, _Seq] = {}
         self._next_id = 0
         self._admissions = 0
+        self._batch_tokens = 0.0  # moving average of tokens per pass (load reports)
 
     # ------------------------------------------------------------------ queries
 
@@ -208,6 +210,7 @@ class Scheduler:
             num_waiting=len(self._waiting),
             num_running=len(self._running),
             timestamp_ms=timestamp_ms,
+            batch_tokens=round(self._batch_tokens, 1),
         )
 
     def kv_dump(self) -> set[int]:
@@ -388,6 +391,7 @@ class Scheduler:
         finished, self._rejected = self._rejected, []
         finished.extend(self._fail(seq) for seq in plan.failed)
         tokens = self._execute(plan, finished)
+        self._batch_tokens += _BATCH_EMA * (plan.prefill_tokens + plan.decode_seqs - self._batch_tokens)
         return StepOutput(
             tokens=tokens,
             finished=finished,

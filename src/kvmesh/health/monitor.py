@@ -47,6 +47,7 @@ from kvmesh.health.state import (
     HealthConfig,
     HealthStatus,
     HealthTracker,
+    LatencyContext,
     LoadSample,
     Transition,
     latency_ejection_allowed,
@@ -158,8 +159,10 @@ class HealthMonitor:
         self._loads.pop(worker_id, None)
         self.fleet.forget(worker_id)
         if tracker is not None:
-            tracker.record_process_death(time.monotonic())
+            transition = tracker.record_process_death(time.monotonic())
             self._publish(worker_id, tracker)
+            if transition is not None:
+                self._count(transition)
 
     # ------------------------------------------------------------------ routing view
     def weight(self, worker_id: int) -> float:
@@ -197,17 +200,45 @@ class HealthMonitor:
         task.add_done_callback(self._tasks.discard)
 
     async def _round(self, worker_ids: list[int]) -> None:
-        """Check ``worker_ids`` at the same moment; judge their speed together."""
+        """Check ``worker_ids`` at the same moment and judge their speed together. A
+        worker that looks slow is confirmed by a second round (it and its peers again)
+        before the spike counts: one slow sample is noise (a busy host, a GC pause)."""
         try:
-            samples = await asyncio.gather(*(self._check(w) for w in worker_ids), return_exceptions=True)
-            passed = [s for s in samples if isinstance(s, tuple)]
+            verdicts = await self._sample_round(worker_ids)
+            suspects = [w for w, (_, judged, _) in verdicts.items() if not judged.ok]
+            if suspects:
+                again = await self._sample_round(worker_ids)
+                for w in suspects:
+                    verdicts[w] = again.get(w, verdicts[w])
             now = time.monotonic()
-            for worker_id, result, load in passed:
-                self.fleet.record(worker_id, result.judged_s, load, now)
-            for worker_id, result, load in passed:
-                self._judge(worker_id, result, load, now)
+            for worker_id, (result, judged, context) in verdicts.items():
+                tracker = self.trackers.get(worker_id)
+                if tracker is None:
+                    continue
+                self._observe(worker_id, judged)
+                self._after(worker_id, tracker.record_check(result, now, context))
         finally:
             self._checking.difference_update(worker_ids)
+
+    async def _sample_round(self, worker_ids: list[int]) -> dict[int, tuple[CheckResult, CheckResult, LatencyContext]]:
+        """Canaries on every worker at once; for each that answered right, its result,
+        how its speed is judged, and the context it was judged in."""
+        samples = await asyncio.gather(*(self._check(w) for w in worker_ids), return_exceptions=True)
+        passed = [s for s in samples if isinstance(s, tuple)]
+        now = time.monotonic()
+        for worker_id, result, load in passed:
+            self.fleet.record(worker_id, result.judged_s, load, now)
+        verdicts = {}
+        for worker_id, result, load in passed:
+            tracker = self.trackers.get(worker_id)
+            if tracker is None:
+                continue
+            context = self.fleet.context(worker_id, load, tracker.baseline_s, now, may_eject=self._may_eject(worker_id))
+            judged = tracker.classify_latency(result, context)
+            if not judged.ok:
+                log.warning("worker %x: %s; %s (may eject: %s)", worker_id, judged.detail, load, context.may_eject)
+            verdicts[worker_id] = (result, judged, context)
+        return verdicts
 
     async def _check(self, worker_id: int) -> tuple[int, CheckResult, LoadSample | None] | None:
         """Every canary of the set on one worker; failures other than speed are recorded
@@ -239,17 +270,6 @@ class HealthMonitor:
             self._observe(instance.worker_id, result)
             self._after(instance.worker_id, tracker.record_check(result, time.monotonic()))
         return None
-
-    def _judge(self, worker_id: int, result: CheckResult, load: LoadSample | None, now: float) -> None:
-        tracker = self.trackers.get(worker_id)
-        if tracker is None:
-            return
-        context = self.fleet.context(worker_id, load, tracker.baseline_s, now, may_eject=self._may_eject(worker_id))
-        judged = tracker.classify_latency(result, context)
-        self._observe(worker_id, judged)
-        if not judged.ok:
-            log.info("worker %x: %s (may eject: %s)", worker_id, judged.detail, context.may_eject)
-        self._after(worker_id, tracker.record_check(result, now, context))
 
     def _may_eject(self, worker_id: int) -> bool:
         return latency_ejection_allowed(self.trackers.values(), worker_id, self.config)
@@ -321,6 +341,7 @@ class HealthMonitor:
             self._publish(worker_id, tracker)
         if transition is None:
             return
+        self._count(transition)
         log.warning("worker %x: %s -> %s (%s)", worker_id, transition.src.name, transition.dst.name, transition.reason)
         if tracker is not None and tracker.weight == 0.0:
             self._evict_streams(worker_id)
@@ -335,6 +356,15 @@ class HealthMonitor:
     def _observe(self, worker_id: int, result: CheckResult) -> None:
         if self.metrics is not None:
             self.metrics.check_duration.labels(f"{worker_id:x}", "canary", result.kind.value).observe(result.latency_s)
+            if result.ok or result.kind is CheckKind.LATENCY_SPIKE:
+                self.metrics.canary_wait.labels(f"{worker_id:x}").observe(result.wait_s)
+
+    def _count(self, transition: Transition) -> None:
+        """``kvmesh_health_transitions_total``: the cause is the reason's first word
+        after the colon (``latency_spike``, ``timeout``, ``failure``…)."""
+        if self.metrics is not None:
+            cause = transition.reason.rsplit(":", 1)[-1].strip().replace(" ", "_") or "event"
+            self.metrics.health_transitions.labels(f"{transition.worker_id:x}", transition.dst.name.lower(), cause).inc()
 
     def _publish(self, worker_id: int, tracker: HealthTracker | None = None) -> None:
         if self.metrics is None:

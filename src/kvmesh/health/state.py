@@ -145,7 +145,7 @@ class HealthConfig:
       vLLM timing model; generous on purpose: peers are the sharper reference).
     * ``peer_window_s`` (``None``: 2 × ``check_interval_s``, at least 1 s): how recent a
       peer's sample must be to count as "the same moment".
-    * ``latency_spike_min_s`` (0.002): a spike must also exceed the expectation by this
+    * ``latency_spike_min_s`` (0.010): a spike must also exceed the expectation by this
       much (timer noise on a busy host at sub-millisecond latencies is not a spike).
     """
 
@@ -163,7 +163,7 @@ class HealthConfig:
     load_tokens_unit: float = 256.0
     kv_load_weight: float = 5.0
     peer_window_s: float | None = None
-    latency_spike_min_s: float = 0.002
+    latency_spike_min_s: float = 0.010
 
     def __post_init__(self) -> None:
         for name in ("suspicious_after_failures", "recover_after_successes", "drain_after_failed_recoveries"):

@@ -169,6 +169,15 @@ class HealthMonitor:
         tracker = self.trackers.get(worker_id)
         return 1.0 if tracker is None else tracker.weight
 
+    def capacity(self, worker_id: int) -> float:
+        """The worker's share of its nominal capacity: routing weight × its speed
+        against its own baseline (graceful degradation's input: fleet-wide slowness
+        sheds load instead of evicting workers)."""
+        tracker = self.trackers.get(worker_id)
+        if tracker is None:
+            return 1.0
+        return tracker.weight * self.fleet.speed(worker_id, tracker.baseline_s, time.monotonic())
+
     def weights(self, ids: Sequence[int]) -> dict[int, float] | None:
         """Weights of ``ids``; None when all are 1 (the routers' fast path)."""
         out = {w: self.weight(w) for w in ids}

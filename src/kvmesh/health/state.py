@@ -572,6 +572,15 @@ class FleetLatency:
     def forget(self, worker_id: int) -> None:
         self._samples.pop(worker_id, None)
 
+    def speed(self, worker_id: int, baseline_s: float | None, now: float) -> float:
+        """How fast ``worker_id`` runs now against its own load-normalised baseline, in
+        (0, 1] (1: as fast as ever, or unknown). Fleet-wide slowness lowers every
+        worker's speed alike: graceful degradation reads it as lost capacity."""
+        sample = self._samples.get(worker_id)
+        if sample is None or baseline_s is None or baseline_s <= 0 or now - sample[1] > self.config.peer_window:
+            return 1.0
+        return min(1.0, max(0.05, baseline_s / sample[0])) if sample[0] > 0 else 1.0
+
     def peer_reference(self, worker_id: int, now: float) -> float | None:
         """Median of the other workers' fresh normalised latencies (``None``: none)."""
         window = self.config.peer_window

@@ -104,13 +104,19 @@ def test_saturated_fleet_with_uneven_load_flags_no_one() -> None:
     assert fleet.statuses() == [H] * 4
 
 
-def test_fleet_wide_slowness_evicts_no_one() -> None:
+def test_fleet_wide_slowness_evicts_no_one_and_shows_as_lost_capacity() -> None:
     fleet = Fleet(3)
     for _ in range(3):
         fleet.round({w: IDLE for w in range(3)})
+    speeds = [fleet.fleet.speed(w, fleet.trackers[w].baseline_s, fleet.now) for w in range(3)]
+    assert speeds == [pytest.approx(1.0)] * 3
     for _ in range(10):
         fleet.round({w: IDLE for w in range(3)}, fleet_factor=10.0)  # e.g. every GPU throttled
     assert fleet.statuses() == [H] * 3
+    # graceful degradation sees a tenth of the capacity (the baseline creeps up slowly)
+    speeds = [fleet.fleet.speed(w, fleet.trackers[w].baseline_s, fleet.now) for w in range(3)]
+    assert all(0.1 <= s < 0.7 for s in speeds), speeds
+    assert fleet.fleet.speed(0, fleet.trackers[0].baseline_s, fleet.now + 100.0) == 1.0  # stale: unknown
 
 
 @pytest.mark.parametrize("n", [3, 4])

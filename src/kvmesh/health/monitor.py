@@ -21,10 +21,11 @@ worker due at once, so peers are compared at the same moment. A canary asks for
 tiers); its time to first token (queueing + its own prefill) is measured apart from
 its compute (first token to last), and only the compute is judged, against the
 worker's load (a load report fetched as the canary starts and as it ends) times its
-peers' load-normalised latency in the same round. Its timeout stretches with the
-worker's last known load (at most ``_MAX_TIMEOUT_SCALE`` ×). Latency alone removes at
-most ``max_latency_ejection_share`` of the live workers from routing; beyond that
-(and in a fleet of 2) a slow worker stays SUSPICIOUS. Hangs, errors and wrong tokens
+peers' load-normalised latency in the same round. Its timeout stretches only when the
+worker's last known load predicts a canary slower than ``--canary-timeout`` (at most
+``_MAX_TIMEOUT_SCALE`` ×). Latency alone removes at most
+``max_latency_ejection_share`` of the live workers from routing; beyond that (and in
+a fleet of 2) a slow worker stays SUSPICIOUS. Hangs, errors and wrong tokens
 are recorded as soon as they happen, with no such limit.
 """
 
@@ -209,16 +210,10 @@ class HealthMonitor:
         task.add_done_callback(self._tasks.discard)
 
     async def _round(self, worker_ids: list[int]) -> None:
-        """Check ``worker_ids`` at the same moment and judge their speed together. A
-        worker that looks slow is confirmed by a second round (it and its peers again)
-        before the spike counts: one slow sample is noise (a busy host, a GC pause)."""
+        """Check ``worker_ids`` at the same moment and judge their speed together (a
+        spike counts once ``latency_confirm_rounds`` consecutive rounds agree)."""
         try:
             verdicts = await self._sample_round(worker_ids)
-            suspects = [w for w, (_, judged, _) in verdicts.items() if not judged.ok]
-            if suspects:
-                again = await self._sample_round(worker_ids)
-                for w in suspects:
-                    verdicts[w] = again.get(w, verdicts[w])
             now = time.monotonic()
             for worker_id, (result, judged, context) in verdicts.items():
                 tracker = self.trackers.get(worker_id)
@@ -233,6 +228,9 @@ class HealthMonitor:
         """Canaries on every worker at once; for each that answered right, its result,
         how its speed is judged, and the context it was judged in."""
         samples = await asyncio.gather(*(self._check(w) for w in worker_ids), return_exceptions=True)
+        for worker_id, sample in zip(worker_ids, samples):
+            if isinstance(sample, Exception):  # a bug in the checker: log it, check again next round
+                log.error("canary check of worker %x failed", worker_id, exc_info=sample)
         passed = [s for s in samples if isinstance(s, tuple)]
         now = time.monotonic()
         for worker_id, result, load in passed:
@@ -284,9 +282,7 @@ class HealthMonitor:
         return latency_ejection_allowed(self.trackers.values(), worker_id, self.config)
 
     async def _probe(self, instance: Instance, canary: Canary) -> tuple[CheckResult, LoadSample | None]:
-        last = self._loads.get(instance.worker_id)
-        scale = 1.0 if last is None else min(_MAX_TIMEOUT_SCALE, last.multiplier(self.config))
-        timeout = self.timeout_s * scale
+        timeout = self._timeout(instance.worker_id)
         before = asyncio.get_running_loop().create_task(self._load(instance))
         start = time.monotonic()
         first: list[float] = []
@@ -311,11 +307,22 @@ class HealthMonitor:
             result = CheckResult(CheckKind.OK, end - start, compute_s=compute, wait_s=wait)
         return result, load
 
+    def _timeout(self, worker_id: int) -> float:
+        """``--canary-timeout``, or longer when the worker's last known load predicts a
+        canary slower than that: spike factor × its baseline × the load's multiplier
+        (at most ``_MAX_TIMEOUT_SCALE`` × the timeout)."""
+        tracker = self.trackers.get(worker_id)
+        last = self._loads.get(worker_id)
+        if tracker is None or last is None or tracker.baseline_s is None:
+            return self.timeout_s
+        predicted = self.config.latency_spike_factor * tracker.baseline_s * last.multiplier(self.config)
+        return min(self.timeout_s * _MAX_TIMEOUT_SCALE, max(self.timeout_s, predicted))
+
     async def _load(self, instance: Instance) -> LoadSample | None:
         try:
             report = await asyncio.wait_for(call(instance.client, LOAD, decode=_decode_load), self.timeout_s)
-        except (TimeoutError, KvmeshError):
-            return None
+        except (TimeoutError, KvmeshError, OSError):
+            return None  # the load only informs the judgement; the canary itself decides
         return load_sample(report)
 
     async def _generate(

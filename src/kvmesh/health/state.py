@@ -147,6 +147,9 @@ class HealthConfig:
       peer's sample must be to count as "the same moment".
     * ``latency_spike_min_s`` (0.010): a spike must also exceed the expectation by this
       much (timer noise on a busy host at sub-millisecond latencies is not a spike).
+    * ``latency_confirm_rounds`` (2): judged against load and peers, a spike counts as a
+      failure only once this many consecutive checks spiked (a worker busy with a
+      burst of CPU work for one round is not failing).
     """
 
     suspicious_after_failures: int = 1
@@ -164,6 +167,7 @@ class HealthConfig:
     kv_load_weight: float = 5.0
     peer_window_s: float | None = None
     latency_spike_min_s: float = 0.010
+    latency_confirm_rounds: int = 2
 
     def __post_init__(self) -> None:
         for name in ("suspicious_after_failures", "recover_after_successes", "drain_after_failed_recoveries"):
@@ -189,6 +193,8 @@ class HealthConfig:
             raise ValueError(f"kv_load_weight must be a finite number >= 0, got {self.kv_load_weight}")
         if self.peer_window_s is not None and not (math.isfinite(self.peer_window_s) and self.peer_window_s > 0):
             raise ValueError(f"peer_window_s must be a positive finite number, got {self.peer_window_s}")
+        if self.latency_confirm_rounds < 1:
+            raise ValueError(f"latency_confirm_rounds must be >= 1, got {self.latency_confirm_rounds}")
         if not (math.isfinite(self.latency_spike_min_s) and self.latency_spike_min_s >= 0):
             raise ValueError(f"latency_spike_min_s must be a finite number >= 0, got {self.latency_spike_min_s}")
 
@@ -386,7 +392,9 @@ class HealthTracker:
     ``weight`` is 0 whenever the breaker is not closed, whatever the status.
     """
 
-    __slots__ = ("worker_id", "config", "machine", "breaker", "baseline", "_last_check_at", "out_for_latency")
+    __slots__ = (
+        "worker_id", "config", "machine", "breaker", "baseline", "_last_check_at", "out_for_latency", "_spikes",
+    )  # fmt: skip
 
     def __init__(self, worker_id: int, config: HealthConfig | None = None) -> None:
         self.worker_id = worker_id
@@ -397,6 +405,7 @@ class HealthTracker:
         self._last_check_at: float | None = None
         # taken out of routing by a latency spike (counts against the fleet's budget)
         self.out_for_latency = False
+        self._spikes = 0  # consecutive spiking checks judged in context
 
     @property
     def status(self) -> HealthStatus:
@@ -434,6 +443,10 @@ class HealthTracker:
         scale = 1.0 if context is None else context.multiplier
         result = self.classify_latency(result, context)
         latency_fail = result.kind is CheckKind.LATENCY_SPIKE
+        if context is not None:
+            self._spikes = self._spikes + 1 if latency_fail else 0
+            if latency_fail and self._spikes < self.config.latency_confirm_rounds:
+                return None  # not confirmed yet: neither a pass nor a failure
         may_eject = context is None or context.may_eject or not latency_fail
         if result.ok:
             self.breaker.record_success(now)

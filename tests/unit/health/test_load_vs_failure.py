@@ -125,15 +125,27 @@ def test_a_truly_slow_worker_is_caught_relative_to_its_peers(n: int) -> None:
     busy = LoadSample(20, 0, 0.3, 300)
     for _ in range(3):
         fleet.round({w: busy for w in range(n)})
-    for _ in range(3):
+    for _ in range(4):  # one round to confirm, three failures
         fleet.round({w: busy for w in range(n)}, slow={0: 5.0})
     assert fleet.statuses() == [U] + [H] * (n - 1)
     assert fleet.trackers[0].weight == 0.0 and fleet.trackers[0].out_for_latency
 
 
-def test_a_worker_slow_from_the_start_is_caught_too() -> None:
+def test_one_slow_round_is_not_a_failure() -> None:
+    # a burst of CPU work on one worker for one round: unconfirmed, so nothing happens
     fleet = Fleet(3)
     for _ in range(3):
+        fleet.round({w: IDLE for w in range(3)})
+    for _ in range(5):
+        fleet.round({w: IDLE for w in range(3)}, slow={1: 10.0})
+        fleet.round({w: IDLE for w in range(3)})
+    assert fleet.statuses() == [H] * 3
+    assert fleet.trackers[1].machine.consecutive_failures == 0
+
+
+def test_a_worker_slow_from_the_start_is_caught_too() -> None:
+    fleet = Fleet(3)
+    for _ in range(4):
         fleet.round({w: IDLE for w in range(3)}, slow={2: 5.0})
     assert fleet.statuses() == [H, H, U]
 
@@ -156,7 +168,7 @@ def test_latency_removes_at_most_a_third_of_the_fleet() -> None:
     for _ in range(2):
         fleet.round({w: IDLE for w in range(6)})
     slow = {0: 8.0, 1: 8.0, 2: 8.0}
-    for _ in range(3):
+    for _ in range(4):
         fleet.round({w: IDLE for w in range(6)}, slow=slow)
     assert fleet.statuses() == [U, U, S, H, H, H]
     # a removed worker that recovers frees its share of the budget

@@ -249,7 +249,7 @@ class HealthMonitor:
 
     async def _check(self, worker_id: int) -> tuple[int, CheckResult, LoadSample | None] | None:
         """Every canary of the set on one worker; failures other than speed are recorded
-        at once. The last passing canary (its speed not judged yet) and the load."""
+        at once. The slowest passing canary (its speed not judged yet) and its load."""
         instance = self._instances.get(worker_id)
         if instance is None:
             return None

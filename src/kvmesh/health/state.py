@@ -34,7 +34,8 @@ a canary is judged on its *compute* part (first token to last: the time spent
 queueing for a batch slot is measured apart, as ``wait_s``) against what the
 worker's load predicts (:meth:`LoadSample.multiplier`) times its *peers'*
 load-normalised latency at the same moment (median of their fresh samples); with
-no fresh peer sample, against its own load-normalised baseline. Fleet-wide slowness
+no fresh peer sample, against its own load-normalised baseline; a spike counts only
+when ``latency_confirm_rounds`` (2) consecutive checks agree. Fleet-wide slowness
 moves the reference with it, so it evicts no one (degradation and shedding handle
 it). Latency alone never takes more than ``max_latency_ejection_share`` (a third,
 rounded down) of the fleet out of routing: beyond that a slow worker stays

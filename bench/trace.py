@@ -356,19 +356,26 @@ def table(rows: list[dict[str, object]]) -> str:
 
 
 def ratios(rows: list[dict[str, object]]) -> list[str]:
-    by = {r["arm"]: r for r in rows}
+    """Arm A ÷ arm B per metric, each arm's value the median over its rounds."""
+    by: dict[str, list[dict[str, object]]] = {}
+    for r in rows:
+        by.setdefault(str(r["arm"]), []).append(r)
+
+    def med(arm: str, key: str) -> float | None:
+        vals = [v for r in by[arm] if isinstance(v := r.get(key), float)]
+        return percentile(vals, 50)
+
     out = []
-    pairs = []
     for mode in ("kv", "round_robin"):
-        pairs.append((f"kvmesh {mode} health on", f"kvmesh {mode} health off"))
-        pairs.append((f"kvmesh {mode} health on", f"dynamo {mode}"))
-    for num, den in pairs:
-        if num in by and den in by:
+        for num, den in ((f"kvmesh {mode} health on", f"kvmesh {mode} health off"),
+                         (f"kvmesh {mode} health on", f"dynamo {mode}")):  # fmt: skip
+            if num not in by or den not in by:
+                continue
             parts = []
             for k in ("ttft_p50", "ttft_p90", "ttft_p99", "ttft_p50 <1k", "ttft_p90 <1k", "itl_p99"):
-                x, y = by[num].get(k), by[den].get(k)
-                parts.append(f"{k} {x / y:.2f}" if isinstance(x, float) and isinstance(y, float) and y > 0 else f"{k} -")
-            out.append(f"{num} / {den}: " + ", ".join(parts))
+                x, y = med(num, k), med(den, k)
+                parts.append(f"{k} {x / y:.2f}" if x is not None and y else f"{k} -")
+            out.append(f"{num} / {den} (medians over {len(by[num])} round(s)): " + ", ".join(parts))
     return out
 
 

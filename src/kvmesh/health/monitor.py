@@ -242,8 +242,10 @@ class HealthMonitor:
                 continue
             context = self.fleet.context(worker_id, load, tracker.baseline_s, now, may_eject=self._may_eject(worker_id))
             judged = tracker.classify_latency(result, context)
-            if not judged.ok:
-                log.warning("worker %x: %s; %s (may eject: %s)", worker_id, judged.detail, load, context.may_eject)
+            if not judged.ok:  # a warning once it confirms a streak, else a note
+                confirms = tracker.spike_streak + 1 >= self.config.latency_confirm_rounds
+                log.log(logging.WARNING if confirms else logging.INFO, "worker %x: %s; %s (may eject: %s)",
+                        worker_id, judged.detail, load, context.may_eject)  # fmt: skip
             verdicts[worker_id] = (result, judged, context)
         return verdicts
 

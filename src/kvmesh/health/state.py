@@ -419,6 +419,11 @@ class HealthTracker:
         return self.machine.weight
 
     @property
+    def spike_streak(self) -> int:
+        """Consecutive checks (judged in context) that spiked, not yet reset by a pass."""
+        return self._spikes
+
+    @property
     def baseline_s(self) -> float | None:
         """The EMA latency baseline (seconds), ``None`` before the first healthy check."""
         return self.baseline.value

@@ -128,7 +128,7 @@ class DynamoServer:
     """Mocker + frontend, each started in its own session; the frontend is metered."""
 
     def __init__(self, venv: Path, model_path: str, mode: str, speedup_ratio: float,
-                 log_dir: str) -> None:
+                 log_dir: str, mocker_extra: list[str] | None = None) -> None:
         self.venv = venv
         self.port = free_port()
         self.kv_dir = tempfile.mkdtemp(prefix="dyn-file-kv-", dir=log_dir)
@@ -145,6 +145,7 @@ class DynamoServer:
                   "--http-port", str(self.port), "--router-mode", mode]
         mk_cmd = [py, "-m", "dynamo.mocker", "--model-path", model_path,
                   "--model-name", MODEL_NAME, "--speedup-ratio", str(speedup_ratio)]
+        mk_cmd += mocker_extra or []  # e.g. bench/trace.py's fleet: --num-workers, --block-size ...
         self.frontend: LaunchedServer | None = None
         self.mocker: LaunchedServer | None = None
         self.mocker = launch_server(mk_cmd, self.port, os.path.join(log_dir, "dynamo-mocker.log"),

@@ -58,10 +58,13 @@ class MockerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     fault: str = ""  # fault injection, e.g. "hang", "slow:factor=4" (kvmesh.engines.mocker.faults)
+    eos_probability: float = 0.0  # natural EOS per generated token (0: always max_tokens)
 
     def __post_init__(self) -> None:
         for name in ("speedup", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             _positive(f"--{name.replace('_', '-')}", getattr(self, name))
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ValueError(f"--eos-probability must be within [0, 1], got {self.eos_probability}")
         if self.fault:
             from kvmesh.engines.mocker.faults import FaultSpec
 
@@ -77,7 +80,9 @@ class MockerConfig:
             "--num-blocks", str(self.num_blocks),
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-        ] + (["--fault", self.fault] if self.fault else [])  # fmt: skip
+        ] + (["--fault", self.fault] if self.fault else []) + (
+            ["--eos-probability", repr(self.eos_probability)] if self.eos_probability else []
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

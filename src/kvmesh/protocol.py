@@ -304,6 +304,9 @@ class LoadReport(msgspec.Struct, omit_defaults=True):
     num_waiting: int
     num_running: int
     timestamp_ms: float = 0.0
+    # tokens per forward pass lately (prefill + decode; a moving average; 0: not reported).
+    # Health checks read it to tell a loaded worker from a slow one.
+    batch_tokens: float = 0.0
 
 
 # ---------------------------------------------------------------------------- disaggregation

@@ -46,6 +46,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max running sequences per worker")
     m.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
     m.add_argument("--fault", default="", help="inject a fault: crash | hang | slow:factor=K | corrupt [,after_tokens=N,probability=P]")
+    m.add_argument("--eos-probability", type=float, default=d.eos_probability,
+                   help="chance of a natural end-of-sequence per generated token (default 0: every request gets max_tokens)")
     p.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
     d = WorkerConfig()
     g = p.add_argument_group("disaggregated prefill/decode")
@@ -187,6 +189,7 @@ def _mocker_config(ns: argparse.Namespace) -> MockerConfig:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         fault=ns.fault,
+        eos_probability=ns.eos_probability,
     )
 
 

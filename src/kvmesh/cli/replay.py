@@ -47,6 +47,8 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences per worker (default 256)")
     m.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step (default 8192)")
     m.add_argument("--speedup", type=float, default=1.0, help="divide modelled step times by this")
+    m.add_argument("--eos-probability", type=float, default=0.0,
+                   help="chance of a natural end-of-sequence per generated token (default 0: each request's output_length)")
     r = p.add_argument_group("KV router")
     r.add_argument("--overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the cost (default 1)")
     r.add_argument("--router-temperature", type=float, default=0.0, help="0: lowest cost wins; > 0: softmax sampling")
@@ -72,6 +74,7 @@ def _config(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         speedup=ns.speedup,
+        eos_rate=ns.eos_probability,
     )
     policies = tuple(p.strip() for p in ns.policy.split(",") if p.strip())
     return ReplayConfig(

@@ -30,7 +30,7 @@ from kvmesh.errors import (
     http_status,
 )
 from kvmesh.frontend.models import ModelRegistry
-from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess
+from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess_async
 from kvmesh.frontend.schemas import parse
 from kvmesh.frontend.server import HttpApp, Request, Response
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
@@ -197,7 +197,7 @@ class Frontend:
             entry = self.registry.get(req.model)
             self._admit(request, req.priority)
             explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
-            preq = preprocess(entry, req, new_request_id(), explain)
+            preq = await preprocess_async(entry, req, new_request_id(), explain)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
             return error_response(exc)
         metrics = entry.metrics

@@ -40,7 +40,7 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import GENERATE
 
-__all__ = ["new_request_id", "preprocess", "Generation", "merge_chunks", "explain_route"]
+__all__ = ["new_request_id", "preprocess", "preprocess_async", "Generation", "merge_chunks", "explain_route"]
 
 log = logging.getLogger("kvmesh.frontend")
 
@@ -93,11 +93,34 @@ def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionReq
     return pre.text_prompt(req.single_prompt())
 
 
-def preprocess(
+async def _prompt_tokens_async(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    """:func:`_prompt_tokens` with a large prompt built in the preprocessing pool."""
+    pre = entry.preprocessor
+    if isinstance(req, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
+        return await pre.chat_prompt_async(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+    return await pre.text_prompt_async(req.single_prompt())
+
+
+async def preprocess_async(
     entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, request_id: str, explain: bool = False
 ) -> PreprocessedRequest:
-    """Validate against the model and build the engine request."""
-    tokens = _prompt_tokens(entry, req)
+    """:func:`preprocess` with the prompt templated and tokenized off the event loop
+    when it is large, so other streams never wait behind it."""
+    return preprocess(entry, req, request_id, explain, await _prompt_tokens_async(entry, req))
+
+
+def preprocess(
+    entry: ModelEntry,
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    explain: bool = False,
+    tokens: list[int] | None = None,
+) -> PreprocessedRequest:
+    """Validate against the model and build the engine request (``tokens``: the
+    prompt's ids when already built)."""
+    tokens = _prompt_tokens(entry, req) if tokens is None else tokens
     context = entry.context_length
     n = len(tokens)
     if n >= context:

@@ -12,7 +12,9 @@ every worker at the check interval with temperature 0. A reply passes when, in o
    ``logit_out_of_range``): subtle corruption flattens the distribution while the
    argmax, and so the token, is still right;
 4. the latency is at most ``spike_factor`` (3) × the worker's EMA baseline (else
-   ``latency_spike``): thermal throttling, a failing link.
+   ``latency_spike``): thermal throttling, a failing link. The frontend's monitor
+   passes no baseline here: it judges speed against the worker's load and its peers
+   (:class:`~kvmesh.health.state.FleetLatency`), not against an idle baseline alone.
 
 :func:`evaluate` is pure; :func:`load_canaries` / :func:`save_canaries` are the only
 functions here that touch the file system.

@@ -14,6 +14,19 @@ baseline), whose routing weights every router mode honours.
 * A worker that becomes UNHEALTHY (or whose breaker opens) gets weight 0, and its
   connection is closed so the streams it is holding migrate to other workers; canaries
   keep probing it, and a passing half-open trial brings it back.
+
+Load versus failure (see :mod:`kvmesh.health.state`): checks run in *rounds*, every
+worker due at once, so peers are compared at the same moment. A canary asks for
+``premium`` priority (it does not queue behind real traffic on engines that honour
+tiers); its time to first token (queueing + its own prefill) is measured apart from
+its compute (first token to last), and only the compute is judged, against the
+worker's load (a load report fetched as the canary starts and as it ends) times its
+peers' load-normalised latency in the same round. Its timeout stretches only when the
+worker's last known load predicts a canary slower than ``--canary-timeout`` (at most
+``_MAX_TIMEOUT_SCALE`` ×). Latency alone removes at most
+``max_latency_ejection_share`` of the live workers from routing; beyond that (and in
+a fleet of 2) a slow worker stays SUSPICIOUS. Hangs, errors and wrong tokens
+are recorded as soon as they happen, with no such limit.
 """
 
 from __future__ import annotations
@@ -28,11 +41,31 @@ import msgspec
 
 from kvmesh.errors import KvmeshError
 from kvmesh.health.canary import Canary, CanaryOutput, CanarySet, evaluate, load_canaries, record_canaries
-from kvmesh.health.state import CheckKind, CheckResult, HealthConfig, HealthStatus, HealthTracker, Transition
-from kvmesh.protocol import OutputChunk, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
+from kvmesh.health.state import (
+    CheckKind,
+    CheckResult,
+    FleetLatency,
+    HealthConfig,
+    HealthStatus,
+    HealthTracker,
+    LatencyContext,
+    LoadSample,
+    Transition,
+    latency_ejection_allowed,
+)
+from kvmesh.protocol import (
+    LoadReport,
+    OutputChunk,
+    OutputOptions,
+    PreprocessedRequest,
+    RoutingHints,
+    SamplingOptions,
+    StopConditions,
+)
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.distributed import call
 from kvmesh.runtime.instances import Instance
-from kvmesh.runtime.names import GENERATE
+from kvmesh.runtime.names import GENERATE, LOAD
 
 __all__ = ["HealthMonitor", "DEFAULT_CANARY_PROMPTS", "generate_greedy"]
 
@@ -40,13 +73,19 @@ log = logging.getLogger("kvmesh.health")
 
 DEFAULT_CANARY_PROMPTS = ("The capital of France is", "def fibonacci(n):")
 _CANARY_TOKENS = 8
+_MAX_TIMEOUT_SCALE = 20.0  # a canary's timeout grows with the worker's load, up to this
 _encode = msgspec.msgpack.encode
 _decode_chunk = msgspec.msgpack.Decoder(OutputChunk).decode
+_decode_load = msgspec.msgpack.Decoder(LoadReport).decode
 
 
-async def generate_greedy(client: Any, model: str, prompt: list[int], n: int) -> tuple[list[int], list[float] | None]:
+async def generate_greedy(
+    client: Any, model: str, prompt: list[int], n: int, timing: list[float] | None = None
+) -> tuple[list[int], list[float] | None]:
     """``n`` greedy tokens for ``prompt`` straight from one worker (no router), with the
-    top log-probability of each token when the engine reports it."""
+    top log-probability of each token when the engine reports it. The request asks for
+    ``premium`` priority. ``timing``, when given, receives the monotonic time at which
+    the first token arrived."""
     request = PreprocessedRequest(
         request_id=f"canary-{time.monotonic_ns()}",
         model=model,
@@ -54,14 +93,25 @@ async def generate_greedy(client: Any, model: str, prompt: list[int], n: int) ->
         sampling=SamplingOptions(temperature=0.0),
         stop=StopConditions(max_tokens=n, ignore_eos=True),
         output=OutputOptions(logprobs=1),
+        routing=RoutingHints(priority="premium"),
     )
     tokens: list[int] = []
     top: list[float] = []
     async for chunk in client.stream(GENERATE, _encode(request), Context(request.request_id), decode=_decode_chunk):
+        if timing is not None and not tokens and chunk.token_ids:
+            timing.append(time.monotonic())
         tokens.extend(chunk.token_ids)
         if chunk.logprobs:
             top.extend(lp.logprob for lp in chunk.logprobs)
     return tokens, (top or None)
+
+
+def load_sample(report: LoadReport | None) -> LoadSample | None:
+    """A worker's load report as the health state's :class:`LoadSample`."""
+    if report is None:
+        return None
+    kv = report.active_blocks / report.total_blocks if report.total_blocks > 0 else 0.0
+    return LoadSample(report.num_running, report.num_waiting, kv, report.batch_tokens)
 
 
 class HealthMonitor:
@@ -83,6 +133,8 @@ class HealthMonitor:
         for path in canary_files:
             canary_set = load_canaries(path)
             self._canaries[canary_set.model] = canary_set
+        self.fleet = FleetLatency(config)
+        self._loads: dict[int, LoadSample] = {}  # each worker's last known load
         self._checking: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -105,14 +157,27 @@ class HealthMonitor:
     def detached(self, worker_id: int) -> None:
         tracker = self.trackers.pop(worker_id, None)
         self._instances.pop(worker_id, None)
+        self._loads.pop(worker_id, None)
+        self.fleet.forget(worker_id)
         if tracker is not None:
-            tracker.record_process_death(time.monotonic())
+            transition = tracker.record_process_death(time.monotonic())
             self._publish(worker_id, tracker)
+            if transition is not None:
+                self._count(transition)
 
     # ------------------------------------------------------------------ routing view
     def weight(self, worker_id: int) -> float:
         tracker = self.trackers.get(worker_id)
         return 1.0 if tracker is None else tracker.weight
+
+    def capacity(self, worker_id: int) -> float:
+        """The worker's share of its nominal capacity: routing weight × its speed
+        against its own baseline (graceful degradation's input: fleet-wide slowness
+        sheds load instead of evicting workers)."""
+        tracker = self.trackers.get(worker_id)
+        if tracker is None:
+            return 1.0
+        return tracker.weight * self.fleet.speed(worker_id, tracker.baseline_s, time.monotonic())
 
     def weights(self, ids: Sequence[int]) -> dict[int, float] | None:
         """Weights of ``ids``; None when all are 1 (the routers' fast path)."""
@@ -129,10 +194,14 @@ class HealthMonitor:
         tick = max(0.05, min(1.0, self.config.check_interval_s / 4))
         while True:
             now = time.monotonic()
-            for worker_id, tracker in list(self.trackers.items()):
-                if worker_id not in self._checking and tracker.begin_check(now):
-                    self._checking.add(worker_id)
-                    self._spawn(self._check(worker_id))
+            due = [
+                worker_id
+                for worker_id, tracker in list(self.trackers.items())
+                if worker_id not in self._checking and tracker.begin_check(now)
+            ]
+            if due:
+                self._checking.update(due)
+                self._spawn(self._round(due))
             await asyncio.sleep(tick)
 
     def _spawn(self, coro: Any) -> None:
@@ -140,45 +209,128 @@ class HealthMonitor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _check(self, worker_id: int) -> None:
+    async def _round(self, worker_ids: list[int]) -> None:
+        """Check ``worker_ids`` at the same moment and judge their speed together (a
+        spike counts once ``latency_confirm_rounds`` consecutive rounds agree)."""
         try:
-            instance = self._instances.get(worker_id)
-            if instance is None:
-                return
-            canary_set = await self._canary_set(instance)
-            if canary_set is None:
-                return
-            for canary in canary_set.canaries:
-                if not await self._check_one(instance, canary):
-                    break
+            verdicts = await self._sample_round(worker_ids)
+            now = time.monotonic()
+            for worker_id, (result, judged, context) in verdicts.items():
+                tracker = self.trackers.get(worker_id)
+                if tracker is None:
+                    continue
+                self._observe(worker_id, judged)
+                self._after(worker_id, tracker.record_check(result, now, context))
         finally:
-            self._checking.discard(worker_id)
+            self._checking.difference_update(worker_ids)
 
-    async def _check_one(self, instance: Instance, canary: Canary) -> bool:
-        """One canary with retries; every attempt is a check result. True if it passed."""
+    async def _sample_round(self, worker_ids: list[int]) -> dict[int, tuple[CheckResult, CheckResult, LatencyContext]]:
+        """Canaries on every worker at once; for each that answered right, its result,
+        how its speed is judged, and the context it was judged in."""
+        samples = await asyncio.gather(*(self._check(w) for w in worker_ids), return_exceptions=True)
+        for worker_id, sample in zip(worker_ids, samples):
+            if isinstance(sample, Exception):  # a bug in the checker: log it, check again next round
+                log.error("canary check of worker %x failed", worker_id, exc_info=sample)
+        passed = [s for s in samples if isinstance(s, tuple)]
+        now = time.monotonic()
+        for worker_id, result, load in passed:
+            self.fleet.record(worker_id, result.judged_s, load, now)
+        verdicts = {}
+        for worker_id, result, load in passed:
+            tracker = self.trackers.get(worker_id)
+            if tracker is None:
+                continue
+            context = self.fleet.context(worker_id, load, tracker.baseline_s, now, may_eject=self._may_eject(worker_id))
+            judged = tracker.classify_latency(result, context)
+            if not judged.ok:  # a warning once it confirms a streak, else a note
+                confirms = tracker.spike_streak + 1 >= self.config.latency_confirm_rounds
+                log.log(logging.WARNING if confirms else logging.INFO, "worker %x: %s; %s (may eject: %s)",
+                        worker_id, judged.detail, load, context.may_eject)  # fmt: skip
+            verdicts[worker_id] = (result, judged, context)
+        return verdicts
+
+    async def _check(self, worker_id: int) -> tuple[int, CheckResult, LoadSample | None] | None:
+        """Every canary of the set on one worker; failures other than speed are recorded
+        at once. The slowest passing canary (its speed not judged yet) and its load."""
+        instance = self._instances.get(worker_id)
+        if instance is None:
+            return None
+        canary_set = await self._canary_set(instance)
+        if canary_set is None:
+            return None
+        passed: tuple[CheckResult, LoadSample | None] | None = None
+        for canary in canary_set.canaries:
+            outcome = await self._check_one(instance, canary)
+            if outcome is None:
+                return None
+            passed = outcome if passed is None or outcome[0].judged_s >= passed[0].judged_s else passed
+        return None if passed is None else (worker_id, *passed)
+
+    async def _check_one(self, instance: Instance, canary: Canary) -> tuple[CheckResult, LoadSample | None] | None:
+        """One canary with retries; every failed attempt is a check result. The passing
+        attempt (not recorded yet: its speed is judged with its peers'), or None."""
         for _ in range(1 + self.config.canary_max_retries):
             tracker = self.trackers.get(instance.worker_id)
             if tracker is None:
-                return False
-            result = await self._probe(instance, canary, tracker.baseline_s)
+                return None
+            result, load = await self._probe(instance, canary)
+            if result.ok:
+                return result, load
             self._observe(instance.worker_id, result)
             self._after(instance.worker_id, tracker.record_check(result, time.monotonic()))
-            if result.ok:
-                return True
-        return False
+        return None
 
-    async def _probe(self, instance: Instance, canary: Canary, baseline: float | None) -> CheckResult:
+    def _may_eject(self, worker_id: int) -> bool:
+        return latency_ejection_allowed(self.trackers.values(), worker_id, self.config)
+
+    async def _probe(self, instance: Instance, canary: Canary) -> tuple[CheckResult, LoadSample | None]:
+        timeout = self._timeout(instance.worker_id)
+        before = asyncio.get_running_loop().create_task(self._load(instance))
         start = time.monotonic()
+        first: list[float] = []
         try:
-            tokens, top = await asyncio.wait_for(self._generate(instance, canary.prompt_token_ids, len(canary.expected_token_ids)), self.timeout_s)
+            n = len(canary.expected_token_ids)
+            tokens, top = await asyncio.wait_for(self._generate(instance, canary.prompt_token_ids, n, first), timeout)
         except TimeoutError:
-            return CheckResult(CheckKind.TIMEOUT, self.timeout_s, f"no answer within {self.timeout_s:g} s")
+            before.cancel()
+            return CheckResult(CheckKind.TIMEOUT, timeout, f"no answer within {timeout:g} s"), None
         except KvmeshError as exc:
-            return CheckResult(CheckKind.ERROR, time.monotonic() - start, exc.message)
-        return evaluate(canary, tokens, top, time.monotonic() - start, baseline, spike_factor=self.config.latency_spike_factor)
+            before.cancel()
+            return CheckResult(CheckKind.ERROR, time.monotonic() - start, exc.message), None
+        end = time.monotonic()
+        load = LoadSample.heavier(await before, await self._load(instance))
+        if load is not None:
+            self._loads[instance.worker_id] = load
+        result = evaluate(canary, tokens, top, end - start, None)
+        if result.ok and first:
+            wait = first[0] - start
+            # one token: nothing but the first; else the first token to the last
+            compute = end - start if len(tokens) <= 1 else end - first[0]
+            result = CheckResult(CheckKind.OK, end - start, compute_s=compute, wait_s=wait)
+        return result, load
 
-    async def _generate(self, instance: Instance, prompt: list[int], n: int) -> tuple[list[int], list[float] | None]:
-        return await generate_greedy(instance.client, instance.info.engine.served_model_name, prompt, n)
+    def _timeout(self, worker_id: int) -> float:
+        """``--canary-timeout``, or longer when the worker's last known load predicts a
+        canary slower than that: spike factor × its baseline × the load's multiplier
+        (at most ``_MAX_TIMEOUT_SCALE`` × the timeout)."""
+        tracker = self.trackers.get(worker_id)
+        last = self._loads.get(worker_id)
+        if tracker is None or last is None or tracker.baseline_s is None:
+            return self.timeout_s
+        predicted = self.config.latency_spike_factor * tracker.baseline_s * last.multiplier(self.config)
+        return min(self.timeout_s * _MAX_TIMEOUT_SCALE, max(self.timeout_s, predicted))
+
+    async def _load(self, instance: Instance) -> LoadSample | None:
+        try:
+            report = await asyncio.wait_for(call(instance.client, LOAD, decode=_decode_load), self.timeout_s)
+        except (TimeoutError, KvmeshError, OSError):
+            return None  # the load only informs the judgement; the canary itself decides
+        return load_sample(report)
+
+    async def _generate(
+        self, instance: Instance, prompt: list[int], n: int, timing: list[float] | None = None
+    ) -> tuple[list[int], list[float] | None]:
+        return await generate_greedy(instance.client, instance.info.engine.served_model_name, prompt, n, timing)
 
     async def _canary_set(self, instance: Instance) -> CanarySet | None:
         model = instance.info.engine.served_model_name
@@ -207,6 +359,7 @@ class HealthMonitor:
             self._publish(worker_id, tracker)
         if transition is None:
             return
+        self._count(transition)
         log.warning("worker %x: %s -> %s (%s)", worker_id, transition.src.name, transition.dst.name, transition.reason)
         if tracker is not None and tracker.weight == 0.0:
             self._evict_streams(worker_id)
@@ -221,6 +374,15 @@ class HealthMonitor:
     def _observe(self, worker_id: int, result: CheckResult) -> None:
         if self.metrics is not None:
             self.metrics.check_duration.labels(f"{worker_id:x}", "canary", result.kind.value).observe(result.latency_s)
+            if result.ok or result.kind is CheckKind.LATENCY_SPIKE:
+                self.metrics.canary_wait.labels(f"{worker_id:x}").observe(result.wait_s)
+
+    def _count(self, transition: Transition) -> None:
+        """``kvmesh_health_transitions_total``: the cause is the reason's first word
+        after the colon (``latency_spike``, ``timeout``, ``failure``…)."""
+        if self.metrics is not None:
+            cause = transition.reason.rsplit(":", 1)[-1].strip().replace(" ", "_") or "event"
+            self.metrics.health_transitions.labels(f"{transition.worker_id:x}", transition.dst.name.lower(), cause).inc()
 
     def _publish(self, worker_id: int, tracker: HealthTracker | None = None) -> None:
         if self.metrics is None:

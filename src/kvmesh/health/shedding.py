@@ -90,7 +90,7 @@ class LoadShedder:
         instances = [i for e in self.registry.models.values() for i in e.instances.all()]
         live = [i for i in instances if health is None or health.weight(i.worker_id) > 0]
         reports = [r for r in await asyncio.gather(*(self._load(i) for i in live)) if r is not None]
-        weights = {i.worker_id: health.weight(i.worker_id) for i in live} if health is not None else None
+        weights = {i.worker_id: health.capacity(i.worker_id) for i in live} if health is not None else None
         now = time.monotonic()
         change = self.controller.evaluate(reports, now, weights=weights, demand_rps=self.meter.rate(now))
         if change is not None:

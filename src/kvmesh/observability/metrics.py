@@ -144,6 +144,14 @@ class FrontendMetrics:
         self.breaker_state = Gauge(
             "kvmesh_circuit_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", ["worker_id"], registry=r
         )
+        self.health_transitions = Counter(
+            "kvmesh_health_transitions", "Worker health status changes, by worker, new status and cause",
+            ["worker_id", "to", "cause"], registry=r,
+        )  # fmt: skip
+        self.canary_wait = Histogram(
+            "kvmesh_health_canary_wait_seconds", "Canary time to first token (queueing + its own prefill), not judged",
+            ["worker_id"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.shed = Counter("kvmesh_frontend_shed", "Requests refused by graceful degradation, by tier", ["priority"], registry=r)
         self.degradation_level = Gauge("kvmesh_degradation_level", "0 normal … 4 reject new requests", registry=r)
         self.migration_duration = Histogram(

@@ -1,9 +1,23 @@
-"""The frontend's one object per served model: prompts in, ids out, ids back to text."""
+"""The frontend's one object per served model: prompts in, ids out, ids back to text.
+
+Large prompts are built off the event loop: :meth:`Preprocessor.chat_prompt_async` and
+:meth:`Preprocessor.text_prompt_async` template and tokenize a prompt of
+``OFFLOAD_CHARS`` characters or more in a thread pool shared by the process (sized to
+the machine), so a short prompt, built inline, never waits behind a long one. Threads
+suffice: ``tokenizers`` releases the GIL in ``encode_batch_fast``, the call
+:meth:`~kvmesh.preprocess.tokenizer.Tokenizer.encode` uses for long inputs
+(``bench/tokenize_gil.py`` measures it), and rendering a template is cheap next to
+tokenizing its output.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvmesh.errors import InvalidArgument
@@ -12,7 +26,37 @@ from kvmesh.preprocess.stop import StopMatcher
 from kvmesh.preprocess.template import ChatTemplate
 from kvmesh.preprocess.tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["Preprocessor"]
+__all__ = ["Preprocessor", "OFFLOAD_CHARS", "preprocess_pool"]
+
+# Prompts shorter than this (characters of text) are built on the caller's thread:
+# they take well under a millisecond, less than a hop to the pool and back.
+OFFLOAD_CHARS = 2048
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def preprocess_pool() -> ThreadPoolExecutor:
+    """The process's preprocessing threads (created on first use; one per core, 2-8)."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                workers = max(2, min(8, os.cpu_count() or 2))
+                _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmesh-preprocess")
+    return _pool
+
+
+def _chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of text in OpenAI-shaped messages (content strings or text parts)."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+    return total
 
 
 class Preprocessor:
@@ -85,6 +129,18 @@ class Preprocessor:
             self._check_ids(ids)
         return self._checked(ids)
 
+    async def chat_prompt_async(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
+        """:meth:`chat_prompt`, in the pool when the messages are large."""
+        build = functools.partial(self.chat_prompt, messages, add_generation_prompt, **template_kwargs)
+        return await _run(build, _chars(messages))
+
+    async def text_prompt_async(self, prompt: str | Sequence[int]) -> list[int]:
+        """:meth:`text_prompt`, in the pool when the text is large (ids stay inline)."""
+        size = len(prompt) if isinstance(prompt, str) else 0
+        return await _run(functools.partial(self.text_prompt, prompt), size)
+
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
 
@@ -115,3 +171,9 @@ class Preprocessor:
                 f"generated token: shorten the prompt"
             )
         return ids
+
+
+async def _run(build: Callable[[], list[int]], size: int) -> list[int]:
+    if size < OFFLOAD_CHARS:
+        return build()
+    return await asyncio.get_running_loop().run_in_executor(preprocess_pool(), build)

@@ -64,6 +64,7 @@ def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> 
             model=model_path,
             served_model_name=model.name,
             fault=FaultSpec.parse(m.fault) if m.fault else FaultSpec(),
+            eos_rate=m.eos_probability,
         )
         return MockerEngine(options, publisher or NullPublisher()), model_path
     if cfg.engine == "vllm":

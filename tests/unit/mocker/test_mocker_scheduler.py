@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -353,11 +354,33 @@ def test_natural_eos_respects_min_tokens_and_is_not_emitted() -> None:
     opts = MockerOptions(eos_rate=1.0, eos_token_ids=(0,))
     tokens, fin = solo(req("a", range(10), max_tokens=25, ignore_eos=False, min_tokens=3), opts)
     assert len(tokens) == 3 and fin.reason == "stop" and 0 not in tokens
+    # The first token is never an EOS: a completion is never empty.
     tokens, fin = solo(req("b", range(10), max_tokens=25, ignore_eos=False), opts)
-    assert tokens == [] and fin.reason == "stop"
-    # At the default rate, long generations end early with "stop".
+    assert len(tokens) == 1 and fin.reason == "stop"
+    # With a configured probability, long generations end early with "stop".
     for i in range(5):
-        assert solo(req(f"r{i}", [i] * 5, max_tokens=2000, ignore_eos=False), MockerOptions())[1].reason == "stop"
+        early = solo(req(f"r{i}", [i] * 5, max_tokens=2000, ignore_eos=False), MockerOptions(eos_rate=1 / 64))
+        assert early[1].reason == "stop" and 1 <= len(early[0]) < 2000
+
+
+def test_default_generates_the_requested_length_without_ignore_eos() -> None:
+    # By default (eos_rate 0, --eos-probability 0) every request gets max_tokens.
+    assert MockerOptions().eos_rate == 0.0
+    for i in range(5):
+        tokens, fin = solo(req(f"r{i}", [i] * 5, max_tokens=500, ignore_eos=False), MockerOptions())
+        assert len(tokens) == 500 and fin.reason == "length" and fin.usage.completion_tokens == 500
+
+
+def test_a_migrated_request_may_end_on_eos_at_its_first_new_position() -> None:
+    # The "never empty" rule counts from the user's prompt, not the re-issued one.
+    opts = MockerOptions(eos_rate=1.0)
+    tokens, fin = solo(req("a", range(10), max_tokens=25, ignore_eos=False), opts)
+    assert len(tokens) == 1
+    resumed = msgspec.structs.replace(
+        req("a", [*range(10), *tokens], max_tokens=24, ignore_eos=False), original_prompt_len=10
+    )
+    rest, rest_fin = solo(resumed, opts)
+    assert rest == [] and rest_fin.reason == "stop"
 
 
 def test_stop_token_ids_end_the_stream_with_the_token() -> None:
@@ -398,6 +421,7 @@ def test_migration_continues_the_identical_stream(
         ignore_eos=False,
         min_tokens=max(0, min_tokens - k),
     )
+    resumed = msgspec.structs.replace(resumed, original_prompt_len=len(prompt))  # as the frontend sends it
     if max_tokens - k == 0:
         return  # nothing left to generate: the frontend would not re-issue
     rest, rest_fin = solo(resumed, opts)

@@ -25,7 +25,10 @@ class MockerOptions:
     """Everything a mocker scheduler and engine need; read-only after construction.
 
     ``eos_rate`` is the probability, per generated position, of a natural EOS (see
-    :mod:`kvmesh.engines.mocker.tokens`). ``speedup`` divides every step time; a huge
+    :mod:`kvmesh.engines.mocker.tokens`; the CLI's ``--eos-probability``). It is 0 by
+    default: a request gets the ``max_tokens`` it asked for, as a simulator used for
+    capacity tests must; the first token of a completion is never an EOS, so a
+    completion is never empty unless ``max_tokens`` is 0. ``speedup`` divides every step time; a huge
     value (``1e9``) runs as fast as the CPU allows. ``load_report_interval_steps``: the
     engine checks whether its load changed (and publishes a report if so) every N steps.
     ``fault``: a fault to inject from the start (see :mod:`.faults`; none by default).
@@ -46,7 +49,7 @@ class MockerOptions:
     worker_id: int = 0
     prefill_coeffs: tuple[float, float, float] = (4.21e-7, 1.518e-2, 16.5)
     decode_coeffs: tuple[float, float, float] = (-25.74, 54.01, 5.74)
-    eos_rate: float = 1.0 / 64.0
+    eos_rate: float = 0.0
     # KV transfer (disaggregation, migration): the modelled size of one token's KV
     # (kvmesh-tiny in fp32: 4 layers × 2 KV heads × 64 dims × K and V × 4 bytes) and the
     # link's bandwidth; a transfer of n blocks takes n·block_size·kv_bytes_per_token ÷
@@ -77,7 +80,7 @@ class MockerOptions:
         if not (math.isfinite(self.speedup) and self.speedup > 0):
             raise ValueError(f"speedup must be a positive finite number, got {self.speedup}")
         if not (0.0 <= self.eos_rate <= 1.0):
-            raise ValueError(f"eos_rate must be within [0, 1], got {self.eos_rate}")
+            raise ValueError(f"eos_rate (--eos-probability) must be within [0, 1], got {self.eos_rate}")
         if self.worker_id < 0:
             raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
         for name in ("prefill_coeffs", "decode_coeffs"):

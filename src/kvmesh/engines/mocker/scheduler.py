@@ -30,9 +30,11 @@ prefill tokens, its decode count and the KV usage after allocation.
 Finish rules: a natural EOS ends the stream with ``stop`` and is *not* emitted; a
 drawn token in ``stop_token_ids`` ends it with ``stop`` and *is* emitted; both only
 once ``min_tokens`` tokens are out (EOS checks are skipped with ``ignore_eos``, stop
-token ids still apply). ``max_tokens`` defaults to ``context_length - len(prompt)`` and
-is capped by it. An empty prompt, a prompt that fills the context, or one larger than
-the whole KV pool finishes at the next step with ``error``.
+token ids still apply). A natural EOS never takes the first position after the user's
+prompt (``original_prompt_len``), so a completion is never empty. ``max_tokens``
+defaults to ``context_length - len(prompt)`` and is capped by it. An empty prompt, a
+prompt that fills the context, or one larger than the whole KV pool finishes at the
+next step with ``error``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["Scheduler", "StepOutput", "Finished"]
 
+_BATCH_EMA = 0.25  # weight of the latest pass in the load report's batch_tokens
 _PRIORITY_RANK = {"premium": 0, "standard": 1, "best_effort": 2, None: 1}
 
 
@@ -93,7 +96,7 @@ class _Seq:
     when prefix caching is on)."""
 
     __slots__ = (
-        "id", "request_id", "tokens", "prompt_len", "max_tokens", "min_tokens", "ignore_eos",
+        "id", "request_id", "tokens", "prompt_len", "origin_len", "max_tokens", "min_tokens", "ignore_eos",
         "stop_ids", "key", "rank", "vocab", "local_hashes", "seq_hashes", "num_computed",
         "cached_tokens", "admitted", "running", "ever_admitted", "reserved", "imported",
     )  # fmt: skip
@@ -103,6 +106,9 @@ class _Seq:
         self.request_id = request.request_id
         self.tokens = list(request.token_ids)
         self.prompt_len = len(self.tokens)
+        # where the user's prompt ends (a migrated request carries its output so far)
+        origin = request.original_prompt_len
+        self.origin_len = self.prompt_len if origin is None else min(origin, self.prompt_len)
         self.max_tokens = max_tokens
         self.min_tokens = request.stop.min_tokens
         self.ignore_eos = request.stop.ignore_eos
@@ -180,6 +186,7 @@ class Scheduler:
         self._reserved: dict[str, _Seq] = {}
         self._next_id = 0
         self._admissions = 0
+        self._batch_tokens = 0.0  # moving average of tokens per pass (load reports)
 
     # ------------------------------------------------------------------ queries
 
@@ -203,6 +210,7 @@ class Scheduler:
             num_waiting=len(self._waiting),
             num_running=len(self._running),
             timestamp_ms=timestamp_ms,
+            batch_tokens=round(self._batch_tokens, 1),
         )
 
     def kv_dump(self) -> set[int]:
@@ -383,6 +391,7 @@ class Scheduler:
         finished, self._rejected = self._rejected, []
         finished.extend(self._fail(seq) for seq in plan.failed)
         tokens = self._execute(plan, finished)
+        self._batch_tokens += _BATCH_EMA * (plan.prefill_tokens + plan.decode_seqs - self._batch_tokens)
         return StepOutput(
             tokens=tokens,
             finished=finished,
@@ -518,7 +527,8 @@ class Scheduler:
         """The token at the sequence's next position, and whether the request ends."""
         i = len(seq.tokens) - seq.prompt_len
         h = position_hash(seq.key, len(seq.tokens))
-        if not seq.ignore_eos and i >= seq.min_tokens and (h >> 32) < self._eos_threshold:
+        eos_allowed = not seq.ignore_eos and i >= seq.min_tokens and len(seq.tokens) > seq.origin_len
+        if eos_allowed and (h >> 32) < self._eos_threshold:
             return None, "stop"
         token = token_at(h, seq.vocab)
         if token in seq.stop_ids and i + 1 >= seq.min_tokens:

@@ -145,7 +145,7 @@ class DynamoServer:
                   "--http-port", str(self.port), "--router-mode", mode]
         mk_cmd = [py, "-m", "dynamo.mocker", "--model-path", model_path,
                   "--model-name", MODEL_NAME, "--speedup-ratio", str(speedup_ratio)]
-        mk_cmd += mocker_extra or []  # e.g. bench/trace.py's fleet: --num-workers, --block-size ...
+        mk_cmd += mocker_extra or []  # e.g. bench/trace_replay.py's fleet: --num-workers, --block-size ...
         self.frontend: LaunchedServer | None = None
         self.mocker: LaunchedServer | None = None
         self.mocker = launch_server(mk_cmd, self.port, os.path.join(log_dir, "dynamo-mocker.log"),

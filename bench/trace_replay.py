@@ -27,8 +27,8 @@ the ratios health-on ÷ health-off (and kvmesh ÷ Dynamo). The "physics" line is
 the mocker's timing model alone gives prompts under 1k tokens (an idle worker, no
 cache hit): the floor TTFT could reach.
 
-    python bench/trace.py                       # 300 requests, 1 round (~8 minutes)
-    python bench/trace.py --requests 1000 --rounds 2 --json /tmp/trace.json
+    python bench/trace_replay.py                       # 300 requests, 1 round (~8 minutes)
+    python bench/trace_replay.py --requests 1000 --rounds 2 --json /tmp/trace.json
 """
 
 from __future__ import annotations

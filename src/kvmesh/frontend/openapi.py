@@ -67,10 +67,6 @@ def _to_openapi_30(node: Any) -> None:
     """msgspec writes JSON Schema 2020-12; OpenAPI 3.0 wants ``nullable`` instead of a
     ``null`` branch in ``anyOf``, and boolean exclusive bounds."""
     if isinstance(node, dict):
-        for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-            value = node.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                node[bound], node[key] = value, True
         for key in ("anyOf", "oneOf"):
             branches = node.get(key)
             if isinstance(branches, list) and {"type": "null"} in branches:
@@ -81,6 +77,10 @@ def _to_openapi_30(node: Any) -> None:
                 else:
                     node[key] = rest
                 node["nullable"] = True
+        for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            value = node.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                node[bound], node[key] = value, True
         for value in node.values():
             _to_openapi_30(value)
     elif isinstance(node, list):

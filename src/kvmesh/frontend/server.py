@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import http
 import logging
+import os
 import signal
 import socket
 import time
@@ -754,6 +755,13 @@ def _restore_signals(loop: asyncio.AbstractEventLoop, previous: dict[int, Any]) 
 
 
 def make_server(app: HttpApp, log_level: str = "warning", limits: HttpLimits | None = None) -> HttpServer:
-    """The server for ``app`` (``log_level`` sets this module's logger)."""
+    """The server for ``app`` (``log_level`` sets this module's logger). The seam:
+    ``KVMESH_HTTP_SERVER=aiohttp`` serves the same app with aiohttp's low-level server
+    instead (for the comparison in docs/performance.md only)."""
     log.setLevel(log_level.upper())
-    return HttpServer(app, ServerConfig(limits=limits or app.limits))
+    config = ServerConfig(limits=limits or app.limits)
+    if os.environ.get("KVMESH_HTTP_SERVER", "own") == "aiohttp":
+        from kvmesh.frontend.aiohttp_server import AiohttpServer
+
+        return AiohttpServer(app, config)  # type: ignore[return-value]
+    return HttpServer(app, config)

@@ -78,7 +78,7 @@ async def _main(a: argparse.Namespace) -> int:
             models = {}
             for label, server in servers:
                 models[label], _ = await wait_ready_async(server.url, 180, proc=server.proc)
-            results: dict[str, dict[str, list[float]]] = {label: {"rps64": [], "ttft1": []} for label, _ in arms}
+            results: dict[str, dict[str, list[float]]] = {label: {"rps64": [], "ttft1": []} for label, _, _ in arms}
             for rnd in range(a.rounds):
                 order = servers if rnd % 2 == 0 else servers[::-1]
                 for label, server in order:

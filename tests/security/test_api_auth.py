@@ -116,3 +116,14 @@ def test_the_api_key_from_the_environment(tmp_path, monkeypatch):
     with kvmesh_run(tmp_path, "--canary-interval", "0", workers=1) as srv:
         assert httpx.post(srv.url + "/v1/completions", json=BODY).status_code == 401
         assert httpx.post(srv.url + "/v1/completions", json=BODY, headers=_bearer(KEY)).status_code == 200
+
+
+def test_admin_without_keys_answers_only_to_an_ip_or_localhost(tmp_path):
+    """DNS rebinding: a page on evil.example that resolves to 127.0.0.1 sends Host: evil.example."""
+    with kvmesh_run(tmp_path, "--admin", "--canary-interval", "0", workers=1) as srv:
+        assert httpx.get(srv.url + "/admin/workers").status_code == 200
+        assert httpx.get(srv.url + "/admin/workers", headers={"host": "localhost:1"}).status_code == 200
+        r = httpx.get(srv.url + "/admin/workers", headers={"host": "evil.example"})
+        assert r.status_code == 403
+        r = httpx.post(srv.url + "/admin/fault", json={"worker": "0", "fault": "crash"}, headers={"host": "evil.example:80"})
+        assert r.status_code == 403

@@ -16,6 +16,7 @@ details go to the log under that id); file paths are cut out of the others.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import re
 import time
@@ -30,6 +31,7 @@ from kvmesh.errors import (
     KvmeshError,
     MethodNotAllowed,
     PayloadTooLarge,
+    PermissionDenied,
     ResourceExhausted,
     RouteNotFound,
     UnsupportedMediaType,
@@ -190,6 +192,9 @@ class Frontend:
         async def admin(request: Request) -> Response:
             try:
                 self.auth.check_admin(request.headers.get("authorization"))
+                if not self.auth.required and not _literal_host(request.headers.get("host", "")):
+                    # DNS rebinding: a page served from a name that resolves to this host
+                    raise PermissionDenied("without API keys the admin routes answer only to an IP address or localhost")
                 if request.method == "POST":
                     ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
                     if ctype != "application/json":
@@ -449,6 +454,19 @@ class Frontend:
             "top_logprobs": [{pre.token_text(t): v for t, v in lp.top} for lp in chunk.logprobs],
             "text_offset": [],
         }
+
+
+def _literal_host(host: str) -> bool:
+    """``Host`` is an IP literal or localhost (never a name an attacker's DNS controls)."""
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 class _Once:

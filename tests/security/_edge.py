@@ -13,13 +13,24 @@ from tests.helpers import ServerProcess
 MODEL = "kvmesh-tiny"
 
 
-def rss_mib(server: ServerProcess) -> float:
+def rss_mib(server: ServerProcess, field: str = "VmRSS:") -> float:
     """Resident memory of the frontend process (``kvmesh run`` itself, not its workers)."""
     with open(f"/proc/{server.proc.pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
+
+
+def reset_peak(server: ServerProcess) -> float:
+    """Start the frontend's peak RSS (VmHWM) over from its current RSS; returns it."""
+    with open(f"/proc/{server.proc.pid}/clear_refs", "w") as f:
+        f.write("5")
+    return rss_mib(server, "VmHWM:")
+
+
+def peak_mib(server: ServerProcess) -> float:
+    return rss_mib(server, "VmHWM:")
 
 
 def connect(server: ServerProcess, timeout: float = 10.0) -> socket.socket:

@@ -74,11 +74,11 @@ async def _main(a: argparse.Namespace) -> int:
             for label, src, extra in arms:
                 port = free_port()
                 env = dict(os.environ, PYTHONPATH=src, **extra)
-                servers.append((label, launch_server(kvmesh_command(port), port, env=env)))
+                servers.append((label, launch_server(kvmesh_command(port, extra=["--canary-interval", "0"]), port, env=env)))
             models = {}
             for label, server in servers:
                 models[label], _ = await wait_ready_async(server.url, 180, proc=server.proc)
-            results: dict[str, dict[str, list[float]]] = {label: {"rps64": [], "ttft1": []} for label, _, _ in arms}
+            results: dict[str, dict[str, list[float]]] = {label: {"rps64": [], "ttft1": [], "cpu64": []} for label, _, _ in arms}
             for rnd in range(a.rounds):
                 order = servers if rnd % 2 == 0 else servers[::-1]
                 for label, server in order:
@@ -91,19 +91,26 @@ async def _main(a: argparse.Namespace) -> int:
                         print(f"[ab] {label}: failures {r64.failures}/{r1.failures}: {r64.errors + r1.errors}", file=sys.stderr)
                     results[label]["rps64"].append(r64.req_per_s)
                     results[label]["ttft1"].append(r1.ttft_p50_ms or 0.0)
-                    print(f"[ab] round {rnd + 1} {label:>8}: c=64 {r64.req_per_s:7.1f} req/s   c=1 TTFT p50 "
+                    results[label]["cpu64"].append(r64.frontend_cpu_ms_per_req or 0.0)
+                    print(f"[ab] round {rnd + 1} {label:>8}: c=64 {r64.req_per_s:7.1f} req/s "
+                          f"{r64.frontend_cpu_ms_per_req or 0:6.3f} fe CPU ms/req   c=1 TTFT p50 "
                           f"{r1.ttft_p50_ms:6.2f} ms", file=sys.stderr, flush=True)
         finally:
             for _, server in servers:
                 server.stop()
     first = arms[0][0]
-    base_rps = statistics.median(results[first]["rps64"])
-    base_ttft = statistics.median(results[first]["ttft1"])
-    print(f"\n{'arm':>10} {'req/s c=64':>12} {'ratio':>7} {'TTFT p50 c=1':>14} {'ratio':>7}   (medians of {a.rounds} rounds)")
+    base = results[first]
+    print(f"\n{'arm':>10} {'req/s c=64':>11} {'ratio':>6} {'paired':>7} {'fe CPU ms/req c=64':>19} {'ratio':>6} "
+          f"{'TTFT p50 c=1':>13} {'ratio':>6} {'paired':>7}")
     for label, _, _ in arms:
-        rps = statistics.median(results[label]["rps64"])
-        ttft = statistics.median(results[label]["ttft1"])
-        print(f"{label:>10} {rps:12.1f} {rps / base_rps:7.3f} {ttft:12.2f}ms {ttft / base_ttft:7.3f}")
+        r = results[label]
+        rps, cpu, ttft = (statistics.median(r[k]) for k in ("rps64", "cpu64", "ttft1"))
+        # per-round ratios: the two arms ran back to back, so slow drifts of the machine cancel
+        prps = statistics.median(a / b for a, b in zip(r["rps64"], base["rps64"]))
+        pttft = statistics.median(a / b for a, b in zip(r["ttft1"], base["ttft1"]))
+        print(f"{label:>10} {rps:11.1f} {rps / statistics.median(base['rps64']):6.3f} {prps:7.3f} {cpu:19.3f} "
+              f"{cpu / statistics.median(base['cpu64']):6.3f} {ttft:11.2f}ms {ttft / statistics.median(base['ttft1']):6.3f} {pttft:7.3f}")
+    print(f"(medians of {a.rounds} rounds; 'paired': median of the per-round ratios to {first})")
     return 0
 
 

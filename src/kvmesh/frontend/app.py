@@ -323,6 +323,8 @@ class Frontend:
             headers = [(b"x-kvmesh-route", _json(route))] if route is not None else None
             return SSEResponse(events, ctx, self.keepalive, self.metrics.disconnects.inc, headers, on_close=done)
         request.on_disconnect = ctx.stop_generating  # a client that leaves stops its generation
+        if request.disconnected:  # ... or that left while the request was being routed
+            ctx.stop_generating()
         response = await self._unary(gen, stream, kind, response_id, endpoint, route)
         if route is not None:
             response.headers["x-kvmesh-route"] = _json(route).decode()

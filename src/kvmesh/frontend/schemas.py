@@ -129,9 +129,10 @@ class CompletionRequest(_Sampling, kw_only=True):
         return self.max_tokens if self.max_tokens is not None else 16
 
     def prompt_chars(self) -> int:
+        """Characters of text (or count of ids) in the prompt, without tokenizing it."""
         prompt = self.prompt
-        if isinstance(prompt, str):
-            return len(prompt)
+        if isinstance(prompt, str) or not prompt or type(prompt[0]) is int:
+            return len(prompt)  # text, or token ids (one "character" each)
         return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
 
     def logprob_count(self) -> int | None:

@@ -82,7 +82,7 @@ class Request:
     """One parsed request. ``headers``: lower-case names → last value."""
 
     __slots__ = ("method", "path", "query", "headers", "body", "body_size", "keep_alive", "http_version",
-                 "on_disconnect")  # fmt: skip
+                 "on_disconnect", "disconnected")  # fmt: skip
 
     def __init__(
         self, method: str, path: str, query: str, headers: dict[str, str], body: bytes, body_size: int,
@@ -99,6 +99,7 @@ class Request:
         # set by a handler that wants to know when the client goes away mid-request
         # (a non-streamed completion stops its generation)
         self.on_disconnect: Callable[[], None] | None = None
+        self.disconnected = False  # the client left while this request was being served
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)
@@ -370,9 +371,11 @@ class _Connection(asyncio.Protocol):
         if self.out is not None:
             self.out._lost()
         current = self.current
-        if current is not None and current.on_disconnect is not None:
+        if current is not None:
+            current.disconnected = True
             callback, current.on_disconnect = current.on_disconnect, None
-            callback()
+            if callback is not None:
+                callback()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too: the client is gone

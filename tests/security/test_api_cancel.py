@@ -6,7 +6,6 @@ request is given back when its client leaves before the first event."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from dataclasses import replace
 

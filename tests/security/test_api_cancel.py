@@ -96,3 +96,21 @@ async def test_a_stream_left_before_its_first_event_releases_its_router_booking(
         assert len(core.load) == 0, "the router still holds the booking of a request nobody waits for"
         registry = stack.frontend.metrics.registry
         assert registry.get_sample_value("kvmesh_frontend_inflight_requests", {"model": "kvmesh-tiny"}) == 0
+
+
+async def test_finished_requests_leave_no_booking():
+    """The other ends of a request (streamed or not, read to the end) give the booking
+    back too: after them the router holds nothing."""
+    import httpx
+
+    stack = InProcessStack()
+    stack.frontend_config = replace(stack.frontend_config, router_mode="kv-approx")
+    async with stack.running():
+        core = stack.frontend.registry.get("kvmesh-tiny").kv.core
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            for stream in (False, True):
+                for body in ({"prompt": PROMPT}, {"messages": [{"role": "user", "content": "hi"}]}):
+                    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                    r = await client.post(path, json={"model": "kvmesh-tiny", "max_tokens": 8, "stream": stream, **body})
+                    assert r.status_code == 200
+        await _wait_until(lambda: len(core.load) == 0, 5, "every booking released")

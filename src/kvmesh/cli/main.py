@@ -130,6 +130,7 @@ def _add_edge_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--max-stop", type=int, default=sec.max_stop, help="stop strings per request")
     a.add_argument("--max-stop-chars", type=int, default=sec.max_stop_chars, help="characters per stop string")
     a.add_argument("--max-messages", type=int, default=sec.max_messages, help="chat messages per request")
+    a.add_argument("--max-message-chars", type=int, default=sec.max_message_chars, help="characters of all messages together")
 
 
 def _env(name: str, default: str) -> str:
@@ -296,6 +297,7 @@ def _security_config(ns: argparse.Namespace) -> SecurityConfig:
         api_keys=tuple(keys), admin=ns.admin, admin_key=ns.admin_key, metrics_open=not ns.metrics_auth,
         trust_priority_header=ns.trust_priority_header, allow_special_tokens=ns.allow_special_tokens,
         max_stop=ns.max_stop, max_stop_chars=ns.max_stop_chars, max_messages=ns.max_messages,
+        max_message_chars=ns.max_message_chars,
     )
 
 

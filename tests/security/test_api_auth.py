@@ -67,12 +67,12 @@ def test_no_key_is_401_in_openai_shape(keyed_server):
 
 
 def test_the_openai_client_with_a_key(keyed_server):
-    client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY)
-    out = client.completions.create(model=MODEL, prompt="def f():", max_tokens=3)
+    with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY) as client:
+        out = client.completions.create(model=MODEL, prompt="def f():", max_tokens=3)
     assert out.usage.completion_tokens == 3
-    bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sk-nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sk-nope", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
 
 
 def test_health_live_and_metrics_stay_open(keyed_server):

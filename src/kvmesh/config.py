@@ -11,6 +11,8 @@ __all__ = [
     "MockerConfig",
     "WorkerConfig",
     "FrontendConfig",
+    "HttpLimits",
+    "SecurityConfig",
     "RunConfig",
     "RuntimeConfig",
     "ROUTER_MODES",
@@ -139,6 +141,58 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class HttpLimits:
+    """What the frontend's HTTP server accepts, enforced as bytes arrive
+    (kvmesh.frontend.server). Each has a ``--flag`` of the same name."""
+
+    max_url_bytes: int = 8 * 1024  # past it: 414
+    max_header_bytes: int = 32 * 1024  # the whole head (request line + headers); past it: 431
+    max_headers: int = 100  # past it: 431
+    header_timeout_s: float = 10.0  # a request's head must arrive within this (from its first byte / the connection)
+    body_timeout_s: float = 30.0  # longest pause between two pieces of a body
+    keepalive_timeout_s: float = 30.0  # an idle connection between requests is closed after this
+    send_timeout_s: float = 60.0  # longest a response may wait on a client that does not read
+    max_connections: int = 4096  # open client connections; past it new ones get 503 and are closed
+    max_pipelined: int = 16  # requests queued on one connection before reading pauses
+
+    def __post_init__(self) -> None:
+        for name in ("max_url_bytes", "max_header_bytes", "max_headers", "header_timeout_s", "body_timeout_s",
+                     "keepalive_timeout_s", "send_timeout_s", "max_connections", "max_pipelined"):  # fmt: skip
+            _positive(f"--{name.replace('_s', '').replace('_', '-')}", getattr(self, name))
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Who may call what (kvmesh.frontend.auth). Keys: ``--api-key`` / KVMESH_API_KEY
+    (tier premium) and ``--api-keys-file`` (``key tier`` per line)."""
+
+    api_keys: tuple[tuple[str, str], ...] = ()  # (key, highest priority tier it may ask for)
+    admin: bool = False  # serve /admin/*
+    admin_key: str = ""  # required on /admin/* when keys are configured
+    metrics_open: bool = True  # /metrics without a key even when keys are configured
+    trust_priority_header: bool = False  # without keys: accept any tier a client asks for
+    allow_special_tokens: bool = False  # parse special tokens typed in user text (trusted callers only)
+    max_stop: int = 16
+    max_stop_chars: int = 1024
+    max_messages: int = 1024
+    max_message_chars: int = 4 * 1024 * 1024  # all messages together (characters)
+
+    def __post_init__(self) -> None:
+        tiers = ("premium", "standard", "best_effort")
+        for key, tier in self.api_keys:
+            if not key or tier not in tiers:
+                raise ValueError(f"an API key needs a tier in {', '.join(tiers)}, got {tier!r}")
+        if self.admin and self.api_keys and not self.admin_key:
+            raise ValueError("--admin with API keys needs --admin-key (or KVMESH_ADMIN_KEY)")
+        for name in ("max_stop", "max_stop_chars", "max_messages", "max_message_chars"):
+            _positive(name, getattr(self, name))
+
+    @property
+    def keys_required(self) -> bool:
+        return bool(self.api_keys)
+
+
+@dataclass(frozen=True)
 class FrontendConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -165,6 +219,9 @@ class FrontendConfig:
     slo_output_tokens: int = 256
     slo_max_batch: int = 256
     shed_retry_after_s: float = 30.0
+    # the public edge (issue 12): HTTP limits and who may call what
+    http: HttpLimits = field(default_factory=HttpLimits)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:

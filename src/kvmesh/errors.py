@@ -7,7 +7,10 @@
     │   ├── ModelNotFound            404  no worker serves the requested model
     │   ├── RouteNotFound            404  no such HTTP route
     │   ├── MethodNotAllowed         405  the route exists, the method does not
-    │   └── PayloadTooLarge          413  the request body is over the limit
+    │   ├── PayloadTooLarge          413  the request body is over the limit
+    │   ├── UnsupportedMediaType     415  the route takes another content type
+    │   ├── Unauthorized             401  no API key, or not a valid one
+    │   └── PermissionDenied         403  the key may not do this (a tier above its own, admin)
     ├── ResourceExhausted            503  admission/shedding said no, or no capacity now
     │   └── NoWorkers                503  the instance set stayed empty past its timeout
     ├── Cancelled                    499  the caller stopped the request
@@ -36,6 +39,9 @@ __all__ = [
     "RouteNotFound",
     "MethodNotAllowed",
     "PayloadTooLarge",
+    "UnsupportedMediaType",
+    "Unauthorized",
+    "PermissionDenied",
     "ResourceExhausted",
     "NoWorkers",
     "Cancelled",
@@ -90,6 +96,21 @@ class MethodNotAllowed(InvalidArgument):
 class PayloadTooLarge(InvalidArgument):
     kind = "payload_too_large"
     status = 413
+
+
+class UnsupportedMediaType(InvalidArgument):
+    kind = "unsupported_media_type"
+    status = 415
+
+
+class Unauthorized(InvalidArgument):
+    kind = "invalid_api_key"
+    status = 401
+
+
+class PermissionDenied(InvalidArgument):
+    kind = "permission_denied"
+    status = 403
 
 
 class ResourceExhausted(KvmeshError):

@@ -21,6 +21,7 @@ SLO_TTFT_S = 0.150
 ARGS = (
     "--degradation", "--slo-ttft-ms", "150", "--slo-tpot-ms", "6", "--slo-output-tokens", "16", "--slo-max-batch", "4",
     "--max-num-seqs", "4", "--shed-retry-after", "2", "--canary-interval", "0",
+    "--trust-priority-header",  # the test's clients ask for premium themselves
 )  # fmt: skip
 CAPACITY_RPS = 2 * 4 / (SLO_TTFT_S + 16 * 0.006)  # the model's estimate: ~33 requests/s
 OFFERED_RPS = 3 * CAPACITY_RPS

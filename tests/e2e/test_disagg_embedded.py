@@ -19,7 +19,7 @@ stats = worker_disagg_stats  # the worker counters the tests read
 
 
 def test_embedded_prefill_and_decode_workers(tmp_path) -> None:
-    args = ("--prefill-workers", "1", "--decode-workers", "1", "--max-local-prefill-length", "300", "--canary-interval", "0")
+    args = ("--admin", "--prefill-workers", "1", "--decode-workers", "1", "--max-local-prefill-length", "300", "--canary-interval", "0")
     with kvmesh_run(tmp_path, *args, workers=1, speedup="50") as server:
         deadline = time.monotonic() + 10  # the banner follows the first healthy answer
         while "1 decode + 1 prefill" not in server.log():

@@ -17,7 +17,7 @@ from tests.helpers import kvmesh_run
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 INTERVAL = 0.5
-HEALTH_ARGS = ("--canary-interval", str(INTERVAL), "--canary-timeout", "0.3", "--breaker-recovery", "1")
+HEALTH_ARGS = ("--admin", "--canary-interval", str(INTERVAL), "--canary-timeout", "0.3", "--breaker-recovery", "1")
 
 
 def _workers(url: str) -> dict[str, dict]:

@@ -21,7 +21,9 @@ from kvmesh.config import (
     REQUEST_PLANES,
     ROUTER_MODES,
     FrontendConfig,
+    HttpLimits,
     MockerConfig,
+    SecurityConfig,
     RunConfig,
     RuntimeConfig,
     WorkerConfig,
@@ -98,6 +100,39 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
         help="queue requests while every worker has more than this × its batch token budget in prefill (default: off)",
     )  # fmt: skip
     kv.add_argument("--admission-max-queue", type=int, default=d.admission_max_queue, help="past this many waiting: 503")
+    _add_edge_args(p)
+
+
+def _add_edge_args(p: argparse.ArgumentParser) -> None:
+    """The public edge: HTTP limits, API keys, admin routes (README "Security")."""
+    lim = HttpLimits()
+    h = p.add_argument_group("HTTP limits (enforced as bytes arrive)")
+    h.add_argument("--max-body-bytes", type=int, default=FrontendConfig().max_body_bytes, help="request body limit (413)")
+    h.add_argument("--max-url-bytes", type=int, default=lim.max_url_bytes, help="URL limit (414)")
+    h.add_argument("--max-header-bytes", type=int, default=lim.max_header_bytes, help="request head limit (431)")
+    h.add_argument("--max-headers", type=int, default=lim.max_headers, help="headers per request (431)")
+    h.add_argument("--header-timeout", type=float, default=lim.header_timeout_s, help="seconds for a request head to arrive")
+    h.add_argument("--body-timeout", type=float, default=lim.body_timeout_s, help="longest pause inside a request body (s)")
+    h.add_argument("--keepalive-timeout", type=float, default=lim.keepalive_timeout_s, help="idle keep-alive connections close after this (s)")
+    h.add_argument("--send-timeout", type=float, default=lim.send_timeout_s, help="a client that reads nothing for this long is dropped (s)")
+    h.add_argument("--max-connections", type=int, default=lim.max_connections, help="open client connections; past it: 503 and close")
+    h.add_argument("--max-pipelined", type=int, default=lim.max_pipelined, help="requests queued per connection before reading pauses")
+    sec = SecurityConfig()
+    a = p.add_argument_group("authentication and admin")
+    a.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY", ""), help="require Authorization: Bearer KEY on /v1/* (KVMESH_API_KEY)")
+    a.add_argument("--api-keys-file", default=os.environ.get("KVMESH_API_KEYS_FILE", ""),
+                   help="a file of 'KEY [TIER]' lines: several keys, each with the highest priority tier it may ask for")
+    a.add_argument("--admin", action="store_true", help="serve /admin/* (fault injection, worker list); off by default")
+    a.add_argument("--admin-key", default=os.environ.get("KVMESH_ADMIN_KEY", ""), help="the key /admin/* requires when API keys are on (KVMESH_ADMIN_KEY)")
+    a.add_argument("--metrics-auth", action="store_true", help="/metrics needs an API key too (default: open)")
+    a.add_argument("--trust-priority-header", action="store_true",
+                   help="without keys, accept the priority tier a client asks for (default: premium is refused)")
+    a.add_argument("--allow-special-tokens", action="store_true",
+                   help="parse special tokens typed in user text as control tokens (trusted callers only)")
+    a.add_argument("--max-stop", type=int, default=sec.max_stop, help="stop strings per request")
+    a.add_argument("--max-stop-chars", type=int, default=sec.max_stop_chars, help="characters per stop string")
+    a.add_argument("--max-messages", type=int, default=sec.max_messages, help="chat messages per request")
+    a.add_argument("--max-message-chars", type=int, default=sec.max_message_chars, help="characters of all messages together")
 
 
 def _env(name: str, default: str) -> str:
@@ -249,6 +284,28 @@ def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
         kv_block_size=ns.kv_block_size,
         admission_threshold=ns.admission_threshold,
         admission_max_queue=ns.admission_max_queue,
+        max_body_bytes=ns.max_body_bytes,
+        http=HttpLimits(
+            max_url_bytes=ns.max_url_bytes, max_header_bytes=ns.max_header_bytes, max_headers=ns.max_headers,
+            header_timeout_s=ns.header_timeout, body_timeout_s=ns.body_timeout,
+            keepalive_timeout_s=ns.keepalive_timeout, send_timeout_s=ns.send_timeout,
+            max_connections=ns.max_connections, max_pipelined=ns.max_pipelined,
+        ),
+        security=_security_config(ns),
+    )
+
+
+def _security_config(ns: argparse.Namespace) -> SecurityConfig:
+    keys: list[tuple[str, str]] = [(ns.api_key, "premium")] if ns.api_key else []
+    if ns.api_keys_file:
+        from kvmesh.frontend.auth import read_keys_file
+
+        keys += read_keys_file(ns.api_keys_file)
+    return SecurityConfig(
+        api_keys=tuple(keys), admin=ns.admin, admin_key=ns.admin_key, metrics_open=not ns.metrics_auth,
+        trust_priority_header=ns.trust_priority_header, allow_special_tokens=ns.allow_special_tokens,
+        max_stop=ns.max_stop, max_stop_chars=ns.max_stop_chars, max_messages=ns.max_messages,
+        max_message_chars=ns.max_message_chars,
     )
 
 

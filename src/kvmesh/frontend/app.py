@@ -2,17 +2,23 @@
 (:mod:`kvmesh.frontend.server`).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (200 once a worker serves a model), ``GET /live``, ``GET /metrics``.
+``GET /health`` (200 once a worker serves a model), ``GET /live``, ``GET /metrics``,
+``GET /openapi.json``; ``/admin/workers`` and ``/admin/fault`` only with ``--admin``.
+Who may call which route: :mod:`kvmesh.frontend.auth`.
 
 Every error leaves through :func:`error_response` (OpenAI's error JSON, status from
 :func:`kvmesh.errors.http_status`) before the stream starts, or as one SSE ``error``
-event after it started.
+event after it started. What a client reads is :func:`public_message`: errors that
+come from workers or from a bug (5xx) carry only their kind and a request id (the
+details go to the log under that id); file paths are cut out of the others.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,13 +31,17 @@ from kvmesh.errors import (
     KvmeshError,
     MethodNotAllowed,
     PayloadTooLarge,
+    PermissionDenied,
     ResourceExhausted,
     RouteNotFound,
+    UnsupportedMediaType,
     http_status,
 )
+from kvmesh.frontend.auth import Authenticator
 from kvmesh.frontend.models import ModelRegistry
+from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess_async
-from kvmesh.frontend.schemas import parse
+from kvmesh.frontend.schemas import check_limits, parse
 from kvmesh.frontend.server import HttpApp, Request, Response
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
@@ -56,23 +66,69 @@ _json = msgspec.json.encode
 _JSON = "application/json"
 
 
-def error_response(exc: BaseException) -> Response:
-    status = http_status(exc)
+# absolute file paths in a message meant for a client (a model folder, a template file)
+_PATHS = re.compile(r"(?<![\w.:/])/(?!v1/)(?:[\w.+@-]+/)+[\w.+@-]*")
+
+
+def public_message(exc: BaseException, request_id: str) -> tuple[str, str]:
+    """(message, kind) a client may read. 5xx errors (a worker's exception text and
+    address, a bug) are logged with ``request_id`` and replaced by their kind."""
+    if isinstance(exc, KvmeshError) and exc.status < 500:
+        return _PATHS.sub("<path>", exc.message), exc.kind
     if isinstance(exc, KvmeshError):
-        message, kind = exc.message, exc.kind
+        log.warning("request %s: %s: %s", request_id, exc.kind, exc.message)
+        kind = exc.kind
+        message = _SERVER_SIDE.get(kind, "the request failed on the server side")
+        if isinstance(exc, ResourceExhausted):
+            message = _PATHS.sub("<path>", exc.message)  # shedding and admission: written for clients
     else:
-        log.exception("unexpected error", exc_info=exc)
-        message, kind = f"internal error: {type(exc).__name__}", "internal_error"
-    body = _json({"error": {"message": message, "type": kind, "param": None, "code": status}})
-    headers = None
+        log.error("request %s: unexpected error", request_id, exc_info=exc)
+        kind, message = "internal_error", "internal error"
+    return f"{message} (request id {request_id})", kind
+
+
+_SERVER_SIDE = {
+    "cannot_connect": "no worker could be reached; retry later",
+    "disconnected": "the worker serving this request went away",
+    "connection_timeout": "connecting to a worker timed out; retry later",
+    "response_timeout": "the worker did not answer in time",
+    "engine_shutdown": "the worker's engine is shutting down; retry",
+    "stream_incomplete": "the worker's stream ended early",
+    "unknown": "the engine reported an error",
+    "cancelled": "the request was cancelled",
+}
+
+
+def error_response(exc: BaseException, request_id: str | None = None) -> Response:
+    status = http_status(exc)
+    request_id = request_id or new_request_id()
+    message, kind = public_message(exc, request_id)
+    code: object = "invalid_api_key" if status == 401 else status
+    body = _json({"error": {"message": message, "type": kind, "param": _param_of(message), "code": code}})
+    headers = {"x-request-id": request_id}
     if isinstance(exc, ResourceExhausted):
-        headers = {"retry-after": str(int(exc.retry_after or 1))}
+        headers["retry-after"] = str(int(exc.retry_after or 1))
+    if status == 401:
+        headers["www-authenticate"] = "Bearer"
     return Response(body, status, _JSON, headers)
+
+
+_FIELD = re.compile(r"at `\$\.([\w.\[\]]+)`")
+
+
+def _param_of(message: str) -> str | None:
+    """The field a validation message names (msgspec's ``at `$.field```)."""
+    m = _FIELD.search(message)
+    return None if m is None else m.group(1)
 
 
 def protocol_error(status: int, message: str) -> Response:
     """A request the HTTP server refused before any route saw it."""
-    return error_response(PayloadTooLarge(message) if status == 413 else InvalidArgument(message))
+    if status == 413:
+        return error_response(PayloadTooLarge(message))
+    response = error_response(InvalidArgument(message))
+    response.status = status  # 408 / 414 / 431: the server's own limits
+    return response
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
@@ -92,24 +148,65 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.registry = ModelRegistry(config, self.metrics, event_plane)
         self.keepalive = KeepAlive(config.keepalive_s)
+        self.auth = Authenticator(config.security)
+        routes: dict[str, dict[str, Any]] = {
+            "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/completions": {"POST": self.completions},
+            "/v1/models": {"GET": self._keyed(self.list_models)},
+            "/health": {"GET": self.health},
+            "/live": {"GET": self.live},
+            "/metrics": {"GET": self.render_metrics if config.security.metrics_open else self._keyed(self.render_metrics)},
+            "/openapi.json": {"GET": self.openapi},
+        }
+        if config.security.admin:  # off by default: fault injection can crash workers
+            routes["/admin/workers"] = {"GET": self._admin(self.list_workers)}
+            routes["/admin/fault"] = {"POST": self._admin(self.set_fault)}
+        self._openapi = _json(openapi_document(routes))
         self.app = HttpApp(
-            {
-                "/v1/chat/completions": {"POST": self.chat_completions},
-                "/v1/completions": {"POST": self.completions},
-                "/v1/models": {"GET": self.list_models},
-                "/health": {"GET": self.health},
-                "/live": {"GET": self.live},
-                "/metrics": {"GET": self.render_metrics},
-                "/admin/workers": {"GET": self.list_workers},
-                "/admin/fault": {"POST": self.set_fault},
-            },
+            routes,
             not_found=self._not_found,
             bad_method=self._bad_method,
             on_error=error_response,
             protocol_error=protocol_error,
             lifespan=self._lifespan,
             max_body_bytes=config.max_body_bytes,
+            limits=config.http,
         )
+
+    def _keyed(self, handler: Any) -> Any:
+        """``handler`` behind the API key (when keys are configured)."""
+
+        async def keyed(request: Request) -> Response:
+            try:
+                self.auth.tier_of(request.headers.get("authorization"))
+            except KvmeshError as exc:
+                return error_response(exc)
+            return await handler(request)
+
+        return keyed
+
+    def _admin(self, handler: Any) -> Any:
+        """``handler`` behind the admin key; a body must be application/json (a web
+        page cannot send that cross-origin without a preflight kvmesh never answers)."""
+
+        async def admin(request: Request) -> Response:
+            try:
+                self.auth.check_admin(request.headers.get("authorization"))
+                if not self.auth.required and not _literal_host(request.headers.get("host", "")):
+                    # DNS rebinding: a page served from a name that resolves to this host
+                    raise PermissionDenied("without API keys the admin routes answer only to an IP address or localhost")
+                if request.method == "POST":
+                    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+                    if ctype != "application/json":
+                        raise UnsupportedMediaType("admin routes take content-type: application/json only")
+            except KvmeshError as exc:
+                return error_response(exc)
+            return await handler(request)
+
+        return admin
+
+    async def openapi(self, request: Request) -> Response:
+        return Response(self._openapi)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self) -> AsyncIterator[None]:
@@ -192,14 +289,19 @@ class Frontend:
 
     async def _serve(self, request: Request, kind: str) -> Response | SSEResponse:
         endpoint = "chat_completions" if kind == "chat" else "completions"
+        request_id = new_request_id()
         try:
+            allowed = self.auth.tier_of(request.headers.get("authorization"))
             req = parse(self._read_body(request), kind)  # type: ignore[arg-type]
+            check_limits(req, self.config.security)
             entry = self.registry.get(req.model)
-            self._admit(request, req.priority)
+            tier = req.priority or request.headers.get("x-kvmesh-priority")
+            self.auth.check_tier(tier, allowed)
+            self._admit(tier)
             explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
-            preq = await preprocess_async(entry, req, new_request_id(), explain)
+            preq = await preprocess_async(entry, req, request_id, explain, self.config.security.allow_special_tokens)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
-            return error_response(exc)
+            return error_response(exc, request_id)
         metrics = entry.metrics
         metrics.input_tokens.inc(len(preq.token_ids))
         ctx = Context(preq.request_id)
@@ -210,28 +312,35 @@ class Frontend:
         except Exception as exc:  # noqa: BLE001
             metrics.inflight.dec()
             metrics.finished(endpoint, str(http_status(exc)))
-            return error_response(exc)
+            return error_response(exc, request_id)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = prefix + preq.request_id
         route = explain_route(gen) if preq.routing is not None and preq.routing.explain else None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            events = self._sse_events(gen, stream, kind, response_id, endpoint, include_usage)
+            done = _Once(lambda: self._abandoned(gen, endpoint))
+            events = self._sse_events(gen, stream, kind, response_id, endpoint, include_usage, done)
             headers = [(b"x-kvmesh-route", _json(route))] if route is not None else None
-            return SSEResponse(events, ctx, self.keepalive, self.metrics.disconnects.inc, headers)
+            return SSEResponse(events, ctx, self.keepalive, self.metrics.disconnects.inc, headers, on_close=done)
+        request.on_disconnect = ctx.stop_generating  # a client that leaves stops its generation
+        if request.disconnected:  # ... or that left while the request was being routed
+            ctx.stop_generating()
         response = await self._unary(gen, stream, kind, response_id, endpoint, route)
         if route is not None:
             response.headers["x-kvmesh-route"] = _json(route).decode()
         return response
 
-    def _admit(self, request: Request, priority: str | None) -> None:
+    def _abandoned(self, gen: Generation, endpoint: str) -> None:
+        """A stream whose events never started (the client left first): give the
+        router's booking back and count the request as ended."""
+        gen.release()
+        self._finish(gen, endpoint, "499")
+
+    def _admit(self, tier: str | None) -> None:
         """Shed by priority tier (body ``priority`` or header ``x-kvmesh-priority``)."""
         shedder = self.registry.shedder
         if shedder is None:
             return
-        tier = priority or request.headers.get("x-kvmesh-priority")
-        if tier not in (None, "premium", "standard", "best_effort"):
-            raise InvalidArgument(f"priority must be premium, standard or best_effort, got {tier!r}")
         decision = shedder.admit(tier)
         if not decision.allowed:
             self.metrics.shed.labels(tier or "standard").inc()
@@ -241,8 +350,10 @@ class Frontend:
             )
 
     async def _sse_events(
-        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str, include_usage: bool
-    ) -> AsyncIterator[bytes]:
+        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str,
+        include_usage: bool, started: _Once,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        started.cancel()  # the events run: their own finally does the accounting
         entry = gen.entry
         chunks = (ChatChunks if kind == "chat" else CompletionChunks)(response_id, int(time.time()), entry.name)
         want_logprobs = gen.request.output.logprobs is not None
@@ -264,8 +375,10 @@ class Frontend:
         except KvmeshError as exc:
             status = str(exc.status)
             if not gen.ctx.is_stopped():
-                yield error_event(exc.message, exc.kind, exc.status) + DONE
+                message, kind_ = public_message(exc, gen.request.request_id)
+                yield error_event(message, kind_, exc.status) + DONE
         finally:
+            gen.release()  # the events may end before the deltas ever started (client gone after the role event)
             if gen.ctx.is_stopped() and gen.finish_reason is None:
                 status = "499"
             self._finish(gen, endpoint, status)
@@ -285,8 +398,10 @@ class Frontend:
                     logprobs.extend(lp if kind == "chat" else [lp])
         except Exception as exc:  # noqa: BLE001
             status = str(http_status(exc))
-            return error_response(exc)
+            return error_response(exc, gen.request.request_id)
         finally:
+            if gen.ctx.is_stopped() and gen.finish_reason in (None, "cancelled"):
+                status = "499"
             self._finish(gen, endpoint, status)
         text = "".join(parts)
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
@@ -341,6 +456,36 @@ class Frontend:
             "top_logprobs": [{pre.token_text(t): v for t, v in lp.top} for lp in chunk.logprobs],
             "text_offset": [],
         }
+
+
+def _literal_host(host: str) -> bool:
+    """``Host`` is an IP literal or localhost (never a name an attacker's DNS controls)."""
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class _Once:
+    """A callback run at most once, unless cancelled first."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def cancel(self) -> None:
+        self._fn = None
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 class _TokenText:

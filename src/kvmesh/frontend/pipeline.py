@@ -84,31 +84,50 @@ def merge_chunks(pending: OutputChunk, new: OutputChunk) -> OutputChunk:
     return pending
 
 
-def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, parse_special: bool) -> list[int]:
     pre = entry.preprocessor
     if isinstance(req, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         kwargs = req.chat_template_kwargs or {}
-        return pre.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
-    return pre.text_prompt(req.single_prompt())
+        return pre.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt, parse_special=parse_special, **kwargs)
+    return pre.text_prompt(req.single_prompt(), parse_special=parse_special)
 
 
-async def _prompt_tokens_async(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def check_prompt_size(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse, without tokenizing it, a prompt too long for the context whatever it
+    tokenizes to (more characters than context × the longest token)."""
+    chars = req.prompt_chars()
+    bound = entry.context_length * entry.preprocessor.tokenizer.max_token_chars
+    if chars > bound:
+        raise InvalidArgument(
+            f"the prompt has {chars} characters, more than the {entry.context_length} tokens of the model's "
+            f"context can hold; shorten the prompt"
+        )
+
+
+async def _prompt_tokens_async(
+    entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, parse_special: bool
+) -> list[int]:
     """:func:`_prompt_tokens` with a large prompt built in the preprocessing pool."""
     pre = entry.preprocessor
     if isinstance(req, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         kwargs = req.chat_template_kwargs or {}
-        return await pre.chat_prompt_async(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
-    return await pre.text_prompt_async(req.single_prompt())
+        return await pre.chat_prompt_async(
+            messages, add_generation_prompt=req.add_generation_prompt, parse_special=parse_special, **kwargs
+        )
+    return await pre.text_prompt_async(req.single_prompt(), parse_special=parse_special)
 
 
 async def preprocess_async(
-    entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, request_id: str, explain: bool = False
-) -> PreprocessedRequest:
+    entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, request_id: str, explain: bool = False,
+    parse_special: bool = False,
+) -> PreprocessedRequest:  # fmt: skip
     """:func:`preprocess` with the prompt templated and tokenized off the event loop
     when it is large, so other streams never wait behind it."""
-    return preprocess(entry, req, request_id, explain, await _prompt_tokens_async(entry, req))
+    check_prompt_size(entry, req)
+    tokens = await _prompt_tokens_async(entry, req, parse_special)
+    return preprocess(entry, req, request_id, explain, parse_special, tokens)
 
 
 def preprocess(
@@ -116,11 +135,15 @@ def preprocess(
     req: ChatCompletionRequest | CompletionRequest,
     request_id: str,
     explain: bool = False,
+    parse_special: bool = False,
     tokens: list[int] | None = None,
 ) -> PreprocessedRequest:
     """Validate against the model and build the engine request (``tokens``: the
-    prompt's ids when already built)."""
-    tokens = _prompt_tokens(entry, req) if tokens is None else tokens
+    prompt's ids when already built). Special-token text in the user's text is plain
+    text unless ``parse_special`` (trusted callers)."""
+    if tokens is None:
+        check_prompt_size(entry, req)
+        tokens = _prompt_tokens(entry, req, parse_special)
     context = entry.context_length
     n = len(tokens)
     if n >= context:
@@ -197,6 +220,7 @@ class Generation:
         "worker_id",
         "_include_stop",
         "_skip_special",
+        "_booked",
     )
 
     def __init__(self, entry: ModelEntry, request: PreprocessedRequest, ctx: Context, include_stop: bool, skip_special: bool) -> None:
@@ -211,6 +235,14 @@ class Generation:
         self.worker_id: int | None = None
         self._include_stop = include_stop
         self._skip_special = skip_special
+        self._booked = False  # the router holds load booked for this request
+
+    def release(self) -> None:
+        """Give the router's booking back: once per pick, on every path (finished,
+        failed, cancelled before the first event, moved to another worker)."""
+        if self._booked:
+            self._booked = False
+            self.entry.router.finished(self.request.request_id)
 
     @property
     def prompt_tokens(self) -> int:
@@ -219,6 +251,7 @@ class Generation:
     async def open(self) -> AsyncIterator[OutputChunk]:
         """Route and open the worker stream (errors here are HTTP errors, not SSE)."""
         instance = await self.entry.router.pick(self.request)
+        self._booked = True
         self.worker_id = instance.worker_id
         return self._chunks(instance)
 
@@ -276,7 +309,7 @@ class Generation:
                 )  # fmt: skip
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
-            self.entry.router.finished(self.request.request_id)  # release the failed booking
+            self.release()  # the failed worker's booking
             if generated and len(generated) >= (self.request.stop.max_tokens or 0):
                 yield OutputChunk(finish_reason="length")  # every token was streamed; only the end was lost
                 return
@@ -285,6 +318,7 @@ class Generation:
                 request = msgspec.structs.replace(request, disaggregated_params=handoff)
             handoff = None
             instance = await self.entry.router.pick(request, exclude=frozenset(tried))
+            self._booked = True
             tried.add(instance.worker_id)
 
     async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
@@ -336,7 +370,7 @@ class Generation:
                     return
             raise StreamIncomplete("the worker's stream ended without a finish reason")
         finally:
-            self.entry.router.finished(self.request.request_id)
+            self.release()
             await stream.aclose()  # type: ignore[attr-defined]
 
 

@@ -3,7 +3,9 @@
 A body that does not match raises ``msgspec.ValidationError`` whose message names the
 field (``Expected `int` >= 1 - at `$.max_tokens```); :func:`parse` turns that into an
 :class:`~kvmesh.errors.InvalidArgument`. Unknown fields are ignored, as OpenAI's own
-clients send extras.
+clients send extras. Every number has a range that fits the wire (int32 counts, int64
+seeds); :func:`check_limits` bounds what a request may ask of the frontend (stop
+strings, messages) before any of it is tokenized.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse"]
+__all__ = ["ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse", "check_limits"]
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
+_I32 = 2**31 - 1
+NonNegInt = Annotated[int, Meta(ge=0, le=_I32)]
+PositiveInt = Annotated[int, Meta(ge=1, le=_I32)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, le=_I32)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -63,22 +68,22 @@ class _Sampling(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1, le=1)] = 1
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
     # extensions (vLLM / Dynamo names)
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=_I32)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=1e6)] | None = None
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Literal["premium", "standard", "best_effort"] | None = None
-    kv_overlap_weight: Annotated[float, Meta(ge=0.0)] | None = None
-    router_temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    kv_overlap_weight: Annotated[float, Meta(ge=0.0, le=1e6)] | None = None
+    router_temperature: Annotated[float, Meta(ge=0.0, le=1e6)] | None = None
     router_explain: bool = False
 
     def stop_strings(self) -> list[str]:
@@ -86,7 +91,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
             return []
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if any(s == "" for s in stops):
-            raise InvalidArgument("stop strings must not be empty")
+            raise InvalidArgument("stop strings must not be empty - at `$.stop`")
         return stops
 
 
@@ -100,6 +105,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt_chars(self) -> int:
+        return sum(len(m.text()) for m in self.messages)
 
     def logprob_count(self) -> int | None:
         if not self.logprobs:
@@ -119,6 +127,13 @@ class CompletionRequest(_Sampling, kw_only=True):
     def token_limit(self) -> int:
         # OpenAI's documented default for completions
         return self.max_tokens if self.max_tokens is not None else 16
+
+    def prompt_chars(self) -> int:
+        """Characters of text (or count of ids) in the prompt, without tokenizing it."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or type(prompt[0]) is int:
+            return len(prompt)  # text, or token ids (one "character" each)
+        return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -155,3 +170,46 @@ def parse(body: bytes, kind: Literal["chat", "completion"]) -> ChatCompletionReq
         raise InvalidArgument(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(
+            f"the request body is not valid UTF-8 (byte {exc.start}): send JSON text in UTF-8"
+        ) from None
+    except RecursionError:
+        raise InvalidArgument("the request body nests arrays or objects too deeply") from None
+
+
+# Names a chat template receives from kvmesh itself: a request may not override them.
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token", "pad_token", "unk_token"}
+)
+
+
+def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: SecurityConfig) -> None:
+    """What a request may ask of the frontend, checked before any tokenizing: stop
+    strings (count and length: the matcher's work is linear in their total),
+    messages (count and total characters), template arguments that would replace
+    the frontend's own."""
+    stops = req.stop_strings()
+    if len(stops) > limits.max_stop:
+        raise InvalidArgument(f"stop holds {len(stops)} strings; at most {limits.max_stop} - at `$.stop`")
+    for i, stop in enumerate(stops):
+        if len(stop) > limits.max_stop_chars:
+            raise InvalidArgument(
+                f"stop string {i} has {len(stop)} characters; at most {limits.max_stop_chars} - at `$.stop`"
+            )
+    if isinstance(req, ChatCompletionRequest):
+        if len(req.messages) > limits.max_messages:
+            raise InvalidArgument(
+                f"messages holds {len(req.messages)} messages; at most {limits.max_messages} - at `$.messages`"
+            )
+        chars = req.prompt_chars()
+        if chars > limits.max_message_chars:
+            raise InvalidArgument(
+                f"the messages hold {chars} characters; at most {limits.max_message_chars} - at `$.messages`"
+            )
+        clash = RESERVED_TEMPLATE_ARGS.intersection(req.chat_template_kwargs or ())
+        if clash:
+            raise InvalidArgument(
+                f"chat_template_kwargs may not set {', '.join(sorted(clash))}: send them as request fields "
+                f"(messages, add_generation_prompt) or leave them out - at `$.chat_template_kwargs`"
+            )

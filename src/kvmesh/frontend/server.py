@@ -30,15 +30,18 @@ import asyncio
 import contextlib
 import http
 import logging
+import os
 import signal
 import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httptools
+
+from kvmesh.config import HttpLimits
 
 __all__ = [
     "bind_http",
@@ -53,8 +56,6 @@ __all__ = [
 
 log = logging.getLogger("kvmesh.http")
 
-_MAX_HEAD_BYTES = 64 * 1024
-_MAX_QUEUED = 16  # pipelined requests waiting before reading pauses
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _CLOSE = b"connection: close\r\n"
 
@@ -80,7 +81,8 @@ def bind_http(host: str, port: int) -> socket.socket:
 class Request:
     """One parsed request. ``headers``: lower-case names → last value."""
 
-    __slots__ = ("method", "path", "query", "headers", "body", "body_size", "keep_alive", "http_version")
+    __slots__ = ("method", "path", "query", "headers", "body", "body_size", "keep_alive", "http_version",
+                 "on_disconnect", "disconnected")  # fmt: skip
 
     def __init__(
         self, method: str, path: str, query: str, headers: dict[str, str], body: bytes, body_size: int,
@@ -94,6 +96,10 @@ class Request:
         self.body_size = body_size  # bytes received; > len(body) when over the app's limit
         self.keep_alive = keep_alive
         self.http_version = http_version
+        # set by a handler that wants to know when the client goes away mid-request
+        # (a non-streamed completion stops its generation)
+        self.on_disconnect: Callable[[], None] | None = None
+        self.disconnected = False  # the client left while this request was being served
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)
@@ -136,6 +142,7 @@ class HttpApp:
         protocol_error: Callable[[int, str], Response],
         lifespan: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
         max_body_bytes: int = 4 * 1024 * 1024,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.routes = routes
         self.not_found = not_found
@@ -144,6 +151,7 @@ class HttpApp:
         self.protocol_error = protocol_error
         self.lifespan = lifespan or _no_lifespan
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or HttpLimits()
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
         methods = self.routes.get(request.path)
@@ -290,22 +298,43 @@ class _BadRequest(Exception):
 
 
 class _Connection(asyncio.Protocol):
+    """One client connection. Limits (``HttpLimits``) are enforced as bytes arrive:
+    the URL and each header as httptools reports them, an unfinished head by the raw
+    bytes fed since its first chunk, the body by its declared length (or the running
+    total of its chunks). Timeouts are deadlines the server's sweeper checks:
+    ``head_since`` (a head in progress), ``body_since`` (last piece of a body),
+    ``write_since`` (the client stopped reading), ``idle_since`` (between requests).
+    Reading pauses while responses cannot be written or too many requests wait."""
+
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.app = server.app
+        self.limits = server.config.limits
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
         self.out: ResponseStream | None = None
+        self.current: Request | None = None  # the request being served
         self.closing = False  # no new request will be served
+        self.discarding = False  # refused: input is dropped until the connection closes
         self.reading_paused = False
-        self.idle_timer: asyncio.TimerHandle | None = None
+        self.write_paused = False
+        self._writable: asyncio.Future[None] | None = None
+        # deadlines (loop time; None: not in that phase)
+        now = self.loop.time()
+        self.head_since: float | None = now  # the first request's head must come within header_timeout
+        self.body_since: float | None = None
+        self.write_since: float | None = None
+        self.idle_since: float | None = None
         # the request being parsed
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._head_bytes = 0
+        self._head_bytes = 0  # URL + completed headers, as httptools reports them
+        self._head_raw = 0  # bytes fed while the head spans several chunks
+        self._begun_here = False  # the current message began in the chunk being fed
+        self._header_count = 0
         self._body: list[bytes] = []
         self._size = 0
         self._limit = self.app.max_body_bytes
@@ -313,6 +342,9 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.limits.max_connections:
+            self._over_capacity()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:  # SSE events leave as soon as they are written
@@ -320,30 +352,57 @@ class _Connection(asyncio.Protocol):
             except OSError:
                 pass
         self.server.connections.add(self)
-        self._arm_idle()
+
+    def _over_capacity(self) -> None:
+        """Past ``max_connections``: one canned 503 and close, nothing parsed."""
+        self.closing = self.discarding = True
+        self.head_since = None
+        self.server.refused += 1
+        assert self.transport is not None
+        self.transport.write(_OVER_CAPACITY)
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.closing = True
         self.queue.clear()
-        self._disarm_idle()
+        self.head_since = self.body_since = self.write_since = self.idle_since = None
+        self._wake_writable()
         if self.out is not None:
             self.out._lost()
+        current = self.current
+        if current is not None:
+            current.disconnected = True
+            callback, current.on_disconnect = current.on_disconnect, None
+            if callback is not None:
+                callback()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too: the client is gone
 
     def pause_writing(self) -> None:
+        self.write_paused = True
+        self.write_since = self.loop.time()
+        self._update_reading()
         if self.out is not None:
             self.out._pause(True)
 
     def resume_writing(self) -> None:
+        self.write_paused = False
+        self.write_since = None
+        self._update_reading()
+        self._wake_writable()
         if self.out is not None:
             self.out._pause(False)
 
     def data_received(self, data: bytes) -> None:
+        if self.discarding:
+            return
+        self._begun_here = False
         try:
             self.parser.feed_data(data)
+            if self.head_since is not None and not self._begun_here and self._size == 0:
+                self._count_raw_head(len(data))
         except _BadRequest as exc:
             self._refuse(exc.status, exc.message)
         except httptools.HttpParserUpgrade:
@@ -355,41 +414,68 @@ class _Connection(asyncio.Protocol):
             else:
                 self._refuse(400, f"invalid HTTP request: {exc}")
 
+    def _count_raw_head(self, n: int) -> None:
+        """A head still unfinished after a whole chunk: every byte of it is head (an
+        endless header value is buffered inside httptools, with no callback)."""
+        if not self._url and not self._header_count and self.idle_since is not None:
+            return  # between requests: nothing of a new one was seen
+        self._head_raw += n
+        if self._head_raw > self.limits.max_header_bytes:
+            raise _BadRequest(431, f"the request head exceeds {self.limits.max_header_bytes} bytes")
+
     # -- httptools callbacks
     def on_message_begin(self) -> None:
-        self._disarm_idle()
+        self.idle_since = None
+        if self.head_since is None:
+            self.head_since = self.loop.time()
+        self._begun_here = True
         self._url = b""
         self._headers = {}
-        self._head_bytes = 0
+        self._head_bytes = self._head_raw = self._header_count = 0
         self._body = []
         self._size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self.limits.max_url_bytes:
+            raise _BadRequest(414, f"the URL exceeds {self.limits.max_url_bytes} bytes")
         self._head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value)
-        if self._head_bytes > _MAX_HEAD_BYTES:
-            raise _BadRequest(400, f"the request head exceeds {_MAX_HEAD_BYTES} bytes")
+        self._head_bytes += len(name) + len(value) + 4
+        self._header_count += 1
+        limits = self.limits
+        if self._head_bytes > limits.max_header_bytes:
+            raise _BadRequest(431, f"the request head exceeds {limits.max_header_bytes} bytes")
+        if self._header_count > limits.max_headers:
+            raise _BadRequest(431, f"the request has more than {limits.max_headers} headers")
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        if self._headers.get("expect", "").lower() == "100-continue":
-            declared = self._headers.get("content-length", "")
+        self.head_since = None
+        headers = self._headers
+        declared = headers.get("content-length")
+        if declared is not None:
             if declared.isdigit() and int(declared) > self._limit:  # answer before the body comes
                 raise _BadRequest(413, f"the request body has {declared} bytes; the limit is {self._limit} bytes")
-            if self.transport is not None:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if declared != "0":
+                self.body_since = self.loop.time()
+        elif "transfer-encoding" in headers:
+            self.body_since = self.loop.time()
+        if headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size <= self._limit:
-            self._body.append(body)
+        if self._size > self._limit:  # a chunked body past the limit: stop here
+            raise _BadRequest(413, f"the request body exceeds the limit of {self._limit} bytes")
+        self._body.append(body)
+        self.body_since = self.loop.time()
 
     def on_message_complete(self) -> None:
+        self.body_since = None
         path, _, query = self._url.decode("latin-1").partition("?")
-        body = b"".join(self._body) if self._size <= self._limit else b""
+        body = b"".join(self._body)
         keep_alive = self.parser.should_keep_alive() and not self.closing
         request = Request(
             self.parser.get_method().decode("ascii", "replace"), path, query, self._headers, body, self._size,
@@ -397,43 +483,71 @@ class _Connection(asyncio.Protocol):
         )  # fmt: skip
         self._body = []
         self.queue.append(request)
-        if len(self.queue) > _MAX_QUEUED and self.transport is not None:
-            self.reading_paused = True
-            self.transport.pause_reading()
+        self._update_reading()
         self._next()
+
+    # -- flow control
+    def _update_reading(self) -> None:
+        """Read while fewer than ``max_pipelined`` requests wait and responses can be written."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        queued = len(self.queue)
+        limit = self.limits.max_pipelined
+        if self.reading_paused:
+            if not self.write_paused and queued <= limit // 2:
+                self.reading_paused = False
+                transport.resume_reading()
+        elif self.write_paused or queued >= limit:
+            self.reading_paused = True
+            transport.pause_reading()
+
+    async def _wait_writable(self) -> None:
+        while self.write_paused and not self.closing:
+            if self._writable is None:
+                self._writable = self.loop.create_future()
+            await self._writable
+
+    def _wake_writable(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # -- serving
     def _next(self) -> None:
         if self.task is not None or not self.queue or self.transport is None:
             return
-        if self.reading_paused and len(self.queue) <= _MAX_QUEUED // 2:
-            self.reading_paused = False
-            self.transport.resume_reading()
         request = self.queue.popleft()
+        self._update_reading()
         self.task = self.loop.create_task(self._serve(request))
 
     async def _serve(self, request: Request) -> None:
         keep_alive = request.keep_alive
+        self.current = request
         try:
             response = await self.app.handle(request)
+            request.on_disconnect = None
             keep_alive = keep_alive and not self.server.exiting
             if isinstance(response, Response):
                 self._write_response(response, request, keep_alive)
             else:
                 keep_alive = await self._stream(response, request, keep_alive)
+            if self.write_paused:  # the client is not reading: serve nothing more until it does
+                await self._wait_writable()
         except Exception:  # noqa: BLE001 - e.g. a header value the app should not have set
             log.exception("answering %s %s failed", request.method, request.path)
             keep_alive = False
         finally:
             self.task = None
+            self.current = None
             if not keep_alive or self.closing:
                 self.closing = True
                 if self.transport is not None:
                     self.transport.close()
             elif self.queue:
                 self._next()
-            else:
-                self._arm_idle()
+            elif self.head_since is None and self.body_since is None:
+                self.idle_since = self.loop.time()
 
     async def _stream(self, response: StreamingResponse, request: Request, keep_alive: bool) -> bool:
         """Run a streaming response; False when the connection must close after it."""
@@ -441,6 +555,8 @@ class _Connection(asyncio.Protocol):
         self.out = out = ResponseStream(self, chunked, keep_alive and chunked)
         if self.transport is None or self.transport.is_closing():
             out._lost()
+        elif self.write_paused:
+            out._pause(True)
         try:
             await response.send_to(out)
             out.end()
@@ -465,14 +581,25 @@ class _Connection(asyncio.Protocol):
         self.transport.write(head if request.method == "HEAD" else head + body)
 
     def _refuse(self, status: int, message: str) -> None:
-        """A request we cannot parse: answer it (if nothing else is being answered) and close."""
-        self.closing = True
+        """A request we cannot parse or will not take: answer it (if nothing else is
+        being answered), stop reading it, and close once the answer is out. Input that
+        keeps coming is dropped (a lingering close: the client gets to read the answer
+        instead of a reset)."""
+        self.closing = self.discarding = True
         self.queue.clear()
+        self.head_since = self.body_since = self.idle_since = None
+        self._body = []
         if self.transport is None:
             return
-        if self.task is None:
-            self._write_response(self.app.protocol_error(status, message), _NO_REQUEST, False)
-        self.transport.close()
+        if self.task is not None:
+            self.transport.close()
+            return
+        self._write_response(self.app.protocol_error(status, message), _NO_REQUEST, False)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.linger_until = self.loop.time() + _LINGER_S
+        else:
+            self.transport.close()
 
     def shutdown(self) -> None:
         """Server exiting: close now if idle, else after the response in flight."""
@@ -480,22 +607,45 @@ class _Connection(asyncio.Protocol):
         if self.task is None and self.transport is not None:
             self.transport.close()
 
-    def _arm_idle(self) -> None:
-        self._disarm_idle()
-        self.idle_timer = self.loop.call_later(self.server.config.keepalive_timeout_s, self._idle)
+    linger_until: float | None = None
 
-    def _disarm_idle(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
+    def check(self, now: float) -> None:
+        """The sweeper's look at this connection's deadlines."""
+        limits = self.limits
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self.linger_until is not None:
+            if now >= self.linger_until:
+                transport.close()
+        elif self.head_since is not None and now - self.head_since > limits.header_timeout_s:
+            self._timed_out("the request head did not arrive in time")
+        elif self.body_since is not None and now - self.body_since > limits.body_timeout_s:
+            self._timed_out("the request body stalled")
+        elif self.write_since is not None and now - self.write_since > limits.send_timeout_s:
+            log.info("closing a connection whose client stopped reading")
+            transport.abort()  # the buffered response will never be read
+        elif self.idle_since is not None and self.task is None and now - self.idle_since > limits.keepalive_timeout_s:
+            transport.close()
 
-    def _idle(self) -> None:
-        self.idle_timer = None
-        if self.task is None and self.transport is not None:
-            self.transport.close()
+    def _timed_out(self, why: str) -> None:
+        self.server.timed_out += 1
+        if self.task is None and (self._url or self._header_count or self._size):
+            self._refuse(408, why)
+        else:  # nothing said yet, or a response in flight: just close
+            self.closing = self.discarding = True
+            self.head_since = self.body_since = None
+            if self.transport is not None:
+                self.transport.close()
 
 
 _NO_REQUEST = Request("GET", "", "", {}, b"", 0, False, "1.1")
+_LINGER_S = 2.0
+_OVER_CAPACITY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"retry-after: 1\r\ncontent-length: 110\r\n\r\n"
+    b'{"error":{"message":"too many open connections; retry later","type":"resource_exhausted","param":null,"code":503}}'
+)
 
 
 # ---------------------------------------------------------------------------- server
@@ -503,7 +653,7 @@ _NO_REQUEST = Request("GET", "", "", {}, b"", 0, False, "1.1")
 
 @dataclass
 class ServerConfig:
-    keepalive_timeout_s: float = 30.0
+    limits: HttpLimits = field(default_factory=HttpLimits)
     timeout_graceful_shutdown: float | None = None  # None: wait for in-flight requests
 
 
@@ -517,6 +667,8 @@ class HttpServer:
         self.servers: list[asyncio.AbstractServer] = []
         self.started = False
         self.exiting = False
+        self.refused = 0  # connections turned away past max_connections
+        self.timed_out = 0  # connections closed by a header/body timeout
         self._exit = asyncio.Event()
         self._force = False
 
@@ -537,15 +689,32 @@ class HttpServer:
     async def serve(self, sockets: list[socket.socket]) -> None:
         loop = asyncio.get_running_loop()
         previous = _install_signals(loop, self._on_signal)
+        sweeper = None
         try:
             async with self.app.lifespan():
                 for sock in sockets:
                     self.servers.append(await loop.create_server(lambda: _Connection(self), sock=sock, backlog=2048))
                 self.started = True
+                sweeper = loop.create_task(self._sweep())
                 await self._exit.wait()
                 await self._shutdown()
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                await asyncio.gather(sweeper, return_exceptions=True)
             _restore_signals(loop, previous)
+
+    async def _sweep(self) -> None:
+        """Checks every connection's deadlines a few times per shortest timeout."""
+        limits = self.config.limits
+        shortest = min(limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s, limits.send_timeout_s)
+        tick = min(max(shortest / 4, 0.02), 1.0)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for conn in list(self.connections):
+                conn.check(now)
 
     async def _shutdown(self) -> None:
         self.exiting = True
@@ -588,7 +757,14 @@ def _restore_signals(loop: asyncio.AbstractEventLoop, previous: dict[int, Any]) 
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def make_server(app: HttpApp, log_level: str = "warning") -> HttpServer:
-    """The server for ``app`` (``log_level`` sets this module's logger)."""
+def make_server(app: HttpApp, log_level: str = "warning", limits: HttpLimits | None = None) -> HttpServer:
+    """The server for ``app`` (``log_level`` sets this module's logger). The seam:
+    ``KVMESH_HTTP_SERVER=aiohttp`` serves the same app with aiohttp's low-level server
+    instead (for the comparison in docs/performance.md only)."""
     log.setLevel(log_level.upper())
-    return HttpServer(app)
+    config = ServerConfig(limits=limits or app.limits)
+    if os.environ.get("KVMESH_HTTP_SERVER", "own") == "aiohttp":
+        from kvmesh.frontend.aiohttp_server import AiohttpServer
+
+        return AiohttpServer(app, config)  # type: ignore[return-value]
+    return HttpServer(app, config)

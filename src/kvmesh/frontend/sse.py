@@ -165,7 +165,7 @@ class KeepAlive:
 class SSEResponse:
     """A streaming response of pre-encoded SSE events from ``events``."""
 
-    __slots__ = ("headers", "events", "ctx", "keepalive", "on_disconnect")
+    __slots__ = ("headers", "events", "ctx", "keepalive", "on_disconnect", "on_close")
 
     def __init__(
         self,
@@ -174,8 +174,12 @@ class SSEResponse:
         keepalive: KeepAlive,
         on_disconnect: Callable[[], None] | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.headers = _HEADERS + headers if headers else _HEADERS
+        # runs when the response is done with however it ended (``events`` may never
+        # have started: an async generator that never ran has no ``finally`` to run)
+        self.on_close = on_close
         self.events = events
         self.ctx = ctx
         self.keepalive = keepalive
@@ -202,7 +206,11 @@ class SSEResponse:
                     await out.drain()
         finally:
             self.keepalive.unregister(live)
-            await events.aclose()  # type: ignore[attr-defined]
+            try:
+                await events.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
 
     def _disconnected(self) -> None:
         if self.on_disconnect is not None:

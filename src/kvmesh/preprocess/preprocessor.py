@@ -24,7 +24,7 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
 from kvmesh.preprocess.stop import StopMatcher
 from kvmesh.preprocess.template import ChatTemplate
-from kvmesh.preprocess.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmesh.preprocess.tokenizer import IncrementalDetokenizer, Tokenizer, encode_chat
 
 __all__ = ["Preprocessor", "OFFLOAD_CHARS", "preprocess_pool"]
 
@@ -112,34 +112,41 @@ class Preprocessor:
         return self.chat_template.render(messages, add_generation_prompt, **template_kwargs)
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
-    ) -> list[int]:
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        parse_special: bool = False, **template_kwargs: Any,
+    ) -> list[int]:  # fmt: skip
         """Token ids of the rendered chat. The template writes BOS and other special
-        tokens as text; encoding parses them back into their ids."""
-        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
-        return self._checked(self.tokenizer.encode(text, add_special_tokens=False))
+        tokens as text; encoding parses them back into their ids. Special-token text
+        inside the messages' content stays plain text unless ``parse_special``."""
+        if parse_special:
+            text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+            return self._checked(self.tokenizer.encode(text, add_special_tokens=False))
+        render = lambda msgs: self.render_chat(msgs, add_generation_prompt, **template_kwargs)  # noqa: E731
+        return self._checked(encode_chat(render, messages, self.tokenizer))
 
-    def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+    def text_prompt(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
         """Token ids of a completions prompt: text (with the tokenizer's own special
-        tokens, e.g. a BOS, added) or ids passed through after a range check."""
+        tokens, e.g. a BOS, added; special-token text in it is plain text unless
+        ``parse_special``) or ids passed through after a range check."""
         if isinstance(prompt, str):
-            return self._checked(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return self._checked(self.tokenizer.encode(prompt, add_special_tokens=True, parse_special=parse_special))
         ids = list(prompt)
         if ids:
             self._check_ids(ids)
         return self._checked(ids)
 
     async def chat_prompt_async(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
-    ) -> list[int]:
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        parse_special: bool = False, **template_kwargs: Any,
+    ) -> list[int]:  # fmt: skip
         """:meth:`chat_prompt`, in the pool when the messages are large."""
-        build = functools.partial(self.chat_prompt, messages, add_generation_prompt, **template_kwargs)
+        build = functools.partial(self.chat_prompt, messages, add_generation_prompt, parse_special, **template_kwargs)
         return await _run(build, _chars(messages))
 
-    async def text_prompt_async(self, prompt: str | Sequence[int]) -> list[int]:
+    async def text_prompt_async(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
         """:meth:`text_prompt`, in the pool when the text is large (ids stay inline)."""
         size = len(prompt) if isinstance(prompt, str) else 0
-        return await _run(functools.partial(self.text_prompt, prompt), size)
+        return await _run(functools.partial(self.text_prompt, prompt, parse_special), size)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)

@@ -2,6 +2,11 @@
 
 * :class:`Tokenizer` is built once per model and shared by every request; all its
   methods are read-only.
+* Special tokens written as text (``<|im_start|>``) are control tokens only where the
+  caller says so: text a user typed is encoded with them split into plain pieces
+  (``parse_special=False``), so a user cannot spoof a role or end a turn;
+  :func:`encode_chat` keeps the chat template's own markers as control tokens while
+  the messages' content is plain text.
 * :class:`IncrementalDetokenizer` is built once per request (one stream of generated
   ids) and is not shared: it holds the ids whose text is not yet complete.
 """
@@ -9,15 +14,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizers_file"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizers_file", "encode_chat"]
 
 # Inputs longer than this (in characters) go through ``encode_batch_fast``: it skips
 # offset tracking (~30% faster) and releases the GIL, so a caller may tokenize a long
@@ -44,7 +51,7 @@ def load_tokenizers_file(path: str | os.PathLike[str]) -> tokenizers.Tokenizer:
 class Tokenizer:
     """A model's tokenizer. Thread-safe; build once, share everywhere."""
 
-    __slots__ = ("_tok", "_encode", "_encode_long", "_decode", "vocab_size")
+    __slots__ = ("_tok", "_encode", "_encode_long", "_decode", "vocab_size", "specials", "_plain", "max_token_chars")
 
     def __init__(self, tok: tokenizers.Tokenizer) -> None:
         self._tok = tok
@@ -53,6 +60,15 @@ class Tokenizer:
         self._encode_long = tok.encode_batch_fast
         self._decode = tok.decode
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        # the special tokens' text, and a copy of the tokenizer that reads it as plain text
+        self.specials: tuple[str, ...] = tuple(
+            t.content for t in tok.get_added_tokens_decoder().values() if t.special and t.content
+        )
+        self._plain: tokenizers.Tokenizer | None = None
+        # (an upper bound on) the most characters one token stands for: a text of more
+        # than context × this characters cannot fit, whatever it tokenizes to. A
+        # vocabulary entry's length counts its bytes (byte-level BPE) or characters.
+        self.max_token_chars: int = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -63,17 +79,33 @@ class Tokenizer:
         """The underlying ``tokenizers.Tokenizer`` (for APIs this wrapper does not cover)."""
         return self._tok
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``.
 
-        Special tokens written as text (``<|im_start|>``) always become their single id.
+        With ``parse_special`` (trusted text: a chat template's output), special tokens
+        written as text (``<|im_start|>``) become their single id; without it (text a
+        user typed) they are encoded as the plain characters they are.
         ``add_special_tokens`` applies the tokenizer's post-processor (e.g. prepends BOS
         for tokenizers that ask for it); chat templates write BOS themselves, so it is
         off by default.
         """
+        if not parse_special and self.has_special(text):
+            return self._plain_tokenizer().encode(text, add_special_tokens=add_special_tokens).ids
         if len(text) < _LONG_INPUT_CHARS:
             return self._encode(text, add_special_tokens=add_special_tokens).ids
         return self._encode_long([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def has_special(self, text: str) -> bool:
+        """Whether ``text`` holds the text of a special token."""
+        return any(s in text for s in self.specials)
+
+    def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+        plain = self._plain
+        if plain is None:  # built on first need (most requests never need it)
+            plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return plain
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens=skip_special_tokens)
@@ -144,3 +176,41 @@ class IncrementalDetokenizer:
         text = decode(last + pending, self._skip)
         prefix = decode(last, self._skip) if last else ""
         return text[len(prefix) :]
+
+
+_SENTINEL = "\ue000kvmesh-user-{}\ue001"
+_SENTINELS = re.compile("\ue000kvmesh-user-(\\d+)\ue001")
+
+
+def encode_chat(
+    render: Callable[[Sequence[Mapping[str, Any]]], str], messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
+) -> list[int]:  # fmt: skip
+    """Token ids of a rendered chat whose message contents are plain text.
+
+    The common case (no content holds a special token's text) renders and encodes
+    once, exactly as before. Otherwise each such content is replaced by a sentinel,
+    the template is rendered around the sentinels, and the pieces are encoded apart:
+    the template's text with its control tokens, each content as plain text. A
+    template that does not pass a content through unchanged (it must appear exactly
+    once) cannot keep that content apart, and the request is refused.
+    """
+    marked = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str) and tokenizer.has_special(m["content"])]
+    if not marked:
+        return tokenizer.encode(render(messages))
+    contents = {i: messages[i]["content"] for i in marked}
+    swapped = [dict(m, content=_SENTINEL.format(i)) if i in contents else m for i, m in enumerate(messages)]
+    text = render(swapped)
+    pieces = _SENTINELS.split(text)  # template, index, template, index, ..., template
+    seen = [int(x) for x in pieces[1::2]]
+    if sorted(seen) != sorted(contents):
+        raise InvalidArgument(
+            "a message holds a special token's text, and this model's chat template does not pass "
+            "message content through unchanged; remove the special-token text from the message"
+        )
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            ids += tokenizer.encode(contents[int(piece)], parse_special=False)
+        elif piece:
+            ids += tokenizer.encode(piece)
+    return ids

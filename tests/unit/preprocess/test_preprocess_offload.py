@@ -68,9 +68,9 @@ async def test_small_prompts_stay_on_the_loop_and_large_ones_go_to_the_pool(
     threads: list[str] = []
     original = Preprocessor.text_prompt
 
-    def spy(self: Preprocessor, prompt):  # type: ignore[no-untyped-def]
+    def spy(self: Preprocessor, prompt, parse_special=False):  # type: ignore[no-untyped-def]
         threads.append(threading.current_thread().name)
-        return original(self, prompt)
+        return original(self, prompt, parse_special)
 
     monkeypatch.setattr(Preprocessor, "text_prompt", spy)
     await big.text_prompt_async("x" * (OFFLOAD_CHARS - 1))

@@ -89,3 +89,18 @@ def test_any_cutting_gives_the_reference_result(text: str, stops: list[str], cut
     bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(text)), len(text)]
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     assert run(StopMatcher(stops, include_stop=include), pieces) == reference(text, stops, include)
+
+
+def test_the_matcher_is_linear_in_the_stops_total_size() -> None:
+    """16 stop strings of 1,024 characters: at most one automaton state per character
+    (the old matcher stored every prefix: 16 × 1,024²/2 characters, ~8 M)."""
+    from kvmesh.preprocess.stop import StopAutomaton
+
+    stops = [chr(0x4E00 + i) + "a" * 1023 for i in range(16)]
+    auto = StopAutomaton(stops)
+    assert len(auto.goto) <= sum(map(len, stops)) + 1
+    m = StopMatcher(stops)
+    text, hit = m.feed("a" * 5000 + stops[3][:-1])
+    assert not hit and text == "a" * 5000  # the unfinished stop is held back
+    text, hit = m.feed("a tail")
+    assert hit and m.matched == stops[3] and text == ""

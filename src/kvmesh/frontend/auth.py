@@ -1,0 +1,104 @@
+"""Who may call what on the frontend (pure: no I/O but the keys file reader).
+
+* API keys (``--api-key`` / ``KVMESH_API_KEY``, ``--api-keys-file``): when any is
+  configured every ``/v1/*`` route needs ``Authorization: Bearer <key>``; the key is
+  compared in constant time against every configured key (no early exit that would
+  time which one nearly matched). ``/health`` and ``/live`` stay open; ``/metrics``
+  is open unless ``--metrics-auth``.
+* Each key carries the highest priority tier its requests may ask for; without keys
+  a client may ask for ``standard`` or ``best_effort`` only, unless the operator
+  trusts the header (``--trust-priority-header``).
+* ``/admin/*`` needs the admin key when keys are configured (it is not served at all
+  without ``--admin``: that is the app's routing).
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from kvmesh.config import SecurityConfig
+from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthorized
+
+__all__ = ["Authenticator", "read_keys_file", "TIERS"]
+
+TIERS = ("best_effort", "standard", "premium")  # lowest to highest
+_RANK = {tier: i for i, tier in enumerate(TIERS)}
+_UNKEYED_TIER = "standard"
+
+
+def read_keys_file(path: str) -> list[tuple[str, str]]:
+    """``KEY [TIER]`` per line (TIER defaults to standard); ``#`` starts a comment.
+    A bad line is a ValueError naming its line number (the CLI prints it)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--api-keys-file {path}: {exc.strerror or exc}") from None
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2 or (len(words) == 2 and words[1] not in _RANK):
+            raise ValueError(f"--api-keys-file {path}:{number}: write 'KEY [{'|'.join(TIERS)}]'")
+        keys.append((words[0], words[1] if len(words) == 2 else _UNKEYED_TIER))
+    if not keys:
+        raise ValueError(f"--api-keys-file {path} holds no key")
+    return keys
+
+
+class Authenticator:
+    """Checks one request's credentials against the frontend's SecurityConfig."""
+
+    __slots__ = ("_keys", "_admin_key", "_trust", "required")
+
+    def __init__(self, config: SecurityConfig) -> None:
+        self._keys = [(key.encode(), tier) for key, tier in config.api_keys]
+        self._admin_key = config.admin_key.encode()
+        self._trust = config.trust_priority_header
+        self.required = bool(self._keys)
+
+    def tier_of(self, authorization: str | None) -> str | None:
+        """The highest tier of the caller's key; None when keys are off.
+        Raises Unauthorized (401) for a missing or unknown key."""
+        if not self.required:
+            return None
+        presented = _bearer(authorization)
+        found = None
+        for key, tier in self._keys:  # every key is compared: the time does not tell which one matched
+            if hmac.compare_digest(presented, key) and found is None:
+                found = tier
+        if found is None:
+            raise Unauthorized("Incorrect API key provided. Send Authorization: Bearer <your key>.")
+        return found
+
+    def check_admin(self, authorization: str | None) -> None:
+        if not self.required:
+            return
+        if not hmac.compare_digest(_bearer(authorization), self._admin_key):
+            raise Unauthorized("the admin routes need the admin key: send Authorization: Bearer <admin key>")
+
+    def check_tier(self, asked: str | None, allowed: str | None) -> None:
+        """``asked``: the tier the request wants; ``allowed``: its key's (None: no keys)."""
+        if asked is None:
+            return
+        if asked not in _RANK:
+            raise InvalidArgument(f"priority must be premium, standard or best_effort, got {asked!r}")
+        if allowed is None:
+            if self._trust:
+                return
+            allowed = _UNKEYED_TIER
+        if _RANK[asked] > _RANK[allowed]:
+            raise PermissionDenied(
+                f"this caller may ask for priority {allowed} at most, not {asked}"
+                + ("" if self.required else " (the operator can allow it with --trust-priority-header or API keys)")
+            )
+
+
+def _bearer(authorization: str | None) -> bytes:
+    if not authorization:
+        return b""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    return token.strip().encode("latin-1", "replace")

@@ -10,6 +10,10 @@ Failures come out of the stream as typed errors: ``CannotConnect`` /
 ``ConnectionTimeout`` before the request is sent, ``ResponseTimeout`` when the first
 response item is late, ``Disconnected`` when the connection drops mid-stream, and the
 worker's own typed errors unchanged.
+
+With a cluster secret the connection is usable only after the mutual handshake
+(:mod:`kvmesh.runtime.auth`), run once per connection within ``connect_timeout``; a
+worker that cannot prove the secret is ``CannotConnect`` with the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 import msgspec
 
 from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, InvalidArgument, ResponseTimeout, from_wire
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import AuthError, ClusterSecret, Handshake, ProtocolHandshake
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
 
@@ -87,13 +93,17 @@ class _Mailbox:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
         self.address = address
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, _Mailbox] = {}
         self._reader = FrameReader()
         self._writer = FrameWriter()
         self._next_sid = 1
+        self._secret = secret
+        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
+        self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
+        self.foreign_frames = 0  # frames for no stream open on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -101,8 +111,13 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._secret is not None:
+            hs = Handshake(self._secret, "request", client=True, peer=f"worker {self.address}")
+            self.auth = self.gate = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.auth is not None:
+            self.auth.lost()
         self.transport = None
         self._writer.transport = None
         streams, self.streams = self.streams, {}
@@ -110,6 +125,14 @@ class _Connection(asyncio.Protocol):
             box.finish(Disconnected(f"connection to worker {self.address} lost"))
 
     def data_received(self, data: bytes) -> None:
+        if self.auth is not None:
+            rest = self.auth.feed(data)
+            if rest is None:
+                return
+            self.auth = None
+            if not rest:
+                return
+            data = rest
         try:
             frames = self._reader.feed(data)
         except InvalidArgument as exc:
@@ -119,6 +142,10 @@ class _Connection(asyncio.Protocol):
         for frame in frames:
             box = streams.get(frame.sid)
             if box is None:
+                if frame.sid == 0 and type(frame) is Err:  # the worker refused the connection
+                    self._fail_all(from_wire(frame.kind, frame.message))
+                    return
+                self.foreign_frames += 1
                 continue
             kind = type(frame)
             if kind is Out:
@@ -165,7 +192,9 @@ class TcpClient:
         address: str,
         connect_timeout: float = 5.0,
         response_timeout: float | None = None,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
+        self.secret = auth.resolve(secret)
         host, _, port = address.rpartition(":")
         self.address = address
         self._host = host.strip("[]")
@@ -190,15 +219,29 @@ class TcpClient:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        secret = self.secret
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self.address), self._host, self._port),
+                loop.create_connection(lambda: _Connection(self.address, secret), self._host, self._port),
                 self.connect_timeout,
             )
         except TimeoutError:
             raise ConnectionTimeout(f"connecting to worker {self.address} took over {self.connect_timeout} s") from None
         except OSError as exc:
             raise CannotConnect(f"cannot connect to worker {self.address}: {exc.strerror or exc}") from None
+        if conn.gate is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(conn.gate.ready), self.connect_timeout)
+            except BaseException as exc:
+                if conn.transport is not None:
+                    conn.transport.close()
+                if isinstance(exc, TimeoutError):
+                    raise ConnectionTimeout(
+                        f"worker {self.address} did not finish the cluster-secret handshake within {self.connect_timeout} s"
+                    ) from None
+                if isinstance(exc, AuthError):
+                    raise CannotConnect(f"cannot connect to worker {self.address}: {exc.message}") from None
+                raise
         self._conn = conn
         return conn
 

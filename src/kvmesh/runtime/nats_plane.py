@@ -25,6 +25,14 @@ The worker end of a call-home connection is the TCP plane's own connection proto
 same handler loop (Ack, Out per item, End, typed Err, backpressure), maps Ctl frames
 to the stream's context and kills every stream it carries when the connection drops.
 
+Trust: stream ids are random 63-bit numbers drawn by the call-home server, and a
+stream is bound to the call-home connection whose ``Ack`` claimed it first; ``Out``,
+``End`` and ``Err`` frames for it from any other connection are dropped and counted
+(``CallHomeServer.foreign_frames``). With a cluster secret (:mod:`kvmesh.runtime.auth`)
+every request message carries an HMAC over its subject, stream id, call-home address
+and payload, which the worker checks before it dials anything, and the call-home
+connection starts with the mutual handshake (channel ``callhome``).
+
 Failures come out of :meth:`NatsRequestClient.stream` typed like the TCP plane's:
 ``CannotConnect`` (no responders, NATS unreachable), ``ConnectionTimeout`` (no reply
 to the NATS request in time), ``ResponseTimeout`` (the worker accepted but never
@@ -35,7 +43,9 @@ called home, or sent no first item within ``response_timeout``), ``Disconnected`
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -56,10 +66,14 @@ from kvmesh.errors import (
     ResponseTimeout,
     from_wire,
 )
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import AuthError, ClusterSecret, Handshake, ProtocolHandshake
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import (
     KILL,
     MAX_FRAME_BYTES,
+    MAX_REQUEST_FRAME,
+    MAX_STREAMS,
     STOP,
     Ack,
     Ctl,
@@ -85,6 +99,7 @@ __all__ = [
     "connect_nats",
     "sync_with_server",
     "request_subject",
+    "request_mac",
 ]
 
 log = logging.getLogger(__name__)
@@ -98,6 +113,12 @@ class NatsRequest(msgspec.Struct, array_like=True):
     sid: int
     callhome: str
     payload: msgspec.Raw
+    mac: bytes = b""  # HMAC of the cluster secret (see request_mac); empty without one
+
+
+def request_mac(secret: ClusterSecret, subject: str, sid: int, callhome: str, payload: bytes) -> bytes:
+    sid_bytes = sid.to_bytes(9, "little", signed=True)  # any msgpack integer fits
+    return secret.sign("nats-request", subject.encode(), sid_bytes, callhome.encode(), bytes(payload))
 
 
 class NatsReply(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -213,7 +234,9 @@ class NatsRequestServer:
         component: str,
         lease_id: int,
         connect_timeout: float = 5.0,
-        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_frame_bytes: int = MAX_REQUEST_FRAME,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
         self.nc = nc
@@ -222,6 +245,12 @@ class NatsRequestServer:
         self.lease_id = lease_id
         self.connect_timeout = connect_timeout
         self.max_frame_bytes = max_frame_bytes
+        # read by the shared _Conn
+        self.secret = auth.resolve(secret)
+        self.channel = "callhome"
+        self.max_streams = max_streams
+        self.foreign_frames = 0
+        self.unsigned = 0  # requests refused: no valid MAC
         self.endpoints: dict[str, Handler] = {}
         self._subs: dict[str, Subscription] = {}
         self._by_subject: dict[str, str] = {}
@@ -294,8 +323,9 @@ class NatsRequestServer:
             return
         try:
             req = self._decode_request(msg.data)
+            self._check_mac(msg.subject, req)
             _split_address(req.callhome)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             await self._reply(msg, NatsReply(InvalidArgument.kind, f"malformed request on {msg.subject}: {exc}"))
             return
         except InvalidArgument as exc:
@@ -308,6 +338,15 @@ class NatsRequestServer:
             conn._open(Req(req.sid, endpoint, req.payload))  # Ack, then the handler loop in a task
         else:
             self._spawn(self._call_home(Req(req.sid, endpoint, req.payload), req.callhome))
+
+    def _check_mac(self, subject: str, req: NatsRequest) -> None:
+        secret = self.secret
+        if secret is None:
+            return
+        if not hmac.compare_digest(req.mac, request_mac(secret, subject, req.sid, req.callhome, req.payload)):
+            self.unsigned += 1
+            log.warning("refusing a request on %s: not signed with this fleet's cluster secret", subject)
+            raise AuthError(f"request on {subject} refused: not signed with the cluster secret")
 
     async def _reply(self, msg: Msg, reply: NatsReply | None) -> bool:
         try:
@@ -345,11 +384,21 @@ class NatsRequestServer:
 
     async def _dial(self, address: str) -> _Conn:
         host, port = _split_address(address)
-        connecting = asyncio.get_running_loop().create_connection(lambda: _Conn(self), host, port)  # type: ignore[arg-type]
+        connecting = asyncio.get_running_loop().create_connection(lambda: _Conn(self, client=True), host, port)  # type: ignore[arg-type]
         try:
             _, conn = await asyncio.wait_for(connecting, self.connect_timeout)
         except TimeoutError:
             raise ConnectionTimeout(f"calling home to {address} took over {self.connect_timeout} s") from None
+        except OSError as exc:
+            raise CannotConnect(f"cannot call home to {address}: {exc.strerror or exc}") from None
+        try:
+            if conn.gate is not None:
+                await asyncio.wait_for(asyncio.shield(conn.gate.ready), self.connect_timeout)
+        except TimeoutError:
+            conn.close()
+            raise ConnectionTimeout(f"calling home to {address} took over {self.connect_timeout} s") from None
+        except AuthError as exc:
+            raise CannotConnect(f"cannot call home to {address}: {exc.message}") from None
         except OSError as exc:
             raise CannotConnect(f"cannot call home to {address}: {exc.strerror or exc}") from None
         # forget connections to callers that went away
@@ -437,6 +486,7 @@ class _HomeConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.sids: set[int] = set()
+        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -448,8 +498,13 @@ class _HomeConn(asyncio.Protocol):
         if peer:
             self.peer = f"{peer[0]}:{peer[1]}"
         self._home._conns.add(self)
+        if self._home.secret is not None:
+            hs = Handshake(self._home.secret, "callhome", client=False, peer=f"worker {self.peer}")
+            self.auth = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.auth is not None:
+            self.auth.lost()
         self._home._conns.discard(self)
         self.transport = None
         self._writer.transport = None
@@ -458,6 +513,14 @@ class _HomeConn(asyncio.Protocol):
             self._home._end(sid, Disconnected(f"call-home connection from worker {self.peer} lost"))
 
     def data_received(self, data: bytes) -> None:
+        if self.auth is not None:
+            rest = self.auth.feed(data)
+            if rest is None:
+                return
+            self.auth = None
+            if not rest:
+                return
+            data = rest
         try:
             frames = self._reader.feed(data)
         except InvalidArgument as exc:
@@ -469,12 +532,17 @@ class _HomeConn(asyncio.Protocol):
         streams = home.streams
         for frame in frames:
             kind = type(frame)
-            if kind is Out:
-                stream = streams.get(frame.sid)
-                if stream is not None:
-                    stream.box.put(frame.payload)
-            elif kind is Ack:
+            if kind is Ack:
                 home._bind(frame.sid, self)
+                continue
+            stream = streams.get(frame.sid)
+            if stream is None:
+                continue  # ended here already (the caller left, or timed out)
+            if stream.conn is not self:
+                home.foreign_frames += 1  # another connection's stream, or not yet acknowledged
+                continue
+            if kind is Out:
+                stream.box.put(frame.payload)
             elif kind is End:
                 self.sids.discard(frame.sid)
                 home._end(frame.sid, None)
@@ -502,13 +570,15 @@ class CallHomeServer:
         port: int = 0,
         advertise_host: str | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         self.host = host
         self.port = port
         self.advertise_host = advertise_host or host
         self.max_frame_bytes = max_frame_bytes
+        self.secret = auth.resolve(secret)
         self.streams: dict[int, _Stream] = {}
-        self._next_sid = 1
+        self.foreign_frames = 0  # frames for a stream bound to another connection (or to none yet)
         self._server: asyncio.base_events.Server | None = None
         self._starting: asyncio.Task[None] | None = None
         self._conns: set[_HomeConn] = set()
@@ -542,8 +612,11 @@ class CallHomeServer:
 
     # -- streams (called by NatsRequestClient and _HomeConn)
     def _open(self, box: _Mailbox) -> _Stream:
-        stream = _Stream(self._next_sid, box)
-        self._next_sid += 1
+        # Random, so that nobody can guess the ids of other callers' streams.
+        sid = secrets.randbits(63)
+        while sid == 0 or sid in self.streams:
+            sid = secrets.randbits(63)
+        stream = _Stream(sid, box)
         self.streams[stream.sid] = stream
         return stream
 
@@ -552,6 +625,10 @@ class CallHomeServer:
         if stream is None:
             # The caller already left (or timed out): end the worker's stream too.
             conn.control(sid, KILL)
+            return
+        if stream.conn is not None:
+            if stream.conn is not conn:
+                self.foreign_frames += 1  # claimed by another connection first
             return
         stream.conn = conn
         conn.sids.add(sid)
@@ -696,7 +773,10 @@ class NatsRequestClient:
             stream.ack_timer = loop.call_later(self.connect_timeout, self._no_call_home, stream, subject)
 
     async def _request(self, subject: str, stream: _Stream, payload: bytes) -> None:
-        data = self._encode(NatsRequest(stream.sid, self.callhome.address, msgspec.Raw(payload)))
+        home = self.callhome.address
+        secret = self.callhome.secret
+        mac = request_mac(secret, subject, stream.sid, home, payload) if secret is not None else b""
+        data = self._encode(NatsRequest(stream.sid, home, msgspec.Raw(payload), mac))
         try:
             msg = await self.nc.request(subject, data, timeout=self.connect_timeout)
         except nats.errors.NoRespondersError:

@@ -67,6 +67,7 @@ class _Conn(asyncio.Protocol):
         self._paused: asyncio.Future[None] | None = None
         self._client = client
         self.auth: ProtocolHandshake | None = None  # set while the handshake runs
+        self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
         self.peer = "?"
 
     # -- asyncio.Protocol
@@ -83,7 +84,7 @@ class _Conn(asyncio.Protocol):
         if secret is not None:
             what = "caller" if not self._client else "call-home server"
             hs = Handshake(secret, self._server.channel, self._client, f"{what} {self.peer}")
-            self.auth = ProtocolHandshake(hs, transport)
+            self.auth = self.gate = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.auth is not None:

@@ -181,6 +181,14 @@ class Handshake:
     def start(self) -> bytes:
         return MAGIC + self._mine if self.client else b""
 
+    def need(self) -> int:
+        """Bytes still missing for the next step (so a stream reader never reads past it)."""
+        if self.client:
+            return len(MAGIC) + _NONCE + _MAC - len(self._buf)
+        if self._state == "hello":
+            return len(MAGIC) + _NONCE - len(self._buf)
+        return _MAC - len(self._buf)
+
     def _proof(self, role: bytes, cn: bytes, sn: bytes) -> bytes:
         return self._secret.mac(role, self._channel, cn, sn)
 
@@ -246,16 +254,17 @@ async def handshake_streams(
     hs: Handshake,
     timeout: float = HANDSHAKE_TIMEOUT_S,
 ) -> bytes:
-    """Run ``hs`` over an asyncio stream pair; returns the bytes read past it.
+    """Run ``hs`` over an asyncio stream pair, reading nothing past it (returns b"").
 
-    Raises :class:`AuthError` (mismatch, or the peer closed or stalled mid-way)."""
+    Raises :class:`AuthError` (mismatch, or the peer closed or stalled mid-way); the
+    caller logs it and closes the connection."""
 
     async def run() -> bytes:
         first = hs.start()
         if first:
             writer.write(first)
         while True:
-            data = await reader.read(4096)
+            data = await reader.read(max(1, hs.need()))  # never past the handshake
             if not data:
                 raise AuthError(f"{hs.peer} closed the connection during the cluster-secret handshake")
             try:

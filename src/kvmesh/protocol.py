@@ -406,6 +406,7 @@ class InstanceInfo(msgspec.Struct, omit_defaults=True):
     event_address: str = ""
     kv: KvEndpoint | None = None
     metrics_address: str = ""  # the worker's Prometheus endpoint (host:port), when it serves one
+    mac: str = ""  # with a cluster secret: HMAC (hex) of the key and this record with mac "" (runtime/distributed.py)
 
 
 # The only names a ModelFiles may carry (what a frontend needs from a model folder: no

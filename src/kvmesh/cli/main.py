@@ -130,6 +130,26 @@ def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
     )
 
 
+def _add_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster-secret-file", default=None, metavar="FILE",
+        help="the fleet's shared secret: internal connections are authenticated and discovery records and NATS"
+        " messages signed (KVMESH_CLUSTER_SECRET_FILE, or the secret itself in KVMESH_CLUSTER_SECRET;"
+        " kvmesh run makes a random one by default)",
+    )  # fmt: skip
+
+
+def _apply_cluster_secret(ns: argparse.Namespace) -> None:
+    """The flag goes into the environment (child processes inherit it); the secret is
+    read and checked now, so a bad file is one line at start-up (ValueError)."""
+    from kvmesh.runtime import auth
+
+    path = getattr(ns, "cluster_secret_file", None)
+    if path:
+        os.environ[auth.SECRET_FILE_ENV] = os.path.abspath(path)
+    auth.process_secret()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="Distributed LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
     run.add_argument("--prefill-workers", type=int, default=0, help="disaggregated: prefill worker processes")
     run.add_argument("--decode-workers", type=int, default=0, help="disaggregated: decode worker processes")
+    _add_secret_arg(run)
 
     frontend = sub.add_parser("frontend", help="serve the HTTP API for the workers that discovery (or --static-workers) names")
     _add_frontend_args(frontend)
@@ -149,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated host:port of static workers: no discovery at all (KVMESH_STATIC_WORKERS)",
     )  # fmt: skip
     frontend.add_argument("--model-path", default=None, help="load this model folder now (optional: models come from workers)")
+    _add_secret_arg(frontend)
 
     from kvmesh.cli.canary import add_canary_args
     from kvmesh.cli.replay import add_replay_args
@@ -171,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--prefill-queue", default="",
                         help="distributed: JetStream on --nats-url (default); embedded: tcp://host:port of kvmesh run's queue")
     worker.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    _add_secret_arg(worker)
     return parser
 
 
@@ -248,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
+        _apply_cluster_secret(ns)
         if ns.command == "run":
             cfg = RunConfig(
                 frontend=_frontend_config(ns),

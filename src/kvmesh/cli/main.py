@@ -115,6 +115,15 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-plane", default=_env("request_plane", d.request_plane), help=f"KVMESH_REQUEST_PLANE: {'|'.join(REQUEST_PLANES)}")
     g.add_argument("--event-plane", default=_env("event_plane", d.event_plane), help=f"KVMESH_EVENT_PLANE: {'|'.join(EVENT_PLANES)}")
     g.add_argument("--host", default=_env("host", d.host), help="KVMESH_HOST: address to bind and advertise")
+    s = p.add_argument_group("secured etcd / NATS (the etcd password only from KVMESH_ETCD_PASSWORD)")
+    s.add_argument("--etcd-ca", default=_env("etcd_ca_file", ""), help="KVMESH_ETCD_CA: CA bundle for https:// endpoints")
+    s.add_argument("--etcd-cert", default=_env("etcd_cert_file", ""), help="KVMESH_ETCD_CERT: client certificate")
+    s.add_argument("--etcd-key", default=_env("etcd_key_file", ""), help="KVMESH_ETCD_KEY: client key")
+    s.add_argument("--etcd-user", default=_env("etcd_user", ""), help="KVMESH_ETCD_USER (password: KVMESH_ETCD_PASSWORD)")
+    s.add_argument("--nats-creds", default=_env("nats_creds_file", ""), help="KVMESH_NATS_CREDS: NATS credentials file (JWT + nkey)")
+    s.add_argument("--nats-ca", default=_env("nats_ca_file", ""), help="KVMESH_NATS_CA: CA bundle for tls:// servers")
+    s.add_argument("--nats-cert", default=_env("nats_cert_file", ""), help="KVMESH_NATS_CERT: client certificate")
+    s.add_argument("--nats-key", default=_env("nats_key_file", ""), help="KVMESH_NATS_KEY: client key")
 
 
 def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
@@ -127,6 +136,15 @@ def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
         request_plane=ns.request_plane,
         event_plane=ns.event_plane,
         host=ns.host,
+        etcd_ca_file=ns.etcd_ca,
+        etcd_cert_file=ns.etcd_cert,
+        etcd_key_file=ns.etcd_key,
+        etcd_user=ns.etcd_user,
+        etcd_password=os.environ.get("KVMESH_ETCD_PASSWORD", ""),
+        nats_creds_file=ns.nats_creds,
+        nats_ca_file=ns.nats_ca,
+        nats_cert_file=ns.nats_cert,
+        nats_key_file=ns.nats_key,
     )
 
 

@@ -146,14 +146,29 @@ class DistributedRuntime:
 
             c = self.config
             self._discovery = make_discovery(
-                c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir
-            )
+                c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir,
+                etcd_credentials=self._etcd_credentials(),
+            )  # fmt: skip
         await self._discovery.connect()
         self.lease = await self._discovery.grant_lease(self.config.lease_ttl_s)
         if self.config.needs_nats:
-            from kvmesh.runtime.nats_plane import connect_nats
+            await self._connect_nats()
 
-            self.nats = await connect_nats(self.config.nats_url)
+    def _etcd_credentials(self) -> Any:
+        c = self.config
+        if c.discovery != "etcd":
+            return None
+        from kvmesh.runtime.discovery.etcd import EtcdCredentials
+
+        return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
+
+    async def _connect_nats(self) -> None:
+        """NATS with the configured credentials file and TLS files (if any)."""
+        from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
+
+        c = self.config
+        tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
+        self.nats = await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
 
     @property
     def discovery(self) -> Discovery:
@@ -222,9 +237,7 @@ class DistributedRuntime:
         """A request-plane client that reaches ``info`` over its own transport."""
         if info.transport == "nats":
             if self.nats is None:
-                from kvmesh.runtime.nats_plane import connect_nats
-
-                self.nats = await connect_nats(self.config.nats_url)
+                await self._connect_nats()
             if self._callhome is None:
                 from kvmesh.runtime.nats_plane import CallHomeServer
 

@@ -45,8 +45,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import secrets
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -100,6 +102,7 @@ __all__ = [
     "sync_with_server",
     "request_subject",
     "request_mac",
+    "nats_tls_context",
 ]
 
 log = logging.getLogger(__name__)
@@ -150,17 +153,40 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def nats_tls_context(ca_file: str = "", cert_file: str = "", key_file: str = "") -> ssl.SSLContext | None:
+    """A client TLS context for NATS from PEM files; None when none is given (a
+    ``tls://`` server URL then uses nats-py's default context)."""
+    if not (ca_file or cert_file or key_file):
+        return None
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("a NATS client certificate needs both --nats-cert and --nats-key")
+    ctx = ssl.create_default_context(cafile=ca_file or None)
+    if cert_file:
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+def _redact(servers: str | list[str]) -> str:
+    """Server URLs without their user:password (never echoed in a message)."""
+    urls = [servers] if isinstance(servers, str) else servers
+    return ",".join(re.sub(r"//[^/@]*@", "//***@", u) for u in urls)
+
+
 async def connect_nats(
     servers: str | list[str],
     *,
     name: str | None = None,
     connect_timeout: float = 2.0,
     first_connect_attempts: int = 3,
+    user_credentials: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> NatsClient:
     """Connect to NATS; once connected, reconnect forever (every 0.5 s) after a loss.
 
     Raises :class:`CannotConnect` when no server answers within about
-    ``first_connect_attempts`` × (``connect_timeout`` + 0.5 s).
+    ``first_connect_attempts`` × (``connect_timeout`` + 0.5 s). ``user_credentials``
+    (a NATS ``.creds`` file) and ``tls`` go to nats-py as they are; a password in a URL
+    is never echoed in a message.
     """
 
     client: list[NatsClient] = []  # set once connected; the callbacks only log
@@ -189,9 +215,11 @@ async def connect_nats(
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
+            **({"user_credentials": user_credentials} if user_credentials else {}),
+            **({"tls": tls} if tls is not None else {}),
         )
     except (OSError, nats.errors.Error) as exc:
-        raise CannotConnect(f"cannot connect to NATS at {servers}: {exc or type(exc).__name__}") from None
+        raise CannotConnect(f"cannot connect to NATS at {_redact(servers)}: {exc or type(exc).__name__}") from None
     nc.options["max_reconnect_attempts"] = -1
     client.append(nc)
     return nc

@@ -95,3 +95,60 @@ async def test_the_file_discovery_directory_is_private_and_refused_if_another_us
     os.chown(theirs, 4321, 4321)
     with pytest.raises(InvalidArgument, match="owned by user 4321"):
         await FileDiscovery(theirs).connect()
+
+
+async def test_a_record_that_cannot_be_processed_in_time_does_not_stall_the_watch(caplog):
+    """A rogue worker that never answers (its model files) is skipped after the record
+    timeout; a real worker registered right after it is attached meanwhile."""
+    from kvmesh.config import RuntimeConfig
+    from kvmesh.protocol import EngineConfig, InstanceInfo
+    from kvmesh.runtime.discovery.memory import MemoryDiscovery, MemoryStore
+    from kvmesh.runtime.distributed import DistributedRuntime, call
+
+    never = asyncio.Event()
+
+    async def stall(payload, ctx):
+        await never.wait()
+        yield 1
+
+    async def info(payload, ctx):
+        yield "ok"
+
+    rogue, real = TcpServer(secret=None), TcpServer(secret=None)
+    rogue.register("info", stall)
+    real.register("info", info)
+    await rogue.start()
+    await real.start()
+    runtime = DistributedRuntime(RuntimeConfig(discovery="memory"), MemoryDiscovery(MemoryStore()), secret=None)
+    await runtime.start()
+    attached: list[int] = []
+
+    async def on_added(i: InstanceInfo, client) -> None:
+        await call(client, "info")  # the rogue never answers this
+        attached.append(i.worker_id)
+
+    async def on_removed(worker_id: int) -> None:
+        pass
+
+    endpoint = runtime.namespace().component("backend").endpoint("generate")
+    client = endpoint.client(on_added, on_removed, record_timeout_s=3.0)
+    await client.start()
+    try:
+        engine = EngineConfig("m", "m", 2048, 16, 1024, 8, 2048)
+        for wid, server in ((0xBAD, rogue), (0x600D, real)):
+            record = msgspec.json.encode(InstanceInfo(wid, server.address, engine))
+            await runtime.discovery.put(f"{endpoint.prefix}{wid:x}", record)
+        while 0x600D not in attached and client.skipped == 0:
+            await asyncio.sleep(0.01)
+        # attached while the rogue's record was still being processed: the watch went on
+        assert 0x600D in attached and client.skipped == 0, "the watch stalled behind the rogue's record"
+        while client.skipped < 1:
+            await asyncio.sleep(0.05)
+        assert "not processed within 3 s" in caplog.text
+        assert attached == [0x600D] and 0xBAD not in client.known
+    finally:
+        never.set()
+        await client.close()
+        await runtime.shutdown()
+        await rogue.close()
+        await real.close()

@@ -106,6 +106,35 @@ def test_reassembly_is_linear_in_the_frame_size():
     assert chunked < 25 * once + 0.05, (chunked, once)
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+async def test_length_prefixes_under_the_limit_allocate_only_what_arrived():
+    """50 connections each announce a frame just under the limit (16 MiB) and send 10
+    bytes of it: the server holds 10 bytes per connection, not 16 MiB (RSS flat)."""
+    server = await _server()
+    writers = []
+    try:
+        host, port = server.address.split(":")
+        before = _rss_bytes()
+        for _ in range(50):
+            _, w = await asyncio.open_connection(host, int(port))
+            w.write(struct.pack(">I", 16 * 1024 * 1024 - 1) + b"0123456789")
+            writers.append(w)
+        for w in writers:
+            await w.drain()
+        while sum(c._reader.buffered for c in server._conns) < 50 * 14:
+            await asyncio.sleep(0.01)
+        assert sum(c._reader.buffered for c in server._conns) == 50 * 14
+        assert _rss_bytes() - before < 64 * 1024 * 1024  # 50 × 16 MiB would be 800 MiB
+    finally:
+        for w in writers:
+            w.close()
+        await server.close()
+
+
 async def test_streams_per_connection_are_capped():
     server = await _server(max_streams=4)
     client = TcpClient(server.address, secret=None)

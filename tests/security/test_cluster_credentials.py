@@ -5,7 +5,6 @@ never echoed in an error."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,26 +14,10 @@ from kvmesh.errors import CannotConnect, KvmeshError
 from kvmesh.runtime.discovery.etcd import EtcdCredentials, EtcdDiscovery
 from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
 from tests.helpers import free_port
+from tests.security.certs import make_certs
 from tests.services import _stop, _wait_port, binary
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.processes]
-
-
-def _certs(d: Path) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kvmesh test CA")
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
-    for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext")  # fmt: skip
-    return {n: str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 @contextlib.contextmanager
@@ -78,7 +61,7 @@ async def test_etcd_with_auth(etcd):
 
 
 async def test_etcd_over_tls_with_a_client_certificate(tmp_path):
-    c = _certs(tmp_path)
+    c = make_certs(tmp_path)
     port, peer = free_port(), free_port()
     url = f"https://127.0.0.1:{port}"
     cmd = [binary("etcd"), "--name", "tls", "--data-dir", str(tmp_path / "data"),
@@ -99,7 +82,7 @@ async def test_etcd_over_tls_with_a_client_certificate(tmp_path):
 
 
 async def test_nats_over_tls_with_a_password_that_is_never_echoed(tmp_path):
-    c = _certs(tmp_path)
+    c = make_certs(tmp_path)
     port = free_port()
     cmd = [binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "--tls", "--tlscert", c["server.pem"],
            "--tlskey", c["server.key"], "--user", "kv", "--pass", "n4ts-pw"]  # fmt: skip

@@ -155,6 +155,9 @@ def _add_secret_arg(p: argparse.ArgumentParser) -> None:
         " messages signed (KVMESH_CLUSTER_SECRET_FILE, or the secret itself in KVMESH_CLUSTER_SECRET;"
         " kvmesh run makes a random one by default)",
     )  # fmt: skip
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="mutual TLS on internal TCP connections: this process's certificate (KVMESH_TLS_CERT)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (KVMESH_TLS_KEY)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="the fleet's CA: peers must present a certificate it signed (KVMESH_TLS_CA)")
 
 
 def _apply_cluster_secret(ns: argparse.Namespace) -> None:
@@ -166,6 +169,11 @@ def _apply_cluster_secret(ns: argparse.Namespace) -> None:
     if path:
         os.environ[auth.SECRET_FILE_ENV] = os.path.abspath(path)
     auth.process_secret()
+    for name, env in auth.TLS_ENV.items():
+        value = getattr(ns, f"tls_{name}", None)
+        if value:
+            os.environ[env] = os.path.abspath(value)
+    auth.process_tls()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,7 +45,7 @@ from kvmesh.engines.base import Engine
 from kvmesh.errors import CannotConnect, Disconnected, InvalidArgument, KvmeshError
 from kvmesh.protocol import KvEndpoint, KvLayout
 from kvmesh.runtime import auth
-from kvmesh.runtime.auth import AuthError, ClusterSecret, Handshake, handshake_streams
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, TlsContexts, handshake_streams
 
 __all__ = [
     "KvOp",
@@ -145,11 +145,13 @@ class KvTransferServer:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         self.engine = engine
         self.host = host
         self.port = port
         self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
         self.refused = 0  # operations refused before their payload was read
         self.stats = TransferStats()
         self._expected: dict[str, _Expected] = {}
@@ -157,7 +159,8 @@ class KvTransferServer:
         self._conns: dict[asyncio.StreamWriter, asyncio.Task[None] | None] = {}
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        tls = {} if self.tls is None else {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, **tls)  # type: ignore[arg-type]
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property
@@ -222,6 +225,9 @@ class KvTransferServer:
                     return
                 if self.secret is None and auth.looks_like_handshake(header):
                     log.warning("refusing %s: it sent a cluster-secret handshake but this process has no cluster secret", peer_name)
+                    return
+                if self.tls is None and auth.looks_like_tls(header):
+                    log.warning("refusing %s: it speaks TLS but this process has no --tls-cert/--tls-key/--tls-ca", peer_name)
                     return
                 op = _decode_op(await _read_sized(reader, _LEN.unpack(header)[0], MAX_HEADER))
                 refusal = self._check(op)
@@ -355,10 +361,12 @@ class TcpKvConnector(KvConnector):
         convert: LayoutConverter = convert_layout,
         connect_timeout_s: float = 5.0,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         self.convert = convert
         self.connect_timeout_s = connect_timeout_s
         self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
         self.stats = TransferStats()
         self._links: dict[str, _Link] = {}
 
@@ -368,7 +376,8 @@ class TcpKvConnector(KvConnector):
             return link
         host, _, port = address.rpartition(":")
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.connect_timeout_s)
+            tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": host}
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), **tls), self.connect_timeout_s)  # type: ignore[arg-type]
         except (OSError, TimeoutError) as exc:
             raise CannotConnect(f"cannot reach the KV-transfer server at {address}: {exc}") from None
         if self.secret is not None:

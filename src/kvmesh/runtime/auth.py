@@ -25,6 +25,13 @@ closes, so both sides log the mismatch; nothing waits longer than the handshake
 timeout.
 
 Without a secret nothing changes on the wire (no handshake, no MACs).
+
+TLS (optional, :class:`TlsContexts`): ``--tls-cert/--tls-key/--tls-ca`` (or
+``KVMESH_TLS_CERT``/``KVMESH_TLS_KEY``/``KVMESH_TLS_CA``) put every internal TCP
+connection (request plane, call-home, KV transfer) inside mutual TLS: each side shows
+a certificate signed by the fleet's CA and checks the other's against it. Peers are
+identified by the CA, not by host names (workers advertise addresses, often IPs).
+The cluster-secret handshake then runs inside TLS, so both can be used together.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import hmac
 import logging
 import os
 import secrets
+import ssl
+from dataclasses import dataclass
 from typing import Final
 
 from kvmesh.errors import InvalidArgument
@@ -54,6 +63,11 @@ __all__ = [
     "handshake_streams",
     "HANDSHAKE_TIMEOUT_S",
     "ProtocolHandshake",
+    "TlsContexts",
+    "process_tls",
+    "resolve_tls",
+    "looks_like_tls",
+    "TLS_ENV",
 ]
 
 log = logging.getLogger("kvmesh.auth")
@@ -148,6 +162,54 @@ def resolve(secret: ClusterSecret | None | _FromEnv) -> ClusterSecret | None:
 def new_secret_hex() -> str:
     """A fresh random secret (256 bits, hex) for ``kvmesh run``'s own processes."""
     return secrets.token_hex(32)
+
+
+TLS_ENV: Final = {"cert": "KVMESH_TLS_CERT", "key": "KVMESH_TLS_KEY", "ca": "KVMESH_TLS_CA"}
+
+
+@dataclass(frozen=True)
+class TlsContexts:
+    """The two ends of mutual TLS for internal connections: ``server`` for listeners,
+    ``client`` for dialers; both present ``cert`` and require a peer signed by ``ca``."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+    @classmethod
+    def from_files(cls, cert: str, key: str, ca: str) -> TlsContexts:
+        if not (cert and key and ca):
+            raise ValueError("TLS for internal connections needs --tls-cert, --tls-key and --tls-ca together")
+        try:
+            server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+            server.load_cert_chain(cert, key)
+            server.verify_mode = ssl.CERT_REQUIRED
+            client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+            client.check_hostname = False  # the fleet CA identifies members; see the module docstring
+            client.verify_mode = ssl.CERT_REQUIRED
+            client.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the TLS files ({cert}, {key}, {ca}): {exc}") from None
+        return cls(server, client)
+
+
+_tls_cache: dict[tuple[str, str, str], TlsContexts | None] = {}
+
+
+def process_tls() -> TlsContexts | None:
+    """This process's TLS contexts from ``KVMESH_TLS_*`` (None when unset)."""
+    key = (os.environ.get(TLS_ENV["cert"], ""), os.environ.get(TLS_ENV["key"], ""), os.environ.get(TLS_ENV["ca"], ""))
+    if key not in _tls_cache:
+        _tls_cache[key] = TlsContexts.from_files(*key) if any(key) else None
+    return _tls_cache[key]
+
+
+def resolve_tls(tls: TlsContexts | None | _FromEnv) -> TlsContexts | None:
+    return process_tls() if isinstance(tls, _FromEnv) else tls
+
+
+def looks_like_tls(data: bytes) -> bool:
+    """A TLS ClientHello (record type 22, version 3.x)."""
+    return len(data) >= 2 and data[0] == 0x16 and data[1] == 0x03
 
 
 def looks_like_handshake(data: bytes) -> bool:

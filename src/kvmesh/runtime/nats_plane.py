@@ -69,7 +69,7 @@ from kvmesh.errors import (
     from_wire,
 )
 from kvmesh.runtime import auth
-from kvmesh.runtime.auth import AuthError, ClusterSecret, Handshake, ProtocolHandshake
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import (
     KILL,
@@ -265,8 +265,10 @@ class NatsRequestServer:
         max_frame_bytes: int = MAX_REQUEST_FRAME,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
         max_streams: int = MAX_STREAMS,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
+        self.tls = auth.resolve_tls(tls)
         self.nc = nc
         self.namespace = namespace
         self.component = component
@@ -412,7 +414,8 @@ class NatsRequestServer:
 
     async def _dial(self, address: str) -> _Conn:
         host, port = _split_address(address)
-        connecting = asyncio.get_running_loop().create_connection(lambda: _Conn(self, client=True), host, port)  # type: ignore[arg-type]
+        tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": host, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
+        connecting = asyncio.get_running_loop().create_connection(lambda: _Conn(self, client=True), host, port, **tls)  # type: ignore[arg-type]
         try:
             _, conn = await asyncio.wait_for(connecting, self.connect_timeout)
         except TimeoutError:
@@ -599,9 +602,11 @@ class CallHomeServer:
         advertise_host: str | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         self.host = host
         self.port = port
+        self.tls = auth.resolve_tls(tls)
         self.advertise_host = advertise_host or host
         self.max_frame_bytes = max_frame_bytes
         self.secret = auth.resolve(secret)
@@ -625,7 +630,8 @@ class CallHomeServer:
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _HomeConn(self), self.host, self.port)
+        tls = {} if self.tls is None else {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
+        server = await loop.create_server(lambda: _HomeConn(self), self.host, self.port, **tls)  # type: ignore[arg-type]
         self.port = server.sockets[0].getsockname()[1]
         self._server = server
 

@@ -28,7 +28,7 @@ import msgspec
 
 from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, InvalidArgument, ResponseTimeout, from_wire
 from kvmesh.runtime import auth
-from kvmesh.runtime.auth import AuthError, ClusterSecret, Handshake, ProtocolHandshake
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
 
@@ -193,8 +193,10 @@ class TcpClient:
         connect_timeout: float = 5.0,
         response_timeout: float | None = None,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
         host, _, port = address.rpartition(":")
         self.address = address
         self._host = host.strip("[]")
@@ -220,9 +222,10 @@ class TcpClient:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         secret = self.secret
+        tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": self._host, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self.address, secret), self._host, self._port),
+                loop.create_connection(lambda: _Connection(self.address, secret), self._host, self._port, **tls),  # type: ignore[arg-type]
                 self.connect_timeout,
             )
         except TimeoutError:

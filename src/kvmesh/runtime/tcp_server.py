@@ -30,7 +30,7 @@ import msgspec
 
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted
 from kvmesh.runtime import auth
-from kvmesh.runtime.auth import ClusterSecret, Handshake, ProtocolHandshake
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import (
     KILL,
@@ -116,14 +116,7 @@ class _Conn(asyncio.Protocol):
             if not rest:
                 return
             data = rest
-        elif self._server.secret is None and not self._streams and auth.looks_like_handshake(data):
-            log.warning(
-                "refusing connection from %s: it sent a cluster-secret handshake but this process has no"
-                " cluster secret (set --cluster-secret-file or KVMESH_CLUSTER_SECRET_FILE)",
-                self.peer,
-            )
-            if self._transport is not None:
-                self._transport.close()
+        elif not self._streams and self._reader.buffered == 0 and self._refuse_unexpected(data):
             return
         try:
             frames = self._reader.feed(data)
@@ -143,6 +136,19 @@ class _Conn(asyncio.Protocol):
                 log.warning("%s refused this connection: %s", self.peer, frame.message)
             else:
                 log.warning("ignoring unexpected frame %s from a caller", type(frame).__name__)
+
+    def _refuse_unexpected(self, data: bytes) -> bool:
+        """A peer speaking a layer this process lacks (a handshake, TLS): one clear line."""
+        if self._server.secret is None and auth.looks_like_handshake(data):
+            why = "it sent a cluster-secret handshake but this process has no cluster secret (set --cluster-secret-file)"
+        elif getattr(self._server, "tls", None) is None and auth.looks_like_tls(data):
+            why = "it speaks TLS but this process has no --tls-cert/--tls-key/--tls-ca"
+        else:
+            return False
+        log.warning("refusing connection from %s: %s", self.peer, why)
+        if self._transport is not None:
+            self._transport.close()
+        return True
 
     # -- streams
     def _open(self, req: Req) -> None:
@@ -228,12 +234,14 @@ class TcpServer:
         max_frame_bytes: int = MAX_REQUEST_FRAME,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
         max_streams: int = MAX_STREAMS,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
         self.max_streams = max_streams
         self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
         self.foreign_frames = 0  # control frames naming no stream of their connection
         self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
@@ -247,10 +255,11 @@ class TcpServer:
 
     async def start(self, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
+        tls = {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S} if self.tls is not None else {}
         if sock is not None:
-            self._server = await loop.create_server(lambda: _Conn(self), sock=sock)
+            self._server = await loop.create_server(lambda: _Conn(self), sock=sock, **tls)  # type: ignore[arg-type]
         else:
-            self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port)
+            self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port, **tls)  # type: ignore[arg-type]
         self.port = self._server.sockets[0].getsockname()[1]
         self.started = True
 

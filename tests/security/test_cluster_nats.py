@@ -150,3 +150,29 @@ async def test_a_caller_with_another_secret_is_refused(nats, caplog):
         await home.close()
         await worker_nc.close()
         await caller_nc.close()
+
+
+async def test_prefill_jobs_not_signed_with_the_secret_are_dropped(nats, caplog):
+    from kvmesh.disagg.queue import JetStreamPrefillQueue
+    from kvmesh.protocol import PrefillJob, PreprocessedRequest, StopConditions
+
+    nc, rogue_nc = await connect_nats(nats.url), await connect_nats(nats.url)
+    real = JetStreamPrefillQueue(nc, "sec", secret=SECRET)
+    rogue = JetStreamPrefillQueue(rogue_nc, "sec", secret=None)
+    request = PreprocessedRequest(request_id="r", model="m", token_ids=[1, 2, 3], stop=StopConditions(max_tokens=1))
+    try:
+        await rogue.put(PrefillJob("forged", 1, request, [0], 0, 3))
+        await real.put(PrefillJob("real", 1, request, [0], 0, 3))
+        pulled = []
+        for _ in range(4):
+            delivery = await real.pull(2.0)
+            if delivery is not None:
+                pulled.append(delivery.job.job_id)
+                await delivery.ack()
+        assert pulled == ["real"]
+        assert "not signed with this fleet's cluster secret" in caplog.text
+    finally:
+        await real.close()
+        await rogue.close()
+        await nc.close()
+        await rogue_nc.close()

@@ -215,10 +215,6 @@ class LegacyFrameReader:
         self._decoder = msgspec.msgpack.Decoder(Frame)
         self._max = max_frame_bytes
 
-    @property
-    def buffered(self) -> int:
-        return len(self._buf)
-
     def feed(self, data: bytes) -> list[Any]:
         if self._buf:
             self._buf.extend(data)

@@ -66,6 +66,7 @@ class _Conn(asyncio.Protocol):
         self._streams: dict[int, Context] = {}
         self._paused: asyncio.Future[None] | None = None
         self._client = client
+        self._first = True  # nothing received yet
         self.auth: ProtocolHandshake | None = None  # set while the handshake runs
         self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
         self.peer = "?"
@@ -116,8 +117,10 @@ class _Conn(asyncio.Protocol):
             if not rest:
                 return
             data = rest
-        elif not self._streams and self._reader.buffered == 0 and self._refuse_unexpected(data):
-            return
+        elif self._first:
+            self._first = False
+            if self._refuse_unexpected(data):
+                return
         try:
             frames = self._reader.feed(data)
         except InvalidArgument as exc:

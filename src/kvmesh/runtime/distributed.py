@@ -152,7 +152,7 @@ class DistributedRuntime:
         await self._discovery.connect()
         self.lease = await self._discovery.grant_lease(self.config.lease_ttl_s)
         if self.config.needs_nats:
-            await self._connect_nats()
+            await self.connect_nats()
 
     def _etcd_credentials(self) -> Any:
         c = self.config
@@ -162,13 +162,16 @@ class DistributedRuntime:
 
         return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
 
-    async def _connect_nats(self) -> None:
-        """NATS with the configured credentials file and TLS files (if any)."""
-        from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
+    async def connect_nats(self) -> Any:
+        """This process's NATS client (connected on first use, closed at shutdown), with
+        the configured credentials file and TLS files (if any)."""
+        if self.nats is None:
+            from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
 
-        c = self.config
-        tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
-        self.nats = await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
+            c = self.config
+            tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
+            self.nats = await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
+        return self.nats
 
     @property
     def discovery(self) -> Discovery:
@@ -236,8 +239,7 @@ class DistributedRuntime:
     ) -> RequestClient:
         """A request-plane client that reaches ``info`` over its own transport."""
         if info.transport == "nats":
-            if self.nats is None:
-                await self._connect_nats()
+            await self.connect_nats()
             if self._callhome is None:
                 from kvmesh.runtime.nats_plane import CallHomeServer
 
@@ -389,6 +391,10 @@ class Client:
         if not record_is_signed(self.runtime.secret, key, info):
             self.skipped += 1
             log.warning("skipping discovery record %s: not signed with this fleet's cluster secret", key[:200])
+            return
+        if key[len(self.prefix) :] != f"{info.worker_id:x}":
+            self.skipped += 1  # a record in another instance's name
+            log.warning("skipping discovery record %s: it names instance %x", key[:200], info.worker_id)
             return
         if info.worker_id in self.known:
             self.known[info.worker_id] = info

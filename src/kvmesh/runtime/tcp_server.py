@@ -144,7 +144,7 @@ class _Conn(asyncio.Protocol):
         """A peer speaking a layer this process lacks (a handshake, TLS): one clear line."""
         if self._server.secret is None and auth.looks_like_handshake(data):
             why = "it sent a cluster-secret handshake but this process has no cluster secret (set --cluster-secret-file)"
-        elif getattr(self._server, "tls", None) is None and auth.looks_like_tls(data):
+        elif self._server.tls is None and auth.looks_like_tls(data):
             why = "it speaks TLS but this process has no --tls-cert/--tls-key/--tls-ca"
         else:
             return False

@@ -153,14 +153,47 @@ async def test_poisoned_events_are_counted_and_routing_keeps_working(stack):
 
 
 @pytest.mark.parametrize("stack", [SECRET], indirect=True)
-async def test_with_a_secret_unsigned_events_are_dropped(stack):
+async def test_with_a_secret_a_rogue_can_neither_publish_nor_listen(stack):
+    """The router's subscription speaks CURVE with keys derived from the secret: the
+    rogue's plain PUB socket never completes a handshake, so nothing it sends arrives;
+    a rogue SUB without the secret hears nothing from the real worker."""
     applied = await stack.serve_some()
     sub = stack.router.subscription
+    listener = zmq.Context.instance().socket(zmq.SUB)
+    listener.setsockopt(zmq.SUBSCRIBE, b"")
+    listener.setsockopt(zmq.RCVTIMEO, 200)
+    listener.connect(stack.router.workers[WORKER].info.event_address)
     forged = _envelope(WORKER, 10_000, KvEvent(WORKER, 10_000, BlockStored([424242])))
-    await _until(lambda: (stack.inject(forged), sub.unsigned >= 3)[1], 30)
+    heard = 0
+    try:
+        for _ in range(5):
+            stack.inject(forged, _envelope(ROGUE, 1, KvEvent(ROGUE, 0, BlockStored([5]))))
+            applied = await stack.serve_some()  # the real worker's events keep arriving meanwhile
+            try:
+                listener.recv(zmq.NOBLOCK)
+                heard += 1
+            except zmq.Again:
+                pass
+    finally:
+        listener.close(linger=0)
+    assert heard == 0
+    assert sub.malformed == 0 and sub.unsigned == 0  # nothing of the rogue's was even read
+    assert stack.rejected("publisher_mismatch") == 0 and stack.rejected("unknown_worker") == 0
     assert 424242 not in stack.router.core.indexer.blocks_of(WORKER)
-    assert await stack.serve_some() > applied
-    assert stack.router.core.indexer.blocks_of(WORKER) == stack.engine.kv_dump()
+    assert stack.router.core.indexer.blocks_of(ROGUE) == set()
+    assert stack.router.core.indexer.blocks_of(WORKER) == stack.engine.kv_dump() and applied > 0
+
+
+def test_envelopes_from_a_fleet_member_without_a_valid_mac_are_dropped():
+    from kvmesh.runtime.event_plane.base import Opener, seal
+
+    opener = Opener(SECRET)
+    good = seal(SECRET, Envelope(WORKER, 1, KV_EVENTS_TOPIC, b"x"))
+    assert opener.open(enc(good)) is not None
+    tampered = Envelope(WORKER, 1, KV_EVENTS_TOPIC, b"y", good.mac)
+    assert opener.open(enc(tampered)) is None
+    assert opener.open(enc(Envelope(WORKER, 1, KV_EVENTS_TOPIC, b"x"))) is None
+    assert opener.unsigned == 2
 
 
 def test_the_indexer_cap_evicts_a_workers_oldest_blocks():

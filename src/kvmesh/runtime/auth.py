@@ -7,8 +7,11 @@ Every process of a fleet is given the same secret (``--cluster-secret-file FILE`
 * every internal TCP connection (request plane, NATS call-home, KV transfer) starts
   with a mutual challenge–response :class:`Handshake`; a peer that cannot prove it
   knows the secret is refused before a single frame is read;
-* messages on NATS subjects (requests, event envelopes) and discovery records carry
-  an HMAC that receivers check (:meth:`ClusterSecret.sign` / :meth:`ClusterSecret.verify`).
+* messages on NATS subjects (requests, prefill jobs, event envelopes) and discovery
+  records carry an HMAC that receivers check (:meth:`ClusterSecret.sign` /
+  :meth:`ClusterSecret.verify`);
+* the zmq event plane uses CURVE with key pairs derived from the secret
+  (:meth:`ClusterSecret.derive`).
 
 The handshake (``cn``, ``sn``: 16 random bytes chosen by the client and the server for
 this connection; ``channel``: what the connection is for, e.g. ``request``)::
@@ -117,6 +120,11 @@ class ClusterSecret:
 
     def verify(self, mac: bytes, label: str, *parts: bytes) -> bool:
         return hmac.compare_digest(mac, self.sign(label, *parts))
+
+    def derive(self, label: str) -> bytes:
+        """32 bytes for ``label`` that only holders of the secret can compute (e.g. the
+        event plane's CURVE keys)."""
+        return self.sign("derive", label.encode())
 
     def __repr__(self) -> str:
         return "ClusterSecret(<hidden>)"

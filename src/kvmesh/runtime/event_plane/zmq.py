@@ -4,6 +4,12 @@ SUB sockets to the publishers they are told about (by discovery or the superviso
 One envelope is one zmq frame of msgpack. A PUB socket serves one (publisher, topic),
 so subscribers take everything (empty zmq subscription) and only check the topic.
 
+With a cluster secret, every PUB and SUB socket speaks zmq's CURVE security: the
+publishers' key pair and the subscribers' key pair are derived from the secret, so a
+subscriber completes the CURVE handshake only with a publisher that knows the secret,
+and a publisher only with such a subscriber (nothing is read from, or sent to, a peer
+without it); envelopes are also signed (see :mod:`~kvmesh.runtime.event_plane.base`).
+
 Publishing never blocks: the PUB socket sends with ``NOBLOCK`` and zmq drops a message
 for a subscriber whose queue is at the high-water mark (``hwm``); a dropped message
 shows up as a sequence gap. Each subscription has one reader task (owned, cancelled
@@ -19,6 +25,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.z85
 
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
@@ -30,6 +37,28 @@ __all__ = ["ZmqEventPlane", "ZmqPublisher", "ZmqSubscription"]
 log = logging.getLogger(__name__)
 
 DEFAULT_HWM = 10_000
+
+
+class CurveKeys:
+    """The fleet's CURVE key pairs (z85), derived from the cluster secret."""
+
+    def __init__(self, secret: ClusterSecret) -> None:
+        if not zmq.has("curve"):
+            raise ValueError("this libzmq has no CURVE security; the event plane cannot use the cluster secret")
+        self.server_secret = zmq.utils.z85.encode(secret.derive("zmq-curve-publisher"))
+        self.server_public = zmq.curve_public(self.server_secret)
+        self.client_secret = zmq.utils.z85.encode(secret.derive("zmq-curve-subscriber"))
+        self.client_public = zmq.curve_public(self.client_secret)
+
+    def publisher(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.server_secret
+        sock.curve_publickey = self.server_public
+        sock.curve_server = True
+
+    def subscriber(self, sock: zmq.Socket) -> None:
+        sock.curve_serverkey = self.server_public
+        sock.curve_secretkey = self.client_secret
+        sock.curve_publickey = self.client_public
 
 
 class ZmqPublisher(Publisher):
@@ -152,6 +181,7 @@ class ZmqEventPlane(EventPlane):
         self.hwm = hwm
         self.inbox_capacity = inbox_capacity
         self.secret = auth.resolve(secret)
+        self._curve = CurveKeys(self.secret) if self.secret is not None else None
         self.max_message_bytes = max_message_bytes
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
         self._publishers: list[ZmqPublisher] = []
@@ -168,6 +198,8 @@ class ZmqEventPlane(EventPlane):
         sock = zmq.Socket(self._context(), zmq.PUB)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.publisher(sock)
         try:
             sock.bind(f"tcp://{self.host}:*")
         except zmq.ZMQError as exc:
@@ -185,6 +217,8 @@ class ZmqEventPlane(EventPlane):
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         # zmq drops the connection of a peer that sends a bigger message, before buffering it
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if self._curve is not None:
+            self._curve.subscriber(sock)
         sub = ZmqSubscription(sock, topic, self.inbox_capacity, self.secret)
         self._subscriptions.append(sub)
         return sub

@@ -95,3 +95,30 @@ async def test_a_rogue_without_the_secret_cannot_write_kv(kv_server, caplog):
     await real.done(peer, "t2", 7, "")
     await real.close()
     assert await done == (7, "")
+
+
+async def test_a_reader_takes_no_more_bytes_than_the_blocks_it_asked_for():
+    """A KV-transfer server (rogue, or broken) that announces a huge answer to a read is
+    refused before a byte of it is read."""
+    from kvmesh.errors import Disconnected
+    from kvmesh.protocol import KvLayout
+
+    async def rogue(reader, writer):
+        await reader.read(1024)
+        header = msgspec.msgpack.encode(KvReply(True, nbytes=HUGE))
+        writer.write(_LEN.pack(len(header)) + header + b"x" * 1024)
+        await writer.drain()
+        await asyncio.sleep(5)
+        writer.close()
+
+    server = await asyncio.start_server(rogue, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    layout = KvLayout("mocker", 16, 64, (1,), "u8", 4096, 8)
+    connector = TcpKvConnector(secret=None)
+    try:
+        with pytest.raises(Disconnected, match="over the limit of 16"):
+            await connector.read(KvEndpoint(f"127.0.0.1:{port}", layout), "t", [1, 2], layout)
+    finally:
+        await connector.close()
+        server.close()
+        await server.wait_closed()

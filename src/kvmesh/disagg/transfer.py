@@ -343,13 +343,15 @@ class _Link:
         self.writer = writer
         self.lock = asyncio.Lock()
 
-    async def call(self, op: KvOp, data: bytes = b"") -> tuple[KvReply, bytes]:
+    async def call(self, op: KvOp, data: bytes = b"", max_reply: int = 0) -> tuple[KvReply, bytes]:
+        """Send ``op`` (+ ``data``); the reply and at most ``max_reply`` bytes of payload
+        (a bigger announced payload is a ValueError, before it is read)."""
         async with self.lock:
             _send(self.writer, _encode(op), data)
             await self.writer.drain()
             header = await self.reader.readexactly(_LEN.size)
             reply = _decode_reply(await _read_sized(self.reader, _LEN.unpack(header)[0], MAX_HEADER))
-            payload = await _read_sized(self.reader, reply.nbytes, _MAX_PAYLOAD) if reply.nbytes else b""
+            payload = await _read_sized(self.reader, reply.nbytes, max_reply) if reply.nbytes else b""
             return reply, payload
 
 
@@ -391,11 +393,11 @@ class TcpKvConnector(KvConnector):
         link = self._links[address] = _Link(reader, writer)
         return link
 
-    async def _call(self, peer: KvEndpoint, op: KvOp, data: bytes = b"") -> bytes:
+    async def _call(self, peer: KvEndpoint, op: KvOp, data: bytes = b"", max_reply: int = 0) -> bytes:
         link = await self._link(peer.address)
         try:
-            reply, payload = await link.call(op, data)
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            reply, payload = await link.call(op, data, max_reply)
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError) as exc:
             self._links.pop(peer.address, None)
             link.writer.close()
             raise Disconnected(f"KV-transfer connection to {peer.address} lost: {exc}") from None
@@ -410,7 +412,9 @@ class TcpKvConnector(KvConnector):
         if not block_ids:
             return b""
         started = time.perf_counter()
-        data = await self._call(peer, KvOp("read", transfer_id, block_runs(block_ids)))
+        # what the blocks can be in the peer's layout, and not a byte more
+        expected = len(block_ids) * peer.layout.wire_bytes_per_block
+        data = await self._call(peer, KvOp("read", transfer_id, block_runs(block_ids)), max_reply=min(expected, _MAX_PAYLOAD))
         await _simulate(peer.layout, len(block_ids))
         self._account(started, received=_real_bytes(peer.layout, len(block_ids), len(data)))
         return self.convert(data, peer.layout, into)

@@ -60,7 +60,8 @@ def test_a_fleet_with_a_secret_serves_and_refuses_the_worker_with_the_wrong_one(
         procs.append(frontend)
         worker = KvmeshProcess(tmp_path, "worker", "--speedup", "5", "--cluster-secret-file", str(good), env=env)
         procs.append(worker)
-        lease = worker.wait_ready()["lease_id"]
+        ready = worker.wait_ready()
+        lease = ready["lease_id"]
         wrong = KvmeshProcess(tmp_path, "worker", "--speedup", "5", "--cluster-secret-file", str(bad), env=env)
         procs.append(wrong)
         wrong_lease = wrong.wait_ready()["lease_id"]
@@ -68,6 +69,9 @@ def test_a_fleet_with_a_secret_serves_and_refuses_the_worker_with_the_wrong_one(
         _until(lambda: f"{wrong_lease:x}: not signed with this fleet's cluster secret" in frontend.log(),
                what="the frontend's log line about the wrong secret")  # fmt: skip
         asyncio.run(_rogue_registers_a_worker(etcd.endpoint, lease))
+        if ready.get("address"):  # tcp plane: the rogue dials the worker itself
+            asyncio.run(_rogue_calls_the_worker(ready["address"]))
+            _until(lambda: "refusing connection" in worker.log(), what="the worker's log line about the rogue")
         _until(lambda: "generate-5ec: not signed with this fleet's cluster secret" in frontend.log(),
                what="the rogue's record skipped")  # fmt: skip
 
@@ -86,6 +90,25 @@ def test_a_fleet_with_a_secret_serves_and_refuses_the_worker_with_the_wrong_one(
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+async def _rogue_calls_the_worker(address: str) -> None:
+    """No secret: generate and fault injection straight at the worker are refused."""
+    from kvmesh.errors import KvmeshError
+    from kvmesh.protocol import PreprocessedRequest, StopConditions
+    from kvmesh.runtime.context import Context
+    from kvmesh.runtime.names import FAULT, GENERATE
+    from kvmesh.runtime.tcp_client import TcpClient
+
+    rogue = TcpClient(address, connect_timeout=5, secret=None)
+    request = PreprocessedRequest(request_id="rogue", model="kvmesh-tiny", token_ids=[1, 2, 3], stop=StopConditions(max_tokens=4))
+    try:
+        for endpoint, payload in ((FAULT, msgspec.msgpack.encode("crash")), (GENERATE, msgspec.msgpack.encode(request))):
+            with pytest.raises(KvmeshError):
+                async for _ in rogue.stream(endpoint, payload, Context("rogue")):
+                    pass
+    finally:
+        await rogue.close()
 
 
 async def _rogue_registers_a_worker(endpoint: str, real_lease: int) -> None:

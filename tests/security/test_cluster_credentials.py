@@ -97,3 +97,6 @@ async def test_nats_over_tls_with_a_password_that_is_never_echoed(tmp_path):
         with pytest.raises(CannotConnect) as exc:
             await connect_nats(f"tls://kv:wr0ng-pw@127.0.0.1:{port}", tls=tls, connect_timeout=1, first_connect_attempts=1)
         assert "wr0ng-pw" not in exc.value.message and "***@" in exc.value.message
+        with pytest.raises(CannotConnect, match="CERTIFICATE_VERIFY_FAILED"):  # a server it cannot verify: no hang
+            await connect_nats(f"tls://kv:n4ts-pw@127.0.0.1:{port}", tls=nats_tls_context(c["client.pem"]),
+                               connect_timeout=1, first_connect_attempts=1)  # fmt: skip

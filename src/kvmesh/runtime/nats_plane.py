@@ -190,8 +190,10 @@ async def connect_nats(
     """
 
     client: list[NatsClient] = []  # set once connected; the callbacks only log
+    errors: list[str] = []  # what went wrong while connecting, for the message
 
     async def on_error(exc: Exception) -> None:
+        errors.append(str(exc) or type(exc).__name__)
         log.warning("NATS: %s", exc or type(exc).__name__)
 
     async def on_disconnected() -> None:
@@ -201,8 +203,12 @@ async def connect_nats(
     async def on_reconnected() -> None:
         log.info("NATS: reconnected")
 
+    nc = NatsClient()
+    # NOTE: nats-py retries some failures (a TLS certificate it cannot verify) without
+    # end on the first connect; bound it so a misconfiguration is an error, not a hang.
+    bound = first_connect_attempts * (connect_timeout + 0.5) + 2.0
     try:
-        nc = await nats.connect(
+        await asyncio.wait_for(nc.connect(
             servers,
             name=name,
             connect_timeout=connect_timeout,
@@ -217,7 +223,11 @@ async def connect_nats(
             reconnected_cb=on_reconnected,
             **({"user_credentials": user_credentials} if user_credentials else {}),
             **({"tls": tls} if tls is not None else {}),
-        )
+        ), bound)  # fmt: skip
+    except TimeoutError:
+        await nc.close()
+        last = errors[-1] if errors else f"no answer within {bound:.0f} s"
+        raise CannotConnect(f"cannot connect to NATS at {_redact(servers)}: {last}") from None
     except (OSError, nats.errors.Error) as exc:
         raise CannotConnect(f"cannot connect to NATS at {_redact(servers)}: {exc or type(exc).__name__}") from None
     nc.options["max_reconnect_attempts"] = -1

@@ -121,3 +121,51 @@ async def _rogue_registers_a_worker(endpoint: str, real_lease: int) -> None:
         await disc.put(instance_key("sec", "backend", "generate", 0x5EC), msgspec.json.encode(info))
     finally:
         await disc.close()
+
+
+def test_kvmesh_run_protects_its_own_fleet_with_a_random_secret(tmp_path):
+    """No secret given: `kvmesh run` makes one for its processes. It serves the openai
+    client while its workers refuse a caller without that secret."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import RUN_SECRET, stop_process
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_CLUSTER_SECRET")}
+    env["PYTHONUNBUFFERED"] = "1"
+    log_path = tmp_path / "run.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli.main", "run", "--http-port", str(port), "--workers", "1",
+                                 "--speedup", "1e9", "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc=proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        out = client.completions.create(model="kvmesh-tiny", prompt="def f(x):", max_tokens=8, extra_body={"ignore_eos": True})
+        assert out.choices[0].finish_reason == "length"
+        address = httpx.get(url + "/admin/workers").json()["workers"][0]["address"]
+        for secret in (None, RUN_SECRET):  # neither no secret nor a guessed one
+            asyncio.run(_refused(address, secret))
+        _until(lambda: log_path.read_text(errors="replace").count("refusing connection") >= 2, what="the workers' log lines")
+        out = client.completions.create(model="kvmesh-tiny", prompt="still serving", max_tokens=4, extra_body={"ignore_eos": True})
+        assert out.choices[0].finish_reason == "length"
+    finally:
+        stop_process(proc)
+
+
+async def _refused(address: str, secret: str | None) -> None:
+    from kvmesh.errors import CannotConnect
+    from kvmesh.runtime.auth import ClusterSecret
+    from kvmesh.runtime.context import Context
+    from kvmesh.runtime.names import INFO
+    from kvmesh.runtime.tcp_client import TcpClient
+
+    client = TcpClient(address, connect_timeout=5, secret=ClusterSecret(secret.encode()) if secret else None)
+    try:
+        with pytest.raises(CannotConnect):
+            async for _ in client.stream(INFO, b"\xc0", Context("rogue")):
+                pass
+    finally:
+        await client.close()

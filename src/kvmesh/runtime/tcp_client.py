@@ -19,6 +19,7 @@ worker that cannot prove the secret is ``CannotConnect`` with the reason.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +34,8 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
 
 __all__ = ["TcpClient"]
+
+log = logging.getLogger(__name__)
 
 _END = object()
 
@@ -143,7 +146,7 @@ class _Connection(asyncio.Protocol):
             box = streams.get(frame.sid)
             if box is None:
                 if frame.sid == 0 and type(frame) is Err:  # the worker refused the connection
-                    self._fail_all(from_wire(frame.kind, frame.message))
+                    self._refused(frame.message)
                     return
                 self.foreign_frames += 1
                 continue
@@ -158,6 +161,14 @@ class _Connection(asyncio.Protocol):
                 box.finish(from_wire(frame.kind, frame.message))
             elif kind is Ack:
                 pass
+
+    def _refused(self, message: str) -> None:
+        log.warning("worker %s refused the connection: %s", self.address, message)
+        streams, self.streams = self.streams, {}
+        for box in streams.values():
+            box.finish(CannotConnect(f"worker {self.address} refused the connection: {message}"))
+        if self.transport is not None:
+            self.transport.close()
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self.streams = self.streams, {}

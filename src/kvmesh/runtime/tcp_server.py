@@ -110,6 +110,11 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.auth is not None:
+            if self._first and not self._client and not auth.looks_like_handshake(data):
+                # A caller without the secret reads frames: tell it why, in one it understands.
+                self._send(Err(0, InvalidArgument.kind, "this worker requires the fleet's cluster secret (--cluster-secret-file)"))
+                self._writer.flush()
+            self._first = False
             rest = self.auth.feed(data)
             if rest is None:
                 return

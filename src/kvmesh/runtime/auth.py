@@ -134,8 +134,11 @@ def _read_secret_file(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
             data = f.read(_MAX_SECRET_FILE + 1)
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as exc:
         raise ValueError(f"cannot read the cluster secret file {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        log.warning("the cluster secret file %s can be read by other users (mode %o); chmod 600 it", path, mode & 0o777)
     if len(data) > _MAX_SECRET_FILE:
         raise ValueError(f"the cluster secret file {path} is over {_MAX_SECRET_FILE} bytes")
     data = data.strip()

@@ -104,12 +104,14 @@ async def test_a_reader_takes_no_more_bytes_than_the_blocks_it_asked_for():
     from kvmesh.protocol import KvLayout
 
     async def rogue(reader, writer):
-        await reader.read(1024)
-        header = msgspec.msgpack.encode(KvReply(True, nbytes=HUGE))
-        writer.write(_LEN.pack(len(header)) + header + b"x" * 1024)
-        await writer.drain()
-        await asyncio.sleep(5)
-        writer.close()
+        try:
+            await reader.read(1024)
+            header = msgspec.msgpack.encode(KvReply(True, nbytes=HUGE))
+            writer.write(_LEN.pack(len(header)) + header + b"x" * 1024)
+            await writer.drain()
+            await reader.read()  # until the connector hangs up
+        finally:
+            writer.close()
 
     server = await asyncio.start_server(rogue, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

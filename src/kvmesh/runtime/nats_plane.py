@@ -288,6 +288,7 @@ class NatsRequestServer:
         # read by the shared _Conn
         self.secret = auth.resolve(secret)
         self.channel = "callhome"
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self.max_streams = max_streams
         self.foreign_frames = 0
         self.unsigned = 0  # requests refused: no valid MAC

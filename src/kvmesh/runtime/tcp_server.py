@@ -85,7 +85,7 @@ class _Conn(asyncio.Protocol):
         if secret is not None:
             what = "caller" if not self._client else "call-home server"
             hs = Handshake(secret, self._server.channel, self._client, f"{what} {self.peer}")
-            self.auth = self.gate = ProtocolHandshake(hs, transport)
+            self.auth = self.gate = ProtocolHandshake(hs, transport, self._server.handshake_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.auth is not None:
@@ -250,6 +250,7 @@ class TcpServer:
         self.max_streams = max_streams
         self.secret = auth.resolve(secret)
         self.tls = auth.resolve_tls(tls)
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S  # a caller that has not proven itself by then is dropped
         self.foreign_frames = 0  # control frames naming no stream of their connection
         self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None

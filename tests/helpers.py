@@ -68,6 +68,9 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
             proc.wait(5)
 
 
+RUN_SECRET = "kvmesh-tests: the cluster secret of kvmesh_run's fleets"
+
+
 @contextlib.contextmanager
 def kvmesh_run(tmp_path: Path, *args: str, workers: int = 2, speedup: str = "1e9") -> Iterator[ServerProcess]:
     """A real ``kvmesh run`` process on a free loopback port, stopped in ``finally``."""
@@ -76,6 +79,8 @@ def kvmesh_run(tmp_path: Path, *args: str, workers: int = 2, speedup: str = "1e9
     cmd = [sys.executable, "-m", "kvmesh.cli.main", "run", "--http-port", str(port)]
     cmd += ["--workers", str(workers), "--speedup", speedup, *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # kvmesh run would make a random cluster secret; this known one lets tests call its workers
+    env.setdefault("KVMESH_CLUSTER_SECRET", RUN_SECRET)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, port, log_path)
@@ -169,8 +174,9 @@ class KvmeshProcess:
         stop_process(self.proc)
 
 
-async def worker_disagg_stats(address: str):  # type: ignore[no-untyped-def]
-    """A worker's DisaggStats, from its ``disagg_stats`` endpoint at ``address``."""
+async def worker_disagg_stats(address: str, secret: str | None = None):  # type: ignore[no-untyped-def]
+    """A worker's DisaggStats, from its ``disagg_stats`` endpoint at ``address``
+    (``secret``: the fleet's cluster secret, e.g. ``RUN_SECRET`` for kvmesh_run)."""
     import msgspec
 
     from kvmesh.protocol import DisaggStats
@@ -178,7 +184,9 @@ async def worker_disagg_stats(address: str):  # type: ignore[no-untyped-def]
     from kvmesh.runtime.names import DISAGG_STATS
     from kvmesh.runtime.tcp_client import TcpClient
 
-    client = TcpClient(address)
+    from kvmesh.runtime.auth import ClusterSecret
+
+    client = TcpClient(address, secret=ClusterSecret(secret.encode()) if secret else None)
     try:
         return await call(client, DISAGG_STATS, decode=msgspec.msgpack.Decoder(DisaggStats).decode)
     finally:

@@ -42,6 +42,14 @@ ENV_VARS = {
     "event_plane": "KVMESH_EVENT_PLANE",
     "host": "KVMESH_HOST",
     "lease_ttl_s": "KVMESH_LEASE_TTL",
+    "etcd_ca_file": "KVMESH_ETCD_CA",
+    "etcd_cert_file": "KVMESH_ETCD_CERT",
+    "etcd_key_file": "KVMESH_ETCD_KEY",
+    "etcd_user": "KVMESH_ETCD_USER",
+    "nats_creds_file": "KVMESH_NATS_CREDS",
+    "nats_ca_file": "KVMESH_NATS_CA",
+    "nats_cert_file": "KVMESH_NATS_CERT",
+    "nats_key_file": "KVMESH_NATS_KEY",
 }
 
 
@@ -294,6 +302,17 @@ class RuntimeConfig:
     event_plane: str = "zmq"
     host: str = "127.0.0.1"
     lease_ttl_s: float = 10.0
+    # secured etcd / NATS (all optional; see README "Securing a fleet"); the etcd password
+    # comes from KVMESH_ETCD_PASSWORD only, never a flag
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    etcd_user: str = ""
+    etcd_password: str = field(default="", repr=False)
+    nats_creds_file: str = ""
+    nats_ca_file: str = ""
+    nats_cert_file: str = ""
+    nats_key_file: str = ""
 
     def __post_init__(self) -> None:
         for name, allowed in (

@@ -409,10 +409,25 @@ class InstanceInfo(msgspec.Struct, omit_defaults=True):
     event_address: str = ""
     kv: KvEndpoint | None = None
     metrics_address: str = ""  # the worker's Prometheus endpoint (host:port), when it serves one
+    mac: str = ""  # with a cluster secret: HMAC (hex) of the key and this record with mac "" (runtime/distributed.py)
+
+
+# The only names a ModelFiles may carry (what a frontend needs from a model folder: no
+# weights), and the most bytes one of them may have. A receiver refuses anything else.
+MODEL_FILE_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+MAX_MODEL_FILE_BYTES = 48 * 1024 * 1024
 
 
 class ModelFiles(msgspec.Struct):
-    """The small files of a model folder (config, tokenizer, template), by file name."""
+    """The small files of a model folder (config, tokenizer, template), by file name
+    (one of ``MODEL_FILE_NAMES``)."""
 
     name: str
     files: dict[str, bytes]

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import worker_disagg_stats, kvmesh_run
+from tests.helpers import RUN_SECRET, kvmesh_run, worker_disagg_stats
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ def test_embedded_prefill_and_decode_workers(tmp_path) -> None:
         client.close()
         workers = httpx.get(server.url + "/admin/workers").json()["workers"]
         assert len(workers) == 1  # the prefill worker is not routed to
-        s = asyncio.run(stats(workers[0]["address"]))
+        s = asyncio.run(stats(workers[0]["address"], RUN_SECRET))
         assert (s.mode, s.remote_prefills, s.local_prefills) == ("decode", 2, 1), s
         assert s.kv_bytes_received == (44 + 57) * 16 * 4096  # blocks written (699 and 899 tokens), modelled bytes
     assert len(set(texts)) == 3

@@ -74,7 +74,7 @@ def test_make_discovery_kinds(tmp_path: Path) -> None:
         ("file", {}, "file discovery needs file_dir"),
         ("etcd", {}, "etcd discovery needs etcd_endpoints"),
         ("etcd", {"etcd_endpoints": []}, "etcd discovery needs etcd_endpoints"),
-        ("etcd", {"etcd_endpoints": ["https://127.0.0.1:2379"]}, "http://host:port"),
+        ("etcd", {"etcd_endpoints": ["unix:///run/etcd.sock"]}, "http://host:port"),  # https:// is supported
     ],
 )
 def test_make_discovery_rejects(kind: str, options: dict[str, object], message: str) -> None:

@@ -156,6 +156,15 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
         "--lease-ttl", type=float, default=_env("lease_ttl_s", str(d.lease_ttl_s)),  # argparse applies type
         help="KVMESH_LEASE_TTL: seconds a dead process stays in discovery (etcd grants at least its minimum, 2 s by default)",
     )  # fmt: skip
+    s = p.add_argument_group("secured etcd / NATS (the etcd password only from KVMESH_ETCD_PASSWORD)")
+    s.add_argument("--etcd-ca", default=_env("etcd_ca_file", ""), help="KVMESH_ETCD_CA: CA bundle for https:// endpoints")
+    s.add_argument("--etcd-cert", default=_env("etcd_cert_file", ""), help="KVMESH_ETCD_CERT: client certificate")
+    s.add_argument("--etcd-key", default=_env("etcd_key_file", ""), help="KVMESH_ETCD_KEY: client key")
+    s.add_argument("--etcd-user", default=_env("etcd_user", ""), help="KVMESH_ETCD_USER (password: KVMESH_ETCD_PASSWORD)")
+    s.add_argument("--nats-creds", default=_env("nats_creds_file", ""), help="KVMESH_NATS_CREDS: NATS credentials file (JWT + nkey)")
+    s.add_argument("--nats-ca", default=_env("nats_ca_file", ""), help="KVMESH_NATS_CA: CA bundle for tls:// servers")
+    s.add_argument("--nats-cert", default=_env("nats_cert_file", ""), help="KVMESH_NATS_CERT: client certificate")
+    s.add_argument("--nats-key", default=_env("nats_key_file", ""), help="KVMESH_NATS_KEY: client key")
 
 
 def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
@@ -169,7 +178,44 @@ def _runtime_config(ns: argparse.Namespace) -> RuntimeConfig:
         event_plane=ns.event_plane,
         host=ns.host,
         lease_ttl_s=ns.lease_ttl,
+        etcd_ca_file=ns.etcd_ca,
+        etcd_cert_file=ns.etcd_cert,
+        etcd_key_file=ns.etcd_key,
+        etcd_user=ns.etcd_user,
+        etcd_password=os.environ.get("KVMESH_ETCD_PASSWORD", ""),
+        nats_creds_file=ns.nats_creds,
+        nats_ca_file=ns.nats_ca,
+        nats_cert_file=ns.nats_cert,
+        nats_key_file=ns.nats_key,
     )
+
+
+def _add_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster-secret-file", default=None, metavar="FILE",
+        help="the fleet's shared secret: internal connections are authenticated and discovery records and NATS"
+        " messages signed (KVMESH_CLUSTER_SECRET_FILE, or the secret itself in KVMESH_CLUSTER_SECRET;"
+        " kvmesh run makes a random one by default)",
+    )  # fmt: skip
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="mutual TLS on internal TCP connections: this process's certificate (KVMESH_TLS_CERT)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (KVMESH_TLS_KEY)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="the fleet's CA: peers must present a certificate it signed (KVMESH_TLS_CA)")
+
+
+def _apply_cluster_secret(ns: argparse.Namespace) -> None:
+    """The flag goes into the environment (child processes inherit it); the secret is
+    read and checked now, so a bad file is one line at start-up (ValueError)."""
+    from kvmesh.runtime import auth
+
+    path = getattr(ns, "cluster_secret_file", None)
+    if path:
+        os.environ[auth.SECRET_FILE_ENV] = os.path.abspath(path)
+    auth.process_secret()
+    for name, env in auth.TLS_ENV.items():
+        value = getattr(ns, f"tls_{name}", None)
+        if value:
+            os.environ[env] = os.path.abspath(value)
+    auth.process_tls()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
     run.add_argument("--prefill-workers", type=int, default=0, help="disaggregated: prefill worker processes")
     run.add_argument("--decode-workers", type=int, default=0, help="disaggregated: decode worker processes")
+    _add_secret_arg(run)
 
     frontend = sub.add_parser("frontend", help="serve the HTTP API for the workers that discovery (or --static-workers) names")
     _add_frontend_args(frontend)
@@ -191,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated host:port of static workers: no discovery at all (KVMESH_STATIC_WORKERS)",
     )  # fmt: skip
     frontend.add_argument("--model-path", default=None, help="load this model folder now (optional: models come from workers)")
+    _add_secret_arg(frontend)
 
     from kvmesh.cli.canary import add_canary_args
     from kvmesh.cli.replay import add_replay_args
@@ -213,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--prefill-queue", default="",
                         help="distributed: JetStream on --nats-url (default); embedded: tcp://host:port of kvmesh run's queue")
     worker.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    _add_secret_arg(worker)
     return parser
 
 
@@ -313,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
+        _apply_cluster_secret(ns)
         if ns.command == "run":
             cfg = RunConfig(
                 frontend=_frontend_config(ns),

@@ -47,12 +47,26 @@ def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
     except OSError as exc:
         return _fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
     cfg = replace(cfg, worker=replace(cfg.worker, model_path=model_path))
+    _own_cluster_secret()
     run = event_loop_runner()
     preforked = _fork_workers(cfg, sock)
     try:
         return run(_serve(cfg, sock, log_level, preforked))
     except KvmeshError as exc:
         return _fail(exc.message)
+
+
+def _own_cluster_secret() -> None:
+    """Without a cluster secret given, make a random one for this run's own processes
+    (the workers inherit it through the environment): every internal connection of
+    the embedded fleet is then authenticated, with nothing to configure."""
+    import os
+
+    from kvmesh.runtime import auth
+
+    if not os.environ.get(auth.SECRET_FILE_ENV) and not os.environ.get(auth.SECRET_ENV):
+        os.environ[auth.SECRET_ENV] = auth.new_secret_hex()
+    auth.process_secret()  # a bad secret file fails here, before anything starts
 
 
 def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
@@ -72,7 +86,7 @@ def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
 
 async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int:  # type: ignore[no-untyped-def]
     from kvmesh.config import RuntimeConfig
-    from kvmesh.runtime.distributed import DistributedRuntime, instance_key
+    from kvmesh.runtime.distributed import DistributedRuntime, instance_key, sign_record
     from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 
     # the supervisor publishes its workers in in-process discovery; the frontend
@@ -83,7 +97,7 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
 
     async def on_ready(info):  # type: ignore[no-untyped-def]
         key = instance_key(ns, info.component or COMPONENT, GENERATE, info.worker_id)
-        await runtime.discovery.put(key, msgspec.json.encode(info))
+        await runtime.discovery.put(key, msgspec.json.encode(sign_record(runtime.secret, key, info)))
 
     async def on_exit(worker_id: int) -> None:
         for component in (COMPONENT, PREFILL_COMPONENT):

@@ -31,6 +31,8 @@ import msgspec
 
 from kvmesh.errors import CannotConnect, InvalidArgument
 from kvmesh.protocol import DisaggThresholds, KvEndpoint, PrefillJob, QueueStatus
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
 
 __all__ = [
@@ -113,9 +115,13 @@ class LocalPrefillQueue(PrefillQueue):
 
 
 class JetStreamPrefillQueue(PrefillQueue):
-    """A JetStream work queue (see the module docstring); ``nc`` is a connected nats-py client."""
+    """A JetStream work queue (see the module docstring); ``nc`` is a connected nats-py client.
 
-    def __init__(self, nc: Any, namespace: str = "kvmesh", ack_wait_s: float = 60.0) -> None:
+    With a cluster secret (:mod:`kvmesh.runtime.auth`) a job is its HMAC (32 bytes)
+    followed by its msgpack; a job without a valid one is dropped and logged."""
+
+    def __init__(self, nc: Any, namespace: str = "kvmesh", ack_wait_s: float = 60.0, secret: Any = auth.FROM_ENV) -> None:
+        self._secret: ClusterSecret | None = auth.resolve(secret)
         self._nc = nc
         self.stream = f"KVMESH_PREFILL_{namespace}".replace(".", "_").replace("-", "_")
         self.subject = f"{namespace}.prefill_queue"
@@ -140,7 +146,10 @@ class JetStreamPrefillQueue(PrefillQueue):
 
     async def put(self, job: PrefillJob) -> None:
         js = await self._jetstream()
-        await js.publish(self.subject, _encode(job), stream=self.stream)
+        data = _encode(job)
+        if self._secret is not None:
+            data = self._secret.sign("prefill-job", self.subject.encode(), data) + data
+        await js.publish(self.subject, data, stream=self.stream)
 
     async def status(self) -> QueueStatus:
         js = await self._jetstream()
@@ -177,9 +186,16 @@ class JetStreamPrefillQueue(PrefillQueue):
         except (TimeoutError, NatsTimeout):
             return None
         msg = msgs[0]
+        data = msg.data
+        if self._secret is not None:
+            mac, data = data[:32], data[32:]
+            if not self._secret.verify(mac, "prefill-job", self.subject.encode(), data):
+                log.error("dropping a prefill job not signed with this fleet's cluster secret")
+                await msg.term()
+                return None
         try:
-            job = _decode_job(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            job = _decode_job(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             log.error("dropping a malformed prefill job: %s", exc)
             await msg.term()
             return None

@@ -18,6 +18,14 @@ time of the real bytes.
 
 Wire format, both directions: ``u32 little-endian header length``, a msgpack
 :class:`KvOp` (request) or :class:`KvReply` (answer), then ``nbytes`` of raw KV.
+
+Bounds: a header is at most ``MAX_HEADER`` (1 MiB). A write is checked against its
+reservation *before* its payload is read: the transfer id must be expected here, its
+runs must be positive and add up to no more blocks than the reservation allows, every
+block must be one it may write, and ``nbytes`` must be exactly
+``blocks × wire_bytes_per_block`` of this engine's layout. A refused write is answered
+and the connection closed (its payload is never read). With a cluster secret
+(:mod:`kvmesh.runtime.auth`) each connection starts with the handshake (channel ``kv``).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import msgspec
 from kvmesh.engines.base import Engine
 from kvmesh.errors import CannotConnect, Disconnected, InvalidArgument, KvmeshError
 from kvmesh.protocol import KvEndpoint, KvLayout
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, TlsContexts, handshake_streams
 
 __all__ = [
     "KvOp",
@@ -47,13 +57,14 @@ __all__ = [
     "KvConnector",
     "TcpKvConnector",
     "TransferStats",
+    "MAX_HEADER",
 ]
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
-_MAX_HEADER = 16 * 1024 * 1024
-_MAX_PAYLOAD = 8 * 1024 * 1024 * 1024
+MAX_HEADER = 1024 * 1024
+_MAX_PAYLOAD = 8 * 1024 * 1024 * 1024  # what a connector accepts from a read it asked for
 
 
 class KvOp(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -128,17 +139,28 @@ class _Expected:
 class KvTransferServer:
     """A worker's KV-transfer endpoint; see the module docstring."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
+    ) -> None:
         self.engine = engine
         self.host = host
         self.port = port
+        self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
+        self.refused = 0  # operations refused before their payload was read
         self.stats = TransferStats()
         self._expected: dict[str, _Expected] = {}
         self._server: asyncio.AbstractServer | None = None
         self._conns: dict[asyncio.StreamWriter, asyncio.Task[None] | None] = {}
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        tls = {} if self.tls is None else {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, **tls)  # type: ignore[arg-type]
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property
@@ -191,22 +213,63 @@ class KvTransferServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._conns[writer] = asyncio.current_task()
+        peer = writer.get_extra_info("peername")
+        peer_name = f"KV-transfer peer {peer[0]}:{peer[1]}" if peer else "KV-transfer peer"
         try:
+            if self.secret is not None:
+                await handshake_streams(reader, writer, Handshake(self.secret, "kv", client=False, peer=peer_name))
             while True:
                 try:
                     header = await reader.readexactly(_LEN.size)
                 except asyncio.IncompleteReadError:
                     return
-                op = _decode_op(await _read_sized(reader, _LEN.unpack(header)[0], _MAX_HEADER))
-                payload = await _read_sized(reader, op.nbytes, _MAX_PAYLOAD) if op.op == "write" else b""
+                if self.secret is None and auth.looks_like_handshake(header):
+                    log.warning("refusing %s: it sent a cluster-secret handshake but this process has no cluster secret", peer_name)
+                    return
+                if self.tls is None and auth.looks_like_tls(header):
+                    log.warning("refusing %s: it speaks TLS but this process has no --tls-cert/--tls-key/--tls-ca", peer_name)
+                    return
+                op = _decode_op(await _read_sized(reader, _LEN.unpack(header)[0], MAX_HEADER))
+                refusal = self._check(op)
+                if refusal is not None:
+                    # Answer, then close: the payload it announced is never read.
+                    self.refused += 1
+                    _send(writer, _encode(KvReply(False, refusal)), b"")
+                    await writer.drain()
+                    return
+                payload = await reader.readexactly(op.nbytes) if op.op == "write" else b""
                 reply, data = self._handle(op, payload)
                 _send(writer, _encode(reply), data)
                 await writer.drain()
-        except (ConnectionError, msgspec.DecodeError, ValueError) as exc:
+        except AuthError as exc:
+            log.warning("refusing connection: %s", exc.message)
+        except (ConnectionError, asyncio.IncompleteReadError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.warning("KV-transfer connection dropped: %s", exc)
         finally:
             self._conns.pop(writer, None)
             writer.close()
+
+    def _check(self, op: KvOp) -> str | None:
+        """Why ``op`` is refused before anything more is read (None: go ahead)."""
+        exp = self._expected.get(op.transfer_id)
+        if exp is None:
+            return f"no transfer {op.transfer_id!r} here (cancelled or finished)"
+        if op.op == "done":
+            return None
+        allowed = exp.readable if op.op == "read" else exp.writable
+        if any(count < 1 or first < 0 for first, count in op.runs):
+            return f"transfer {op.transfer_id!r}: block runs must be (first >= 0, count >= 1)"
+        blocks = sum(count for _, count in op.runs)
+        if blocks > len(allowed):
+            return f"transfer {op.transfer_id!r} may {op.op} {len(allowed)} blocks, not {blocks}"
+        if op.op == "write":
+            layout = self.engine.kv_layout()
+            want = blocks * layout.wire_bytes_per_block if layout is not None else op.nbytes
+            if op.nbytes != want:
+                return f"transfer {op.transfer_id!r}: {blocks} blocks are {want} bytes, not {op.nbytes}"
+        elif op.nbytes:
+            return f"transfer {op.transfer_id!r}: a {op.op} carries no payload"
+        return None
 
     def _handle(self, op: KvOp, payload: bytes) -> tuple[KvReply, bytes]:
         exp = self._expected.get(op.transfer_id)
@@ -280,22 +343,32 @@ class _Link:
         self.writer = writer
         self.lock = asyncio.Lock()
 
-    async def call(self, op: KvOp, data: bytes = b"") -> tuple[KvReply, bytes]:
+    async def call(self, op: KvOp, data: bytes = b"", max_reply: int = 0) -> tuple[KvReply, bytes]:
+        """Send ``op`` (+ ``data``); the reply and at most ``max_reply`` bytes of payload
+        (a bigger announced payload is a ValueError, before it is read)."""
         async with self.lock:
             _send(self.writer, _encode(op), data)
             await self.writer.drain()
             header = await self.reader.readexactly(_LEN.size)
-            reply = _decode_reply(await _read_sized(self.reader, _LEN.unpack(header)[0], _MAX_HEADER))
-            payload = await _read_sized(self.reader, reply.nbytes, _MAX_PAYLOAD) if reply.nbytes else b""
+            reply = _decode_reply(await _read_sized(self.reader, _LEN.unpack(header)[0], MAX_HEADER))
+            payload = await _read_sized(self.reader, reply.nbytes, max_reply) if reply.nbytes else b""
             return reply, payload
 
 
 class TcpKvConnector(KvConnector):
     """Bulk KV transfer over TCP, one connection per peer, reused."""
 
-    def __init__(self, convert: LayoutConverter = convert_layout, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        convert: LayoutConverter = convert_layout,
+        connect_timeout_s: float = 5.0,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
+    ) -> None:
         self.convert = convert
         self.connect_timeout_s = connect_timeout_s
+        self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
         self.stats = TransferStats()
         self._links: dict[str, _Link] = {}
 
@@ -305,21 +378,33 @@ class TcpKvConnector(KvConnector):
             return link
         host, _, port = address.rpartition(":")
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.connect_timeout_s)
+            tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": host}
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), **tls), self.connect_timeout_s)  # type: ignore[arg-type]
         except (OSError, TimeoutError) as exc:
             raise CannotConnect(f"cannot reach the KV-transfer server at {address}: {exc}") from None
+        if self.secret is not None:
+            hs = Handshake(self.secret, "kv", client=True, peer=f"KV-transfer server {address}")
+            try:
+                await handshake_streams(reader, writer, hs, self.connect_timeout_s)
+            except AuthError as exc:
+                writer.close()
+                log.warning("cannot connect: %s", exc.message)
+                raise CannotConnect(f"cannot use the KV-transfer server at {address}: {exc.message}") from None
         link = self._links[address] = _Link(reader, writer)
         return link
 
-    async def _call(self, peer: KvEndpoint, op: KvOp, data: bytes = b"") -> bytes:
+    async def _call(self, peer: KvEndpoint, op: KvOp, data: bytes = b"", max_reply: int = 0) -> bytes:
         link = await self._link(peer.address)
         try:
-            reply, payload = await link.call(op, data)
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            reply, payload = await link.call(op, data, max_reply)
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError) as exc:
             self._links.pop(peer.address, None)
             link.writer.close()
             raise Disconnected(f"KV-transfer connection to {peer.address} lost: {exc}") from None
         if not reply.ok:
+            # a refusal may have closed the connection (a write refused before its payload)
+            if self._links.pop(peer.address, None) is not None:
+                link.writer.close()
             raise InvalidArgument(f"KV transfer {op.op} at {peer.address} refused: {reply.error}")
         return payload
 
@@ -327,7 +412,9 @@ class TcpKvConnector(KvConnector):
         if not block_ids:
             return b""
         started = time.perf_counter()
-        data = await self._call(peer, KvOp("read", transfer_id, block_runs(block_ids)))
+        # what the blocks can be in the peer's layout, and not a byte more
+        expected = len(block_ids) * peer.layout.wire_bytes_per_block
+        data = await self._call(peer, KvOp("read", transfer_id, block_runs(block_ids)), max_reply=min(expected, _MAX_PAYLOAD))
         await _simulate(peer.layout, len(block_ids))
         self._account(started, received=_real_bytes(peer.layout, len(block_ids), len(data)))
         return self.convert(data, peer.layout, into)

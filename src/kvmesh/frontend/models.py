@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from kvmesh.health.state import HealthConfig
 from kvmesh.observability.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.preprocess import Preprocessor
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
-from kvmesh.protocol import EngineConfig, InstanceInfo, ModelFiles
+from kvmesh.protocol import MAX_MODEL_FILE_BYTES, MODEL_FILE_NAMES, EngineConfig, InstanceInfo, ModelFiles
 from kvmesh.router.push import PushRouter, make_policy
 from kvmesh.runtime.distributed import RequestClient, call
 from kvmesh.runtime.event_plane.base import EventPlane
@@ -36,7 +38,7 @@ from kvmesh.runtime.names import KV_EVENTS_TOPIC, MODEL_FILES
 if TYPE_CHECKING:
     from kvmesh.router.service import KvRouterService
 
-__all__ = ["ModelEntry", "ModelRegistry", "fetch_model_files", "model_cache_dir"]
+__all__ = ["ModelEntry", "ModelRegistry", "fetch_model_files", "check_model_files", "model_cache_dir"]
 
 
 def _capacity_config(c: FrontendConfig) -> CapacityConfig:
@@ -61,22 +63,51 @@ def model_cache_dir() -> Path:
     return Path(base) / "kvmesh" / "models"
 
 
-async def fetch_model_files(client: RequestClient, name: str) -> str:
-    """Copy a worker's model files (config, tokenizer, template) into the local cache."""
-    files: ModelFiles | None = await call(client, MODEL_FILES, decode=_decode_files)
-    if files is None or "tokenizer.json" not in files.files:
+def check_model_files(files: ModelFiles, name: str) -> None:
+    """InvalidArgument unless every file has one of the fixed ``MODEL_FILE_NAMES`` (so
+    no name can leave the cache folder) and at most ``MAX_MODEL_FILE_BYTES``."""
+    allowed = ", ".join(MODEL_FILE_NAMES)
+    for file_name, data in files.files.items():
+        if file_name not in MODEL_FILE_NAMES:
+            raise InvalidArgument(f"the worker serving {name!r} sent a model file named {file_name[:80]!r}; allowed: {allowed}")
+        if len(data) > MAX_MODEL_FILE_BYTES:
+            raise InvalidArgument(f"the worker serving {name!r} sent {file_name} of {len(data)} bytes, over {MAX_MODEL_FILE_BYTES}")
+    if "tokenizer.json" not in files.files:
         raise InvalidArgument(f"the worker serving {name!r} sent no tokenizer.json")
+
+
+def _cache_folder_name(name: str, digest: str) -> str:
+    # Model names come from workers: keep a safe subset, never a separator or a leading dot.
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("/", "--"))[:100].lstrip(".")
+    return f"{safe or 'model'}-{digest}"
+
+
+async def fetch_model_files(client: RequestClient, name: str) -> str:
+    """Copy a worker's model files (config, tokenizer, template) into the local cache.
+
+    The files are data from the network: only the fixed names of a model folder are
+    accepted (:func:`check_model_files`), each written inside a fresh folder of ours."""
+    files: ModelFiles | None = await call(client, MODEL_FILES, decode=_decode_files)
+    if files is None:
+        raise InvalidArgument(f"the worker serving {name!r} sent no model files")
+    check_model_files(files, name)
     digest = hashlib.sha256(b"".join(files.files[k] for k in sorted(files.files))).hexdigest()[:16]
-    folder = model_cache_dir() / f"{name.replace('/', '--')}-{digest}"
+    cache = model_cache_dir()
+    folder = cache / _cache_folder_name(name, digest)
     if not (folder / "tokenizer.json").is_file():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for file_name, data in files.files.items():
-            (tmp / file_name).write_bytes(data)
-        if folder.exists():  # another process cached it meanwhile
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, folder)
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        tmp.mkdir(mode=0o700)  # new, ours: nothing planted in it
+        try:
+            for file_name, data in files.files.items():
+                (tmp / file_name).write_bytes(data)
+            if folder.exists():  # another process cached it meanwhile
+                shutil.rmtree(tmp)
+            else:
+                os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return str(folder)
 
 

@@ -33,6 +33,12 @@ class RouterMetrics:
         self.rejected = parent.router_rejected.labels(model)
         self.block_size_mismatch = parent.router_block_mismatch.labels(model)
         self.repairs = {m: parent.router_repairs.labels(model, m) for m in ("buffer", "dump")}
+        self._events_rejected = parent.router_events_rejected
+        self._model = model
+
+    def event_rejected(self, reason: str) -> None:
+        """One KV event skipped: ``reason`` is a short fixed label (see router/service.py)."""
+        self._events_rejected.labels(self._model, reason).inc()
 
 
 class ModelMetrics:
@@ -122,6 +128,12 @@ class FrontendMetrics:
             buckets=_RATIO_BUCKETS, registry=r,
         )  # fmt: skip
         self.router_events = Counter("kvmesh_router_kv_events_applied", "KV events applied to the index", ["model"], registry=r)
+        self.router_events_rejected = Counter(
+            "kvmesh_router_kv_events_rejected",
+            "KV events skipped: undecodable, invalid, or from a publisher that is not the worker they name",
+            ["model", "reason"],
+            registry=r,
+        )
         self.router_gaps = Counter("kvmesh_router_kv_event_gaps", "Gaps detected in workers' KV event ids", ["model"], registry=r)
         self.router_repairs = Counter(
             "kvmesh_router_kv_repairs", "Index repairs by method (buffer or dump)", ["model", "method"], registry=r

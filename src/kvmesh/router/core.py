@@ -55,7 +55,7 @@ from kvmesh.router.cost import (
     uncached_tokens,
 )
 from kvmesh.router.hashing import block_hashes as hash_blocks
-from kvmesh.router.indexer import EventSequencer, KvIndexer
+from kvmesh.router.indexer import DEFAULT_MAX_BLOCKS_PER_WORKER, EventSequencer, KvIndexer
 from kvmesh.router.load import ActiveLoad
 
 __all__ = ["MODES", "CandidateScore", "Decision", "KvRouterCore", "RouterSettings"]
@@ -76,6 +76,7 @@ class RouterSettings:
     load_ttl_s: float = 300.0  # an in-flight entry older than this is dropped (lost finish)
     approx_ttl_s: float = 120.0
     approx_max_blocks: int = 1_000_000
+    max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER  # the KV index's cap (see router/indexer.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -109,7 +110,7 @@ class KvRouterCore:
         self._indexer: KvIndexer | None = None
         self._approx: ApproxIndexer | None = None
         if settings.mode == "kv":
-            self._indexer = KvIndexer()
+            self._indexer = KvIndexer(self.settings.max_blocks_per_worker)
         else:
             self._approx = ApproxIndexer(settings.approx_ttl_s, settings.approx_max_blocks)
 

@@ -39,6 +39,18 @@ Representation (memory matters: the bench indexes 10 million blocks):
 
 Invariants: ``bit i is set in _nodes[h]`` ⇒ ``h in _log[i]``; ``_count[i]`` is the
 number of nodes with bit ``i`` set; no mask is 0.
+
+Cap (``max_blocks_per_worker``): a worker never holds more blocks in the index than
+the cap, so one worker's events (a buggy engine, a hostile publisher) cannot grow the
+router without bound. Eviction rule: when a store takes a worker over its cap, its
+*oldest-stored* blocks (the front of its log, the order the events stored them in)
+are dropped until it holds 7/8 of the cap; an engine evicts least-recently-used
+blocks, and the oldest stored are the best guess at those that the router can make
+without access times. Each eviction batch is O(cap) and frees cap/8 blocks, so the
+cost per stored block stays O(1) amortised. ``evicted`` counts the blocks dropped.
+
+:func:`check_event_data` says why an event payload cannot be applied (a hash that is
+not an unsigned 64-bit int, too many blocks in one event) before anything is changed.
 """
 
 from __future__ import annotations
@@ -50,7 +62,13 @@ from typing import Literal
 
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
 
-__all__ = ["KvIndexer", "EventSequencer"]
+__all__ = ["KvIndexer", "EventSequencer", "check_event_data", "DEFAULT_MAX_BLOCKS_PER_WORKER", "MAX_EVENT_BLOCKS"]
+
+# A worker's blocks in the index at most (4 Mi blocks: 64 Mi tokens at block size 16).
+DEFAULT_MAX_BLOCKS_PER_WORKER = 1 << 22
+# Hashes in one event at most (an engine stores or frees one request's blocks at a time).
+MAX_EVENT_BLOCKS = 1 << 16
+_U64 = 1 << 64
 
 # Compact a worker's log when it holds more than 2 × live + this many entries.
 _LOG_SLACK = 1024
@@ -84,12 +102,29 @@ def _bit_indices(mask: int) -> list[int]:
     return out
 
 
+def check_event_data(data: KvEventData) -> str | None:
+    """Why ``data`` must not be applied (a short reason, a metric label), or None."""
+    if isinstance(data, AllBlocksCleared):
+        return None
+    hashes = data.block_hashes
+    if len(hashes) > MAX_EVENT_BLOCKS:
+        return "too_many_blocks"
+    for h in hashes:
+        if type(h) is not int or not 0 <= h < _U64:
+            return "bad_hash"
+    return None
+
+
 class KvIndexer:
     """Which workers hold which blocks; see the module docstring for the contract."""
 
-    __slots__ = ("_nodes", "_log", "_count", "_bits", "_index", "_ids", "_free", "_decoded")
+    __slots__ = ("_nodes", "_log", "_count", "_bits", "_index", "_ids", "_free", "_decoded", "max_blocks_per_worker", "evicted")
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER) -> None:
+        if max_blocks_per_worker < 8:
+            raise ValueError(f"max_blocks_per_worker must be at least 8, got {max_blocks_per_worker}")
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self.evicted = 0
         self._nodes: dict[int, int] = {}
         self._log: list[array[int]] = []  # by dense index
         self._count: list[int] = []  # by dense index: live blocks
@@ -257,6 +292,18 @@ class KvIndexer:
             raise ValueError(f"block hashes must be unsigned 64-bit ints: {e}") from None
         finally:
             self._count[i] += added
+            if self._count[i] > self.max_blocks_per_worker:
+                self._evict_oldest(i)
+
+    def _evict_oldest(self, i: int) -> None:
+        """Drop worker ``i``'s oldest-stored blocks down to 7/8 of the cap (see the module docstring)."""
+        keep = self.max_blocks_per_worker * 7 // 8
+        live = list(dict.fromkeys(self._live(i)))  # oldest first, each hash once
+        drop = len(live) - keep
+        if drop <= 0:
+            return
+        self.evicted += self._unmark(i, live[:drop])
+        self._log[i] = array("Q", live[drop:])
 
     def _remove(self, i: int, hashes: Iterable[int]) -> None:
         if self._unmark(i, hashes):

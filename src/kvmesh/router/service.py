@@ -8,6 +8,12 @@ decisions out. The decisions themselves are made by the pure
   dump (``kv_dump``); events arriving during a repair are held and applied after it.
 * A new worker's cache is loaded from its dump when it appears; a removed worker's
   blocks are dropped.
+* Events are data from the network: each envelope that cannot be decoded, names a
+  worker other than its publisher, names no worker of this model, or carries an
+  invalid payload (a hash outside u64, too many blocks) is skipped and counted in
+  ``kvmesh_router_kv_events_rejected_total{reason}``; the reader never stops on one.
+  Reasons: ``malformed``, ``publisher_mismatch``, ``unknown_worker``, ``bad_hash``,
+  ``too_many_blocks``, ``not_applicable``.
 * Admission (optional): when every worker's in-flight prefill tokens are over
   ``threshold`` × its batch token budget, requests wait in FCFS order; past
   ``max_queue`` waiting requests, a new one is refused with 503 + Retry-After.
@@ -27,6 +33,7 @@ import msgspec
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
 from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
+from kvmesh.router.indexer import check_event_data
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import Subscription
 from kvmesh.runtime.instances import Instance
@@ -67,6 +74,7 @@ class KvRouterService:
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
+        self.rejected_events = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -119,10 +127,35 @@ class KvRouterService:
     async def _read(self) -> None:
         assert self.subscription is not None
         async for envelope in self.subscription:
-            try:
-                self._on_event(_decode_event(envelope.payload))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("dropping a malformed KV event from publisher %x", envelope.publisher_id)
+            reason = self._on_envelope(envelope)
+            if reason is not None:
+                self._reject(reason, envelope.publisher_id)
+
+    def _on_envelope(self, envelope: Any) -> str | None:
+        """Apply one envelope's event; the reason it was skipped, or None."""
+        try:
+            event = _decode_event(envelope.payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            return "malformed"
+        if event.worker_id != envelope.publisher_id:
+            return "publisher_mismatch"
+        if event.worker_id not in self.workers:
+            return "unknown_worker"
+        reason = check_event_data(event.data)
+        if reason is not None:
+            return reason
+        try:
+            self._on_event(event)
+        except (ValueError, TypeError, OverflowError) as exc:  # NOTE: checked above; a last guard
+            log.warning("KV event of worker %x not applied: %s", event.worker_id, exc)
+            return "not_applicable"
+        return None
+
+    def _reject(self, reason: str, publisher_id: int) -> None:
+        self.rejected_events += 1
+        self.metrics.event_rejected(reason)
+        if self.rejected_events & (self.rejected_events - 1) == 0:  # 1st, 2nd, 4th, ...: the log stays small
+            log.warning("skipping a KV event from publisher %x (%s); %d skipped so far", publisher_id, reason, self.rejected_events)
 
     def _on_event(self, event: KvEvent) -> None:
         worker = event.worker_id
@@ -160,6 +193,8 @@ class KvRouterService:
                 self.metrics.repairs["dump"].inc()
         except KvmeshError as exc:
             log.warning("KV state of worker %x not repaired: %s", worker_id, exc.message)
+        except (ValueError, TypeError, OverflowError) as exc:  # a dump with invalid hashes
+            log.warning("KV state of worker %x not repaired: invalid dump: %s", worker_id, exc)
         finally:
             held = self._repairing.pop(worker_id, None) or []
             if worker_id in self.workers:
@@ -180,10 +215,12 @@ class KvRouterService:
         if since is None or not since.complete:
             return False
         for event in since.events:
-            self._apply_repaired(event)
+            self._apply_repaired(event, worker_id)
         return True
 
-    def _apply_repaired(self, event: KvEvent) -> None:
+    def _apply_repaired(self, event: KvEvent, worker_id: int) -> None:
+        if event.worker_id != worker_id or worker_id not in self.workers or check_event_data(event.data) is not None:
+            return
         if self.core.apply_event(event) == "apply":
             self._last_applied[event.worker_id] = event.event_id
             self.metrics.events_applied.inc()

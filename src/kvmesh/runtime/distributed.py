@@ -29,11 +29,19 @@ Lifecycle::
 Callers: ``client = ep.client(on_added, on_removed); await client.start()``; the
 callbacks receive each instance's :class:`~kvmesh.protocol.InstanceInfo` and a
 request-plane client for it (TCP or NATS, from the instance's own transport).
+
+Discovery records are data from the network. With a cluster secret each record is
+signed by the process that registers it (an HMAC over its key and value) and a record
+without a valid signature is skipped and logged. Each new instance is processed in
+its own task, bounded by ``record_timeout_s``: a record that cannot be processed in
+time (a worker that never answers for its model files) is skipped and logged, and the
+watch goes on meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import socket
@@ -45,6 +53,8 @@ import msgspec
 from kvmesh.config import RuntimeConfig
 from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.protocol import InstanceInfo
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.discovery.base import Discovery, Lease
 from kvmesh.runtime.tcp_client import TcpClient
@@ -62,6 +72,8 @@ __all__ = [
     "endpoint_prefix",
     "call",
     "NIL",
+    "sign_record",
+    "record_is_signed",
 ]
 
 log = logging.getLogger("kvmesh.runtime")
@@ -108,9 +120,28 @@ def instance_key(namespace: str, component: str, endpoint: str, lease_id: int) -
     return f"{endpoint_prefix(namespace, component, endpoint)}{lease_id:x}"
 
 
+def _record_mac(secret: ClusterSecret, key: str, info: InstanceInfo) -> str:
+    return secret.sign("discovery", key.encode(), _encode(msgspec.structs.replace(info, mac=""))).hex()
+
+
+def sign_record(secret: ClusterSecret | None, key: str, info: InstanceInfo) -> InstanceInfo:
+    """``info`` with its signature for ``key`` (unchanged without a secret)."""
+    return info if secret is None else msgspec.structs.replace(info, mac=_record_mac(secret, key, info))
+
+
+def record_is_signed(secret: ClusterSecret | None, key: str, info: InstanceInfo) -> bool:
+    return secret is None or hmac.compare_digest(info.mac, _record_mac(secret, key, info))
+
+
 class DistributedRuntime:
-    def __init__(self, config: RuntimeConfig, discovery: Discovery | None = None) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        discovery: Discovery | None = None,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+    ) -> None:
         self.config = config
+        self.secret = auth.resolve(secret)
         self._discovery = discovery
         self.lease: Lease | None = None  # the current lease (replaced if it expires)
         self._id: int | None = None  # the first lease's id: this process's identity
@@ -131,16 +162,34 @@ class DistributedRuntime:
 
             c = self.config
             self._discovery = make_discovery(
-                c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir
-            )
+                c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir,
+                etcd_credentials=self._etcd_credentials(),
+            )  # fmt: skip
         await self._discovery.connect()
         self.lease = await self._discovery.grant_lease(self.config.lease_ttl_s)
         self._id = self.lease.id
         self._holder = asyncio.get_running_loop().create_task(self._hold_lease(), name="runtime-lease")
         if self.config.needs_nats:
-            from kvmesh.runtime.nats_plane import connect_nats
+            await self.connect_nats()
 
-            self.nats = await connect_nats(self.config.nats_url)
+    def _etcd_credentials(self) -> Any:
+        c = self.config
+        if c.discovery != "etcd":
+            return None
+        from kvmesh.runtime.discovery.etcd import EtcdCredentials
+
+        return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
+
+    async def connect_nats(self) -> Any:
+        """This process's NATS client (connected on first use, closed at shutdown), with
+        the configured credentials file and TLS files (if any)."""
+        if self.nats is None:
+            from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
+
+            c = self.config
+            tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
+            self.nats = await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
+        return self.nats
 
     @property
     def discovery(self) -> Discovery:
@@ -252,9 +301,9 @@ class DistributedRuntime:
             if self.config.request_plane == "nats":
                 from kvmesh.runtime.nats_plane import NatsRequestServer
 
-                server = NatsRequestServer(self.nats, self.config.namespace, component, self.lease_id)
+                server = NatsRequestServer(self.nats, self.config.namespace, component, self.lease_id, secret=self.secret)
             else:
-                server = TcpServer(self.config.host, 0)
+                server = TcpServer(self.config.host, 0, secret=self.secret)
             await server.start()
             self._servers[key] = server
         return server
@@ -264,14 +313,11 @@ class DistributedRuntime:
     ) -> RequestClient:
         """A request-plane client that reaches ``info`` over its own transport."""
         if info.transport == "nats":
-            if self.nats is None:
-                from kvmesh.runtime.nats_plane import connect_nats
-
-                self.nats = await connect_nats(self.config.nats_url)
+            await self.connect_nats()
             if self._callhome is None:
                 from kvmesh.runtime.nats_plane import CallHomeServer
 
-                self._callhome = CallHomeServer(self.config.host, 0)
+                self._callhome = CallHomeServer(self.config.host, 0, secret=self.secret)
                 await self._callhome.start()
             from kvmesh.runtime.nats_plane import NatsRequestClient
 
@@ -279,7 +325,7 @@ class DistributedRuntime:
                 self.nats, self._callhome, info.namespace, info.component, info.worker_id,
                 connect_timeout=connect_timeout, response_timeout=response_timeout,
             )  # fmt: skip
-        return TcpClient(info.address, connect_timeout, response_timeout)
+        return TcpClient(info.address, connect_timeout, response_timeout, secret=self.secret)
 
 
 class Namespace:
@@ -341,7 +387,7 @@ class Endpoint:
     async def register(self, info: InstanceInfo) -> None:
         rt = self.runtime
         self._key = instance_key(self.component.namespace.name, self.component.name, self.name, rt.lease_id)
-        await rt.put_leased(self._key, _encode(info))
+        await rt.put_leased(self._key, _encode(sign_record(rt.secret, self._key, info)))
 
     async def unregister(self) -> None:
         if self._key is not None:
@@ -354,8 +400,9 @@ class Endpoint:
         on_removed: Callable[[int], Awaitable[None]],
         connect_timeout: float = 5.0,
         response_timeout: float | None = None,
+        record_timeout_s: float = 30.0,
     ) -> Client:
-        return Client(self.runtime, self.prefix, on_added, on_removed, connect_timeout, response_timeout)
+        return Client(self.runtime, self.prefix, on_added, on_removed, connect_timeout, response_timeout, record_timeout_s)
 
 
 class Client:
@@ -373,43 +420,80 @@ class Client:
         on_removed: Callable[[int], Awaitable[None]],
         connect_timeout: float = 5.0,
         response_timeout: float | None = None,
+        record_timeout_s: float = 30.0,
     ) -> None:
         self.runtime = runtime
         self.prefix = prefix
         self.connect_timeout = connect_timeout
         self.response_timeout = response_timeout
+        self.record_timeout_s = record_timeout_s
         self.on_added = on_added
         self.on_removed = on_removed
         self.known: dict[int, InstanceInfo] = {}
+        self.skipped = 0  # records refused (unsigned, undecodable) or not processed in time
         self._task: asyncio.Task[None] | None = None
+        self._adding: dict[int, asyncio.Task[None]] = {}  # owned: one per instance being added
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [*self._adding.values(), *([self._task] if self._task is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self._adding.clear()
 
     async def _watch(self) -> None:
         async for event in self.runtime.discovery.watch_prefix(self.prefix):
             try:
                 if event.kind == "put":
-                    await self._put(event.value)
+                    self._put(event.key, event.value)
                 else:
                     await self._delete(event.key)
             except Exception:  # noqa: BLE001 - one bad entry must not end the watch
                 log.exception("discovery event %s %s not applied", event.kind, event.key)
 
-    async def _put(self, value: bytes) -> None:
-        info = _decode_info(value)
+    def _put(self, key: str, value: bytes) -> None:
+        try:
+            info = _decode_info(value)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            self.skipped += 1
+            log.warning("skipping discovery record %s: not an instance record: %s", key[:200], exc)
+            return
+        if not record_is_signed(self.runtime.secret, key, info):
+            self.skipped += 1
+            log.warning("skipping discovery record %s: not signed with this fleet's cluster secret", key[:200])
+            return
+        if key[len(self.prefix) :] != f"{info.worker_id:x}":
+            self.skipped += 1  # a record in another instance's name
+            log.warning("skipping discovery record %s: it names instance %x", key[:200], info.worker_id)
+            return
         if info.worker_id in self.known:
             self.known[info.worker_id] = info
             return
-        client = await self.runtime.client_for(info, self.connect_timeout, self.response_timeout)
         self.known[info.worker_id] = info
-        await self.on_added(info, client)
+        task = asyncio.get_running_loop().create_task(self._add(key, info))
+        self._adding[info.worker_id] = task
+        task.add_done_callback(lambda t, w=info.worker_id: self._adding.pop(w, None) if self._adding.get(w) is t else None)
+
+    async def _add(self, key: str, info: InstanceInfo) -> None:
+        """Attach one instance, within ``record_timeout_s``; skipped (and logged) otherwise."""
+        client: RequestClient | None = None
+        try:
+            async with asyncio.timeout(self.record_timeout_s):
+                client = await self.runtime.client_for(info, self.connect_timeout, self.response_timeout)
+                await self.on_added(info, client)
+        except TimeoutError:
+            if client is not None:
+                await client.close()
+            self.skipped += 1
+            self.known.pop(info.worker_id, None)  # a later put of the record tries again
+            log.warning("skipping discovery record %s: not processed within %.0f s", key[:200], self.record_timeout_s)
+        except Exception:  # noqa: BLE001 - one bad record must not end anything else
+            self.known.pop(info.worker_id, None)
+            log.exception("discovery record %s not applied", key[:200])
 
     async def _delete(self, key: str) -> None:
         suffix = key[len(self.prefix) :]
@@ -418,5 +502,9 @@ class Client:
         except ValueError:
             log.warning("ignoring discovery key %s", key)
             return
+        adding = self._adding.pop(worker_id, None)
+        if adding is not None:  # still being added: stop that first
+            adding.cancel()
+            await asyncio.gather(adding, return_exceptions=True)
         if self.known.pop(worker_id, None) is not None:
             await self.on_removed(worker_id)

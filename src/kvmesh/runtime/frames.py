@@ -12,6 +12,20 @@ Wire format: a 4-byte big-endian length, then one msgpack-encoded frame::
 
 Payloads are msgpack of the endpoint's own Struct types, kept as ``msgspec.Raw`` so
 the transport never decodes what it does not route.
+
+Limits (each reader is given its channel's maximum; a length prefix over it closes
+the connection before a byte of the frame is buffered):
+
+=========================  =====================  ==========================================
+channel                    default                why
+=========================  =====================  ==========================================
+caller → worker (``Req``)  ``MAX_REQUEST_FRAME``  16 MiB: a prompt of a few million tokens
+worker → caller (``Out``)  ``MAX_FRAME_BYTES``    64 MiB: a model's tokenizer.json, a KV dump
+streams per connection     ``MAX_STREAMS``        4096 open at once; more get ``ResourceExhausted``
+=========================  =====================  ==========================================
+
+Reassembly is linear: a partial frame's reads are kept as a list of chunks and joined
+once, when the frame is complete.
 """
 
 from __future__ import annotations
@@ -36,13 +50,17 @@ __all__ = [
     "STOP",
     "KILL",
     "MAX_FRAME_BYTES",
+    "MAX_REQUEST_FRAME",
+    "MAX_STREAMS",
     "FrameWriter",
     "FrameReader",
 ]
 
 STOP = 1
 KILL = 2
-MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # what a caller accepts from a worker
+MAX_REQUEST_FRAME = 16 * 1024 * 1024  # what a worker accepts from a caller
+MAX_STREAMS = 4096  # streams open at once on one connection
 
 
 class Req(msgspec.Struct, tag=1, array_like=True):
@@ -148,23 +166,38 @@ class FrameReader:
     """Incremental frame parser. ``feed`` returns the complete frames so far.
 
     Raises :class:`InvalidArgument` for an oversized or undecodable frame; the
-    connection owner then closes the connection.
+    connection owner then closes the connection. An oversized frame is refused from its
+    length prefix, before anything of it is buffered.
+
+    NOTE: frames are decoded from slices of immutable bytes objects (``msgspec.Raw``
+    payloads keep a reference to them), so a partial frame is kept as a list of the
+    reads that carried it and joined once, when ``_need`` bytes have arrived: every byte
+    is copied at most once however many reads a frame takes.
     """
 
-    __slots__ = ("_buf", "_decoder", "_max")
+    __slots__ = ("_chunks", "_have", "_need", "_decoder", "_max")
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
-        self._buf = bytearray()
+        self._chunks: list[bytes] = []  # the reads holding an incomplete frame
+        self._have = 0  # their total length
+        self._need = 0  # bytes needed before the next frame can be parsed
         self._decoder = msgspec.msgpack.Decoder(Frame)
         self._max = max_frame_bytes
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held for an incomplete frame."""
+        return self._have
+
     def feed(self, data: bytes) -> list[Frame]:
-        if self._buf:
-            self._buf.extend(data)
-            data = bytes(self._buf)
-            self._buf.clear()
-        # Frames are decoded from slices of one immutable bytes object: msgspec.Raw
-        # payloads keep a reference to it, so it must never be resized.
+        if self._chunks:
+            self._chunks.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return []
+            data = b"".join(self._chunks)
+            self._chunks.clear()
+            self._have = 0
         view = memoryview(data)
         frames = []
         pos = 0
@@ -178,9 +211,12 @@ class FrameReader:
                 break
             try:
                 frames.append(decode(view[pos + 4 : pos + 4 + size]))
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
                 raise InvalidArgument(f"malformed frame: {exc}") from None
             pos += 4 + size
         if pos < end:
-            self._buf.extend(view[pos:])
+            rest = data[pos:] if pos else data
+            self._chunks.append(rest)
+            self._have = len(rest)
+            self._need = 4 + _LEN.unpack_from(rest)[0] if len(rest) >= 4 else 4
         return frames

@@ -25,6 +25,14 @@ The worker end of a call-home connection is the TCP plane's own connection proto
 same handler loop (Ack, Out per item, End, typed Err, backpressure), maps Ctl frames
 to the stream's context and kills every stream it carries when the connection drops.
 
+Trust: stream ids are random 63-bit numbers drawn by the call-home server, and a
+stream is bound to the call-home connection whose ``Ack`` claimed it first; ``Out``,
+``End`` and ``Err`` frames for it from any other connection are dropped and counted
+(``CallHomeServer.foreign_frames``). With a cluster secret (:mod:`kvmesh.runtime.auth`)
+every request message carries an HMAC over its subject, stream id, call-home address
+and payload, which the worker checks before it dials anything, and the call-home
+connection starts with the mutual handshake (channel ``callhome``).
+
 Failures come out of :meth:`NatsRequestClient.stream` typed like the TCP plane's:
 ``CannotConnect`` (no responders, NATS unreachable), ``ConnectionTimeout`` (no reply
 to the NATS request in time), ``ResponseTimeout`` (the worker accepted but never
@@ -35,7 +43,11 @@ called home, or sent no first item within ``response_timeout``), ``Disconnected`
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import re
+import secrets
+import ssl
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -56,10 +68,14 @@ from kvmesh.errors import (
     ResponseTimeout,
     from_wire,
 )
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import (
     KILL,
     MAX_FRAME_BYTES,
+    MAX_REQUEST_FRAME,
+    MAX_STREAMS,
     STOP,
     Ack,
     Ctl,
@@ -88,6 +104,8 @@ __all__ = [
     "request_subject",
     "plane_settling",
     "PLANE_WAIT_S",
+    "request_mac",
+    "nats_tls_context",
 ]
 
 log = logging.getLogger(__name__)
@@ -105,6 +123,12 @@ class NatsRequest(msgspec.Struct, array_like=True):
     sid: int
     callhome: str
     payload: msgspec.Raw
+    mac: bytes = b""  # HMAC of the cluster secret (see request_mac); empty without one
+
+
+def request_mac(secret: ClusterSecret, subject: str, sid: int, callhome: str, payload: bytes) -> bytes:
+    sid_bytes = sid.to_bytes(9, "little", signed=True)  # any msgpack integer fits
+    return secret.sign("nats-request", subject.encode(), sid_bytes, callhome.encode(), bytes(payload))
 
 
 class NatsReply(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -136,22 +160,47 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def nats_tls_context(ca_file: str = "", cert_file: str = "", key_file: str = "") -> ssl.SSLContext | None:
+    """A client TLS context for NATS from PEM files; None when none is given (a
+    ``tls://`` server URL then uses nats-py's default context)."""
+    if not (ca_file or cert_file or key_file):
+        return None
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("a NATS client certificate needs both --nats-cert and --nats-key")
+    ctx = ssl.create_default_context(cafile=ca_file or None)
+    if cert_file:
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+def _redact(servers: str | list[str]) -> str:
+    """Server URLs without their user:password (never echoed in a message)."""
+    urls = [servers] if isinstance(servers, str) else servers
+    return ",".join(re.sub(r"//[^/@]*@", "//***@", u) for u in urls)
+
+
 async def connect_nats(
     servers: str | list[str],
     *,
     name: str | None = None,
     connect_timeout: float = 2.0,
     first_connect_attempts: int = 3,
+    user_credentials: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> NatsClient:
     """Connect to NATS; once connected, reconnect forever (every 0.5 s) after a loss.
 
     Raises :class:`CannotConnect` when no server answers within about
-    ``first_connect_attempts`` × (``connect_timeout`` + 0.5 s).
+    ``first_connect_attempts`` × (``connect_timeout`` + 0.5 s). ``user_credentials``
+    (a NATS ``.creds`` file) and ``tls`` go to nats-py as they are; a password in a URL
+    is never echoed in a message.
     """
 
     client: list[NatsClient] = []  # set once connected; the callbacks only log
+    errors: list[str] = []  # what went wrong while connecting, for the message
 
     async def on_error(exc: Exception) -> None:
+        errors.append(str(exc) or type(exc).__name__)
         log.warning("NATS: %s", exc or type(exc).__name__)
 
     async def on_disconnected() -> None:
@@ -163,8 +212,12 @@ async def connect_nats(
         if client:
             _reconnected_at[client[0]] = asyncio.get_running_loop().time()
 
+    nc = NatsClient()
+    # NOTE: nats-py retries some failures (a TLS certificate it cannot verify) without
+    # end on the first connect; bound it so a misconfiguration is an error, not a hang.
+    bound = first_connect_attempts * (connect_timeout + 0.5) + 2.0
     try:
-        nc = await nats.connect(
+        await asyncio.wait_for(nc.connect(
             servers,
             name=name,
             connect_timeout=connect_timeout,
@@ -177,9 +230,15 @@ async def connect_nats(
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
-        )
+            **({"user_credentials": user_credentials} if user_credentials else {}),
+            **({"tls": tls} if tls is not None else {}),
+        ), bound)  # fmt: skip
+    except TimeoutError:
+        await nc.close()
+        last = errors[-1] if errors else f"no answer within {bound:.0f} s"
+        raise CannotConnect(f"cannot connect to NATS at {_redact(servers)}: {last}") from None
     except (OSError, nats.errors.Error) as exc:
-        raise CannotConnect(f"cannot connect to NATS at {servers}: {exc or type(exc).__name__}") from None
+        raise CannotConnect(f"cannot connect to NATS at {_redact(servers)}: {exc or type(exc).__name__}") from None
     nc.options["max_reconnect_attempts"] = -1
     client.append(nc)
     return nc
@@ -235,15 +294,26 @@ class NatsRequestServer:
         component: str,
         lease_id: int,
         connect_timeout: float = 5.0,
-        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_frame_bytes: int = MAX_REQUEST_FRAME,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        max_streams: int = MAX_STREAMS,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
+        self.tls = auth.resolve_tls(tls)
         self.nc = nc
         self.namespace = namespace
         self.component = component
         self.lease_id = lease_id
         self.connect_timeout = connect_timeout
         self.max_frame_bytes = max_frame_bytes
+        # read by the shared _Conn
+        self.secret = auth.resolve(secret)
+        self.channel = "callhome"
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
+        self.max_streams = max_streams
+        self.foreign_frames = 0
+        self.unsigned = 0  # requests refused: no valid MAC
         self.endpoints: dict[str, Handler] = {}
         self._subs: dict[str, Subscription] = {}
         self._by_subject: dict[str, str] = {}
@@ -316,8 +386,9 @@ class NatsRequestServer:
             return
         try:
             req = self._decode_request(msg.data)
+            self._check_mac(msg.subject, req)
             _split_address(req.callhome)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             await self._reply(msg, NatsReply(InvalidArgument.kind, f"malformed request on {msg.subject}: {exc}"))
             return
         except InvalidArgument as exc:
@@ -330,6 +401,15 @@ class NatsRequestServer:
             conn._open(Req(req.sid, endpoint, req.payload))  # Ack, then the handler loop in a task
         else:
             self._spawn(self._call_home(Req(req.sid, endpoint, req.payload), req.callhome))
+
+    def _check_mac(self, subject: str, req: NatsRequest) -> None:
+        secret = self.secret
+        if secret is None:
+            return
+        if not hmac.compare_digest(req.mac, request_mac(secret, subject, req.sid, req.callhome, req.payload)):
+            self.unsigned += 1
+            log.warning("refusing a request on %s: not signed with this fleet's cluster secret", subject)
+            raise AuthError(f"request on {subject} refused: not signed with the cluster secret")
 
     async def _reply(self, msg: Msg, reply: NatsReply | None) -> bool:
         try:
@@ -367,11 +447,22 @@ class NatsRequestServer:
 
     async def _dial(self, address: str) -> _Conn:
         host, port = _split_address(address)
-        connecting = asyncio.get_running_loop().create_connection(lambda: _Conn(self), host, port)  # type: ignore[arg-type]
+        tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": host, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
+        connecting = asyncio.get_running_loop().create_connection(lambda: _Conn(self, client=True), host, port, **tls)  # type: ignore[arg-type]
         try:
             _, conn = await asyncio.wait_for(connecting, self.connect_timeout)
         except TimeoutError:
             raise ConnectionTimeout(f"calling home to {address} took over {self.connect_timeout} s") from None
+        except OSError as exc:
+            raise CannotConnect(f"cannot call home to {address}: {exc.strerror or exc}") from None
+        try:
+            if conn.gate is not None:
+                await asyncio.wait_for(asyncio.shield(conn.gate.ready), self.connect_timeout)
+        except TimeoutError:
+            conn.close()
+            raise ConnectionTimeout(f"calling home to {address} took over {self.connect_timeout} s") from None
+        except AuthError as exc:
+            raise CannotConnect(f"cannot call home to {address}: {exc.message}") from None
         except OSError as exc:
             raise CannotConnect(f"cannot call home to {address}: {exc.strerror or exc}") from None
         # forget connections to callers that went away
@@ -459,6 +550,7 @@ class _HomeConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.sids: set[int] = set()
+        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -468,8 +560,13 @@ class _HomeConn(asyncio.Protocol):
         if peer:
             self.peer = f"{peer[0]}:{peer[1]}"
         self._home._conns.add(self)
+        if self._home.secret is not None:
+            hs = Handshake(self._home.secret, "callhome", client=False, peer=f"worker {self.peer}")
+            self.auth = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.auth is not None:
+            self.auth.lost()
         self._home._conns.discard(self)
         self.transport = None
         self._writer.transport = None
@@ -478,6 +575,14 @@ class _HomeConn(asyncio.Protocol):
             self._home._end(sid, Disconnected(f"call-home connection from worker {self.peer} lost"))
 
     def data_received(self, data: bytes) -> None:
+        if self.auth is not None:
+            rest = self.auth.feed(data)
+            if rest is None:
+                return
+            self.auth = None
+            if not rest:
+                return
+            data = rest
         try:
             frames = self._reader.feed(data)
         except InvalidArgument as exc:
@@ -489,12 +594,17 @@ class _HomeConn(asyncio.Protocol):
         streams = home.streams
         for frame in frames:
             kind = type(frame)
-            if kind is Out:
-                stream = streams.get(frame.sid)
-                if stream is not None:
-                    stream.box.put(frame.payload)
-            elif kind is Ack:
+            if kind is Ack:
                 home._bind(frame.sid, self)
+                continue
+            stream = streams.get(frame.sid)
+            if stream is None:
+                continue  # ended here already (the caller left, or timed out)
+            if stream.conn is not self:
+                home.foreign_frames += 1  # another connection's stream, or not yet acknowledged
+                continue
+            if kind is Out:
+                stream.box.put(frame.payload)
             elif kind is End:
                 self.sids.discard(frame.sid)
                 home._end(frame.sid, None)
@@ -522,13 +632,17 @@ class CallHomeServer:
         port: int = 0,
         advertise_host: str | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         self.host = host
         self.port = port
+        self.tls = auth.resolve_tls(tls)
         self.advertise_host = advertise_host or host
         self.max_frame_bytes = max_frame_bytes
+        self.secret = auth.resolve(secret)
         self.streams: dict[int, _Stream] = {}
-        self._next_sid = 1
+        self.foreign_frames = 0  # frames for a stream bound to another connection (or to none yet)
         self._server: asyncio.base_events.Server | None = None
         self._starting: asyncio.Task[None] | None = None
         self._conns: set[_HomeConn] = set()
@@ -547,7 +661,8 @@ class CallHomeServer:
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _HomeConn(self), self.host, self.port)
+        tls = {} if self.tls is None else {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
+        server = await loop.create_server(lambda: _HomeConn(self), self.host, self.port, **tls)  # type: ignore[arg-type]
         self.port = server.sockets[0].getsockname()[1]
         self._server = server
 
@@ -562,8 +677,11 @@ class CallHomeServer:
 
     # -- streams (called by NatsRequestClient and _HomeConn)
     def _open(self, box: _Mailbox) -> _Stream:
-        stream = _Stream(self._next_sid, box)
-        self._next_sid += 1
+        # Random, so that nobody can guess the ids of other callers' streams.
+        sid = secrets.randbits(63)
+        while sid == 0 or sid in self.streams:
+            sid = secrets.randbits(63)
+        stream = _Stream(sid, box)
         self.streams[stream.sid] = stream
         return stream
 
@@ -581,6 +699,10 @@ class CallHomeServer:
         if stream is None:
             # The caller already left (or timed out): end the worker's stream too.
             conn.control(sid, KILL)
+            return
+        if stream.conn is not None:
+            if stream.conn is not conn:
+                self.foreign_frames += 1  # claimed by another connection first
             return
         stream.conn = conn
         conn.sids.add(sid)
@@ -765,7 +887,10 @@ class NatsRequestClient:
             await asyncio.sleep(0.05)
 
     async def _request_once(self, subject: str, stream: _Stream, payload: bytes) -> None:
-        data = self._encode(NatsRequest(stream.sid, self.callhome.address, msgspec.Raw(payload)))
+        home = self.callhome.address
+        secret = self.callhome.secret
+        mac = request_mac(secret, subject, stream.sid, home, payload) if secret is not None else b""
+        data = self._encode(NatsRequest(stream.sid, home, msgspec.Raw(payload), mac))
         try:
             msg = await self.nc.request(subject, data, timeout=self.connect_timeout)
         except nats.errors.NoRespondersError:

@@ -10,11 +10,16 @@ Failures come out of the stream as typed errors: ``CannotConnect`` /
 ``ConnectionTimeout`` before the request is sent, ``ResponseTimeout`` when the first
 response item is late, ``Disconnected`` when the connection drops mid-stream, and the
 worker's own typed errors unchanged.
+
+With a cluster secret the connection is usable only after the mutual handshake
+(:mod:`kvmesh.runtime.auth`), run once per connection within ``connect_timeout``; a
+worker that cannot prove the secret is ``CannotConnect`` with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,11 +27,15 @@ from typing import Any
 import msgspec
 
 from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, InvalidArgument, ResponseTimeout, from_wire
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
 from kvmesh.runtime.sockets import tune_stream_socket
 
 __all__ = ["TcpClient"]
+
+log = logging.getLogger(__name__)
 
 _END = object()
 
@@ -87,20 +96,29 @@ class _Mailbox:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
         self.address = address
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, _Mailbox] = {}
         self._reader = FrameReader()
         self._writer = FrameWriter()
         self._next_sid = 1
+        self._secret = secret
+        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
+        self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
+        self.foreign_frames = 0  # frames for no stream open on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._writer.transport = transport  # type: ignore[assignment]
         tune_stream_socket(transport.get_extra_info("socket"))
+        if self._secret is not None:
+            hs = Handshake(self._secret, "request", client=True, peer=f"worker {self.address}")
+            self.auth = self.gate = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.auth is not None:
+            self.auth.lost()
         self.transport = None
         self._writer.transport = None
         streams, self.streams = self.streams, {}
@@ -108,6 +126,14 @@ class _Connection(asyncio.Protocol):
             box.finish(Disconnected(f"connection to worker {self.address} lost"))
 
     def data_received(self, data: bytes) -> None:
+        if self.auth is not None:
+            rest = self.auth.feed(data)
+            if rest is None:
+                return
+            self.auth = None
+            if not rest:
+                return
+            data = rest
         try:
             frames = self._reader.feed(data)
         except InvalidArgument as exc:
@@ -117,6 +143,10 @@ class _Connection(asyncio.Protocol):
         for frame in frames:
             box = streams.get(frame.sid)
             if box is None:
+                if frame.sid == 0 and type(frame) is Err:  # the worker refused the connection
+                    self._refused(frame.message)
+                    return
+                self.foreign_frames += 1
                 continue
             kind = type(frame)
             if kind is Out:
@@ -129,6 +159,14 @@ class _Connection(asyncio.Protocol):
                 box.finish(from_wire(frame.kind, frame.message))
             elif kind is Ack:
                 pass
+
+    def _refused(self, message: str) -> None:
+        log.warning("worker %s refused the connection: %s", self.address, message)
+        streams, self.streams = self.streams, {}
+        for box in streams.values():
+            box.finish(CannotConnect(f"worker {self.address} refused the connection: {message}"))
+        if self.transport is not None:
+            self.transport.close()
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self.streams = self.streams, {}
@@ -163,7 +201,11 @@ class TcpClient:
         address: str,
         connect_timeout: float = 5.0,
         response_timeout: float | None = None,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
+        self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
         host, _, port = address.rpartition(":")
         self.address = address
         self._host = host.strip("[]")
@@ -188,15 +230,30 @@ class TcpClient:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        secret = self.secret
+        tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": self._host, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self.address), self._host, self._port),
+                loop.create_connection(lambda: _Connection(self.address, secret), self._host, self._port, **tls),  # type: ignore[arg-type]
                 self.connect_timeout,
             )
         except TimeoutError:
             raise ConnectionTimeout(f"connecting to worker {self.address} took over {self.connect_timeout} s") from None
         except OSError as exc:
             raise CannotConnect(f"cannot connect to worker {self.address}: {exc.strerror or exc}") from None
+        if conn.gate is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(conn.gate.ready), self.connect_timeout)
+            except BaseException as exc:
+                if conn.transport is not None:
+                    conn.transport.close()
+                if isinstance(exc, TimeoutError):
+                    raise ConnectionTimeout(
+                        f"worker {self.address} did not finish the cluster-secret handshake within {self.connect_timeout} s"
+                    ) from None
+                if isinstance(exc, AuthError):
+                    raise CannotConnect(f"cannot connect to worker {self.address}: {exc.message}") from None
+                raise
         self._conn = conn
         return conn
 

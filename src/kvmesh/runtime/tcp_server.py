@@ -10,6 +10,12 @@ item (the first token) goes out in the iteration that produced it.
 
 Cancellation: a ``Ctl`` STOP frame calls ``ctx.stop_generating()``, KILL calls
 ``ctx.kill()``; a dropped connection kills every stream it carried.
+
+Trust: with a cluster secret (:mod:`kvmesh.runtime.auth`) a connection serves nothing
+until the caller has passed the handshake. Stream ids live in the connection that
+opened them: a frame naming another connection's stream reaches nothing (counted in
+``TcpServer.foreign_frames``). At most ``max_streams`` streams are open per connection
+and a caller's frame is at most ``max_frame_bytes`` (see :mod:`kvmesh.runtime.frames`).
 """
 
 from __future__ import annotations
@@ -22,9 +28,24 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError
+from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, OutItem, Req
+from kvmesh.runtime.frames import (
+    KILL,
+    MAX_REQUEST_FRAME,
+    MAX_STREAMS,
+    STOP,
+    Ack,
+    Ctl,
+    End,
+    Err,
+    FrameReader,
+    FrameWriter,
+    OutItem,
+    Req,
+)
 from kvmesh.runtime.sockets import tune_stream_socket
 
 __all__ = ["Handler", "TcpServer"]
@@ -35,22 +56,39 @@ Handler = Callable[[memoryview | bytes, Context], AsyncIterator[Any]]
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, server: TcpServer) -> None:
+    """One caller's connection (accepted, or dialled out by the NATS plane's call-home:
+    ``client=True`` then plays the client side of the handshake)."""
+
+    def __init__(self, server: TcpServer, client: bool = False) -> None:
         self._server = server
         self._reader = FrameReader(server.max_frame_bytes)
         self._writer = FrameWriter(coalesce=True)
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, Context] = {}
         self._paused: asyncio.Future[None] | None = None
+        self._client = client
+        self._first = True  # nothing received yet
+        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
+        self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
+        self.peer = "?"
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._writer.transport = transport  # type: ignore[assignment]
         tune_stream_socket(transport.get_extra_info("socket"))
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self._server._conns.add(self)
+        secret: ClusterSecret | None = self._server.secret
+        if secret is not None:
+            what = "caller" if not self._client else "call-home server"
+            hs = Handshake(secret, self._server.channel, self._client, f"{what} {self.peer}")
+            self.auth = self.gate = ProtocolHandshake(hs, transport, self._server.handshake_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.auth is not None:
+            self.auth.lost()
         self._server._conns.discard(self)
         self._transport = None
         self._writer.transport = None
@@ -70,10 +108,27 @@ class _Conn(asyncio.Protocol):
             self._paused = None
 
     def data_received(self, data: bytes) -> None:
+        if self.auth is not None:
+            if self._first and not self._client and not auth.looks_like_handshake(data):
+                # A caller without the secret reads frames: tell it why, in one it understands.
+                self._send(Err(0, InvalidArgument.kind, "this worker requires the fleet's cluster secret (--cluster-secret-file)"))
+                self._writer.flush()
+            self._first = False
+            rest = self.auth.feed(data)
+            if rest is None:
+                return
+            self.auth = None
+            if not rest:
+                return
+            data = rest
+        elif self._first:
+            self._first = False
+            if self._refuse_unexpected(data):
+                return
         try:
             frames = self._reader.feed(data)
         except InvalidArgument as exc:
-            log.warning("closing connection: %s", exc.message)
+            log.warning("closing connection from %s: %s", self.peer, exc.message)
             self._send(Err(0, exc.kind, exc.message))
             self._writer.flush()
             if self._transport is not None:
@@ -84,13 +139,31 @@ class _Conn(asyncio.Protocol):
                 self._open(frame)
             elif type(frame) is Ctl:
                 self._control(frame)
+            elif type(frame) is Err and frame.sid == 0:
+                log.warning("%s refused this connection: %s", self.peer, frame.message)
             else:
                 log.warning("ignoring unexpected frame %s from a caller", type(frame).__name__)
+
+    def _refuse_unexpected(self, data: bytes) -> bool:
+        """A peer speaking a layer this process lacks (a handshake, TLS): one clear line."""
+        if self._server.secret is None and auth.looks_like_handshake(data):
+            why = "it sent a cluster-secret handshake but this process has no cluster secret (set --cluster-secret-file)"
+        elif self._server.tls is None and auth.looks_like_tls(data):
+            why = "it speaks TLS but this process has no --tls-cert/--tls-key/--tls-ca"
+        else:
+            return False
+        log.warning("refusing connection from %s: %s", self.peer, why)
+        if self._transport is not None:
+            self._transport.close()
+        return True
 
     # -- streams
     def _open(self, req: Req) -> None:
         if req.sid in self._streams:
             self._send(Err(req.sid, InvalidArgument.kind, f"stream id {req.sid} is already open"))
+            return
+        if len(self._streams) >= self._server.max_streams:
+            self._send(Err(req.sid, ResourceExhausted.kind, f"over {self._server.max_streams} streams open on one connection"))
             return
         if self._server.draining:
             self._send(Err(req.sid, EngineShutdown.kind, "this worker is draining; send the request to another worker"))
@@ -107,6 +180,8 @@ class _Conn(asyncio.Protocol):
     def _control(self, ctl: Ctl) -> None:
         ctx = self._streams.get(ctl.sid)
         if ctx is None:
+            # not open on this connection (ended, or another connection's id)
+            self._server.foreign_frames += 1
             return
         if ctl.action == KILL:
             ctx.kill()
@@ -157,10 +232,25 @@ class _Conn(asyncio.Protocol):
 class TcpServer:
     """Listens on ``host:port`` (0 = any free port) and serves registered endpoints."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = 64 * 1024 * 1024) -> None:
+    channel = "request"  # what the handshake binds a connection to
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame_bytes: int = MAX_REQUEST_FRAME,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        max_streams: int = MAX_STREAMS,
+        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
+    ) -> None:
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
+        self.max_streams = max_streams
+        self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S  # a caller that has not proven itself by then is dropped
+        self.foreign_frames = 0  # control frames naming no stream of their connection
         self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
@@ -173,10 +263,11 @@ class TcpServer:
 
     async def start(self, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
+        tls = {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S} if self.tls is not None else {}
         if sock is not None:
-            self._server = await loop.create_server(lambda: _Conn(self), sock=sock)
+            self._server = await loop.create_server(lambda: _Conn(self), sock=sock, **tls)  # type: ignore[arg-type]
         else:
-            self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port)
+            self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port, **tls)  # type: ignore[arg-type]
         self.port = self._server.sockets[0].getsockname()[1]
         self.started = True
 

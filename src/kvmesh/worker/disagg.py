@@ -30,7 +30,7 @@ from kvmesh.disagg.queue import JetStreamPrefillQueue, PrefillQueue, RemotePrefi
 from kvmesh.disagg.transfer import KvTransferServer, TcpKvConnector
 from kvmesh.engines.base import Engine
 from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint
-from kvmesh.runtime.distributed import instance_key
+from kvmesh.runtime.distributed import instance_key, record_is_signed
 from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 
 __all__ = ["Roles", "wire", "thresholds_key", "watch_thresholds", "put_thresholds", "serve_metrics"]
@@ -97,10 +97,7 @@ async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:
         raise ValueError(f"a static --mode {cfg.mode} worker needs --prefill-queue tcp://host:port (kvmesh run's queue)")
     nc = runtime.nats
     if nc is None:
-        from kvmesh.runtime.nats_plane import connect_nats
-
-        nc = await connect_nats(runtime.config.nats_url)
-        runtime.add_closer(nc.close)
+        nc = await runtime.connect_nats()  # with the configured credentials; closed at shutdown
     return JetStreamPrefillQueue(nc, runtime.config.namespace)
 
 
@@ -113,7 +110,13 @@ def _metadata_lookup(queue: PrefillQueue, runtime: Any) -> Callable[[int], Any]:
         key = instance_key(runtime.config.namespace, COMPONENT, GENERATE, worker_id)
         found = await runtime.discovery.get_prefix(key)
         value = found.get(key)
-        return None if value is None else _decode_info(value).kv
+        if value is None:
+            return None
+        info = _decode_info(value)
+        if not record_is_signed(runtime.secret, key, info):
+            log.warning("ignoring the KV endpoint in %s: not signed with this fleet's cluster secret", key)
+            return None
+        return info.kv
 
     return from_discovery
 

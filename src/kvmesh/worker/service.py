@@ -30,6 +30,7 @@ from kvmesh.protocol import (
     KvDump,
     KvEventsSince,
     LoadReport,
+    MODEL_FILE_NAMES,
     ModelFiles,
     OutputChunk,
     PreprocessedRequest,
@@ -44,22 +45,13 @@ __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EV
 log = logging.getLogger(__name__)
 
 
-# what a frontend needs from a model folder: no weights
-_MODEL_FILE_NAMES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
 
 
 def read_model_files(folder: str, name: str) -> ModelFiles:
     path = Path(folder)
     if not path.is_dir():
         raise InvalidArgument(f"this worker's model folder {folder} is not a local folder")
-    files = {n: (path / n).read_bytes() for n in _MODEL_FILE_NAMES if (path / n).is_file()}
+    files = {n: (path / n).read_bytes() for n in MODEL_FILE_NAMES if (path / n).is_file()}
     return ModelFiles(name=name, files=files)
 
 

@@ -37,6 +37,7 @@ def make_discovery(
     etcd_endpoints: list[str] | None = None,
     file_dir: str | None = None,
     store: MemoryStore | None = None,
+    etcd_credentials: Any = None,
 ) -> Discovery:
     """A new, unconnected backend of ``kind``; raises ``ValueError`` for an unknown
     kind or when the option that kind needs is missing."""
@@ -51,7 +52,7 @@ def make_discovery(
             raise ValueError("etcd discovery needs etcd_endpoints, e.g. ['http://127.0.0.1:2379']")
         from kvmesh.runtime.discovery.etcd import EtcdDiscovery
 
-        return EtcdDiscovery(list(etcd_endpoints))
+        return EtcdDiscovery(list(etcd_endpoints), credentials=etcd_credentials)
     raise ValueError(f"unknown discovery kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 

@@ -21,6 +21,12 @@
   modified ones). Nothing is yielded while etcd is unreachable.
 
 Keys are UTF-8 encoded; values are bytes as stored.
+
+Security (:class:`EtcdCredentials`): ``https://`` endpoints (or a CA / client
+certificate given) use a TLS gRPC channel, verified against ``ca_file`` (else the
+system roots), with ``cert_file``/``key_file`` as the client certificate; ``user`` and
+``password`` authenticate with etcd's auth (a token per channel). Passwords are never
+put in a message or a log line.
 """
 
 from __future__ import annotations
@@ -30,15 +36,19 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
+import aetcd.rpc
+import aetcd.watcher
+import grpc
 
 from kvmesh.errors import CannotConnect, InvalidArgument, Unknown
 from kvmesh.runtime.discovery.base import Discovery, Lease, WatchEvent
 
-__all__ = ["EtcdDiscovery", "EtcdLease"]
+__all__ = ["EtcdDiscovery", "EtcdLease", "EtcdCredentials"]
 
 log = logging.getLogger("kvmesh.discovery.etcd")
 
@@ -58,6 +68,80 @@ _CHANNEL_OPTIONS = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
 }
+
+
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """How to reach a secured etcd (all optional): TLS files and an auth user."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    user: str = ""
+    password: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("an etcd client certificate needs both --etcd-cert and --etcd-key")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("etcd authentication needs both --etcd-user and KVMESH_ETCD_PASSWORD")
+
+    def __repr__(self) -> str:  # never the password
+        return f"EtcdCredentials(ca_file={self.ca_file!r}, cert_file={self.cert_file!r}, user={self.user!r})"
+
+    @property
+    def tls_files(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as exc:
+                raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
+
+
+class _TlsClient(aetcd.Client):
+    """``aetcd.Client`` over a TLS channel (aetcd itself opens plain channels only);
+    the same stubs, watcher and token authentication as its ``connect``."""
+
+    def __init__(self, *args: Any, channel_credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._channel_credentials = channel_credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        self._is_connecting = True
+        try:
+            target = f"{self._host}:{self._port}"
+            self.channel = aetcd.rpc.secure_channel(target, self._channel_credentials, options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                request = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+                try:
+                    resp = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        raise aetcd.ConnectionFailedError(exc.details()) from None
+                    raise aetcd.ClientError(f"etcd authentication failed: {exc.details()}") from None
+                self.metadata = (("token", resp.token),)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 class EtcdLease(Lease):
@@ -80,9 +164,11 @@ class EtcdDiscovery(Discovery):
         request_timeout_s: float = 5.0,
         connect_timeout_s: float = 10.0,
         retry_max_s: float = 1.0,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("etcd discovery needs at least one endpoint")
+        self._credentials = credentials or EtcdCredentials()
         self._endpoints = [_parse_endpoint(e) for e in endpoints]
         self._timeout = request_timeout_s
         self._connect_timeout = connect_timeout_s
@@ -98,15 +184,20 @@ class EtcdDiscovery(Discovery):
         (etcd may be starting too); then raise :class:`CannotConnect`."""
         if self._clients:
             return
-        self._clients = [
-            aetcd.Client(host, port, timeout=self._timeout, options=_CHANNEL_OPTIONS)
-            for host, port in self._endpoints
-        ]
+        self._clients = [self._make_client(host, port, tls) for host, port, tls in self._endpoints]
         try:
             await self._await_an_endpoint()
         except BaseException:
             await self._close_clients()
             raise
+
+    def _make_client(self, host: str, port: int, tls: bool) -> aetcd.Client:
+        c = self._credentials
+        auth = {"username": c.user, "password": c.password} if c.user else {}
+        if tls or c.tls_files:
+            return _TlsClient(host, port, timeout=self._timeout, options=_CHANNEL_OPTIONS,
+                              channel_credentials=c.channel_credentials(), **auth)  # fmt: skip
+        return aetcd.Client(host, port, timeout=self._timeout, options=_CHANNEL_OPTIONS, **auth)
 
     async def _await_an_endpoint(self) -> None:
         loop = asyncio.get_running_loop()
@@ -160,7 +251,7 @@ class EtcdDiscovery(Discovery):
         """``client`` found its endpoint unreachable: move on to the next endpoint."""
         if len(self._clients) > 1 and self._clients[self._current] is client:
             self._current = (self._current + 1) % len(self._clients)
-            host, port = self._endpoints[self._current]
+            host, port, _ = self._endpoints[self._current]
             log.warning("etcd endpoint unreachable; trying %s:%d", host, port)
 
     async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
@@ -178,7 +269,7 @@ class EtcdDiscovery(Discovery):
         raise CannotConnect(f"etcd unreachable ({self._describe()}): {error}") from error
 
     def _describe(self) -> str:
-        return ", ".join(f"{host}:{port}" for host, port in self._endpoints)
+        return ", ".join(f"{host}:{port}" for host, port, _ in self._endpoints)
 
     # ------------------------------------------------------------------ leases
     async def grant_lease(self, ttl_s: float) -> Lease:
@@ -364,11 +455,14 @@ class _Backoff:
         self.failures = 0
 
 
-def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+def _parse_endpoint(endpoint: str) -> tuple[str, int, bool]:
+    """``(host, port, tls)`` of ``http://host:port`` or ``https://host:port``."""
     parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"etcd endpoint must look like http://host:port, got {endpoint!r}")
-    return parts.hostname, parts.port or 2379
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"etcd endpoint must look like http://host:port or https://host:port, got {endpoint!r}")
+    if parts.username or parts.password:
+        raise ValueError("put etcd credentials in --etcd-user and KVMESH_ETCD_PASSWORD, not in the endpoint")
+    return parts.hostname, parts.port or 2379, parts.scheme == "https"
 
 
 def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:

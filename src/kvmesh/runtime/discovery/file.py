@@ -13,6 +13,10 @@ bound to a dead lease are invisible, and whoever reads them first deletes them a
 stale heartbeat file. The owner touches its heartbeat every TTL/3 from a task owned
 by the :class:`FileDiscovery` that granted it.
 
+The directory is this user's alone: ``connect`` creates it with mode 0700, tightens
+a directory of ours that others could write to, and refuses one owned by another user
+(who could otherwise create it first under ``$TMPDIR`` and inject workers).
+
 ``watch_prefix`` polls every ``poll_interval_s`` and yields the difference with the
 previous poll, so a put followed by a delete within one interval is never seen, and a
 put that leaves the value unchanged yields nothing.
@@ -26,6 +30,7 @@ import enum
 import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -74,6 +79,7 @@ class FileDiscovery(Discovery):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         root = Path(directory)
+        self._root = root
         self._keys = root / "keys"
         self._leases = root / "leases"
         self._poll_interval_s = poll_interval_s
@@ -83,8 +89,8 @@ class FileDiscovery(Discovery):
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self) -> None:
-        self._keys.mkdir(parents=True, exist_ok=True)
-        self._leases.mkdir(parents=True, exist_ok=True)
+        for folder in (self._root, self._keys, self._leases):
+            _private_dir(folder)
 
     async def close(self) -> None:
         """Stop heartbeats and end watches. Heartbeat files stay, so this process's keys
@@ -234,6 +240,24 @@ class FileDiscovery(Discovery):
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._closed.wait(), seconds)
+
+
+def _private_dir(folder: Path) -> None:
+    """Create ``folder`` with mode 0700, or check that an existing one is ours (and
+    make it 0700); InvalidArgument when another user owns it or it is not a folder."""
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700, parents=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"file discovery: {folder} is not a directory (a symlink or a file); remove it or pick another --file-discovery-dir")
+    if st.st_uid != os.getuid():
+        raise InvalidArgument(
+            f"file discovery: {folder} is owned by user {st.st_uid}, not by this user ({os.getuid()});"
+            " refusing it (anyone who owns it can inject workers); remove it or pick another --file-discovery-dir"
+        )
+    if st.st_mode & 0o077:
+        log.warning("file discovery: %s was open to other users (mode %o); making it 0700", folder, st.st_mode & 0o777)
+        os.chmod(folder, 0o700)
 
 
 def _diff(old: dict[str, bytes], new: dict[str, bytes]) -> list[WatchEvent]:

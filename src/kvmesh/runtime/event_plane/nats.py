@@ -22,7 +22,9 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 
-from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import ClusterSecret
+from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Opener, Publisher, Subscription, seal
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
 from kvmesh.runtime.nats_plane import sync_with_server
 
@@ -36,8 +38,11 @@ DEFAULT_QUEUE_LIMIT = 10_000
 class NatsPublisher(Publisher):
     """``seq`` is the last sequence number used; ``dropped`` counts envelopes lost here."""
 
-    def __init__(self, nc: NatsClient, subject: str, topic: str, publisher_id: int, queue_limit: int) -> None:
+    def __init__(
+        self, nc: NatsClient, subject: str, topic: str, publisher_id: int, queue_limit: int, secret: ClusterSecret | None = None
+    ) -> None:
         self._nc = nc
+        self._secret = secret
         self.subject = subject
         self.topic = topic
         self.publisher_id = publisher_id
@@ -57,7 +62,7 @@ class NatsPublisher(Publisher):
         if len(self._queue) >= self._limit:
             self.dropped += 1
             return
-        self._queue.append(self._encode(Envelope(self.publisher_id, self.seq, self.topic, bytes(payload))))
+        self._queue.append(self._encode(seal(self._secret, Envelope(self.publisher_id, self.seq, self.topic, bytes(payload)))))
         self._wakeup.set()
 
     async def _send(self) -> None:
@@ -95,20 +100,23 @@ class NatsPublisher(Publisher):
 
 
 class NatsEventSubscription(Subscription):
-    def __init__(self, topic: str, capacity: int) -> None:
+    def __init__(self, topic: str, capacity: int, secret: ClusterSecret | None = None) -> None:
         self.topic = topic
         self.inbox = Inbox(capacity)
-        self.malformed = 0
         self._sub: NatsSubscription | None = None
-        self._decode = msgspec.msgpack.Decoder(Envelope).decode
+        self._opener = Opener(secret)
+
+    @property
+    def malformed(self) -> int:
+        return self._opener.malformed
+
+    @property
+    def unsigned(self) -> int:
+        return self._opener.unsigned
 
     async def _on_msg(self, msg: Msg) -> None:
-        try:
-            envelope = self._decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self.malformed += 1
-            return
-        if envelope.topic == self.topic:
+        envelope = self._opener.open(msg.data)
+        if envelope is not None and envelope.topic == self.topic:
             self.inbox.put(envelope)
 
     def __aiter__(self) -> AsyncIterator[Envelope]:
@@ -135,6 +143,7 @@ class NatsEventPlane(EventPlane):
         namespace: str = "kvmesh",
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
         inbox_capacity: int = DEFAULT_INBOX,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         if not namespace or any(c in " \t\r\n.*>" for c in namespace):
             raise ValueError(f"namespace {namespace!r} must be one NATS subject token (no spaces, '.', '*' or '>')")
@@ -142,6 +151,7 @@ class NatsEventPlane(EventPlane):
         self.namespace = namespace
         self.queue_limit = queue_limit
         self.inbox_capacity = inbox_capacity
+        self.secret = auth.resolve(secret)
         self._publishers: list[NatsPublisher] = []
         self._subscriptions: list[NatsEventSubscription] = []
         self._closed = False
@@ -156,7 +166,7 @@ class NatsEventPlane(EventPlane):
 
     async def publisher(self, topic: str, publisher_id: int) -> NatsPublisher:
         self._check_open()
-        pub = NatsPublisher(self.nc, self.subject(topic), topic, publisher_id, self.queue_limit)
+        pub = NatsPublisher(self.nc, self.subject(topic), topic, publisher_id, self.queue_limit, self.secret)
         self._publishers.append(pub)
         return pub
 
@@ -164,7 +174,7 @@ class NatsEventPlane(EventPlane):
         """The subscription is registered on the server when this returns (one round trip)."""
         self._check_open()
         subject = self.subject(topic)
-        sub = NatsEventSubscription(topic, self.inbox_capacity)
+        sub = NatsEventSubscription(topic, self.inbox_capacity, self.secret)
         sub._sub = await self.nc.subscribe(subject, cb=sub._on_msg, pending_msgs_limit=self.inbox_capacity)
         self._subscriptions.append(sub)
         try:

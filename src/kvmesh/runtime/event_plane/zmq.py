@@ -4,6 +4,12 @@ SUB sockets to the publishers they are told about (by discovery or the superviso
 One envelope is one zmq frame of msgpack. A PUB socket serves one (publisher, topic),
 so subscribers take everything (empty zmq subscription) and only check the topic.
 
+With a cluster secret, every PUB and SUB socket speaks zmq's CURVE security: the
+publishers' key pair and the subscribers' key pair are derived from the secret, so a
+subscriber completes the CURVE handshake only with a publisher that knows the secret,
+and a publisher only with such a subscriber (nothing is read from, or sent to, a peer
+without it); envelopes are also signed (see :mod:`~kvmesh.runtime.event_plane.base`).
+
 Publishing never blocks: the PUB socket sends with ``NOBLOCK`` and zmq drops a message
 for a subscriber whose queue is at the high-water mark (``hwm``); a dropped message
 shows up as a sequence gap. Each subscription has one reader task (owned, cancelled
@@ -19,8 +25,11 @@ from collections.abc import AsyncIterator
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.z85
 
-from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription
+from kvmesh.runtime import auth
+from kvmesh.runtime.auth import ClusterSecret
+from kvmesh.runtime.event_plane.base import MAX_EVENT_BYTES, Envelope, EventPlane, Opener, Publisher, Subscription, seal
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
 
 __all__ = ["ZmqEventPlane", "ZmqPublisher", "ZmqSubscription"]
@@ -30,12 +39,35 @@ log = logging.getLogger(__name__)
 DEFAULT_HWM = 10_000
 
 
+class CurveKeys:
+    """The fleet's CURVE key pairs (z85), derived from the cluster secret."""
+
+    def __init__(self, secret: ClusterSecret) -> None:
+        if not zmq.has("curve"):
+            raise ValueError("this libzmq has no CURVE security; the event plane cannot use the cluster secret")
+        self.server_secret = zmq.utils.z85.encode(secret.derive("zmq-curve-publisher"))
+        self.server_public = zmq.curve_public(self.server_secret)
+        self.client_secret = zmq.utils.z85.encode(secret.derive("zmq-curve-subscriber"))
+        self.client_public = zmq.curve_public(self.client_secret)
+
+    def publisher(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.server_secret
+        sock.curve_publickey = self.server_public
+        sock.curve_server = True
+
+    def subscriber(self, sock: zmq.Socket) -> None:
+        sock.curve_serverkey = self.server_public
+        sock.curve_secretkey = self.client_secret
+        sock.curve_publickey = self.client_public
+
+
 class ZmqPublisher(Publisher):
     """Bound at ``address`` (``tcp://host:port``). ``seq`` is the last sequence number
     used; ``dropped`` counts the envelopes zmq refused to queue."""
 
-    def __init__(self, sock: zmq.Socket, topic: str, publisher_id: int) -> None:
+    def __init__(self, sock: zmq.Socket, topic: str, publisher_id: int, secret: ClusterSecret | None = None) -> None:
         self._sock: zmq.Socket | None = sock
+        self._secret = secret
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.topic = topic
         self.publisher_id = publisher_id
@@ -48,7 +80,7 @@ class ZmqPublisher(Publisher):
         if sock is None:
             return
         self.seq += 1
-        data = self._encode(Envelope(self.publisher_id, self.seq, self.topic, bytes(payload)))
+        data = self._encode(seal(self._secret, Envelope(self.publisher_id, self.seq, self.topic, bytes(payload))))
         try:
             sock.send(data, zmq.NOBLOCK, copy=len(data) < 64 * 1024)
         except zmq.ZMQError:  # EAGAIN at the high-water mark, or a socket being torn down
@@ -61,11 +93,11 @@ class ZmqPublisher(Publisher):
 
 
 class ZmqSubscription(Subscription):
-    def __init__(self, sock: zmq.asyncio.Socket, topic: str, capacity: int) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, topic: str, capacity: int, secret: ClusterSecret | None = None) -> None:
         self._sock = sock
         self.topic = topic
         self.inbox = Inbox(capacity)
-        self.malformed = 0
+        self._opener = Opener(secret)
         self._addresses: set[str] = set()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -92,19 +124,22 @@ class ZmqSubscription(Subscription):
         except zmq.ZMQError:
             pass  # zmq already forgot it (e.g. the publisher's endpoint went away)
 
+    @property
+    def malformed(self) -> int:
+        return self._opener.malformed
+
+    @property
+    def unsigned(self) -> int:
+        return self._opener.unsigned
+
     async def _read(self) -> None:
-        decode = msgspec.msgpack.Decoder(Envelope).decode
+        open_ = self._opener.open
         recv = self._sock.recv
         put = self.inbox.put
         topic = self.topic
         while True:
-            data = await recv()
-            try:
-                envelope = decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.malformed += 1
-                continue
-            if envelope.topic == topic:
+            envelope = open_(await recv())
+            if envelope is not None and envelope.topic == topic:
                 put(envelope)
 
     def __aiter__(self) -> AsyncIterator[Envelope]:
@@ -130,7 +165,14 @@ class ZmqEventPlane(EventPlane):
 
     name = "zmq"
 
-    def __init__(self, host: str = "127.0.0.1", hwm: int = DEFAULT_HWM, inbox_capacity: int = DEFAULT_INBOX) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        hwm: int = DEFAULT_HWM,
+        inbox_capacity: int = DEFAULT_INBOX,
+        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        max_message_bytes: int = MAX_EVENT_BYTES,
+    ) -> None:
         if not host:
             raise ValueError("the zmq event plane needs a host to bind publishers on")
         if hwm < 1:
@@ -138,6 +180,9 @@ class ZmqEventPlane(EventPlane):
         self.host = host
         self.hwm = hwm
         self.inbox_capacity = inbox_capacity
+        self.secret = auth.resolve(secret)
+        self._curve = CurveKeys(self.secret) if self.secret is not None else None
+        self.max_message_bytes = max_message_bytes
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
         self._publishers: list[ZmqPublisher] = []
         self._subscriptions: list[ZmqSubscription] = []
@@ -153,12 +198,14 @@ class ZmqEventPlane(EventPlane):
         sock = zmq.Socket(self._context(), zmq.PUB)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.publisher(sock)
         try:
             sock.bind(f"tcp://{self.host}:*")
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise ValueError(f"cannot bind a publisher on {self.host!r}: {exc}") from None
-        pub = ZmqPublisher(sock, topic, publisher_id)
+        pub = ZmqPublisher(sock, topic, publisher_id, self.secret)
         self._publishers.append(pub)
         return pub
 
@@ -168,7 +215,11 @@ class ZmqEventPlane(EventPlane):
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sub = ZmqSubscription(sock, topic, self.inbox_capacity)
+        # zmq drops the connection of a peer that sends a bigger message, before buffering it
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if self._curve is not None:
+            self._curve.subscriber(sock)
+        sub = ZmqSubscription(sock, topic, self.inbox_capacity, self.secret)
         self._subscriptions.append(sub)
         return sub
 

@@ -1,0 +1,102 @@
+"""Secured etcd and NATS, with the real servers: etcd with auth (user/password), etcd
+over TLS with a client certificate, NATS over TLS with a user and password that is
+never echoed in an error."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvmesh.errors import CannotConnect, KvmeshError
+from kvmesh.runtime.discovery.etcd import EtcdCredentials, EtcdDiscovery
+from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
+from tests.helpers import free_port
+from tests.security.certs import make_certs
+from tests.services import _stop, _wait_port, binary
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.processes]
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], port: int, log: Path):
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_port(port, proc)
+        yield proc
+    finally:
+        _stop(proc)
+
+
+async def _roundtrip(disc: EtcdDiscovery) -> None:
+    await disc.connect()
+    try:
+        await disc.put("/kvmesh-sec/a", b"1")
+        assert await disc.get_prefix("/kvmesh-sec/") == {"/kvmesh-sec/a": b"1"}
+    finally:
+        await disc.close()
+
+
+async def test_etcd_with_auth(etcd):
+    etcd.etcdctl("user", "add", "root", "--new-user-password", "s3cret-pw")
+    etcd.etcdctl("auth", "enable")
+    await _roundtrip(EtcdDiscovery([etcd.endpoint], credentials=EtcdCredentials(user="root", password="s3cret-pw")))
+    anonymous = EtcdDiscovery([etcd.endpoint], connect_timeout_s=2)
+    await anonymous.connect()
+    try:
+        with pytest.raises(KvmeshError) as exc:
+            await anonymous.put("/kvmesh-sec/b", b"2")
+        assert "s3cret" not in str(exc.value)
+    finally:
+        await anonymous.close()
+    wrong = EtcdDiscovery([etcd.endpoint], connect_timeout_s=2, credentials=EtcdCredentials(user="root", password="nope"))
+    with pytest.raises(KvmeshError):
+        await wrong.connect()
+        await wrong.put("/kvmesh-sec/b", b"2")
+    await wrong.close()
+    assert "s3cret" not in repr(EtcdCredentials(user="root", password="s3cret-pw"))
+
+
+async def test_etcd_over_tls_with_a_client_certificate(tmp_path):
+    c = make_certs(tmp_path)
+    port, peer = free_port(), free_port()
+    url = f"https://127.0.0.1:{port}"
+    cmd = [binary("etcd"), "--name", "tls", "--data-dir", str(tmp_path / "data"),
+           "--listen-client-urls", url, "--advertise-client-urls", url,
+           "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+           "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
+           "--cert-file", c["server.pem"], "--key-file", c["server.key"],
+           "--trusted-ca-file", c["ca.pem"], "--client-cert-auth"]  # fmt: skip
+    with _process(cmd, port, tmp_path / "etcd.log"):
+        creds = EtcdCredentials(ca_file=c["ca.pem"], cert_file=c["client.pem"], key_file=c["client.key"])
+        await _roundtrip(EtcdDiscovery([url], credentials=creds))
+        no_cert = EtcdDiscovery([url], connect_timeout_s=2, credentials=EtcdCredentials(ca_file=c["ca.pem"]))
+        with pytest.raises(CannotConnect):
+            await no_cert.connect()
+        plain = EtcdDiscovery([f"http://127.0.0.1:{port}"], connect_timeout_s=2)
+        with pytest.raises(CannotConnect):
+            await plain.connect()
+
+
+async def test_nats_over_tls_with_a_password_that_is_never_echoed(tmp_path):
+    c = make_certs(tmp_path)
+    port = free_port()
+    cmd = [binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "--tls", "--tlscert", c["server.pem"],
+           "--tlskey", c["server.key"], "--user", "kv", "--pass", "n4ts-pw"]  # fmt: skip
+    with _process(cmd, port, tmp_path / "nats.log"):
+        tls = nats_tls_context(c["ca.pem"])
+        nc = await connect_nats(f"tls://kv:n4ts-pw@127.0.0.1:{port}", tls=tls)
+        try:
+            await nc.publish("x", b"1")
+            await nc.flush()
+        finally:
+            await nc.close()
+        with pytest.raises(CannotConnect) as exc:
+            await connect_nats(f"tls://kv:wr0ng-pw@127.0.0.1:{port}", tls=tls, connect_timeout=1, first_connect_attempts=1)
+        assert "wr0ng-pw" not in exc.value.message and "***@" in exc.value.message
+        with pytest.raises(CannotConnect, match="CERTIFICATE_VERIFY_FAILED"):  # a server it cannot verify: no hang
+            await connect_nats(f"tls://kv:n4ts-pw@127.0.0.1:{port}", tls=nats_tls_context(c["client.pem"]),
+                               connect_timeout=1, first_connect_attempts=1)  # fmt: skip

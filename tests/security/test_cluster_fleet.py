@@ -138,7 +138,7 @@ def test_kvmesh_run_protects_its_own_fleet_with_a_random_secret(tmp_path):
     log_path = tmp_path / "run.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli.main", "run", "--http-port", str(port), "--workers", "1",
-                                 "--speedup", "1e9", "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+                                 "--speedup", "1e9", "--log-level", "info", "--admin"], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc=proc)

@@ -19,6 +19,7 @@ worker that cannot prove the secret is ``CannotConnect`` with the reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -107,6 +108,7 @@ class _Connection(asyncio.Protocol):
         self.auth: ProtocolHandshake | None = None  # set while the handshake runs
         self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
         self.foreign_frames = 0  # frames for no stream open on this connection
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set by connection_lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -119,6 +121,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.auth is not None:
             self.auth.lost()
+        if not self.closed.done():
+            self.closed.set_result(None)
         self.transport = None
         self._writer.transport = None
         streams, self.streams = self.streams, {}
@@ -245,8 +249,7 @@ class TcpClient:
             try:
                 await asyncio.wait_for(asyncio.shield(conn.gate.ready), self.connect_timeout)
             except BaseException as exc:
-                if conn.transport is not None:
-                    conn.transport.close()
+                await _closed(conn)
                 if isinstance(exc, TimeoutError):
                     raise ConnectionTimeout(
                         f"worker {self.address} did not finish the cluster-secret handshake within {self.connect_timeout} s"
@@ -321,3 +324,12 @@ class TcpClient:
         conn, self._conn = self._conn, None
         if conn is not None and conn.transport is not None:
             conn.transport.close()
+
+
+async def _closed(conn: _Connection) -> None:
+    """Close a connection that failed its handshake and wait (briefly) until its
+    socket is closed, so that a refused caller leaves nothing open behind it."""
+    if conn.transport is not None:
+        conn.transport.abort()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(conn.closed), 1.0)

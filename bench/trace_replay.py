@@ -152,7 +152,7 @@ def kvmesh_arm(arm: Arm, a: argparse.Namespace, model_path: str, log_dir: str): 
     extra = ["--model-path", model_path, "--block-size", str(FLEET["block_size"]),
              "--num-blocks", str(FLEET["num_blocks"]), "--max-num-seqs", str(FLEET["max_num_seqs"]),
              "--max-num-batched-tokens", str(FLEET["max_num_batched_tokens"]),
-             "--canary-interval", str(a.canary_interval if arm.health else 0)]  # fmt: skip
+             "--canary-interval", str(a.canary_interval if arm.health else 0), "--admin"]  # fmt: skip
     cmd = kvmesh_command(port, FLEET["workers"], FLEET["speedup"], arm.mode, extra)
     return launch_server(cmd, port, os.path.join(log_dir, arm.name.replace(" ", "-") + ".log"))
 

@@ -77,7 +77,7 @@ def test_saturated_fleet_keeps_every_worker_healthy(tmp_path):
     # 2 workers of 4 sequences each, 32 clients: most requests wait in the workers'
     # queues, every step carries long prefills; canaries every 0.5 s.
     args = ("--canary-interval", str(INTERVAL), "--canary-timeout", "1", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "1024")  # fmt: skip
+            "--max-num-batched-tokens", "1024", "--admin")  # fmt: skip
     with kvmesh_run(tmp_path, *args, workers=2, speedup="4") as server:
         url = server.url
         _wait(lambda: len(_workers(url)) == 2, 30, "2 workers")
@@ -98,7 +98,7 @@ def test_saturated_fleet_keeps_every_worker_healthy(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_worker_slower_than_its_peers_is_caught(tmp_path):
-    args = ("--canary-interval", str(INTERVAL), "--canary-timeout", "2", "--breaker-recovery", "30")
+    args = ("--canary-interval", str(INTERVAL), "--canary-timeout", "2", "--breaker-recovery", "30", "--admin")
     with kvmesh_run(tmp_path, *args, workers=3, speedup="2") as server:
         url = server.url
         _wait(lambda: len(_workers(url)) == 3, 30, "3 workers")

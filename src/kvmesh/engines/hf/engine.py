@@ -48,6 +48,7 @@ from kvmesh.engines.hf.kv import KvPool
 from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs
 from kvmesh.engines.hf.options import HfOptions
 from kvmesh.engines.hf.sampling import Sampled, SampleParams, params_for, sample
+from kvmesh.engines.batching.scheduler import priority_rank
 from kvmesh.engines.hf.scheduler import Finished, Plan, Scheduler, SchedulerLimits, Seq
 from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
 from kvmesh.protocol import (
@@ -284,6 +285,7 @@ class HfEngine(Engine):
             ignore_eos=stop.ignore_eos,
             eos_ids=loaded.eos_ids | frozenset(request.eos_token_ids),
             stop_ids=frozenset(request.stop.stop_token_ids),
+            rank=priority_rank(request.routing.priority if request.routing else None),
             prefill_upto=prefill_upto,
         )
 
@@ -302,7 +304,7 @@ class HfEngine(Engine):
         # the reservation brings blocks and computed tokens; this request brings the rest
         seq.prompt_len, seq.params = fresh.prompt_len, fresh.params
         seq.max_tokens, seq.min_tokens, seq.ignore_eos = fresh.max_tokens, fresh.min_tokens, fresh.ignore_eos
-        seq.eos_ids, seq.stop_ids = fresh.eos_ids, fresh.stop_ids
+        seq.eos_ids, seq.stop_ids, seq.rank = fresh.eos_ids, fresh.stop_ids, fresh.rank
         return seq
 
     async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:

@@ -39,7 +39,7 @@ from kvmesh.engines.base import Engine
 from kvmesh.engines.mailbox import Mailbox
 from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput, _Seq
+from kvmesh.engines.mocker.scheduler import Finished, MockSeq, Scheduler, StepOutput
 from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
 from kvmesh.protocol import (
     EngineConfig,
@@ -282,9 +282,9 @@ class MockerEngine(Engine):
         box.cancel()
         return KvReservation(request_id, self._scheduler.block_ids(seq), len(seq.tokens), seq.num_computed)
 
-    def _locate(self, block_ids: Sequence[int]) -> list[tuple[_Seq, int]]:
+    def _locate(self, block_ids: Sequence[int]) -> list[tuple[MockSeq, int]]:
         """(reservation sequence, index in its block table) of each block id."""
-        where: dict[int, tuple[_Seq, int]] = {}
+        where: dict[int, tuple[MockSeq, int]] = {}
         for seq in self._scheduler.reservations():
             for index, b in enumerate(self._scheduler.block_ids(seq)):
                 where[b] = (seq, index)

@@ -1,0 +1,266 @@
+"""One engine's KV block pool (mocker and hf alike): prefix caching, reference counts, LRU eviction, KV events.
+
+Pure: no asyncio, no I/O, no clock. The scheduler is its only caller.
+
+Model
+-----
+``num_blocks`` blocks of ``block_size`` token slots. A sequence (an int id chosen by the
+caller) holds a list of blocks; block ``i`` holds its tokens ``[i·bs, (i+1)·bs)``.
+
+* A block is *cached* once it is full of computed tokens and registered under its
+  chained sequence hash (:mod:`kvmesh.router.hashing`) with :meth:`BlockManager.commit`.
+  A new sequence reuses the cached blocks of its common leading run of hashes
+  (reference count + 1) instead of computing them.
+* A block whose reference count drops to 0 stays cached in an LRU free list and is
+  evicted only when a fresh block is needed and no never-cached block is free.
+  Eviction order is least recently freed first; a sequence frees its blocks tail
+  first, so its tail is evicted before its (more shareable) prefix.
+* If two sequences compute the same content at once, the first commit wins; the other
+  block stays private (uncached) and goes back to the empty pool when freed. Every
+  hash therefore names at most one block, which keeps events replayable into a set.
+
+Events (only when prefix caching is on), each a :class:`~kvmesh.protocol.KvEvent`
+with ``event_id`` 0, 1, 2, ... (per manager, no gaps; :meth:`reset` does not restart
+the count): ``BlockStored`` for each contiguous run of newly cached blocks,
+``BlockRemoved`` for blocks evicted by one allocation, ``AllBlocksCleared`` on
+:meth:`reset`. Replaying every event into a set gives exactly :meth:`dump`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventData
+from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
+
+__all__ = ["BlockManager"]
+
+
+class _SeqBlocks:
+    """The block table of one sequence; ``committed`` leading blocks are hashed
+    (cached, or a private duplicate of cached content)."""
+
+    __slots__ = ("blocks", "committed")
+
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+        self.committed = 0
+
+
+class BlockManager:
+    """KV block pool of one worker. See the module docstring for the model."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        publisher: EventPublisher | None = None,
+        worker_id: int = 0,
+        enable_prefix_caching: bool = True,
+        ring_capacity: int = 1024,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.worker_id = worker_id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ring = KvEventRing(ring_capacity)
+        self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
+        self._next_event_id = 0
+        self._init_pool()
+
+    def _init_pool(self) -> None:
+        n = self.num_blocks
+        self._ref = [0] * n
+        self._hash: list[int | None] = [None] * n
+        # Never-cached free blocks, a stack (block 0 on top).
+        self._empty: list[int] = list(range(n - 1, -1, -1))
+        # Cached free blocks in eviction order (first = evicted next).
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        # Sequence hash -> the one block holding that content (referenced or free).
+        self._cached: dict[int, int] = {}
+        self._seqs: dict[int, _SeqBlocks] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def active_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - len(self._empty) - len(self._lru)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation may take (never-cached plus evictable cached ones)."""
+        return len(self._empty) + len(self._lru)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (``active_blocks / num_blocks``)."""
+        return self.active_blocks / self.num_blocks
+
+    @property
+    def next_event_id(self) -> int:
+        """The id the next event will carry (= number of events emitted so far)."""
+        return self._next_event_id
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, seq_hashes: Sequence[int]) -> int:
+        """How many leading hashes of ``seq_hashes`` are cached (0 without caching)."""
+        if not self.enable_prefix_caching:
+            return 0
+        cached = self._cached
+        n = 0
+        for h in seq_hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    def held_blocks(self, seq_id: int) -> int:
+        """Length of ``seq_id``'s block table (0 if unknown)."""
+        seq = self._seqs.get(seq_id)
+        return len(seq.blocks) if seq is not None else 0
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """A copy of ``seq_id``'s block ids, in token order (empty if unknown)."""
+        seq = self._seqs.get(seq_id)
+        return list(seq.blocks) if seq is not None else []
+
+    def dump(self) -> set[int]:
+        """Sequence hashes of every cached block, referenced or free."""
+        return set(self._cached)
+
+    # ------------------------------------------------------------------ mutations
+
+    def allocate(self, seq_id: int, num_tokens: int, prefix_hashes: Sequence[int] = ()) -> bool:
+        """Grow ``seq_id``'s table to hold ``num_tokens`` tokens; all or nothing.
+
+        For a sequence not yet known, ``prefix_hashes`` (a cached leading run, as
+        counted by :meth:`lookup`) are reused first, then fresh blocks are taken,
+        evicting cached free blocks if needed. Returns False, changing nothing, when
+        the pool is short. ``prefix_hashes`` is ignored for a known sequence.
+        """
+        seq = self._seqs.get(seq_id)
+        need = -(-num_tokens // self.block_size)
+        if seq is not None:
+            if need <= len(seq.blocks):
+                return True
+            return self._grow(seq, need - len(seq.blocks))
+        hits = [self._cached[h] for h in prefix_hashes[:need]]
+        reclaimed = sum(1 for b in hits if self._ref[b] == 0)
+        fresh = need - len(hits)
+        if fresh > self.free_blocks - reclaimed:
+            return False
+        seq = self._seqs[seq_id] = _SeqBlocks()
+        # Touch hits before taking fresh blocks so they cannot be evicted by this call.
+        for b in hits:
+            if self._ref[b] == 0:
+                del self._lru[b]
+            self._ref[b] += 1
+        seq.blocks.extend(hits)
+        seq.committed = len(hits)
+        if fresh > 0:
+            seq.blocks.extend(self._take(fresh))
+        return True
+
+    def _grow(self, seq: _SeqBlocks, fresh: int) -> bool:
+        if fresh > self.free_blocks:
+            return False
+        seq.blocks.extend(self._take(fresh))
+        return True
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` blocks with reference count 1; caller checked ``n <= free_blocks``."""
+        out: list[int] = []
+        evicted: list[int] = []
+        empty, lru, hashes, ref = self._empty, self._lru, self._hash, self._ref
+        for _ in range(n):
+            if empty:
+                b = empty.pop()
+            else:
+                b, _unused = lru.popitem(last=False)
+                h = hashes[b]
+                if h is not None:
+                    del self._cached[h]
+                    hashes[b] = None
+                    evicted.append(h)
+            ref[b] = 1
+            out.append(b)
+        if evicted:
+            self._emit(BlockRemoved(block_hashes=evicted))
+        return out
+
+    def commit(self, seq_id: int, seq_hashes: Sequence[int], local_hashes: Sequence[int], num_full: int) -> None:
+        """Register ``seq_id``'s first ``num_full`` blocks as full of computed tokens.
+
+        ``seq_hashes``/``local_hashes`` cover at least ``num_full`` blocks. Blocks
+        already committed are skipped; new ones are cached under their hash (unless
+        another block holds that content) and announced with ``BlockStored``.
+        """
+        seq = self._seqs[seq_id]
+        start = seq.committed
+        if num_full <= start:
+            return
+        seq.committed = num_full
+        if not self.enable_prefix_caching:
+            return
+        run_start = -1
+        for i in range(start, num_full):
+            h = seq_hashes[i]
+            if h in self._cached:  # duplicate content: keep the block private
+                if run_start >= 0:
+                    self._stored(seq_hashes, local_hashes, run_start, i)
+                    run_start = -1
+                continue
+            b = seq.blocks[i]
+            self._cached[h] = b
+            self._hash[b] = h
+            if run_start < 0:
+                run_start = i
+        if run_start >= 0:
+            self._stored(seq_hashes, local_hashes, run_start, num_full)
+
+    def _stored(self, seq_hashes: Sequence[int], local_hashes: Sequence[int], lo: int, hi: int) -> None:
+        self._emit(
+            BlockStored(
+                block_hashes=list(seq_hashes[lo:hi]),
+                token_hashes=list(local_hashes[lo:hi]),
+                parent_hash=seq_hashes[lo - 1] if lo > 0 else None,
+            )
+        )
+
+    def free(self, seq_id: int) -> None:
+        """Release ``seq_id``'s blocks, tail first (no-op for an unknown id).
+
+        Cached blocks reaching reference count 0 join the end of the LRU list, so
+        the tail is evicted before the prefix; uncached ones go back to the empty pool.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        ref, hashes, lru, empty = self._ref, self._hash, self._lru, self._empty
+        for b in reversed(seq.blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                if hashes[b] is not None:
+                    lru[b] = None
+                else:
+                    empty.append(b)
+
+    def reset(self) -> None:
+        """Drop every sequence and all cached content; emits ``AllBlocksCleared``."""
+        self._init_pool()
+        if self.enable_prefix_caching:
+            self._emit(AllBlocksCleared())
+
+    def _emit(self, data: KvEventData) -> None:
+        event = KvEvent(worker_id=self.worker_id, event_id=self._next_event_id, data=data)
+        self._next_event_id += 1
+        self.ring.append(event)
+        self._publisher.publish_kv(event)

@@ -46,14 +46,14 @@ import enum
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar
 
 from kvmesh.engines.batching.block_manager import BlockManager
-from kvmesh.protocol import FinishReason, LoadReport, Usage
+from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
 from kvmesh.router.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
 
-__all__ = ["EOS", "Finished", "Plan", "Scheduler", "SchedulerLimits", "Seq", "State", "priority_rank"]
+__all__ = ["BatchingOptions", "EOS", "Finished", "Plan", "Scheduler", "SchedulerLimits", "Seq", "State", "priority_rank"]
 
 EOS = -1  # a drawn "token" meaning: the model ended the sequence (never emitted)
 _BATCH_EMA = 0.25  # weight of the latest pass in the load report's batch_tokens
@@ -73,6 +73,23 @@ class State(enum.Enum):
     ENDED = "ended"
 
 
+class BatchingOptions(Protocol):
+    """The options every batching engine has under these names."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def event_ring_capacity(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerLimits:
     block_size: int
@@ -87,6 +104,32 @@ class SchedulerLimits:
     @property
     def total_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @classmethod
+    def of(cls, options: BatchingOptions, *, num_blocks: int, context_length: int) -> SchedulerLimits:
+        """An engine's limits: its options, with the pool size and context it settled on."""
+        return cls(
+            block_size=options.block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            context_length=context_length,
+            enable_prefix_caching=options.enable_prefix_caching,
+            worker_id=options.worker_id,
+            event_ring_capacity=options.event_ring_capacity,
+        )
+
+    def engine_config(self, model: str, served_model_name: str) -> EngineConfig:
+        """What a worker running under these limits announces (its model card)."""
+        return EngineConfig(
+            model=model,
+            served_model_name=served_model_name,
+            context_length=self.context_length,
+            kv_block_size=self.block_size,
+            total_kv_blocks=self.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
 
 class Seq:

@@ -171,30 +171,11 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         return max(1, min(budget, enough))
 
     def _limits(self, loaded: _Loaded) -> SchedulerLimits:
-        opts = self.options
-        return SchedulerLimits(
-            block_size=opts.block_size,
-            num_blocks=loaded.pool.num_blocks,
-            max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens,
-            context_length=loaded.context_length,
-            enable_prefix_caching=opts.enable_prefix_caching,
-            worker_id=opts.worker_id,
-            event_ring_capacity=opts.event_ring_capacity,
-        )
+        return SchedulerLimits.of(self.options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
 
     @property
     def config(self) -> EngineConfig:
-        loaded = self._require()
-        return EngineConfig(
-            model=self.options.model_path,
-            served_model_name=loaded.name,
-            context_length=loaded.context_length,
-            kv_block_size=self.options.block_size,
-            total_kv_blocks=loaded.pool.num_blocks,
-            max_num_seqs=self.options.max_num_seqs,
-            max_num_batched_tokens=self.options.max_num_batched_tokens,
-        )
+        return self._sched().limits.engine_config(self.options.model_path, self._require().name)
 
     async def cleanup(self) -> None:
         await self._stop_loop()

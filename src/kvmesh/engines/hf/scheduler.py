@@ -11,6 +11,8 @@ early.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvmesh.engines.batching.scheduler import Finished, Plan, SchedulerLimits, State
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
 from kvmesh.engines.batching.scheduler import Seq as BatchSeq
@@ -24,31 +26,11 @@ class Seq(BatchSeq):
 
     __slots__ = ("params",)
 
-    def __init__(
-        self,
-        request_id: str,
-        tokens: list[int],
-        params: SampleParams,
-        *,
-        max_tokens: int,
-        min_tokens: int = 0,
-        ignore_eos: bool = False,
-        eos_ids: frozenset[int] = frozenset(),
-        stop_ids: frozenset[int] = frozenset(),
-        rank: int = 1,
-        prefill_upto: int | None = None,
-    ) -> None:
-        super().__init__(
-            request_id,
-            tokens,
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            eos_ids=eos_ids,
-            stop_ids=stop_ids,
-            rank=rank,
-            prefill_upto=prefill_upto,
-        )
+    def __init__(self, request_id: str, tokens: list[int], params: SampleParams, **limits: Any) -> None:
+        """``limits``: the keyword arguments of :class:`~kvmesh.engines.batching.scheduler.Seq`
+        (``max_tokens``, ``min_tokens``, ``ignore_eos``, ``eos_ids``, ``stop_ids``,
+        ``rank``, ``prefill_upto``)."""
+        super().__init__(request_id, tokens, **limits)
         self.params = params
 
 

@@ -96,16 +96,7 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
 
     @property
     def config(self) -> EngineConfig:
-        opts = self.options
-        return EngineConfig(
-            model=opts.model,
-            served_model_name=opts.served_name,
-            context_length=opts.context_length,
-            kv_block_size=opts.block_size,
-            total_kv_blocks=opts.num_blocks,
-            max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens,
-        )
+        return self._scheduler.core.limits.engine_config(self.options.model, self.options.served_name)
 
     async def cleanup(self) -> None:
         if await self._stop_loop():

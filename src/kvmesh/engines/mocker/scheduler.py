@@ -101,16 +101,7 @@ class MockSeq(Seq):
 
 
 def limits_of(options: MockerOptions) -> SchedulerLimits:
-    return SchedulerLimits(
-        block_size=options.block_size,
-        num_blocks=options.num_blocks,
-        max_num_seqs=options.max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens,
-        context_length=options.context_length,
-        enable_prefix_caching=options.enable_prefix_caching,
-        worker_id=options.worker_id,
-        event_ring_capacity=options.event_ring_capacity,
-    )
+    return SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
 
 
 class Scheduler:
@@ -136,10 +127,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return self.core.num_running
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.core.max_num_seqs
 
     def load_report(self, timestamp_ms: float = 0.0) -> LoadReport:
         return self.core.load_report(timestamp_ms)

@@ -22,7 +22,9 @@ Shape (one event loop, one forward thread)::
   on the wire (:mod:`.kv`). Export/import run on the loop, while a pass may be running:
   they touch only blocks the pass does not write (reserved ones; an exported prefix is
   cached content, which is never rewritten).
-* **Prefix caching, KV events, load reports**: the mocker's block manager, so the
+* **Mailboxes, generate, cancellation, load reports**: the shared
+  :class:`~kvmesh.engines.batching.engine.StepLoopEngine`'s.
+* **Prefix caching, KV events, load reports**: the shared batching block manager, so the
   KV router treats an ``hf`` worker like any other. ``start`` resets the pool, so the
   first event of every start is ``AllBlocksCleared``.
 """

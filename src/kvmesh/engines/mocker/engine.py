@@ -6,16 +6,14 @@ Shape (one event loop, no threads)::
         ▲                                       │ sleeps the step's modelled time,
         └──── one-slot mailbox per request ◀────┘ then delivers tokens / finishes
 
+Mailboxes, ``generate``, cancellation, ``cleanup`` and load reports are the shared
+:class:`~kvmesh.engines.batching.engine.StepLoopEngine`'s. What is the mocker's own:
+
 * The step loop is the only caller of ``Scheduler.step``; it idles on an
   :class:`asyncio.Event` when there is no work, and paces steps against a deadline so
   sleep overshoot does not accumulate (a step shorter than ~0.5 ms just yields).
-* Each request has a :class:`_Mailbox`: the loop appends tokens and wakes the
-  consumer; a lagging consumer receives the accumulated tokens as one chunk.
-* Cancellation: ``ctx.on_stop`` aborts the request in the scheduler at once (blocks
-  freed) and wakes the stream, which ends with a ``cancelled`` terminal. The stream's
-  ``finally`` aborts again (idempotent), covering a consumer that drops the generator.
-* ``cleanup`` cancels the loop and ends every open stream with
-  :class:`~kvmesh.errors.EngineShutdown`.
+* Its mailbox counts the tokens ever pushed: ``kv_detach`` drops tokens a step made
+  but did not deliver.
 * Fault injection (:mod:`.faults`): ``options.fault`` at construction, or
   ``set_fault`` at any time. With no fault the step loop pays one ``is None`` test.
 

@@ -21,7 +21,7 @@ from kvmesh.protocol import (
     SamplingOptions,
     StopConditions,
 )
-from kvmesh.router.hashing import block_hashes
+from kvmesh.kv.hashing import block_hashes
 from kvmesh.runtime.events import RecordingPublisher
 from kvmesh.testing import mock_context, run_conformance
 from tests.unit.hf.conftest import torch

@@ -37,7 +37,7 @@ the context) ends with ``length``.
 
 Blocks, the prefix cache and KV events are the
 :class:`~kvmesh.engines.batching.block_manager.BlockManager`'s: a block is cached
-under its chained hash (:mod:`kvmesh.router.hashing`) once full of computed tokens.
+under its chained hash (:mod:`kvmesh.kv.hashing`) once full of computed tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 from kvmesh.engines.batching.block_manager import BlockManager
 from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
-from kvmesh.router.hashing import chain_hashes, chain_one, local_block_hashes
+from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["BatchingOptions", "EOS", "Finished", "Plan", "Scheduler", "SchedulerLimits", "Seq", "State", "priority_rank"]

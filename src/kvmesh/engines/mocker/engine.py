@@ -38,7 +38,7 @@ from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import MockSeq, Scheduler, StepOutput
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, PreprocessedRequest
-from kvmesh.router.hashing import chain_hashes, chain_one, local_block_hashes
+from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["MockerEngine"]

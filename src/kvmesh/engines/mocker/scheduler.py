@@ -7,23 +7,11 @@ Lifecycle (the engine or the virtual-clock driver calls, one at a time)::
     out = scheduler.step()            plan and "run" one forward pass, return what it made
     scheduler.abort(sid)              drop a request wherever it is, freeing its blocks
 
-One step, in order:
-
-1. **running requests**, decodes first then unfinished (chunked) prefills, each in
-   admission order, each taking ``min(remaining tokens, budget)`` of the
-   ``max_num_batched_tokens`` budget (a decode costs 1). If its blocks cannot grow,
-   the most recently admitted running request not yet scheduled in this step is
-   preempted (recompute style: blocks freed, progress forgotten, pushed back to the
-   front of the waiting queue) until it fits; with nobody left to preempt, the request
-   preempts itself, or fails with ``error`` when it is alone (it can never fit).
-2. **waiting requests**, FCFS within a priority tier (premium, standard, best_effort), only if step 1 preempted nobody: reuse the longest
-   cached prefix (at least one token is always recomputed, to sample from), allocate
-   blocks for the first chunk; stop at the first that does not fit, at
-   ``max_num_seqs`` running, or when the budget is spent.
-3. **execute**: advance computed tokens, commit full blocks to the prefix cache, and
-   sample one token (see :mod:`kvmesh.engines.mocker.tokens`) for every request whose
-   sequence is fully computed; finish on EOS / stop token (``stop``) or max tokens
-   (``length``), freeing blocks.
+One step: the shared core plans the pass (priority tiers, running requests with
+chunked prefill and preemption, then waiting ones; see its module docstring), the
+oracle draws one token (:mod:`kvmesh.engines.mocker.tokens`) for every request whose
+sequence the pass completes, and the core applies the pass: computed tokens advance,
+full blocks join the prefix cache, finish rules free the blocks of ended requests.
 
 The step's modelled duration is :meth:`MockerOptions.step_ms` over the pass's new
 prefill tokens, its decode count and the KV usage after allocation.

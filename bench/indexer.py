@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lib import percentile  # noqa: E402
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventData  # noqa: E402
-from kvmesh.router.hashing import chain_hashes  # noqa: E402
+from kvmesh.kv.hashing import chain_hashes  # noqa: E402
 from kvmesh.router.indexer import KvIndexer  # noqa: E402
 
 BLOCK_SIZE = 16

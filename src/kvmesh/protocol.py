@@ -5,7 +5,8 @@ Grouped by the channel they travel on:
 * engine / request plane: :class:`PreprocessedRequest` in, :class:`OutputChunk` out,
   :class:`ErrorInfo` for a typed mid-stream failure;
 * model card: :class:`EngineConfig` (what a worker's engine serves);
-* event plane: :class:`KvEvent` (stored / removed / cleared) and :class:`LoadReport`.
+* event plane: :class:`KvEvent` (stored / removed / cleared; defined in :mod:`kvmesh.kv.events`)
+  and :class:`LoadReport`.
 
 Structs use ``omit_defaults`` so msgpack frames stay small; chunks are ``gc=False``
 because they are created per token and never form cycles.
@@ -13,9 +14,19 @@ because they are created per token and never form cycles.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
+
+from kvmesh.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvDump,
+    KvEvent,
+    KvEventData,
+    KvEventsSince,
+)
 
 __all__ = [
     "FinishReason",
@@ -247,52 +258,7 @@ class KvReservation(msgspec.Struct):
 
 
 # ---------------------------------------------------------------------------- events
-
-
-class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True):
-    """Full blocks became cached. ``block_hashes`` are chained sequence hashes
-    (see :mod:`kvmesh.router.hashing`), ``token_hashes`` the matching local hashes;
-    ``parent_hash`` is the sequence hash of the block before the first one."""
-
-    block_hashes: list[int]
-    token_hashes: list[int] = []
-    parent_hash: int | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag="removed"):
-    block_hashes: list[int]
-
-
-class AllBlocksCleared(msgspec.Struct, tag="cleared"):
-    pass
-
-
-KvEventData = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-
-
-class KvEvent(msgspec.Struct):
-    """One KV cache event; ``event_id`` increases by one per event per worker."""
-
-    worker_id: int
-    event_id: int
-    data: KvEventData
-
-
-class KvDump(msgspec.Struct):
-    """A worker's whole cached block set (sequence hashes), consistent with its event
-    stream: ``last_event_id`` is the id of the last event already reflected in it
-    (-1 when none was published yet)."""
-
-    worker_id: int
-    last_event_id: int
-    block_hashes: list[int]
-
-
-class KvEventsSince(msgspec.Struct):
-    """Buffered events after an id; ``complete`` False when some already fell out."""
-
-    events: list[KvEvent]
-    complete: bool
+# KV events live in kvmesh.kv.events (imported above); the load report stays here.
 
 
 class LoadReport(msgspec.Struct, omit_defaults=True):

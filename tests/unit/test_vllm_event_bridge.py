@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from kvmesh.engines.vllm.events import VllmKvEventBridge
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.router.hashing import block_hashes
+from kvmesh.kv.hashing import block_hashes
 from kvmesh.router.indexer import KvIndexer
 from kvmesh.runtime.events import RecordingPublisher
 

@@ -18,7 +18,7 @@ from kvmesh.engines.adapter import AbortMonitor, validated
 from kvmesh.engines.vllm import VllmEngine, VllmOptions
 from kvmesh.preprocess.preprocessor import Preprocessor
 from kvmesh.protocol import AllBlocksCleared, BlockStored, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
-from kvmesh.router.hashing import block_hashes
+from kvmesh.kv.hashing import block_hashes
 from kvmesh.router.indexer import KvIndexer
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.events import RecordingPublisher

@@ -54,7 +54,7 @@ from kvmesh.router.cost import (
     select_greedy,
     uncached_tokens,
 )
-from kvmesh.router.hashing import block_hashes as hash_blocks
+from kvmesh.kv.hashing import block_hashes as hash_blocks
 from kvmesh.router.indexer import DEFAULT_MAX_BLOCKS_PER_WORKER, EventSequencer, KvIndexer
 from kvmesh.router.load import ActiveLoad
 

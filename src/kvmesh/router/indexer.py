@@ -1,6 +1,6 @@
 """KV indexer: which workers hold which prefix blocks. Pure and synchronous.
 
-A prefix tree over chained block sequence hashes (:mod:`kvmesh.router.hashing`).
+A prefix tree over chained block sequence hashes (:mod:`kvmesh.kv.hashing`).
 A sequence hash names a block *and* everything before it, so the tree is stored
 with each node's path folded into its key: one dict from sequence hash to the set of
 workers holding that block. Walking a request's hashes in order through that dict is
@@ -34,7 +34,7 @@ Representation (memory matters: the bench indexes 10 million blocks):
   and listing its blocks are O(that worker's blocks) rather than O(index). An entry
   is live while bit ``i`` is set on its node; removals leave dead entries behind,
   and the log is compacted once it is over twice its live count (amortised O(1)).
-  Hashes are therefore unsigned 64-bit ints (as :mod:`kvmesh.router.hashing` makes
+  Hashes are therefore unsigned 64-bit ints (as :mod:`kvmesh.kv.hashing` makes
   them); anything else is a ``ValueError``.
 
 Invariants: ``bit i is set in _nodes[h]`` ⇒ ``h in _log[i]``; ``_count[i]`` is the

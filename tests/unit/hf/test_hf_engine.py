@@ -21,7 +21,7 @@ from kvmesh.protocol import (
     SamplingOptions,
     StopConditions,
 )
-from kvmesh.router.hashing import block_hashes
+from kvmesh.kv.hashing import block_hashes
 from kvmesh.runtime.events import RecordingPublisher
 from kvmesh.testing import mock_context, run_conformance
 from tests.unit.hf.conftest import torch
@@ -335,3 +335,41 @@ async def test_a_folder_without_weights_fails_start_with_a_clear_error(tmp_path)
     with pytest.raises(InvalidArgument, match="no \\*.safetensors weights"):
         await engine.start()
     await engine.cleanup()
+
+
+# ---------------------------------------------------------------------------- priority tiers
+
+
+async def test_premium_request_preempts_best_effort_and_waits_ahead_of_standard(tiny_path, prompt_ids):
+    """One sequence slot: a premium arrival preempts the running best-effort request
+    and runs before a standard one queued earlier; the preempted request resumes
+    (recomputed) and still produces the tokens it produces alone."""
+    from kvmesh.protocol import RoutingHints
+
+    engine = HfEngine(HfOptions(str(tiny_path), num_blocks=64, max_num_seqs=1, seed=0))
+    await engine.start()
+    try:
+        solo, _ = await _run(engine, _request(prompt_ids[0], "solo", max_tokens=30))
+        order: list[str] = []
+        tokens: dict[str, list[int]] = {}
+
+        async def consume(stream, rid: str) -> None:
+            async for chunk in stream:
+                tokens.setdefault(rid, []).extend(chunk.token_ids)
+                if chunk.is_terminal:
+                    order.append(rid)
+
+        def start(rid: str, priority: str, ids: list[int], max_tokens: int):
+            req = _request(ids, rid, max_tokens=max_tokens, routing=RoutingHints(priority=priority))
+            return engine.generate(req, mock_context(rid))
+
+        slow = start("best", "best_effort", prompt_ids[0], 30)
+        first = await anext(slow)  # running now, in the only slot
+        tokens["best"] = list(first.token_ids)
+        std = asyncio.create_task(consume(start("std", "standard", prompt_ids[1], 4), "std"))
+        prem = asyncio.create_task(consume(start("prem", "premium", prompt_ids[2], 4), "prem"))
+        await asyncio.wait_for(asyncio.gather(consume(slow, "best"), std, prem), 60)
+        assert order == ["prem", "std", "best"]
+        assert tokens["best"] == solo
+    finally:
+        await engine.cleanup()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.engines.mocker.block_manager import BlockManager
+from kvmesh.engines.batching.block_manager import BlockManager
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from kvmesh.runtime.events import RecordingPublisher
 

@@ -8,7 +8,7 @@ import pytest
 from kvmesh.errors import NoWorkers
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
-from kvmesh.router.hashing import block_hashes
+from kvmesh.kv.hashing import block_hashes
 
 BS = 4
 PROMPT = list(range(100, 132))  # 32 tokens = 8 blocks

@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.router.hashing import HASH_SEED, block_hashes, chain_hashes, chain_one, local_block_hashes
+from kvmesh.kv.hashing import HASH_SEED, block_hashes, chain_hashes, chain_one, local_block_hashes
 
 
 def ref_local(tokens: list[int], bs: int) -> list[int]:

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
-from kvmesh.engines.mocker.block_manager import BlockManager
-from kvmesh.router.hashing import block_hashes, local_block_hashes
+from kvmesh.engines.batching.block_manager import BlockManager
+from kvmesh.kv.hashing import block_hashes, local_block_hashes
 from kvmesh.runtime.events import RecordingPublisher
 from kvmesh.router.indexer import EventSequencer, KvIndexer
 

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.router.hashing import block_hashes, local_block_hashes
+from kvmesh.kv.hashing import block_hashes, local_block_hashes
 from kvmesh.router.indexer import KvIndexer
-from kvmesh.router.vllm_events import VllmEventConverter, decode_batch
+from kvmesh.engines.vllm.kv_events import VllmEventConverter, decode_batch
 
 BS = 4
 

@@ -22,7 +22,9 @@ Shape (one event loop, one forward thread)::
   on the wire (:mod:`.kv`). Export/import run on the loop, while a pass may be running:
   they touch only blocks the pass does not write (reserved ones; an exported prefix is
   cached content, which is never rewritten).
-* **Prefix caching, KV events, load reports**: the mocker's block manager, so the
+* **Mailboxes, generate, cancellation, load reports**: the shared
+  :class:`~kvmesh.engines.batching.engine.StepLoopEngine`'s.
+* **Prefix caching, KV events, load reports**: the shared batching block manager, so the
   KV router treats an ``hf`` worker like any other. ``start`` resets the pool, so the
   first event of every start is ``AllBlocksCleared``.
 """
@@ -34,35 +36,24 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from kvmesh.engines.base import Engine
-from kvmesh.engines.mailbox import Mailbox
+from kvmesh.engines.batching.engine import StepLoopEngine
+from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.hf.batch import Chunk, make_inputs
 from kvmesh.engines.hf.kv import KvPool
 from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs
 from kvmesh.engines.hf.options import HfOptions
 from kvmesh.engines.hf.sampling import Sampled, SampleParams, params_for, sample
-from kvmesh.engines.hf.scheduler import Finished, Plan, Scheduler, SchedulerLimits, Seq
+from kvmesh.engines.batching.scheduler import priority_rank
+from kvmesh.engines.hf.scheduler import Plan, Scheduler, SchedulerLimits, Seq
 from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
-from kvmesh.protocol import (
-    EngineConfig,
-    KvDump,
-    KvEvent,
-    KvLayout,
-    KvReservation,
-    LoadReport,
-    OutputChunk,
-    PreprocessedRequest,
-    TokenLogprob,
-)
-from kvmesh.runtime.context import Context
-from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
+from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest, TokenLogprob
+from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["HfEngine", "EngineStats"]
 
@@ -85,13 +76,15 @@ class EngineStats:
 
 
 class _Mailbox(Mailbox):
-    """The hf engine's slot: tokens and their logprobs."""
+    """The hf engine's slot: tokens, their logprobs, and the sequence (its cached tokens
+    go with the first chunk)."""
 
-    __slots__ = ("logprobs",)
+    __slots__ = ("logprobs", "seq")
 
-    def __init__(self) -> None:
+    def __init__(self, seq: Seq | None = None) -> None:
         super().__init__()
         self.logprobs: list[TokenLogprob] = []
+        self.seq = seq
 
     def push(self, s: Sampled) -> None:
         self.tokens.append(s.token)
@@ -99,10 +92,19 @@ class _Mailbox(Mailbox):
             self.logprobs.append(s.logprob)
         self._wake()
 
-    def take(self) -> tuple[list[int], list[TokenLogprob] | None]:
-        tokens, self.tokens = self.tokens, []
+    def _take_logprobs(self) -> list[TokenLogprob] | None:
         logprobs, self.logprobs = self.logprobs, []
-        return tokens, logprobs or None
+        return logprobs or None
+
+    def chunk(self, cached_tokens: int | None = None) -> OutputChunk:
+        logprobs = self._take_logprobs()
+        return OutputChunk(token_ids=self.take(), logprobs=logprobs, cached_tokens=cached_tokens)
+
+    def terminal(self) -> OutputChunk:
+        fin, logprobs = self.finished, self._take_logprobs()
+        return OutputChunk(
+            token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,20 +118,17 @@ class _Loaded:
     name: str
 
 
-class HfEngine(Engine):
+class HfEngine(StepLoopEngine[_Mailbox]):
     """A real model on the CPU with continuous batching; see the module docstring."""
 
+    engine_name = "hf"
+
     def __init__(self, options: HfOptions, publisher: EventPublisher | None = None) -> None:
+        super().__init__(publisher)
         self.options = options
-        self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
         self._loaded: _Loaded | None = None
         self._scheduler: Scheduler | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
-        self._boxes: dict[int, _Mailbox] = {}
-        self._sids: dict[str, int] = {}
-        self._last_load: tuple[int, int, int] | None = None
         self._default_gen = torch.Generator()
         self.stats = EngineStats()
 
@@ -147,10 +146,8 @@ class HfEngine(Engine):
         seed = self.options.seed
         self._default_gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-forward")
-        self._last_load = None
         self.stats = EngineStats()
-        self._wake = wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(wake), name="hf-step-loop")
+        self._start_loop()
         return self.config
 
     def _load(self) -> _Loaded:
@@ -176,40 +173,14 @@ class HfEngine(Engine):
         return max(1, min(budget, enough))
 
     def _limits(self, loaded: _Loaded) -> SchedulerLimits:
-        opts = self.options
-        return SchedulerLimits(
-            block_size=opts.block_size,
-            num_blocks=loaded.pool.num_blocks,
-            max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens,
-            context_length=loaded.context_length,
-            enable_prefix_caching=opts.enable_prefix_caching,
-            worker_id=opts.worker_id,
-            event_ring_capacity=opts.event_ring_capacity,
-        )
+        return SchedulerLimits.of(self.options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
 
     @property
     def config(self) -> EngineConfig:
-        loaded = self._require()
-        return EngineConfig(
-            model=self.options.model_path,
-            served_model_name=loaded.name,
-            context_length=loaded.context_length,
-            kv_block_size=self.options.block_size,
-            total_kv_blocks=loaded.pool.num_blocks,
-            max_num_seqs=self.options.max_num_seqs,
-            max_num_batched_tokens=self.options.max_num_batched_tokens,
-        )
-
-    async def drain(self) -> None:
-        self._publish_load()
+        return self._sched().limits.engine_config(self.options.model_path, self._require().name)
 
     async def cleanup(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
-        self._fail_all("hf engine was cleaned up")
+        await self._stop_loop()
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
@@ -223,6 +194,9 @@ class HfEngine(Engine):
             raise EngineShutdown("hf engine is not started")
         return self._loaded
 
+    def _core(self) -> Scheduler | None:
+        return self._scheduler
+
     def _sched(self) -> Scheduler:
         if self._scheduler is None:
             raise EngineShutdown("hf engine is not started")
@@ -233,26 +207,6 @@ class HfEngine(Engine):
     @property
     def scheduler(self) -> Scheduler:
         return self._sched()
-
-    @property
-    def kv_event_ring(self) -> KvEventRing:
-        return self._sched().blocks.ring
-
-    def kv_dump(self) -> set[int]:
-        return self._sched().blocks.dump()
-
-    def kv_snapshot(self) -> KvDump:
-        blocks = self._sched().blocks
-        return KvDump(self.options.worker_id, blocks.next_event_id - 1, sorted(blocks.dump()))
-
-    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
-        return self._sched().blocks.ring.since(event_id)
-
-    def load_report(self) -> LoadReport:
-        return self._sched().load_report(time.time() * 1000.0)
-
-    def set_batch_multiplier(self, multiplier: float) -> None:
-        self._sched().set_batch_multiplier(multiplier)
 
     # ------------------------------------------------------------------ requests
 
@@ -284,6 +238,7 @@ class HfEngine(Engine):
             ignore_eos=stop.ignore_eos,
             eos_ids=loaded.eos_ids | frozenset(request.eos_token_ids),
             stop_ids=frozenset(request.stop.stop_token_ids),
+            rank=priority_rank(request.routing.priority if request.routing else None),
             prefill_upto=prefill_upto,
         )
 
@@ -302,73 +257,24 @@ class HfEngine(Engine):
         # the reservation brings blocks and computed tokens; this request brings the rest
         seq.prompt_len, seq.params = fresh.prompt_len, fresh.params
         seq.max_tokens, seq.min_tokens, seq.ignore_eos = fresh.max_tokens, fresh.min_tokens, fresh.ignore_eos
-        seq.eos_ids, seq.stop_ids = fresh.eos_ids, fresh.stop_ids
+        seq.eos_ids, seq.stop_ids, seq.rank = fresh.eos_ids, fresh.stop_ids, fresh.rank
         return seq
 
-    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
-        wake = self._wake
-        if self._task is None or self._task.done() or wake is None:
-            raise EngineShutdown("hf engine is not running")
-        seq = self._enqueue(request)
-        box = self._boxes[seq.id] = _Mailbox()
-        self._sids[request.request_id] = seq.id
-        wake.set()
-        ctx.on_stop(partial(self._on_stop, seq.id))
-        first = True
-        try:
-            while True:
-                if box.cancelled or ctx.is_stopped():
-                    if box.tokens and not ctx.is_stopped():  # detached: deliver what was made
-                        yield OutputChunk(token_ids=box.take()[0])
-                    yield OutputChunk.cancelled()
-                    return
-                if box.error is not None:
-                    raise box.error
-                if box.finished is not None:
-                    yield _terminal(box, box.finished)
-                    return
-                if box.tokens:
-                    tokens, logprobs = box.take()
-                    yield OutputChunk(token_ids=tokens, logprobs=logprobs, cached_tokens=seq.cached_tokens if first else None)
-                    first = False
-                    continue
-                await box.wait()
-        finally:
-            self._boxes.pop(seq.id, None)
-            if self._sids.get(request.request_id) == seq.id:
-                del self._sids[request.request_id]
-            if self._scheduler is not None:
-                self._scheduler.abort(seq.id)
+    def _admit(self, request: PreprocessedRequest) -> int:
+        return self._enqueue(request).id
 
-    def _on_stop(self, seq_id: int, _ctx: Context) -> None:
-        if self._scheduler is not None:
-            self._scheduler.abort(seq_id)
-        box = self._boxes.get(seq_id)
-        if box is not None:
-            box.cancel()
+    def _new_box(self, seq_id: int) -> _Mailbox:
+        return _Mailbox(self._sched().get(seq_id))
 
-    def _fail_all(self, message: str) -> None:
-        for box in self._boxes.values():
-            box.fail(EngineShutdown(message))
+    def _chunk(self, box: _Mailbox, first: bool) -> OutputChunk:
+        return box.chunk(cached_tokens=box.seq.cached_tokens if first and box.seq is not None else None)
 
     # ------------------------------------------------------------------ step loop
-
-    async def _run(self, wake: asyncio.Event) -> None:
-        try:
-            await self._loop(wake)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a bug here must end streams, not hang them
-            _log.exception("hf step loop failed")
-            self._fail_all(f"hf step loop failed: {exc!r}")
 
     async def _loop(self, wake: asyncio.Event) -> None:
         sched = self._sched()
         while True:
-            if not sched.has_work:
-                self._publish_load()
-                wake.clear()
-                await wake.wait()
+            if await self._idle(sched, wake):
                 continue
             plan = sched.schedule()
             self._deliver_finished(plan.failed)
@@ -427,21 +333,6 @@ class HfEngine(Engine):
         st.sampled_tokens += samples
         st.max_batch = max(st.max_batch, len(plan.entries))
         st.forward_s += seconds
-
-    def _deliver_finished(self, finished: list[Finished]) -> None:
-        for fin in finished:
-            box = self._boxes.get(fin.seq_id)
-            if box is not None:
-                box.finish(fin)
-
-    def _publish_load(self) -> None:
-        sched = self._scheduler
-        if sched is None:
-            return
-        key = (sched.blocks.active_blocks, sched.num_waiting, sched.num_running)
-        if key != self._last_load:
-            self._last_load = key
-            self._publisher.publish_load(self.load_report())
 
     # ------------------------------------------------------------------ KV blocks
 
@@ -528,7 +419,7 @@ class HfEngine(Engine):
         seq = self._new_seq(request, prefill_upto=upto)
         if not sched.hold_prefill(seq, cached_tokens):
             raise ResourceExhausted(f"no KV room for a remote prefill of {upto} tokens")
-        box = self._boxes[seq.id] = _Mailbox()
+        box = self._boxes[seq.id] = self._new_box(seq.id)
         try:
             table = sched.block_table(seq)
             loaded.pool.import_(table[:first], prefix_kv)
@@ -546,11 +437,6 @@ class HfEngine(Engine):
                 self._scheduler.release_held(seq.id)
                 self._wake_loop()
 
-    def _wake_loop(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-
 def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
     return KvReservation(seq.request_id, sched.block_table(seq), len(seq.tokens), seq.num_computed)
 
@@ -559,8 +445,3 @@ def _forward_and_sample(loaded: _Loaded, inputs: StepInputs, params: list[Sample
     """The forward thread's whole job for one pass."""
     logits = loaded.model.forward(inputs, loaded.pool)
     return sample(logits, params) if params else []
-
-
-def _terminal(box: _Mailbox, fin: Finished) -> OutputChunk:
-    tokens, logprobs = box.take()
-    return OutputChunk(token_ids=tokens, finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error)

@@ -7,7 +7,7 @@ The wire form of ``n`` blocks is those runs back to back, little-endian fp32, in
 order asked for.
 
 Which blocks belong to whom is the block manager's business
-(:class:`~kvmesh.engines.mocker.block_manager.BlockManager`); the pool only stores.
+(:class:`~kvmesh.engines.batching.block_manager.BlockManager`); the pool only stores.
 """
 
 from __future__ import annotations

@@ -6,16 +6,14 @@ Shape (one event loop, no threads)::
         ▲                                       │ sleeps the step's modelled time,
         └──── one-slot mailbox per request ◀────┘ then delivers tokens / finishes
 
+Mailboxes, ``generate``, cancellation, ``cleanup`` and load reports are the shared
+:class:`~kvmesh.engines.batching.engine.StepLoopEngine`'s. What is the mocker's own:
+
 * The step loop is the only caller of ``Scheduler.step``; it idles on an
   :class:`asyncio.Event` when there is no work, and paces steps against a deadline so
   sleep overshoot does not accumulate (a step shorter than ~0.5 ms just yields).
-* Each request has a :class:`_Mailbox`: the loop appends tokens and wakes the
-  consumer; a lagging consumer receives the accumulated tokens as one chunk.
-* Cancellation: ``ctx.on_stop`` aborts the request in the scheduler at once (blocks
-  freed) and wakes the stream, which ends with a ``cancelled`` terminal. The stream's
-  ``finally`` aborts again (idempotent), covering a consumer that drops the generator.
-* ``cleanup`` cancels the loop and ends every open stream with
-  :class:`~kvmesh.errors.EngineShutdown`.
+* Its mailbox counts the tokens ever pushed: ``kv_detach`` drops tokens a step made
+  but did not deliver.
 * Fault injection (:mod:`.faults`): ``options.fault`` at construction, or
   ``set_fault`` at any time. With no fault the step loop pays one ``is None`` test.
 
@@ -28,36 +26,22 @@ event ids count from 0 for the lifetime of the engine object.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import time
 import struct
-from collections.abc import AsyncIterator, Callable, Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 
-from kvmesh.engines.base import Engine
-from kvmesh.engines.mailbox import Mailbox
+from kvmesh.engines.batching.engine import StepLoopEngine
+from kvmesh.engines.batching.mailbox import Mailbox
+from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
 from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.scheduler import Finished, Scheduler, StepOutput, _Seq
-from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
-from kvmesh.protocol import (
-    EngineConfig,
-    KvDump,
-    KvEvent,
-    KvLayout,
-    KvReservation,
-    LoadReport,
-    OutputChunk,
-    PreprocessedRequest,
-)
-from kvmesh.router.hashing import chain_hashes, chain_one, local_block_hashes
-from kvmesh.runtime.context import Context
-from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
+from kvmesh.engines.mocker.scheduler import MockSeq, Scheduler, StepOutput
+from kvmesh.errors import InvalidArgument, ResourceExhausted
+from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, PreprocessedRequest
+from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
+from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["MockerEngine"]
-
-_log = logging.getLogger(__name__)
 
 # Steps due sooner than this are not slept for; the loop only yields to other tasks.
 _MIN_SLEEP_S = 0.0005
@@ -79,13 +63,11 @@ class _Mailbox(Mailbox):
         self.pushed += 1
         self._wake()
 
-    def take(self) -> list[int]:
-        tokens, self.tokens = self.tokens, []
-        return tokens
 
-
-class MockerEngine(Engine):
+class MockerEngine(StepLoopEngine[_Mailbox]):
     """A simulated vLLM-style engine; see the module docstring."""
+
+    engine_name = "mocker"
 
     def __init__(
         self,
@@ -94,14 +76,9 @@ class MockerEngine(Engine):
         *,
         exit_fn: Callable[[int], object] = os._exit,
     ) -> None:
+        super().__init__(publisher)
         self.options = options if options is not None else MockerOptions()
-        self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
         self._scheduler = Scheduler(self.options, self._publisher)
-        self._boxes: dict[int, _Mailbox] = {}
-        self._sids: dict[str, int] = {}  # request id -> sequence id, for kv_detach
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._last_load: tuple[int, int, int] | None = None
         # Fault injection: None unless a fault is set (the step loop's only extra test).
         self._exit_fn = exit_fn  # what a "crash" fault calls; tests pass a recorder
         self._fault: FaultInjector | None = None
@@ -112,35 +89,16 @@ class MockerEngine(Engine):
     async def start(self) -> EngineConfig:
         if self._task is None:
             self._scheduler.reset()
-            self._last_load = None
-            self._wake = wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(wake), name="mocker-step-loop")
+            self._start_loop()
         return self.config
 
     @property
     def config(self) -> EngineConfig:
-        opts = self.options
-        return EngineConfig(
-            model=opts.model,
-            served_model_name=opts.served_name,
-            context_length=opts.context_length,
-            kv_block_size=opts.block_size,
-            total_kv_blocks=opts.num_blocks,
-            max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens,
-        )
-
-    async def drain(self) -> None:
-        self._publish_load()
+        return self._scheduler.core.limits.engine_config(self.options.model, self.options.served_name)
 
     async def cleanup(self) -> None:
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        await asyncio.wait([task])
-        self._fail_all("mocker engine was cleaned up")
-        self._scheduler.reset()  # publishes AllBlocksCleared: this worker's cache is gone
+        if await self._stop_loop():
+            self._scheduler.reset()  # publishes AllBlocksCleared: this worker's cache is gone
 
     def set_fault(self, spec: FaultSpec) -> None:
         """Inject ``spec`` from the next step on (``FaultSpec()`` clears it). Replacing
@@ -164,27 +122,9 @@ class MockerEngine(Engine):
     def active_blocks(self) -> int:
         return self._scheduler.blocks.active_blocks
 
-    @property
-    def kv_event_ring(self) -> KvEventRing:
-        """The last KV events, for subscribers repairing a gap."""
-        return self._scheduler.blocks.ring
+    def _core(self) -> BatchScheduler[MockSeq]:
+        return self._scheduler.core
 
-    def kv_dump(self) -> set[int]:
-        """Sequence hashes of every block now in the prefix cache."""
-        return self._scheduler.kv_dump()
-
-    def set_batch_multiplier(self, multiplier: float) -> None:
-        self._scheduler.set_batch_multiplier(multiplier)
-
-    def kv_snapshot(self) -> KvDump:
-        blocks = self._scheduler.blocks
-        return KvDump(self.options.worker_id, blocks.next_event_id - 1, sorted(self._scheduler.kv_dump()))
-
-    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
-        return self._scheduler.blocks.ring.since(event_id)
-
-    def load_report(self) -> LoadReport:
-        return self._scheduler.load_report(time.time() * 1000.0)
 
     # ------------------------------------------------------------------ KV blocks
     # The mocker has no tensors: a block's "KV" on the wire is an 8-byte digest of the
@@ -282,9 +222,9 @@ class MockerEngine(Engine):
         box.cancel()
         return KvReservation(request_id, self._scheduler.block_ids(seq), len(seq.tokens), seq.num_computed)
 
-    def _locate(self, block_ids: Sequence[int]) -> list[tuple[_Seq, int]]:
+    def _locate(self, block_ids: Sequence[int]) -> list[tuple[MockSeq, int]]:
         """(reservation sequence, index in its block table) of each block id."""
-        where: dict[int, tuple[_Seq, int]] = {}
+        where: dict[int, tuple[MockSeq, int]] = {}
         for seq in self._scheduler.reservations():
             for index, b in enumerate(self._scheduler.block_ids(seq)):
                 where[b] = (seq, index)
@@ -295,61 +235,13 @@ class MockerEngine(Engine):
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
-        wake = self._wake
-        if self._task is None or self._task.done() or wake is None:
-            raise EngineShutdown("mocker engine is not running")
-        box = _Mailbox()
-        sid = self._scheduler.add(request)
-        self._boxes[sid] = box
-        self._sids[request.request_id] = sid
-        wake.set()
-        ctx.on_stop(partial(self._on_stop, sid))
-        try:
-            while True:
-                if box.cancelled or ctx.is_stopped():
-                    if box.tokens and not ctx.is_stopped():  # detached: deliver what was made
-                        yield OutputChunk(token_ids=box.take())
-                    yield OutputChunk.cancelled()
-                    return
-                if box.error is not None:
-                    raise box.error
-                if box.finished is not None:
-                    yield _terminal(box.take(), box.finished)
-                    return
-                if box.tokens:
-                    yield OutputChunk(token_ids=box.take())
-                    continue
-                await box.wait()
-        finally:
-            self._boxes.pop(sid, None)
-            if self._sids.get(request.request_id) == sid:
-                del self._sids[request.request_id]
-            self._scheduler.abort(sid)
+    def _admit(self, request: PreprocessedRequest) -> int:
+        return self._scheduler.add(request)
 
-    def _on_stop(self, sid: int, _ctx: Context) -> None:
-        self._scheduler.abort(sid)
-        box = self._boxes.get(sid)
-        if box is not None:
-            box.cancel()
-
-    def _fail_all(self, message: str) -> None:
-        """End every open stream with its own :class:`EngineShutdown`."""
-        for box in self._boxes.values():
-            box.fail(EngineShutdown(message))
+    def _new_box(self, seq_id: int) -> _Mailbox:
+        return _Mailbox()
 
     # ------------------------------------------------------------------ step loop
-
-    async def _run(self, wake: asyncio.Event) -> None:
-        try:
-            await self._loop(wake)
-        except asyncio.CancelledError:
-            raise
-        except EngineShutdown as exc:  # an injected crash whose exit_fn returned
-            self._fail_all(exc.message)
-        except Exception as exc:  # noqa: BLE001 - a bug here must end streams, not hang them
-            _log.exception("mocker step loop failed")
-            self._fail_all(f"mocker step loop failed: {exc!r}")
 
     async def _loop(self, wake: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -358,10 +250,7 @@ class MockerEngine(Engine):
         deadline = loop.time()
         steps = 0
         while True:
-            if not sched.has_work:
-                self._publish_load()
-                wake.clear()
-                await wake.wait()
+            if await self._idle(sched.core, wake):
                 deadline = loop.time()
                 continue
             out = sched.step()
@@ -382,21 +271,7 @@ class MockerEngine(Engine):
             box = boxes.get(sid)
             if box is not None:
                 box.push(token)
-        for fin in out.finished:
-            box = boxes.get(fin.seq_id)
-            if box is not None:
-                box.finish(fin)
-
-    def _publish_load(self) -> None:
-        sched = self._scheduler
-        key = (sched.blocks.active_blocks, sched.num_waiting, sched.num_running)
-        if key != self._last_load:
-            self._last_load = key
-            self._publisher.publish_load(self.load_report())
-
-
-def _terminal(tokens: list[int], fin: Finished) -> OutputChunk:
-    return OutputChunk(token_ids=tokens, finish_reason=fin.reason, usage=fin.usage, error=fin.error)
+        self._deliver_finished(out.finished)
 
 
 _DIGEST = struct.Struct("<Q")

@@ -22,7 +22,7 @@ Shape::
   errors → ``InvalidArgument``, queue limits → ``ResourceExhausted``, a dead engine
   core → ``EngineShutdown`` (fatal), anything else → ``Unknown``.
 * KV events: vLLM publishes them itself (``KVEventsConfig``, ZMQ); the bridge
-  re-hashes them with kvmesh's block hashing (:mod:`kvmesh.router.vllm_events`), so the
+  re-hashes them with kvmesh's block hashing (:mod:`kvmesh.engines.vllm.kv_events`), so the
   KV router works with vLLM workers, and keeps the ring and the snapshot the router's
   gap repair asks for.
 * Disaggregation goes through vLLM's own KV-connector interface:

@@ -6,8 +6,8 @@ owns a SUB socket connected to that publisher and one reader task; for each batc
 
 1. checks ``seq`` (a gap means vLLM dropped batches, or we subscribed late: the
    blocks chained to what was lost cannot be translated, see
-   :mod:`kvmesh.router.vllm_events`; they are counted in ``gaps``);
-2. converts the payload with :class:`~kvmesh.router.vllm_events.VllmEventConverter`
+   :mod:`kvmesh.engines.vllm.kv_events`; they are counted in ``gaps``);
+2. converts the payload with :class:`~kvmesh.engines.vllm.kv_events.VllmEventConverter`
    (vLLM hashes → kvmesh's chained xxh3 hashes of the same tokens);
 3. numbers the resulting events with this worker's event ids (from 0, one per event)
    and hands each to the worker's :class:`~kvmesh.runtime.events.EventPublisher`,
@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEvent, KvEventData
-from kvmesh.router.vllm_events import VllmEventConverter
+from kvmesh.engines.vllm.kv_events import VllmEventConverter
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
 
 __all__ = ["VllmKvEventBridge"]

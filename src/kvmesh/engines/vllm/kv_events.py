@@ -53,7 +53,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
-from kvmesh.router.hashing import chain_hashes, local_block_hashes
+from kvmesh.kv.hashing import chain_hashes, local_block_hashes
 
 __all__ = ["VllmEventConverter", "decode_batch"]
 

@@ -2,7 +2,8 @@
 
 The step loop appends tokens and wakes the consumer; a consumer that lags takes the
 accumulated tokens as one chunk. Engines subclass it for what they carry per token
-(:mod:`kvmesh.engines.mocker.engine`, :mod:`kvmesh.engines.hf.engine`).
+(:mod:`kvmesh.engines.mocker.engine`, :mod:`kvmesh.engines.hf.engine`) and override
+:meth:`Mailbox.chunk` / :meth:`Mailbox.terminal` to put it on the wire.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 from typing import Any
 
 from kvmesh.errors import KvmeshError
+from kvmesh.protocol import OutputChunk
 
 __all__ = ["Mailbox"]
 
@@ -24,6 +26,19 @@ class Mailbox:
         self.cancelled = False
         self.error: KvmeshError | None = None
         self._waiter: asyncio.Future[None] | None = None
+
+    def take(self) -> list[int]:
+        tokens, self.tokens = self.tokens, []
+        return tokens
+
+    def chunk(self, cached_tokens: int | None = None) -> OutputChunk:
+        """The tokens accumulated so far, as one stream chunk."""
+        return OutputChunk(token_ids=self.take(), cached_tokens=cached_tokens)
+
+    def terminal(self) -> OutputChunk:
+        """The last chunk: what is left, with how the request ended (``finished``)."""
+        fin = self.finished
+        return OutputChunk(token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, error=fin.error)
 
     def finish(self, finished: Any) -> None:
         self.finished = finished

@@ -1,4 +1,4 @@
-"""The mocker's KV block pool: prefix caching, reference counts, LRU eviction, KV events.
+"""One engine's KV block pool (mocker and hf alike): prefix caching, reference counts, LRU eviction, KV events.
 
 Pure: no asyncio, no I/O, no clock. The scheduler is its only caller.
 
@@ -8,7 +8,7 @@ Model
 caller) holds a list of blocks; block ``i`` holds its tokens ``[i·bs, (i+1)·bs)``.
 
 * A block is *cached* once it is full of computed tokens and registered under its
-  chained sequence hash (:mod:`kvmesh.router.hashing`) with :meth:`BlockManager.commit`.
+  chained sequence hash (:mod:`kvmesh.kv.hashing`) with :meth:`BlockManager.commit`.
   A new sequence reuses the cached blocks of its common leading run of hashes
   (reference count + 1) instead of computing them.
 * A block whose reference count drops to 0 stays cached in an LRU free list and is

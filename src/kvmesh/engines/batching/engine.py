@@ -1,0 +1,221 @@
+"""``StepLoopEngine``: what every continuous-batching engine does around its passes.
+
+Shape (one event loop; an engine may run its pass elsewhere, e.g. a thread)::
+
+    generate() ──queue──▶ Scheduler ◀── step loop (one owned task: ``_loop``)
+        ▲                                   │ runs a pass, then delivers
+        └──── one-slot mailbox per request ◀┘ tokens / finishes
+
+The base owns the mailboxes, ``generate`` (chunks, the terminal, cancellation,
+shutdown errors), stop handling (``ctx.on_stop`` aborts the request in the scheduler
+at once, freeing its blocks, and wakes the stream, which ends ``cancelled``; the
+stream's ``finally`` aborts again, idempotent), ``_fail_all``, the loop task's start,
+stop and failure handling, and load reports (published when they change, and when
+the loop idles). KV introspection reads the scheduler's block manager.
+
+A subclass provides the scheduler (:meth:`_core`), how a request is queued
+(:meth:`_admit`), its mailbox type (:meth:`_new_box`) and the loop (:meth:`_loop`),
+which pays one :meth:`_idle` call per pass when there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+from kvmesh.engines.base import Engine
+from kvmesh.engines.batching.mailbox import Mailbox
+from kvmesh.engines.batching.scheduler import Finished
+from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
+from kvmesh.errors import EngineShutdown
+from kvmesh.protocol import KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
+from kvmesh.runtime.context import Context
+from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
+
+__all__ = ["StepLoopEngine"]
+
+_log = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=Mailbox)
+
+
+class StepLoopEngine(Engine, Generic[B]):
+    """The shared half of a step-loop engine; see the module docstring."""
+
+    engine_name = "step-loop"  # in task names and error messages
+
+    def __init__(self, publisher: EventPublisher | None = None) -> None:
+        self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
+        self._boxes: dict[int, B] = {}
+        self._sids: dict[str, int] = {}  # request id -> sequence id, for kv_detach
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._last_load: tuple[int, int, int] | None = None
+
+    # ------------------------------------------------------------------ what a subclass provides
+
+    @abc.abstractmethod
+    def _core(self) -> BatchScheduler[Any] | None:
+        """The scheduler; None while the engine is not started."""
+
+    @abc.abstractmethod
+    def _admit(self, request: PreprocessedRequest) -> int:
+        """Queue ``request`` (raising on bad input) and return its sequence id."""
+
+    @abc.abstractmethod
+    def _new_box(self, seq_id: int) -> B:
+        """A fresh mailbox for sequence ``seq_id``."""
+
+    @abc.abstractmethod
+    async def _loop(self, wake: asyncio.Event) -> None:
+        """Run passes for as long as the engine runs."""
+
+    def _chunk(self, box: B, first: bool) -> OutputChunk:
+        """The next stream chunk from ``box`` (``first``: the stream's first)."""
+        return box.chunk()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start_loop(self) -> None:
+        self._last_load = None
+        self._wake = wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(wake), name=f"{self.engine_name}-step-loop")
+
+    async def _stop_loop(self) -> bool:
+        """Cancel the loop and end every open stream; False if it was not running."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        self._fail_all(f"{self.engine_name} engine was cleaned up")
+        return task is not None
+
+    async def drain(self) -> None:
+        self._publish_load()
+
+    def _started_core(self) -> BatchScheduler[Any]:
+        core = self._core()
+        if core is None:
+            raise EngineShutdown(f"{self.engine_name} engine is not started")
+        return core
+
+    def _wake_loop(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def kv_event_ring(self) -> KvEventRing:
+        """The last KV events, for subscribers repairing a gap."""
+        return self._started_core().blocks.ring
+
+    def kv_dump(self) -> set[int]:
+        """Sequence hashes of every block now in the prefix cache."""
+        return self._started_core().kv_dump()
+
+    def kv_snapshot(self) -> KvDump:
+        core = self._started_core()
+        return KvDump(core.limits.worker_id, core.blocks.next_event_id - 1, sorted(core.kv_dump()))
+
+    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
+        return self._started_core().blocks.ring.since(event_id)
+
+    def load_report(self) -> LoadReport:
+        return self._started_core().load_report(time.time() * 1000.0)
+
+    def set_batch_multiplier(self, multiplier: float) -> None:
+        self._started_core().set_batch_multiplier(multiplier)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
+        wake = self._wake
+        if self._task is None or self._task.done() or wake is None:
+            raise EngineShutdown(f"{self.engine_name} engine is not running")
+        sid = self._admit(request)
+        box = self._boxes[sid] = self._new_box(sid)
+        self._sids[request.request_id] = sid
+        wake.set()
+        ctx.on_stop(partial(self._on_stop, sid))
+        first = True
+        try:
+            while True:
+                if box.cancelled or ctx.is_stopped():
+                    if box.tokens and not ctx.is_stopped():  # detached: deliver what was made
+                        yield OutputChunk(token_ids=box.take())
+                    yield OutputChunk.cancelled()
+                    return
+                if box.error is not None:
+                    raise box.error
+                if box.finished is not None:
+                    yield box.terminal()
+                    return
+                if box.tokens:
+                    yield self._chunk(box, first)
+                    first = False
+                    continue
+                await box.wait()
+        finally:
+            self._boxes.pop(sid, None)
+            if self._sids.get(request.request_id) == sid:
+                del self._sids[request.request_id]
+            core = self._core()
+            if core is not None:
+                core.abort(sid)
+
+    def _on_stop(self, sid: int, _ctx: Context) -> None:
+        core = self._core()
+        if core is not None:
+            core.abort(sid)
+        box = self._boxes.get(sid)
+        if box is not None:
+            box.cancel()
+
+    def _fail_all(self, message: str) -> None:
+        """End every open stream with its own :class:`EngineShutdown`."""
+        for box in self._boxes.values():
+            box.fail(EngineShutdown(message))
+
+    # ------------------------------------------------------------------ step loop
+
+    async def _run(self, wake: asyncio.Event) -> None:
+        try:
+            await self._loop(wake)
+        except asyncio.CancelledError:
+            raise
+        except EngineShutdown as exc:  # an injected crash whose exit_fn returned
+            self._fail_all(exc.message)
+        except Exception as exc:  # noqa: BLE001 - a bug here must end streams, not hang them
+            _log.exception("%s step loop failed", self.engine_name)
+            self._fail_all(f"{self.engine_name} step loop failed: {exc!r}")
+
+    async def _idle(self, core: BatchScheduler[Any], wake: asyncio.Event) -> bool:
+        """With no work: publish the load, sleep until woken, and return True."""
+        if core.has_work:
+            return False
+        self._publish_load()
+        wake.clear()
+        await wake.wait()
+        return True
+
+    def _deliver_finished(self, finished: list[Finished]) -> None:
+        boxes = self._boxes
+        for fin in finished:
+            box = boxes.get(fin.seq_id)
+            if box is not None:
+                box.finish(fin)
+
+    def _publish_load(self) -> None:
+        core = self._core()
+        if core is None:
+            return
+        key = (core.blocks.active_blocks, core.num_waiting, core.num_running)
+        if key != self._last_load:
+            self._last_load = key
+            self._publisher.publish_load(self.load_report())

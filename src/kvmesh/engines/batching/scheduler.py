@@ -1,0 +1,680 @@
+"""The continuous-batching scheduler every step-loop engine shares (mocker, hf). Pure:
+no asyncio, no clock, no torch.
+
+Lifecycle (the engine's step loop calls, one at a time)::
+
+    scheduler.add(seq)                queue a request (``adopt`` queues a reservation)
+    plan = scheduler.schedule()       pick this pass's work; blocks allocated
+        ... the pass runs (modelled by the mocker, a forward pass in a thread for hf);
+        abort / detach / release may be called meanwhile: blocks of sequences in the
+        pass are freed only after it
+    finished, emitted = scheduler.complete(plan, sampled)   advance, cache, stop rules
+
+One pass (:meth:`Scheduler.schedule`):
+
+0. **priority**: with every sequence slot taken, a waiting request of a more urgent
+   tier (premium 0, standard 1, best_effort 2: :attr:`Seq.rank`) preempts the least
+   urgent, most recently admitted running one (vLLM's priority policy).
+1. **running** sequences, decodes first then unfinished (chunked) prefills, each in
+   admission order, each taking ``min(tokens left, budget)`` of the
+   ``max_num_batched_tokens`` budget (a decode costs 1). When its blocks cannot grow,
+   the most recently admitted running sequence not yet scheduled in this pass is
+   preempted (recompute: blocks freed, progress forgotten, back to the front of the
+   queue) until it fits; with nobody left to preempt, the sequence preempts itself,
+   or fails with ``error`` when it is alone (it can never fit).
+2. **waiting** sequences, FCFS within a priority tier, only when step 1 preempted
+   nobody (or step 0 did): reuse the longest cached prefix of full blocks (at least
+   one token is always computed, to sample from), allocate for the first chunk; stop
+   at the first that does not fit, at ``max_num_seqs`` running (premium requests may
+   use the full ``max_num_seqs`` under :meth:`Scheduler.set_batch_multiplier`), or
+   when the budget is spent. A head that cannot fit an empty pool fails.
+
+Stop rules (:meth:`Scheduler.complete`, over the token the engine drew for each
+sequence that completed its tokens): :data:`EOS` (or an ``eos_ids`` token, unless
+``ignore_eos``) ends with ``stop`` and is *not* emitted; a ``stop_ids`` token is
+emitted and ends with ``stop`` once ``min_tokens`` are out; ``max_tokens`` (capped by
+the context) ends with ``length``.
+
+Blocks, the prefix cache and KV events are the
+:class:`~kvmesh.engines.batching.block_manager.BlockManager`'s: a block is cached
+under its chained hash (:mod:`kvmesh.kv.hashing`) once full of computed tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, Literal, Protocol, TypeVar
+
+from kvmesh.engines.batching.block_manager import BlockManager
+from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
+from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
+from kvmesh.runtime.events import EventPublisher
+
+__all__ = ["BatchingOptions", "EOS", "Finished", "Plan", "Scheduler", "SchedulerLimits", "Seq", "State", "priority_rank"]
+
+EOS = -1  # a drawn "token" meaning: the model ended the sequence (never emitted)
+_BATCH_EMA = 0.25  # weight of the latest pass in the load report's batch_tokens
+_PRIORITY_RANK = {"premium": 0, "standard": 1, "best_effort": 2}
+
+
+def priority_rank(priority: str | None) -> int:
+    """Lower is more urgent: premium 0, standard (and unset) 1, best_effort 2."""
+    return _PRIORITY_RANK.get(priority, 1) if priority is not None else 1
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    RESERVED = "reserved"  # holds blocks outside the queues (kv_reserve, kv_detach)
+    HELD = "held"  # a remote prefill that is done: blocks kept until exported
+    ENDED = "ended"
+
+
+class BatchingOptions(Protocol):
+    """The options every batching engine has under these names."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def event_ring_capacity(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    context_length: int
+    enable_prefix_caching: bool = True
+    worker_id: int = 0
+    event_ring_capacity: int = 1024
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @classmethod
+    def of(cls, options: BatchingOptions, *, num_blocks: int, context_length: int) -> SchedulerLimits:
+        """An engine's limits: its options, with the pool size and context it settled on."""
+        return cls(
+            block_size=options.block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            context_length=context_length,
+            enable_prefix_caching=options.enable_prefix_caching,
+            worker_id=options.worker_id,
+            event_ring_capacity=options.event_ring_capacity,
+        )
+
+    def engine_config(self, model: str, served_model_name: str) -> EngineConfig:
+        """What a worker running under these limits announces (its model card)."""
+        return EngineConfig(
+            model=model,
+            served_model_name=served_model_name,
+            context_length=self.context_length,
+            kv_block_size=self.block_size,
+            total_kv_blocks=self.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+
+
+class Seq:
+    """One request as the scheduler sees it. ``tokens`` = prompt + output; the first
+    ``num_computed`` have KV in the pool. ``prefill_upto`` set: a remote prefill that
+    computes that many tokens and samples nothing. Engines subclass it for their own
+    per-request state (sampling parameters, the mocker's token oracle key)."""
+
+    __slots__ = (
+        "id", "request_id", "tokens", "prompt_len", "max_tokens", "min_tokens", "ignore_eos",
+        "eos_ids", "stop_ids", "rank", "local_hashes", "seq_hashes", "num_computed",
+        "cached_tokens", "state", "admitted", "prefill_upto",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        tokens: list[int],
+        *,
+        max_tokens: int,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        eos_ids: frozenset[int] = frozenset(),
+        stop_ids: frozenset[int] = frozenset(),
+        rank: int = 1,
+        prefill_upto: int | None = None,
+    ) -> None:
+        self.id = -1  # assigned by the scheduler
+        self.request_id = request_id
+        self.tokens = tokens
+        self.prompt_len = len(tokens)
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.ignore_eos = ignore_eos
+        self.eos_ids = eos_ids
+        self.stop_ids = stop_ids
+        self.rank = rank
+        self.local_hashes: list[int] = []
+        self.seq_hashes: list[int] = []
+        self.num_computed = 0
+        self.cached_tokens = 0
+        self.state = State.WAITING
+        self.admitted = -1
+        self.prefill_upto = prefill_upto
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def target(self) -> int:
+        """Tokens that must have KV before this sequence samples (or, prefill-only, ends)."""
+        return self.prefill_upto if self.prefill_upto is not None else len(self.tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_computed == self.target - 1 and self.num_computed >= self.prompt_len
+
+    def banned(self) -> tuple[int, ...]:
+        """Token ids a sampler must not pick now (EOS and stop ids before ``min_tokens``)."""
+        if self.num_output >= self.min_tokens:
+            return ()
+        ids = set(self.stop_ids)
+        if not self.ignore_eos:
+            ids |= self.eos_ids
+        return tuple(sorted(ids))
+
+
+S = TypeVar("S", bound=Seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request that ended (its blocks freed, or kept when ``HELD``)."""
+
+    seq_id: int
+    request_id: str
+    reason: FinishReason
+    usage: Usage
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Plan(Generic[S]):
+    """One pass: ``entries`` are (sequence, new tokens) in pass order. ``kv_usage`` is
+    the pool's use once the pass's blocks are allocated (the mocker's timing input)."""
+
+    entries: list[tuple[S, int]] = field(default_factory=list)
+    failed: list[Finished] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    budget: int = 0
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def samples(self) -> list[S]:
+        """The sequences that sample a token after this pass."""
+        return [s for s, n in self.entries if s.prefill_upto is None and s.num_computed + n == len(s.tokens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def add(self, seq: S, n: int) -> None:
+        self.entries.append((seq, n))
+        self.budget -= n
+        # one token that completes the sequence costs a decode: a decode proper, or the
+        # last prompt token after a remote prefill (or a prefix hit of all but one token)
+        if n == 1 and seq.num_computed == seq.target - 1:
+            self.decode_seqs += 1
+        else:
+            self.prefill_tokens += n
+
+
+class Scheduler(Generic[S]):
+    """One engine's queues and KV block pool. See the module docstring."""
+
+    def __init__(self, limits: SchedulerLimits, publisher: EventPublisher | None = None) -> None:
+        self.limits = limits
+        self.blocks = BlockManager(
+            limits.num_blocks,
+            limits.block_size,
+            publisher=publisher,
+            worker_id=limits.worker_id,
+            enable_prefix_caching=limits.enable_prefix_caching,
+            ring_capacity=limits.event_ring_capacity,
+        )
+        self._caching = limits.enable_prefix_caching
+        # graceful degradation may shrink the batch at run time (set_batch_multiplier)
+        self.max_num_seqs = limits.max_num_seqs
+        self._waiting: deque[S] = deque()
+        self._running: list[S] = []
+        self._seqs: dict[int, S] = {}
+        self._reserved: dict[str, S] = {}
+        self._rejected: list[Finished] = []
+        self._next_id = 0
+        self._admissions = 0
+        self._batch_tokens = 0.0  # moving average of tokens per pass (load reports)
+        # sequences in the pass now running elsewhere; their blocks are freed after it
+        self._in_flight: set[int] = set()
+        self._deferred_free: list[int] = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._rejected)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, seq_id: int) -> S | None:
+        return self._seqs.get(seq_id)
+
+    def reservation(self, request_id: str) -> S | None:
+        return self._reserved.get(request_id)
+
+    def reservations(self) -> list[S]:
+        return list(self._reserved.values())
+
+    def block_table(self, seq: Seq) -> list[int]:
+        return self.blocks.block_table(seq.id)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.blocks.blocks_for(num_tokens)
+
+    def kv_dump(self) -> set[int]:
+        return self.blocks.dump()
+
+    def load_report(self, timestamp_ms: float = 0.0) -> LoadReport:
+        return LoadReport(
+            worker_id=self.limits.worker_id,
+            active_blocks=self.blocks.active_blocks,
+            total_blocks=self.blocks.num_blocks,
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            timestamp_ms=timestamp_ms,
+            batch_tokens=round(self._batch_tokens, 1),
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def assign_id(self, seq: S) -> int:
+        seq.id = self._next_id
+        self._next_id += 1
+        return seq.id
+
+    def _register(self, seq: S) -> None:
+        self.assign_id(seq)
+        self._seqs[seq.id] = seq
+        if self._caching:
+            seq.local_hashes = local_block_hashes(seq.tokens, self.limits.block_size)
+            seq.seq_hashes = chain_hashes(seq.local_hashes)
+
+    def add(self, seq: S) -> int:
+        """Queue a new sequence (FCFS within its tier); returns its id."""
+        self._register(seq)
+        self._enqueue(seq)
+        return seq.id
+
+    def reject(self, seq: S, error: str) -> int:
+        """Give ``seq`` an id and end it with ``error`` at the next :meth:`schedule`."""
+        self.assign_id(seq)
+        self._rejected.append(self._finished(seq, "error", error))
+        return seq.id
+
+    def adopt(self, request_id: str) -> S | None:
+        """Queue the reservation held for ``request_id`` (its blocks and computed
+        tokens kept); None when there is none."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is not None:
+            seq.state = State.WAITING
+            self._seqs[seq.id] = seq
+            self._enqueue(seq)
+        return seq
+
+    def _enqueue(self, seq: S, front: bool = False) -> None:
+        """FCFS within a priority tier; a more urgent request waits ahead of less
+        urgent ones. ``front``: first of its tier (a preempted request resumes before
+        newcomers)."""
+        waiting = self._waiting
+        if not front and (not waiting or waiting[-1].rank <= seq.rank):
+            waiting.append(seq)
+            return
+        for i, other in enumerate(waiting):
+            if other.rank > seq.rank or (front and other.rank == seq.rank):
+                waiting.insert(i, seq)
+                return
+        waiting.append(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a sequence wherever it is and free its blocks; False if unknown or ended."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            before = len(self._rejected)
+            self._rejected = [f for f in self._rejected if f.seq_id != seq_id]
+            return len(self._rejected) != before
+        if seq.state is State.RUNNING:
+            self._running.remove(seq)
+        elif seq.state is State.WAITING:
+            self._waiting.remove(seq)
+        seq.state = State.ENDED
+        self._free(seq.id)
+        return True
+
+    def _free(self, seq_id: int) -> None:
+        if seq_id in self._in_flight:  # the running pass may still write these blocks
+            self._deferred_free.append(seq_id)
+        else:
+            self.blocks.free(seq_id)
+
+    def reset(self) -> list[int]:
+        """Forget everything and clear the prefix cache (emits ``AllBlocksCleared``);
+        returns the ids of the sequences dropped."""
+        aborted = list(self._seqs) + [f.seq_id for f in self._rejected]
+        self._waiting.clear()
+        self._running.clear()
+        self._seqs.clear()
+        self._rejected.clear()
+        self._reserved.clear()
+        self._in_flight.clear()
+        self._deferred_free.clear()
+        self.blocks.reset()
+        return aborted
+
+    def set_batch_multiplier(self, multiplier: float) -> None:
+        """Run at most ``multiplier`` × ``max_num_seqs`` sequences (at least 1); running
+        ones beyond that finish, no new one is admitted meanwhile. Premium requests may
+        still fill the full ``max_num_seqs``: the reduced batch sheds the less urgent."""
+        if not 0 < multiplier <= 1:
+            raise ValueError(f"the batch multiplier must be in (0, 1], got {multiplier}")
+        self.max_num_seqs = max(1, int(self.limits.max_num_seqs * multiplier))
+
+    # ------------------------------------------------------------------ reservations
+
+    def _prefix_hit(self, seq: S) -> int:
+        """Cached leading blocks usable by ``seq`` (its last token always computed)."""
+        if not self._caching:
+            return 0
+        return self.blocks.lookup(seq.seq_hashes[: (len(seq.tokens) - 1) // self.limits.block_size])
+
+    def reserve(self, seq: S) -> bool:
+        """Allocate blocks for all of ``seq.tokens`` outside the queues (prefix hits
+        reused, at least one token left to compute); False, changing nothing but the
+        id given to ``seq``, when the pool is short."""
+        if seq.request_id in self._reserved:
+            raise ValueError(f"request {seq.request_id!r} already holds a KV reservation")
+        self._register(seq)
+        hit = self._prefix_hit(seq)
+        if not self.blocks.allocate(seq.id, len(seq.tokens), seq.seq_hashes[:hit]):
+            del self._seqs[seq.id]
+            return False
+        seq.num_computed = seq.cached_tokens = hit * self.limits.block_size
+        self._to_reserved(seq)
+        return True
+
+    def _to_reserved(self, seq: S) -> None:
+        # reservations are found by request id only: a stream's abort by sequence id
+        # (its ``finally``) leaves a detached request's blocks alone
+        seq.state = State.RESERVED
+        self._seqs.pop(seq.id, None)
+        self._reserved[seq.request_id] = seq
+
+    def commit_reserved(self, request_id: str, computed: int) -> None:
+        """The reservation's first ``computed`` tokens hold valid KV now (imported):
+        full blocks join the prefix cache (``BlockStored``)."""
+        seq = self._reserved[request_id]
+        if not seq.num_computed <= computed < len(seq.tokens):
+            raise ValueError(f"computed tokens must be in [{seq.num_computed}, {len(seq.tokens) - 1}], got {computed}")
+        seq.num_computed = computed
+        self._commit(seq)
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation's blocks; False if there is none."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is None:
+            return False
+        self._seqs.pop(seq.id, None)
+        seq.state = State.ENDED
+        self._free(seq.id)
+        return True
+
+    def detach(self, seq_id: int) -> S | None:
+        """Take a queued or running sequence out of the schedule, keeping its blocks
+        and computed tokens as a reservation (KV migration's source side). The last
+        token counts as not computed: whoever resumes computes it, to sample from."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.state not in (State.WAITING, State.RUNNING) or not self.blocks.held_blocks(seq_id):
+            return None
+        if seq.request_id in self._reserved:
+            return None
+        (self._running if seq.state is State.RUNNING else self._waiting).remove(seq)
+        seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
+        self._to_reserved(seq)
+        return seq
+
+    def hold_prefill(self, seq: S, cached_tokens: int) -> bool:
+        """Queue a remote prefill over fresh blocks whose first ``cached_tokens`` tokens
+        the caller fills (imported prefix); False when the pool is short."""
+        self._register(seq)
+        if not self.blocks.allocate(seq.id, seq.target):
+            del self._seqs[seq.id]
+            return False
+        seq.num_computed = seq.cached_tokens = cached_tokens
+        self._enqueue(seq)
+        return True
+
+    def release_held(self, seq_id: int) -> None:
+        """Free a remote prefill's blocks (after its KV was exported, or it was given up)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.state is State.HELD:
+            del self._seqs[seq_id]
+            seq.state = State.ENDED
+            self._free(seq_id)
+        elif seq is not None:
+            self.abort(seq_id)
+
+    # ------------------------------------------------------------------ one pass
+
+    def schedule(self) -> Plan[S]:
+        """Pick this pass's work (see the module docstring) and mark it in flight."""
+        plan: Plan[S] = Plan(budget=self.limits.max_num_batched_tokens)
+        plan.failed, self._rejected = self._rejected, []
+        yielded = self._yield_to_priority(plan)
+        too_big = self._schedule_running(plan)
+        if not plan.preempted or yielded:
+            self._admit_waiting(plan)
+        plan.kv_usage = self.blocks.usage
+        plan.failed.extend(self._end(seq, "error", self._too_big(seq)) for seq in too_big)
+        self._batch_tokens += _BATCH_EMA * (plan.prefill_tokens + plan.decode_seqs - self._batch_tokens)
+        self._in_flight = {s.id for s, _ in plan.entries}
+        return plan
+
+    def _schedule_running(self, plan: Plan[S]) -> list[S]:
+        """Schedule running sequences; returns those that can never fit (not freed yet)."""
+        order = [s for s in self._running if s.is_decode]
+        order.extend(s for s in self._running if not s.is_decode)
+        too_big: list[S] = []
+        for i, seq in enumerate(order):
+            if plan.budget <= 0:
+                break
+            if seq.state is not State.RUNNING:  # preempted earlier in this pass
+                continue
+            n = min(seq.target - seq.num_computed, plan.budget)
+            if self._make_room(seq, n, order[i + 1 :], plan, too_big):
+                plan.add(seq, n)
+        return too_big
+
+    def _make_room(self, seq: S, n: int, later: list[S], plan: Plan[S], too_big: list[S]) -> bool:
+        """Grow ``seq``'s blocks for ``n`` more tokens, preempting later sequences
+        (most recently admitted first). False if ``seq`` itself gave way (preempted, or
+        failed when it can never fit)."""
+        while not self.blocks.allocate(seq.id, seq.num_computed + n):
+            victim = _latest_admitted(s for s in later if s.state is State.RUNNING and s.prefill_upto is None)
+            if victim is not None:
+                self._preempt(victim, plan)
+                continue
+            if plan.entries and seq.prefill_upto is None:
+                self._preempt(seq, plan)
+            else:
+                self._running.remove(seq)
+                seq.state = State.ENDED
+                too_big.append(seq)
+            return False
+        return True
+
+    def _too_big(self, seq: S) -> str:
+        return f"sequence of {seq.target} tokens exceeds the KV cache ({self.limits.total_tokens} tokens)"
+
+    def _cap(self, seq: S) -> int:
+        """Running sequences allowed when admitting ``seq``."""
+        return self.limits.max_num_seqs if seq.rank == 0 else self.max_num_seqs
+
+    def _yield_to_priority(self, plan: Plan[S]) -> bool:
+        """With every sequence slot taken, a waiting request of a more urgent tier
+        preempts the least urgent, most recently admitted running one. Returns whether
+        anything was preempted for that reason."""
+        yielded = False
+        while self._waiting and len(self._running) >= self._cap(self._waiting[0]):
+            head = self._waiting[0]
+            candidates = [s for s in self._running if s.prefill_upto is None]
+            victim = max(candidates, key=lambda q: (q.rank, q.admitted), default=None)
+            if victim is None or victim.rank <= head.rank:
+                break
+            self._running.remove(victim)
+            self.blocks.free(victim.id)
+            victim.state = State.WAITING
+            victim.num_computed = 0
+            self._enqueue(victim, front=True)
+            plan.preempted.append(victim.id)
+            yielded = True
+        return yielded
+
+    def _preempt(self, seq: S, plan: Plan[S]) -> None:
+        self._running.remove(seq)
+        self.blocks.free(seq.id)
+        seq.state = State.WAITING
+        seq.num_computed = 0
+        self._waiting.appendleft(seq)
+        plan.preempted.append(seq.id)
+
+    def _admit_waiting(self, plan: Plan[S]) -> None:
+        bs = self.limits.block_size
+        while self._waiting and plan.budget > 0 and len(self._running) < self._cap(self._waiting[0]):
+            seq = self._waiting[0]
+            holds = self.blocks.held_blocks(seq.id) > 0  # adopted reservation / remote prefill
+            hit = 0 if holds else self._prefix_hit(seq)
+            computed = seq.num_computed if holds else hit * bs
+            n = min(seq.target - computed, plan.budget)
+            if not self.blocks.allocate(seq.id, computed + n, seq.seq_hashes[:hit]):
+                if not self._running and not plan.entries and not self._reserved and self.blocks.active_blocks == 0:
+                    self._waiting.popleft()  # alone with an empty pool and still no room: never fits
+                    plan.failed.append(self._end(seq, "error", self._too_big(seq)))
+                    continue
+                return
+            self._waiting.popleft()
+            if not holds and seq.admitted < 0:
+                seq.cached_tokens = computed
+            seq.num_computed = computed
+            seq.admitted = self._admissions
+            self._admissions += 1
+            seq.state = State.RUNNING
+            self._running.append(seq)
+            plan.add(seq, n)
+
+    def complete(self, plan: Plan[S], sampled: Mapping[int, int]) -> tuple[list[Finished], list[int]]:
+        """Apply a finished pass: ``sampled`` maps sequence id -> the token drawn for it
+        (:data:`EOS`: the model ended it). Returns the sequences that ended, and the ids
+        of those whose token is emitted (all but an ending EOS), in pass order.
+        Sequences aborted or detached meanwhile are skipped."""
+        finished: list[Finished] = []
+        emitted: list[int] = []
+        bs = self.limits.block_size
+        for seq, n in plan.entries:
+            if seq.state is not State.RUNNING:
+                continue
+            seq.num_computed += n
+            if seq.prefill_upto is not None:
+                if seq.num_computed >= seq.prefill_upto:
+                    finished.append(self._hold(seq))
+                continue
+            if n > 1 or seq.num_computed % bs == 0:
+                self._commit(seq)
+            token = sampled.get(seq.id)
+            if token is None:
+                continue
+            reason = self._append(seq, token)
+            if reason != "eos":
+                emitted.append(seq.id)
+            if reason is not None:
+                finished.append(self._end(seq, "stop" if reason == "eos" else reason))
+        if finished:
+            self._running = [s for s in self._running if s.state is State.RUNNING]
+        self._in_flight = set()
+        for seq_id in self._deferred_free:
+            self.blocks.free(seq_id)
+        self._deferred_free.clear()
+        return finished, emitted
+
+    def _commit(self, seq: S) -> None:
+        if self._caching:
+            full = min(seq.num_computed // self.limits.block_size, len(seq.seq_hashes))
+            self.blocks.commit(seq.id, seq.seq_hashes, seq.local_hashes, full)
+
+    def _append(self, seq: S, token: int) -> FinishReason | Literal["eos"] | None:
+        """Add a drawn token (not an ending EOS: ``"eos"``); the finish reason, if any."""
+        if token == EOS or (token in seq.eos_ids and not seq.ignore_eos):
+            return "eos"
+        seq.tokens.append(token)
+        bs = self.limits.block_size
+        if self._caching and len(seq.tokens) % bs == 0:
+            local = local_block_hashes(seq.tokens[-bs:], bs)[0]
+            seq.local_hashes.append(local)
+            seq.seq_hashes.append(chain_one(seq.seq_hashes[-1] if seq.seq_hashes else None, local))
+        if token in seq.stop_ids and seq.num_output >= seq.min_tokens:
+            return "stop"
+        if seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.limits.context_length:
+            return "length"
+        return None
+
+    def _hold(self, seq: S) -> Finished:
+        seq.state = State.HELD
+        return Finished(seq.id, seq.request_id, "stop", Usage(prompt_tokens=seq.target, completion_tokens=0))
+
+    def _end(self, seq: S, reason: FinishReason, error: str | None = None) -> Finished:
+        seq.state = State.ENDED
+        self._seqs.pop(seq.id, None)
+        self._free(seq.id)
+        return self._finished(seq, reason, error)
+
+    @staticmethod
+    def _finished(seq: Seq, reason: FinishReason, error: str | None = None) -> Finished:
+        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output, cached_tokens=seq.cached_tokens)
+        return Finished(seq.id, seq.request_id, reason, usage, error)
+
+
+def _latest_admitted(seqs: Iterable[S]) -> S | None:
+    best: S | None = None
+    for s in seqs:
+        if best is None or s.admitted > best.admitted:
+            best = s
+    return best

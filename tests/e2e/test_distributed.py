@@ -213,8 +213,8 @@ async def test_etcd_sigkill_for_5s_fails_nothing_and_discovery_heals(cluster_fac
         await _until(lambda: load.done >= 20, 60, "warm load")
         etcd.kill()
         done = load.done
-        await asyncio.sleep(5)
-        assert load.done > done + 10, "requests stalled while etcd was down"
+        await asyncio.sleep(5)  # the outage's length, not a synchronisation
+        await _until(lambda: load.done > done + 10, 60, "requests served while etcd is down")
         assert cluster.workers_seen() == 2
         etcd.start()
         # discovery heals: a new worker is found, a stopped one is removed
@@ -251,8 +251,8 @@ async def test_etcd_down_for_3_ttls_fails_nothing_and_the_fleet_stays_whole(clus
         etcd.kill()
         done = load.done
         w3.proc.kill()  # dies while nobody can tell discovery: its streams migrate
-        await asyncio.sleep(3 * LEASE_TTL + 1)
-        assert load.done > done + 10, "requests stalled while etcd was down"
+        await asyncio.sleep(3 * LEASE_TTL + 1)  # the outage's length, not a synchronisation
+        await _until(lambda: load.done > done + 10, 60, "requests served while etcd is down")
         assert w1.proc.poll() is None and w2.proc.poll() is None, "a worker stopped during the outage"
         etcd.start()
         # the dead worker's lease (extended when etcd restarted) runs out: it is dropped

@@ -99,6 +99,7 @@ def test_hung_worker_is_detected_and_its_traffic_moves(tmp_path):
             checks = _canary_checks(url, hung) - checks_at_fault
             # two failed checks, plus one that was under way at the fault and one finished
             # between the status poll and this read
+            print(f"hung worker detected after {checks} canary checks")
             assert checks <= 4, f"detected after {checks} canary checks"
             _wait(lambda: _workers(url)[hung]["weight"] == 0.0, 30, "the hung worker out of routing")
             before = _routed(url).get(hung, 0)

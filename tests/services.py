@@ -1,8 +1,9 @@
 """Real etcd and nats-server for integration tests, on free loopback ports.
 
-The Debian packages (`etcd-server`, `etcd-client`, `nats-server`) are installed with
-apt-get the first time a test needs them and they are missing. Each server runs in
-its own temporary directory and is stopped by PID in ``finally``.
+The Debian packages (`etcd-server`, `etcd-client`, `nats-server`) are installed by
+`.ci/run` before pytest starts; a test that finds one missing fails at once, saying
+what to install (nothing is installed from inside a test). Each server runs in its own
+temporary directory and is stopped by PID in ``finally``.
 """
 
 from __future__ import annotations
@@ -24,16 +25,13 @@ _SBIN = ("/usr/sbin", "/usr/bin", "/usr/local/bin", "/usr/local/sbin")
 
 
 def binary(name: str) -> str:
-    """Path of ``name``, installing its Debian package when missing."""
-    found = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), *_SBIN]))
-    if found:
-        return found
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", _PACKAGES[name]], check=True, env=env, capture_output=True)
+    """Path of ``name``; a clear error naming the package when it is missing."""
     found = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), *_SBIN]))
     if not found:
-        raise RuntimeError(f"{name} is not available even after installing {_PACKAGES[name]}")
+        raise RuntimeError(
+            f"{name} not found: install the Debian package {_PACKAGES[name]} "
+            f"(.ci/run does: apt-get install etcd-server etcd-client nats-server)"
+        )
     return found
 
 

@@ -84,6 +84,19 @@ class Fleet:
 stats = worker_disagg_stats  # the worker counters the tests read
 
 
+async def until(check, timeout: float, what: str) -> None:
+    """Wait for ``await check()`` to be true (a generous deadline, not a measurement)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _frontend_workers(url: str) -> int:
+    return httpx.get(url + "/health").json()["models"].get("kvmesh-tiny", 0)
+
+
 async def complete(client: openai.AsyncOpenAI, tokens: list[int], max_tokens: int = 16) -> str:
     stream = await client.completions.create(
         model="kvmesh-tiny", prompt=tokens, max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True}
@@ -146,12 +159,19 @@ async def test_disaggregated_serving_end_to_end(fleets) -> None:
     assert list(texts) == [await complete(agg.client(), p) for p in burst]
 
     # thresholds change at run time through discovery: nothing is long enough now
+    # (the watch delivers it asynchronously: send long prompts until one stays local)
     dis.set_thresholds(5000, 2)
-    await asyncio.sleep(1.0)
-    before = await stats(decode)
-    await complete(dis.client(), prompt(LONG, 500))
-    after = await stats(decode)
-    assert after.remote_prefills == before.remote_prefills and after.local_prefills == before.local_prefills + 1
+    salt = 500
+
+    async def next_long_prompt_stays_local() -> bool:
+        nonlocal salt
+        salt += 1
+        before = await stats(decode)
+        await complete(dis.client(), prompt(LONG, salt))
+        after = await stats(decode)
+        return after.remote_prefills == before.remote_prefills and after.local_prefills == before.local_prefills + 1
+
+    await until(next_long_prompt_stays_local, 60, "the new thresholds to keep a long prompt local")
 
 
 async def test_prefill_workers_join_and_leave_under_load(fleets) -> None:
@@ -175,13 +195,21 @@ async def test_prefill_workers_join_and_leave_under_load(fleets) -> None:
             except Exception as exc:  # noqa: BLE001 - collected and asserted on
                 failures.append(repr(exc))
 
+    async def progress(n: int) -> bool:
+        return finished >= n or bool(failures)
+
     tasks = [asyncio.ensure_future(loop(w)) for w in range(4)]
-    await asyncio.sleep(2.0)
+    await until(lambda: progress(10), 60, "10 requests through the first prefill worker")
     _, second_addr = dis.worker("prefill")  # joins: no registration, it just pulls
-    await asyncio.sleep(2.0)
+
+    async def second_pulls() -> bool:
+        return (await stats(second_addr)).prefill_jobs_done > 0 or bool(failures)
+
+    await until(second_pulls, 60, "the joining prefill worker to take jobs")
     first.signal(signal.SIGTERM)  # leaves: stops pulling, finishes its writes
     await asyncio.to_thread(first.proc.wait, 20)
-    await asyncio.sleep(2.0)
+    left_at = finished
+    await until(lambda: progress(left_at + 10), 60, "10 more requests after the first prefill worker left")
     stop.set()
     await asyncio.gather(*tasks)
     assert failures == []
@@ -197,15 +225,24 @@ async def test_drained_worker_hands_requests_off_with_their_kv(fleets) -> None:
     agg = fleets("ref")
     agg.worker("aggregated", speedup="1e6")
     mig = fleets("mig")
-    # 400 tokens at ~12 ms a decode step (speedup 0.5): ~5 s per request
-    source, source_addr = mig.worker("aggregated", "--drain-migrate", speedup="0.5")
+    # 400 tokens at ~24 ms a decode step (speedup 0.25): ~10 s per request, long enough
+    # for a second worker to start (slow on a loaded machine) before they end
+    source, source_addr = mig.worker("aggregated", "--drain-migrate", speedup="0.25")
     wait_healthy(mig.url)
     wait_healthy(agg.url)
     tokens = [prompt(400, 900 + i) for i in range(3)]
     tasks = [asyncio.ensure_future(complete(mig.client(), t, max_tokens=400)) for t in tokens]
-    await asyncio.sleep(1.0)  # all three are decoding on the only worker
-    target, target_addr = mig.worker("aggregated", speedup="0.5")
-    await asyncio.sleep(1.0)  # the frontend sees the new worker
+    async def all_three_decoding() -> bool:  # 400 prompt tokens: 25 blocks each
+        return (await stats(source_addr)).active_blocks >= 3 * 25
+
+    await until(all_three_decoding, 60, "all three decoding on the only worker")
+    target, target_addr = mig.worker("aggregated", speedup="0.25")
+
+    async def frontend_sees_two() -> bool:
+        return await asyncio.to_thread(_frontend_workers, mig.url) == 2
+
+    await until(frontend_sees_two, 60, "the frontend to see the new worker")
+    assert (await stats(source_addr)).active_blocks >= 3 * 25, "the requests ended before the drain: nothing to migrate"
     source.signal(signal.SIGTERM)
     texts = await asyncio.gather(*tasks)
     assert list(texts) == [await complete(agg.client(), t, max_tokens=400) for t in tokens]

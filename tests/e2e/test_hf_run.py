@@ -3,6 +3,7 @@ client gets real, repeatable greedy text that is not one token repeated."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -73,15 +74,26 @@ def test_canary_style_greedy_outputs_are_not_degenerate(client, prompt):
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
 
 
+def _wait_events_applied(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    pattern = r"^kvmesh_router_kv_events_applied_total\{[^}]*\} ([0-9.e+]+)$"
+    while not any(float(v) > 0 for v in re.findall(pattern, httpx.get(url + "/metrics").text, re.M)):
+        assert time.monotonic() < deadline, "the first request's KV events never reached the router"
+        time.sleep(0.05)
+
+
 def test_kv_router_sends_a_repeated_prompt_to_the_worker_holding_its_kv(tmp_path):
     prompt = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(12))  # ~10 blocks
-    with kvmesh_run(tmp_path, "--engine", "hf", "--router-mode", "kv") as srv:
+    # no canaries: their KV events would end the wait below early
+    with kvmesh_run(tmp_path, "--engine", "hf", "--router-mode", "kv", "--canary-interval", "0") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         cached = []
-        for _ in range(3):
+        for i in range(3):
             resp = client.completions.create(model="kvmesh-tiny", prompt=prompt, max_tokens=4, temperature=0)
             details = resp.usage.prompt_tokens_details
             cached.append(details.cached_tokens if details else 0)
+            if i == 0:  # the worker's KV events reach the router before the repeat is routed
+                _wait_events_applied(srv.url)
     assert cached[0] == 0
     # the router followed the first worker's KV events both times
     assert cached[1] >= 128 and cached[2] == cached[1]

@@ -71,13 +71,18 @@ def _wait_workers(url: str, n: int, timeout: float = 30) -> None:
 
 
 def test_decision_is_explained_on_request(tmp_path):
-    with kvmesh_run(tmp_path, "--router-mode", "kv", workers=2) as server:
+    # no canaries: their KV events would make the wait below pass early
+    with kvmesh_run(tmp_path, "--router-mode", "kv", "--canary-interval", "0", workers=2) as server:
         _wait_workers(server.url, 2)
+        applied = _metric(httpx.get(server.url + "/metrics").text, "kvmesh_router_kv_events_applied_total")
         prompt = list(range(100, 164))
         body = {"model": "kvmesh-tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True, "router_explain": True}
         first = httpx.post(server.url + "/v1/completions", json=body).json()["kvmesh_route"]
         assert {c["worker"] for c in first["candidates"]} and len(first["candidates"]) == 2
-        time.sleep(0.3)  # the worker's KV events reach the router
+        deadline = time.monotonic() + 30  # the worker's KV events reach the router
+        while _metric(httpx.get(server.url + "/metrics").text, "kvmesh_router_kv_events_applied_total") <= applied:
+            assert time.monotonic() < deadline, "the first request's KV events never reached the router"
+            time.sleep(0.05)
         r = httpx.post(server.url + "/v1/completions", json=dict(body, stream=True), headers={"x-kvmesh-explain": "1"})
         route = json.loads(r.headers["x-kvmesh-route"])
         assert route["worker"] == first["worker"]

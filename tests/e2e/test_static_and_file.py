@@ -41,11 +41,11 @@ def test_file_discovery_frontend_and_workers(tmp_path):
             procs[-1].wait_ready()
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc=procs[0].proc)
-        _wait(lambda: _seen(url) == 2, 10)
+        _wait(lambda: _seen(url) == 2, 30)
         assert all(_complete(url).status_code == 200 for _ in range(6))
         procs[1].signal(signal.SIGTERM)
         assert procs[1].proc.wait(20) == 0
-        _wait(lambda: _seen(url) == 1, 10)
+        _wait(lambda: _seen(url) == 1, 30)
         assert all(_complete(url).status_code == 200 for _ in range(6))
     finally:
         for p in reversed(procs):
@@ -63,15 +63,15 @@ def test_static_mode_needs_no_discovery(tmp_path):
         for w in workers:
             w.wait_ready()
         wait_healthy(url, proc=frontend.proc)
-        _wait(lambda: _seen(url) == 2, 10)
+        _wait(lambda: _seen(url) == 2, 30)
         assert all(_complete(url).status_code == 200 for _ in range(6))
         workers[0].stop()
-        _wait(lambda: _seen(url) == 1, 10)
+        _wait(lambda: _seen(url) == 1, 30)
         assert all(_complete(url).status_code == 200 for _ in range(6))
         # the same address comes back: it is attached again
         workers[0] = KvmeshProcess(tmp_path, "worker", "--static", "--port", str(ports[0]), "--speedup", "1e9")
         workers[0].wait_ready()
-        _wait(lambda: _seen(url) == 2, 10)
+        _wait(lambda: _seen(url) == 2, 30)
     finally:
         frontend.stop()
         for w in workers:

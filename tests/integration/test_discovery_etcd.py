@@ -102,7 +102,8 @@ async def test_connect_tries_endpoints_in_order(etcd: Etcd, connect) -> None:
     started = time.monotonic()
     with pytest.raises(CannotConnect, match="no etcd endpoint answered"):
         await connect([f"http://127.0.0.1:{free_port()}"], connect_timeout_s=0.5)
-    assert time.monotonic() - started < 2
+    # a refused port fails at once: well within 10 × the timeout unless it retried on
+    assert time.monotonic() - started < 10 * 0.5
 
 
 async def test_lease_expires_when_keep_alive_stops(connect) -> None:
@@ -114,10 +115,9 @@ async def test_lease_expires_when_keep_alive_stops(connect) -> None:
         await watch.wait_for(WatchEvent("put", "/services/ns/backend/generate-x", b"x"))
         await asyncio.sleep(3)  # longer than the TTL: the keep-alive holds it
         assert await frontend.get_prefix("/services/") != {}
-        stopped = time.monotonic()
         await worker.close()  # stops the keep-alive, revokes nothing
-        await watch.wait_for(WatchEvent("delete", "/services/ns/backend/generate-x"), timeout=5)
-        assert time.monotonic() - stopped < 3.5
+        # expired by etcd after about one TTL (a live keep-alive would hold it forever)
+        await watch.wait_for(WatchEvent("delete", "/services/ns/backend/generate-x"), timeout=30)
     finally:
         await watch.close()
 

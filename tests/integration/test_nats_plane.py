@@ -133,10 +133,11 @@ async def test_nobody_serving_is_cannot_connect_quickly(plane):
     started = time.monotonic()
     with pytest.raises(CannotConnect, match="nobody serves ns.worker.nope-1f2e"):
         await _collect(plane.client, "nope", 1)
-    gone = NatsRequestClient(plane.nc, plane.home, "ns", "worker", 0xDEAD, connect_timeout=2.0)
+    gone = NatsRequestClient(plane.nc, plane.home, "ns", "worker", 0xDEAD, connect_timeout=20.0)
     with pytest.raises(CannotConnect):
         await _collect(gone, "count", 1)
-    assert time.monotonic() - started < 1.0
+    # nats says "no responders" at once: both fail well before the 20 s connect timeout
+    assert time.monotonic() - started < 20.0 / 2
     assert plane.home.open_streams == 0
 
 

@@ -141,7 +141,7 @@ def _usage(gen: Generation) -> dict[str, Any]:
 
 
 class Frontend:
-    """Owns the registry, metrics and keep-alive task; builds the ASGI app."""
+    """Owns the registry, metrics and keep-alive task; serves the routes through ``HttpApp``."""
 
     def __init__(self, config: FrontendConfig, event_plane: EventPlane | None = None) -> None:
         self.config = config

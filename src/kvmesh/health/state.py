@@ -281,10 +281,6 @@ class HealthStateMachine:
     def consecutive_failures(self) -> int:
         return self._failures
 
-    @property
-    def consecutive_successes(self) -> int:
-        return self._successes
-
     # ------------------------------------------------------------------ inputs
 
     def on_check(self, result: CheckResult, now: float, *, may_eject: bool = True) -> Transition | None:

@@ -69,10 +69,6 @@ class ActiveLoad:
         """Requests in flight on ``worker_id``."""
         return self._count.get(worker_id, 0)
 
-    def worker_of(self, request_id: str) -> int | None:
-        entry = self._entries.get(request_id)
-        return entry.worker_id if entry is not None else None
-
     def __len__(self) -> int:
         return len(self._entries)
 

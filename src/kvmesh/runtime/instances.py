@@ -8,7 +8,6 @@ error (HTTP 503) is raised, never a hang.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from kvmesh.errors import NoWorkers
 from kvmesh.protocol import InstanceInfo
@@ -39,7 +38,6 @@ class InstanceSet:
         self._by_id: dict[int, Instance] = {}
         self.ids: list[int] = []  # sorted; rebuilt on change, read on every routing decision
         self._nonempty = asyncio.Event()
-        self._listeners: list[Callable[[str, Instance], None]] = []
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -53,19 +51,12 @@ class InstanceSet:
     def add(self, instance: Instance) -> None:
         self._by_id[instance.worker_id] = instance
         self._changed()
-        for listener in self._listeners:
-            listener("added", instance)
 
     def remove(self, worker_id: int) -> Instance | None:
         instance = self._by_id.pop(worker_id, None)
         if instance is not None:
             self._changed()
-            for listener in self._listeners:
-                listener("removed", instance)
         return instance
-
-    def on_change(self, listener: Callable[[str, Instance], None]) -> None:
-        self._listeners.append(listener)
 
     def _changed(self) -> None:
         self.ids = sorted(self._by_id)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import time
 
 import pytest
 
@@ -93,7 +92,5 @@ def test_smollm2_converts_once_into_a_model_folder(tmp_path):
 
     # the second resolve reuses the folder (no conversion: fast, same files)
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    started = time.monotonic()
     assert resolve_entry(CATALOG["smollm2"], cache=tmp_path, progress=False) == folder
-    assert time.monotonic() - started < 5
-    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again

@@ -105,11 +105,6 @@ class LlamaSpec:
         if kind not in ("default", "linear", "llama3"):
             raise InvalidArgument(f"{where}: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
-    @property
-    def kv_block_shape(self) -> tuple[int, int, int, int]:
-        """One block's shape without the block size: (layers, 2, kv_heads, head_dim)."""
-        return (self.num_layers, 2, self.num_kv_heads, self.head_dim)
-
 
 def _rope_type(scaling: dict[str, Any] | None) -> str:
     if not scaling:

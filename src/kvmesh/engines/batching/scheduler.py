@@ -511,8 +511,11 @@ class Scheduler(Generic[S]):
 
     def _schedule_running(self, plan: Plan[S]) -> list[S]:
         """Schedule running sequences; returns those that can never fit (not freed yet)."""
-        order = [s for s in self._running if s.is_decode]
-        order.extend(s for s in self._running if not s.is_decode)
+        order: list[S] = []
+        prefills: list[S] = []
+        for s in self._running:  # one pass: decodes first, then prefills
+            (order if s.is_decode else prefills).append(s)
+        order.extend(prefills)
         too_big: list[S] = []
         for i, seq in enumerate(order):
             if plan.budget <= 0:
@@ -520,15 +523,17 @@ class Scheduler(Generic[S]):
             if seq.state is not State.RUNNING:  # preempted earlier in this pass
                 continue
             n = min(seq.target - seq.num_computed, plan.budget)
-            if self._make_room(seq, n, order[i + 1 :], plan, too_big):
+            if self._make_room(seq, n, order, i, plan, too_big):
                 plan.add(seq, n)
         return too_big
 
-    def _make_room(self, seq: S, n: int, later: list[S], plan: Plan[S], too_big: list[S]) -> bool:
-        """Grow ``seq``'s blocks for ``n`` more tokens, preempting later sequences
-        (most recently admitted first). False if ``seq`` itself gave way (preempted, or
-        failed when it can never fit)."""
+    def _make_room(self, seq: S, n: int, order: list[S], i: int, plan: Plan[S], too_big: list[S]) -> bool:
+        """Grow ``seq``'s blocks for ``n`` more tokens, preempting sequences scheduled
+        after it (``order[i + 1:]``, most recently admitted first; sliced only when a
+        victim is needed). False if ``seq`` itself gave way (preempted, or failed when it
+        can never fit)."""
         while not self.blocks.allocate(seq.id, seq.num_computed + n):
+            later = order[i + 1 :]
             victim = _latest_admitted(s for s in later if s.state is State.RUNNING and s.prefill_upto is None)
             if victim is not None:
                 self._preempt(victim, plan)

@@ -168,6 +168,11 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     # streamed, and this is the original prompt's length. Engines that derive anything
     # from "the prompt" (a random stream key, usage) use the first this-many tokens.
     original_prompt_len: int | None = None
+    # --- tracing (observability/tracing.py): the W3C ``traceparent`` of the caller's span,
+    # and the span this request continues from on another worker (a migration retry, a
+    # remote prefill): ``"{trace_id:032x}-{span_id:016x}"``. Both bounded by the decoder.
+    trace_context: str | None = None
+    migration_link: str | None = None
 
 
 class Usage(msgspec.Struct, omit_defaults=True, gc=False):
@@ -199,6 +204,9 @@ class OutputChunk(msgspec.Struct, omit_defaults=True, gc=False):
     disaggregated_params: DisaggregatedParams | None = None
     error: str | None = None
     cached_tokens: int | None = None
+    # tracing: the worker's engine.generate span ("{trace_id:032x}-{span_id:016x}"), on the
+    # first non-empty chunk, only while spans are recorded (export on)
+    trace_link: str | None = None
 
     @property
     def is_terminal(self) -> bool:

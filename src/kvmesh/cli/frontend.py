@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
 import sys
@@ -21,6 +22,10 @@ def run_frontend(
     cfg: FrontendConfig, rcfg: RuntimeConfig, static_workers: list[str], model_path: str | None, log_level: str = "warning"
 ) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvmesh.observability import tracing  # trace ids in log lines; OTLP export when OTEL_EXPORT_ENABLED=1
+
+    tracing.setup("kvmesh-frontend")
+    atexit.register(tracing.shutdown)
     from kvmesh.cli.worker import event_loop_runner
     from kvmesh.frontend.server import bind_http
 

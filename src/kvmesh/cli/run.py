@@ -10,6 +10,7 @@ build the HTTP stack, while the workers start in parallel.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import signal
 import sys
@@ -50,6 +51,11 @@ def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
     _own_cluster_secret()
     run = event_loop_runner()
     preforked = _fork_workers(cfg, sock)
+    # tracing, after the fork (the workers set up their own exporter)
+    from kvmesh.observability import tracing  # trace ids in log lines; OTLP export when OTEL_EXPORT_ENABLED=1
+
+    tracing.setup("kvmesh-frontend")
+    atexit.register(tracing.shutdown)
     try:
         return run(_serve(cfg, sock, log_level, preforked))
     except KvmeshError as exc:

@@ -26,6 +26,9 @@ def run_worker(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, die_
     from kvmesh.worker.main import die_with_parent as _die_with_parent, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvmesh.observability import tracing  # trace ids in log lines; OTLP export when OTEL_EXPORT_ENABLED=1
+
+    tracing.setup("kvmesh-worker")
     if die_with_parent:
         _die_with_parent()
     try:
@@ -36,4 +39,6 @@ def run_worker(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, die_
     except OSError as exc:
         print(f"kvmesh worker: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    finally:
+        tracing.shutdown()  # a forked worker leaves with os._exit: no atexit
     return 0

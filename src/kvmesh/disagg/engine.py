@@ -28,12 +28,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from kvmesh.disagg.policy import needs_queue_check, place_prefill
 from kvmesh.disagg.queue import PrefillQueue
 from kvmesh.disagg.transfer import KvConnector, KvTransferServer
 from kvmesh.engines.base import Engine
 from kvmesh.errors import EngineShutdown, KvmeshError
+from kvmesh.observability import tracing
 from kvmesh.protocol import (
     DisaggregatedParams,
     DisaggStats,
@@ -51,6 +55,9 @@ from kvmesh.protocol import (
     QueueStatus,
 )
 from kvmesh.runtime.context import Context
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 __all__ = ["DisaggEngine", "MODES"]
 
@@ -171,19 +178,30 @@ class DisaggEngine(Engine):
             await self._queue_status()  # a queue that carries thresholds (embedded mode) may have new ones
         job: PrefillJob | None = None
         placement = "local"
+        span = None  # tracing: the remote_prefill span (under engine.generate)
         if needs_queue_check(n, cached, self.thresholds):
             # decisions take turns, so that concurrent ones see each other's jobs in the depth
             async with self._decide:
                 status = await self._queue_status()
                 placement = place_prefill(n, cached, status.depth, status.thresholds or self.thresholds)
                 if placement == "remote":
-                    job = await self._enqueue(request, reservation)
+                    span = _remote_prefill_span(n, cached, status.depth)
+                    job = await self._enqueue(request, reservation, span)
         if job is None:
+            if span is not None:
+                span.set_attribute("outcome", "queue_refused")
+                span.end()
             self.inner.kv_release(request.request_id)
             self.stats.local_prefills += 1
             self.stats.local_by_queue += placement == "local_queue_full"
             return True
-        return await self._await_remote(request, job, ctx)
+        if span is None:
+            return await self._await_remote(request, job, ctx)
+        started = time.perf_counter()
+        try:
+            return await self._await_remote(request, job, ctx)
+        finally:
+            _end_remote_prefill(span, started, self.transfer.trace_links.pop(job.job_id, None))
 
     async def _queue_status(self) -> QueueStatus:
         assert self.queue is not None
@@ -198,13 +216,18 @@ class DisaggEngine(Engine):
         self.stats.queue_depth = status.depth
         return status
 
-    async def _enqueue(self, request: PreprocessedRequest, res: KvReservation) -> PrefillJob | None:
+    async def _enqueue(self, request: PreprocessedRequest, res: KvReservation, span: Span | None = None) -> PrefillJob | None:
         """Put the job on the queue, expecting its transfer; None if the queue refused."""
         assert self.queue is not None
         bs = self._layout().block_size
         upto = len(request.token_ids) - 1  # the last prompt token is computed here, to sample from
         first, last = res.cached_tokens // bs, -(-upto // bs)
-        job = PrefillJob(uuid.uuid4().hex, self.worker_id, _plain(request), res.block_ids, res.cached_tokens, upto)
+        plain = _plain(request)
+        if span is not None:  # the prefill worker's span continues this one
+            plain = msgspec.structs.replace(plain, trace_context=tracing.span_traceparent(span))
+        job = PrefillJob(
+            uuid.uuid4().hex, self.worker_id, plain, res.block_ids, res.cached_tokens, upto, enqueued_at=time.time()
+        )
         self._done[job.job_id] = self.transfer.expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
         try:
             await self.queue.put(job)
@@ -359,6 +382,25 @@ class DisaggEngine(Engine):
 
     def __getattr__(self, name: str) -> object:  # set_fault, fault, scheduler, ... of the inner engine
         return getattr(self.inner, name)
+
+
+def _remote_prefill_span(prompt_tokens: int, cached: int, depth: int) -> Span | None:
+    """A ``remote_prefill`` span under this request's ``engine.generate`` (tracing on)."""
+    parent = tracing.current_generate()
+    if parent is None:
+        return None
+    attributes = {"prompt_tokens": prompt_tokens, "cached_tokens": cached, "queue_depth": depth}
+    return tracing.start_span("remote_prefill", parent.span, "producer", attributes)
+
+
+def _end_remote_prefill(span: Span, started: float, link: str | None) -> None:
+    """Wait time, and the link from engine.generate to the prefill worker's span."""
+    span.set_attribute("wait_ms", (time.perf_counter() - started) * 1000.0)
+    span.set_attribute("outcome", "remote" if link else "fallback_or_cancelled")
+    parent = tracing.current_generate()
+    if parent is not None and link:
+        tracing.add_link(parent.span, link)
+    span.end()
 
 
 def _plain(request: PreprocessedRequest) -> PreprocessedRequest:

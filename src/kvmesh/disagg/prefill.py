@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from kvmesh.disagg.queue import PrefillQueue
 from kvmesh.disagg.transfer import KvConnector
 from kvmesh.engines.base import Engine
 from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.observability import tracing
 from kvmesh.protocol import DisaggStats, KvEndpoint, PrefillJob
 
 __all__ = ["PrefillWorker", "KvMetadataCache"]
@@ -127,27 +129,51 @@ class PrefillWorker:
             self.stats.prefill_jobs_failed += 1
             log.info("prefill job %s: decode worker %x not found", job.job_id, job.worker_id)
             return False
+        tracing.set_log_trace_id(tracing.trace_id_of(job.request.trace_context))
+        span = tracing.GenerateSpan.start(job.request, "prefill") if tracing.enabled() else None
         try:
-            await self._fill(peer, job)
+            await self._fill(peer, job, span)
         except KvmeshError as exc:
             self.stats.prefill_jobs_failed += 1
             self.metadata.forget(job.worker_id)
             log.info("prefill job %s failed: %s", job.job_id, exc.message)
+            if span is not None:
+                span.failed(exc.kind, exc.message)
+                span.end(False)
             await _quietly(self.connector.done(peer, job.job_id, 0, exc.message))
             return False
         self.stats.prefill_jobs_done += 1
         return True
 
-    async def _fill(self, peer: KvEndpoint, job: PrefillJob) -> None:
+    async def _fill(self, peer: KvEndpoint, job: PrefillJob, span: tracing.GenerateSpan | None = None) -> None:
         layout = self.engine.kv_layout()
         if layout is None:
             raise InvalidArgument(f"{type(self.engine).__name__} cannot export KV")
         bs = peer.layout.block_size
         first, last = job.cached_tokens // bs, -(-job.upto // bs)
+        started, waited = time.perf_counter(), (time.time() - job.enqueued_at if job.enqueued_at else 0.0)
         prefix = await self.connector.read(peer, job.job_id, job.block_ids[:first], layout)
         data = await self.engine.prefill_remote(job.request, prefix, job.cached_tokens, job.upto)
+        computed = time.perf_counter()
         await self.connector.write(peer, job.job_id, job.block_ids[first:last], data, layout)
-        await self.connector.done(peer, job.job_id, job.upto)
+        link = ""
+        if span is not None:  # tracing: queue wait, compute, KV transfer
+            s = span.span
+            s.set_attribute("queue_wait_ms", max(0.0, waited * 1000.0))
+            s.set_attribute("prefill_ms", (computed - started) * 1000.0)
+            s.set_attribute("kv_transfer_bytes", _real_bytes_of(peer, last - first, len(data)))
+            s.set_attribute("kv_transfer_ms", (time.perf_counter() - computed) * 1000.0)
+            s.set_attribute("cached_tokens", job.cached_tokens)
+            span.finish_reason = "stop"
+            span.output_tokens = 0
+            link = tracing.span_link(s)
+            span.end(False)
+        await self.connector.done(peer, job.job_id, job.upto, trace_link=link)
+
+
+def _real_bytes_of(peer: KvEndpoint, blocks: int, wire: int) -> int:
+    """The bytes a transfer stands for (the mocker sends digests: the layout's real size)."""
+    return max(wire, blocks * peer.layout.bytes_per_block)
 
 
 async def _quietly(op: Awaitable[None]) -> None:

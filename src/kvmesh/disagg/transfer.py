@@ -74,6 +74,7 @@ class KvOp(msgspec.Struct, frozen=True, omit_defaults=True):
     nbytes: int = 0
     num_tokens: int = 0
     error: str = ""
+    trace_link: str = ""  # done: the prefill worker's span (tracing), for the decode side's link
 
 
 class KvReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -155,6 +156,7 @@ class KvTransferServer:
         self.refused = 0  # operations refused before their payload was read
         self.stats = TransferStats()
         self._expected: dict[str, _Expected] = {}
+        self.trace_links: dict[str, str] = {}  # tracing: transfer id → the peer's span (bounded below)
         self._server: asyncio.AbstractServer | None = None
         self._conns: dict[asyncio.StreamWriter, asyncio.Task[None] | None] = {}
 
@@ -290,6 +292,10 @@ class KvTransferServer:
                 self.stats.bytes_received += self._real(len(blocks), len(payload))
                 return KvReply(True), b""
             del self._expected[op.transfer_id]
+            if op.trace_link and len(op.trace_link) <= 64:
+                if len(self.trace_links) >= 1024:
+                    del self.trace_links[next(iter(self.trace_links))]
+                self.trace_links[op.transfer_id] = op.trace_link
             if not exp.done.done():
                 exp.done.set_result((op.num_tokens, op.error))
             return KvReply(True), b""
@@ -328,8 +334,9 @@ class KvConnector(abc.ABC):
         """Write ``data`` (layout ``src``) into the peer's blocks."""
 
     @abc.abstractmethod
-    async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "") -> None:
-        """Tell the peer the transfer is over (``error`` if it failed)."""
+    async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "", trace_link: str = "") -> None:
+        """Tell the peer the transfer is over (``error`` if it failed; ``trace_link``: the
+        sender's span, when tracing)."""
 
     async def close(self) -> None:
         return None
@@ -428,8 +435,8 @@ class TcpKvConnector(KvConnector):
         await self._call(peer, KvOp("write", transfer_id, block_runs(block_ids), nbytes=len(data)), data)
         self._account(started, sent=_real_bytes(peer.layout, len(block_ids), len(data)))
 
-    async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "") -> None:
-        await self._call(peer, KvOp("done", transfer_id, num_tokens=num_tokens, error=error))
+    async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "", trace_link: str = "") -> None:
+        await self._call(peer, KvOp("done", transfer_id, num_tokens=num_tokens, error=error, trace_link=trace_link))
 
     def _account(self, started: float, sent: int = 0, received: int = 0) -> None:
         stats = self.stats

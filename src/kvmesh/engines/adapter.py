@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from kvmesh.engines.base import Engine
 from kvmesh.errors import KvmeshError, StreamIncomplete
+from kvmesh.observability import tracing
 from kvmesh.protocol import OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 
@@ -92,6 +93,12 @@ async def run_generate(
     :class:`StreamIncomplete` error is raised so the caller always sees one terminal.
     """
     monitor.watch(ctx)
+    # tracing: the request's trace id on this task's log lines; the engine.generate span
+    # only while spans are recorded (no per-chunk work otherwise)
+    tracing.set_log_trace_id(tracing.trace_id_of(request.trace_context))
+    span = tracing.GenerateSpan.start(request, str(getattr(engine, "mode", "aggregated"))) if tracing.enabled() else None
+    if span is not None:
+        tracing.set_current_generate(span)
     stream = engine.generate(request, ctx)
     if validate:
         stream = validated(stream, type(engine).__name__)
@@ -100,13 +107,23 @@ async def run_generate(
         async for chunk in stream:
             if chunk.finish_reason is not None:
                 finished = True
+            if span is not None:
+                span.chunk(chunk)
             yield chunk
-    except KvmeshError:
+    except KvmeshError as exc:
         finished = True
+        if span is not None:
+            span.failed(exc.kind, exc.message)
+        raise
+    except BaseException as exc:
+        if span is not None and not isinstance(exc, GeneratorExit):
+            span.failed(type(exc).__name__, str(exc))
         raise
     finally:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
+        if span is not None:
+            span.end(ctx.is_stopped())
     if not finished:
         raise StreamIncomplete(f"{type(engine).__name__} stream ended without a terminal")

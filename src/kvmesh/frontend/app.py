@@ -44,6 +44,7 @@ from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, 
 from kvmesh.frontend.schemas import check_limits, parse
 from kvmesh.frontend.server import HttpApp, Request, Response
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
+from kvmesh.observability import tracing
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import call
@@ -288,8 +289,26 @@ class Frontend:
         return request.body
 
     async def _serve(self, request: Request, kind: str) -> Response | SSEResponse:
-        endpoint = "chat_completions" if kind == "chat" else "completions"
+        # tracing: the request's trace (root span when recording); the traceparent goes
+        # to the workers (in the request) and back to the client (a response header)
         request_id = new_request_id()
+        trace = tracing.RequestTrace(
+            request.headers.get("traceparent"), f"{request.method} {request.path}",
+            {"http.route": request.path, "kvmesh.request_id": request_id},
+        )  # fmt: skip
+        response = await self._serve_traced(request, kind, request_id, trace)
+        if isinstance(response, Response):
+            response.headers["traceparent"] = trace.traceparent
+            if response.status != 200:
+                trace.end(response.status)  # refused before a stream existed
+        else:
+            response.headers = [*response.headers, (b"traceparent", trace.traceparent.encode())]
+        return response
+
+    async def _serve_traced(
+        self, request: Request, kind: str, request_id: str, trace: tracing.RequestTrace
+    ) -> Response | SSEResponse:
+        endpoint = "chat_completions" if kind == "chat" else "completions"
         try:
             allowed = self.auth.tier_of(request.headers.get("authorization"))
             req = parse(self._read_body(request), kind)  # type: ignore[arg-type]
@@ -305,7 +324,9 @@ class Frontend:
         metrics = entry.metrics
         metrics.input_tokens.inc(len(preq.token_ids))
         ctx = Context(preq.request_id)
+        preq.trace_context = trace.traceparent
         gen = Generation(entry, preq, ctx, req.include_stop_str_in_output, req.skip_special_tokens)
+        gen.trace = trace
         metrics.inflight.inc()
         try:
             stream = await gen.open()
@@ -434,6 +455,8 @@ class Frontend:
         m.cached_tokens.inc(gen.cached_tokens)
         m.duration.observe(time.perf_counter() - gen.started)
         m.finished(endpoint, status)
+        if gen.trace is not None:
+            gen.trace.end(status)
 
     def _logprobs(self, gen: Generation, chunk: Any, kind: str) -> Any:
         pre = _TokenText(gen.entry.preprocessor.tokenizer)

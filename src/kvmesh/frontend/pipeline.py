@@ -14,10 +14,11 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvmesh.errors import MIGRATABLE, InvalidArgument, StreamIncomplete, Unknown
+from kvmesh.errors import MIGRATABLE, InvalidArgument, KvmeshError, StreamIncomplete, Unknown
 from kvmesh.frontend.models import ModelEntry
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from kvmesh.health.migration import (
@@ -27,6 +28,7 @@ from kvmesh.health.migration import (
     prefill_ms_at,
     resume_request,
 )
+from kvmesh.observability import tracing
 from kvmesh.protocol import (
     DisaggregatedParams,
     OutputChunk,
@@ -39,6 +41,11 @@ from kvmesh.protocol import (
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import GENERATE
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from kvmesh.router.core import Decision
 
 __all__ = ["new_request_id", "preprocess", "preprocess_async", "Generation", "merge_chunks", "explain_route"]
 
@@ -81,6 +88,8 @@ def merge_chunks(pending: OutputChunk, new: OutputChunk) -> OutputChunk:
         pending.cached_tokens = new.cached_tokens
     if new.disaggregated_params is not None:
         pending.disaggregated_params = new.disaggregated_params
+    if new.trace_link is not None:
+        pending.trace_link = new.trace_link
     return pending
 
 
@@ -221,6 +230,7 @@ class Generation:
         "_include_stop",
         "_skip_special",
         "_booked",
+        "trace",
     )
 
     def __init__(self, entry: ModelEntry, request: PreprocessedRequest, ctx: Context, include_stop: bool, skip_special: bool) -> None:
@@ -236,6 +246,7 @@ class Generation:
         self._include_stop = include_stop
         self._skip_special = skip_special
         self._booked = False  # the router holds load booked for this request
+        self.trace: tracing.RequestTrace | None = None  # set by the HTTP layer
 
     def release(self) -> None:
         """Give the router's booking back: once per pick, on every path (finished,
@@ -250,10 +261,45 @@ class Generation:
 
     async def open(self) -> AsyncIterator[OutputChunk]:
         """Route and open the worker stream (errors here are HTTP errors, not SSE)."""
-        instance = await self.entry.router.pick(self.request)
-        self._booked = True
+        instance = await self._pick(self.request, frozenset())
         self.worker_id = instance.worker_id
         return self._chunks(instance)
+
+    async def _pick(self, request: PreprocessedRequest, exclude: frozenset[int]) -> Instance:
+        """The router's choice (a ``route`` span when recording)."""
+        root = self.trace.span if self.trace is not None else None
+        if root is None:
+            instance = await self.entry.router.pick(request, exclude=exclude)
+            self._booked = True
+            return instance
+        span = tracing.start_span("route", root, attributes={"router.policy": type(self.entry.router.policy).__name__})
+        assert span is not None
+        try:
+            instance = await self.entry.router.pick(request, exclude=exclude)
+        except BaseException as exc:
+            if isinstance(exc, KvmeshError):
+                tracing.fail(span, exc.kind, exc.message)
+            span.end()
+            raise
+        self._booked = True
+        span.set_attribute("worker_id", f"{instance.worker_id:x}")
+        decision = _recent_decision(self.entry.router.policy, request.request_id)
+        if decision is not None:
+            span.set_attribute("overlap_blocks", decision.overlap_blocks)
+            span.set_attribute("candidates", len(decision.candidates))
+        span.end()
+        return instance
+
+    def _hop(self, instance: Instance, request: PreprocessedRequest, attempt: int) -> Span | None:
+        """The request-plane span of one hop; its context travels in the request."""
+        root = self.trace.span if self.trace is not None else None
+        if root is None:
+            return None
+        attributes = {"worker_id": f"{instance.worker_id:x}", "attempt": attempt, "transport": instance.info.transport}
+        span = tracing.start_span("request_plane.generate", root, "client", attributes)
+        if span is not None:
+            request.trace_context = tracing.span_traceparent(span)
+        return span
 
     def _stream_on(self, instance: Instance, request: PreprocessedRequest) -> AsyncIterator[OutputChunk]:
         self.worker_id = instance.worker_id
@@ -278,19 +324,30 @@ class Generation:
         budget = MigrationBudget(self.entry.migration_limit)
         moved: tuple[str, float] | None = None  # (method, when the worker failed)
         handoff: DisaggregatedParams | None = None  # where a draining worker left the KV
+        link: str | None = None  # tracing: the current worker's engine.generate span
+        moving: Span | None = None  # tracing: the migration span, until the next worker answers
         while True:
+            hop = self._hop(instance, request, len(tried))
             stream = self._stream_on(instance, request)
             try:
                 async for chunk in stream:
                     if moved is not None:  # the new worker answered: the move is done
                         self.entry.metrics.migration_took(moved[0], time.perf_counter() - moved[1])
                         moved = None
+                        if moving is not None:
+                            moving.set_attribute("target_worker", f"{instance.worker_id:x}")
+                            moving.end()
+                            moving = None
                     if chunk.disaggregated_params is not None:
                         handoff = chunk.disaggregated_params
+                    if chunk.trace_link is not None:
+                        link = chunk.trace_link
                     generated.extend(chunk.token_ids)
                     yield chunk
                 return
             except MIGRATABLE as exc:
+                if hop is not None:
+                    tracing.fail(hop, exc.kind, exc.message)
                 if self.ctx.is_stopped():
                     raise
                 if self.entry.health is not None:
@@ -301,6 +358,11 @@ class Generation:
                     method = migration_method(self.request, len(generated), handoff)
                     self.entry.metrics.migrated(method)
                     moved = (method, time.perf_counter())
+                    if hop is not None and self.trace is not None:
+                        moving = tracing.start_span("migration", self.trace.span, attributes={
+                            "method": method, "source_worker": f"{instance.worker_id:x}",
+                            "tokens_so_far": len(generated), "error_kind": exc.kind,
+                        })  # fmt: skip
                 elif len(tried) > RETRIES_BEFORE_OUTPUT:
                     raise
                 log.info(
@@ -309,6 +371,11 @@ class Generation:
                 )  # fmt: skip
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
+                if hop is not None:
+                    hop.end()
+                if moving is not None and moved is None:
+                    moving.end()
+                    moving = None
             self.release()  # the failed worker's booking
             if generated and len(generated) >= (self.request.stop.max_tokens or 0):
                 yield OutputChunk(finish_reason="length")  # every token was streamed; only the end was lost
@@ -317,8 +384,9 @@ class Generation:
             if generated and handoff is not None and moved is not None and moved[0] == "kv_transfer":
                 request = msgspec.structs.replace(request, disaggregated_params=handoff)
             handoff = None
-            instance = await self.entry.router.pick(request, exclude=frozenset(tried))
-            self._booked = True
+            if generated and link is not None:  # the next engine.generate links to this one
+                request = msgspec.structs.replace(request, migration_link=link)
+            instance = await self._pick(request, frozenset(tried))
             tried.add(instance.worker_id)
 
     async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
@@ -398,3 +466,14 @@ def explain_route(gen: Generation) -> dict[str, object]:
         for c in decision.candidates
     ]
     return out
+
+
+def _recent_decision(policy: object, request_id: str) -> Decision | None:
+    """The KV router's decision for ``request_id`` if it is among its recent ones."""
+    recent = getattr(policy, "recent", None)
+    if not recent:
+        return None
+    for rid, decision in reversed(recent):
+        if rid == request_id:
+            return decision  # type: ignore[no-any-return]  # KvPolicy.recent holds (str, Decision)
+    return None

@@ -316,9 +316,12 @@ class KvPolicy:
     def __init__(self, service: KvRouterService) -> None:
         self.service = service
         self.explained: dict[str, Decision] = {}
+        # observability: the last decisions (a route span's overlap, the /dashboard page)
+        self.recent: collections.deque[tuple[str, Decision]] = collections.deque(maxlen=32)
 
     def select(self, ids: Sequence[int], request: PreprocessedRequest, weights: Mapping[int, float] | None = None) -> int:
         decision = self.service.route(request, ids, weights)
+        self.recent.append((request.request_id, decision))
         if request.routing is not None and request.routing.explain:
             self.explained[request.request_id] = decision
         return decision.worker_id

@@ -58,6 +58,7 @@ __all__ = [
     "KvEventsSince",
     "InstanceInfo",
     "ModelFiles",
+    "WorkerMetrics",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -405,3 +406,26 @@ class ModelFiles(msgspec.Struct):
 
     name: str
     files: dict[str, bytes]
+
+
+# ---------------------------------------------------------------------------- observability
+
+
+class WorkerMetrics(msgspec.Struct, omit_defaults=True):
+    """One worker's metrics (its ``metrics`` endpoint): what the frontend's ``/metrics``
+    shows per worker, and what the worker's own ``/metrics`` serves. Counters are
+    cumulative since the worker started."""
+
+    worker_id: int
+    mode: str = "aggregated"
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    in_flight: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    output_tokens: int = 0
+    preemptions: int = 0
+    disagg: DisaggStats | None = None

@@ -65,6 +65,9 @@ async def _serve(cfg, rcfg, static_workers, model_path, sock, log_level) -> int:
     else:
         assert runtime is not None
         source = await watch_workers(runtime, frontend.registry)
+        from kvmesh.frontend.sources import watch_prefill_workers  # observability: prefill workers' metrics
+
+        runtime.add_closer((await watch_prefill_workers(runtime, frontend.prefill_workers)).close)
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
     server = make_server(frontend.app, log_level)

@@ -128,6 +128,9 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
         frontend = Frontend(cfg.frontend, events)
         entry = frontend.registry.add_model(cfg.worker.model_path or "")
         watcher = await watch_workers(runtime, frontend.registry)
+        from kvmesh.frontend.sources import watch_prefill_workers  # observability: prefill workers' metrics
+
+        prefill_watch = await watch_prefill_workers(runtime, frontend.prefill_workers)
         server = make_server(frontend.app, log_level)
         server.config.timeout_graceful_shutdown = 5
         announcer = asyncio.get_running_loop().create_task(_announce(cfg, entry.name, server, frontend.registry))
@@ -136,6 +139,7 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
         finally:
             announcer.cancel()
             await watcher.close()
+            await prefill_watch.close()
     finally:
         for one in supervisors:
             await one.stop()

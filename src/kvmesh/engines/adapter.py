@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from kvmesh.engines.base import Engine
 from kvmesh.errors import KvmeshError, StreamIncomplete
 from kvmesh.observability import tracing
+from kvmesh.observability.worker_metrics import WorkerCounters
 from kvmesh.protocol import OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 
@@ -86,6 +87,7 @@ async def run_generate(
     ctx: Context,
     monitor: AbortMonitor,
     validate: bool = False,
+    counters: WorkerCounters | None = None,
 ) -> AsyncIterator[OutputChunk]:
     """The engine's stream with the monitor attached (and the validator when asked).
 
@@ -99,6 +101,9 @@ async def run_generate(
     span = tracing.GenerateSpan.start(request, str(getattr(engine, "mode", "aggregated"))) if tracing.enabled() else None
     if span is not None:
         tracing.set_current_generate(span)
+    if counters is not None:  # the worker's metrics: requests, in flight, tokens at the terminal
+        counters.requests += 1
+        counters.in_flight += 1
     stream = engine.generate(request, ctx)
     if validate:
         stream = validated(stream, type(engine).__name__)
@@ -107,6 +112,8 @@ async def run_generate(
         async for chunk in stream:
             if chunk.finish_reason is not None:
                 finished = True
+                if counters is not None:
+                    counters.terminal(chunk)
             if span is not None:
                 span.chunk(chunk)
             yield chunk
@@ -125,5 +132,7 @@ async def run_generate(
             await aclose()
         if span is not None:
             span.end(ctx.is_stopped())
+        if counters is not None:
+            counters.in_flight -= 1
     if not finished:
         raise StreamIncomplete(f"{type(engine).__name__} stream ended without a terminal")

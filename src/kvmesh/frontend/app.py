@@ -15,6 +15,7 @@ details go to the log under that id); file paths are cut out of the others.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -44,12 +45,13 @@ from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, 
 from kvmesh.frontend.schemas import check_limits, parse
 from kvmesh.frontend.server import HttpApp, Request, Response
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
-from kvmesh.observability import tracing
+from kvmesh.observability import tracing, worker_metrics
+from kvmesh.protocol import WorkerMetrics
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import EventPlane
-from kvmesh.runtime.names import FAULT
+from kvmesh.runtime.names import FAULT, METRICS
 
 __all__ = ["Frontend", "error_response"]
 
@@ -60,6 +62,7 @@ class _FaultRequest(msgspec.Struct):
 
 
 _decode_str = msgspec.msgpack.Decoder(str).decode
+_decode_worker_metrics = msgspec.msgpack.Decoder(WorkerMetrics).decode
 
 log = logging.getLogger("kvmesh.frontend")
 
@@ -150,6 +153,7 @@ class Frontend:
         self.registry = ModelRegistry(config, self.metrics, event_plane)
         self.keepalive = KeepAlive(config.keepalive_s)
         self.auth = Authenticator(config.security)
+        self.prefill_workers: dict[int, Any] = {}  # observability: id → client of workers not routed to
         routes: dict[str, dict[str, Any]] = {
             "/v1/chat/completions": {"POST": self.chat_completions},
             "/v1/completions": {"POST": self.completions},
@@ -240,7 +244,25 @@ class Frontend:
         return Response(b'{"status":"live"}')
 
     async def render_metrics(self, request: Request) -> Response:
-        return Response(self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+        # one view of the fleet: the frontend's metrics, then every worker's, labelled by worker
+        workers = worker_metrics.render(await self.worker_samples())
+        return Response(self.metrics.render() + workers, content_type=CONTENT_TYPE_LATEST)
+
+    async def worker_samples(self, timeout_s: float = 1.0) -> list[tuple[str, WorkerMetrics]]:
+        """Every worker's metrics, asked at once; a worker that does not answer within
+        ``timeout_s`` (or is too old to know the endpoint) is left out of this scrape."""
+        clients = {i.worker_id: i.client for e in self.registry.models.values() for i in e.instances.all()}
+        clients.update(self.prefill_workers)
+
+        async def one(worker_id: int, client: Any) -> tuple[str, WorkerMetrics] | None:
+            try:
+                m = await asyncio.wait_for(call(client, METRICS, decode=_decode_worker_metrics), timeout_s)
+            except (KvmeshError, asyncio.TimeoutError, OSError):
+                return None
+            return f"{worker_id:x}", m
+
+        got = await asyncio.gather(*(one(w, c) for w, c in sorted(clients.items())))
+        return [g for g in got if g is not None]
 
     async def list_workers(self, request: Request) -> Response:
         """Every worker with its health (for operators and fault drills)."""

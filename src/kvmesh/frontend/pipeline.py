@@ -356,7 +356,6 @@ class Generation:
                     if not budget.try_spend():
                         raise
                     method = migration_method(self.request, len(generated), handoff)
-                    self.entry.metrics.migrated(method)
                     moved = (method, time.perf_counter())
                     if hop is not None and self.trace is not None:
                         moving = tracing.start_span("migration", self.trace.span, attributes={
@@ -386,8 +385,11 @@ class Generation:
             handoff = None
             if generated and link is not None:  # the next engine.generate links to this one
                 request = msgspec.structs.replace(request, migration_link=link)
+            source = instance.worker_id
             instance = await self._pick(request, frozenset(tried))
             tried.add(instance.worker_id)
+            if moved is not None:  # counted once the target is known
+                self.entry.metrics.migrated(moved[0], f"{source:x}", f"{instance.worker_id:x}")
 
     async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
         pre = self.entry.preprocessor

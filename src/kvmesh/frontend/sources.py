@@ -14,7 +14,7 @@ from kvmesh.frontend.models import ModelRegistry
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.distributed import Client, DistributedRuntime, call
 from kvmesh.runtime.tcp_client import TcpClient
-from kvmesh.runtime.names import COMPONENT, GENERATE, INFO
+from kvmesh.runtime.names import COMPONENT, GENERATE, INFO, PREFILL_COMPONENT
 
 __all__ = ["watch_workers", "StaticWorkers"]
 
@@ -35,6 +35,25 @@ async def watch_workers(runtime: DistributedRuntime, registry: ModelRegistry) ->
     c = registry.config
     endpoint = runtime.namespace().component(COMPONENT).endpoint(GENERATE)
     client = endpoint.client(added, registry.detach, c.connect_timeout_s, c.response_timeout_s)
+    await client.start()
+    return client
+
+
+async def watch_prefill_workers(runtime: DistributedRuntime, seen: dict[int, object]) -> Client:
+    """Prefill workers (never routed to), for the fleet's metrics and the dashboard:
+    ``seen`` maps worker id → its request-plane client while it is registered."""
+
+    async def added(info: InstanceInfo, client: object) -> None:
+        seen[info.worker_id] = client
+
+    async def removed(worker_id: int) -> None:
+        gone = seen.pop(worker_id, None)
+        close = getattr(gone, "close", None)
+        if close is not None:
+            await close()
+
+    endpoint = runtime.namespace().component(PREFILL_COMPONENT).endpoint(GENERATE)
+    client = endpoint.client(added, removed)
     await client.start()
     return client
 

@@ -7,8 +7,10 @@ hot path never looks up labels.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+disable_created_metrics()  # no *_created series: one sample per counter/histogram child
 
 __all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "CONTENT_TYPE_LATEST"]
 
@@ -77,8 +79,9 @@ class ModelMetrics:
         self._migrations = parent.migrations
         self._migration_duration = parent.migration_duration
 
-    def migrated(self, method: str) -> None:
-        self._migrations.labels(self._model, method).inc()
+    def migrated(self, method: str, source: str = "", target: str = "") -> None:
+        """One request moved (seed 003: by method, with source and target worker)."""
+        self._migrations.labels(self._model, method, source, target).inc()
 
     def migration_took(self, method: str, seconds: float) -> None:
         self._migration_duration.labels(method).observe(seconds)
@@ -144,7 +147,8 @@ class FrontendMetrics:
             "kvmesh_router_block_size_mismatch", "Workers refused: KV block size differs from the router's", ["model"], registry=r
         )
         self.migrations = Counter(
-            "kvmesh_migration", "Requests moved to another worker after a mid-stream failure", ["model", "method"], registry=r
+            "kvmesh_migration", "Requests moved to another worker after a mid-stream failure, by method, source and target worker",
+            ["model", "method", "source", "target"], registry=r,
         )
         self.check_duration = Histogram(
             "kvmesh_health_check_duration_seconds", "Canary checks by worker, type and result",

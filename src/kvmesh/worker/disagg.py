@@ -29,7 +29,7 @@ from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
 from kvmesh.disagg.queue import JetStreamPrefillQueue, PrefillQueue, RemotePrefillQueue
 from kvmesh.disagg.transfer import KvTransferServer, TcpKvConnector
 from kvmesh.engines.base import Engine
-from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint
+from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint, WorkerMetrics
 from kvmesh.runtime.distributed import instance_key, record_is_signed
 from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 
@@ -171,14 +171,21 @@ _COUNTERS = {
 }
 
 
-def serve_metrics(roles: Roles, host: str, port: int) -> int:
-    """Serve this worker's disaggregation counters and queue depth for Prometheus on
-    ``host:port`` (a daemon thread); returns the port."""
+def serve_metrics(roles: Roles, host: str, port: int, sample: Callable[[], WorkerMetrics] | None = None) -> int:
+    """Serve this worker's metrics for Prometheus on ``host:port`` (a daemon thread);
+    returns the port. ``sample``: the worker's whole metrics (engine, requests,
+    disaggregation; labelled by worker), else only the disaggregation counters."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class _Collector:
         def collect(self):  # type: ignore[no-untyped-def]
+            if sample is not None:
+                from kvmesh.observability.worker_metrics import families
+
+                m = sample()
+                yield from families([(f"{m.worker_id:x}", m)])
+                return
             stats = roles.stats()
             if stats is None:
                 return

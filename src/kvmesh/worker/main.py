@@ -138,7 +138,7 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
             endpoint=GENERATE,
             event_address=event_address,
             kv=roles.kv_endpoint(),
-            metrics_address=_metrics(cfg, roles),
+            metrics_address=_metrics(cfg, roles, service),
         )
         service.info = info
         if roles.prefill is not None:
@@ -153,12 +153,13 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
         await plane.close()
 
 
-def _metrics(cfg: WorkerConfig, roles: Roles) -> str:
+def _metrics(cfg: WorkerConfig, roles: Roles, service: WorkerService | None = None) -> str:
     if cfg.metrics_port is None:
         return ""
     from kvmesh.worker.disagg import serve_metrics
 
-    return f"{cfg.host}:{serve_metrics(roles, cfg.host, cfg.metrics_port)}"
+    sample = service.metrics_sample if service is not None else None  # the whole worker's metrics
+    return f"{cfg.host}:{serve_metrics(roles, cfg.host, cfg.metrics_port, sample)}"
 
 
 async def _step_down(cfg: WorkerConfig, roles: Roles) -> None:
@@ -200,7 +201,7 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         service = WorkerService(roles.engine, server, cfg.validate_streams, roles.stats)
         config = await service.start()
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
-        info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles))
+        info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles, service))
         service.info = info
         await endpoint.register(info)
         watch = start_watch(runtime.discovery, rc.namespace, roles)

@@ -34,10 +34,13 @@ from kvmesh.protocol import (
     ModelFiles,
     OutputChunk,
     PreprocessedRequest,
+    WorkerMetrics,
 )
+from kvmesh.observability import worker_metrics
+from kvmesh.observability.worker_metrics import WorkerCounters
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
-from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, MODEL_FILES, TUNE
+from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, METRICS, MODEL_FILES, TUNE
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -72,6 +75,7 @@ class WorkerService:
         self._monitor = AbortMonitor(engine)
         self._decode_request = msgspec.msgpack.Decoder(PreprocessedRequest).decode
         self._closed = False
+        self.counters = WorkerCounters()  # observability: this worker's request counts
 
     async def start(self) -> EngineConfig:
         """Start the engine and serve ``generate`` (and the model's files) on the server."""
@@ -85,6 +89,7 @@ class WorkerService:
         self.server.register(LOAD, self._load)
         self.server.register(TUNE, self._tune)
         self.server.register(DISAGG_STATS, self._stats)
+        self.server.register(METRICS, self._metrics)
         if not getattr(self.server, "started", False):
             await self.server.start()
         return self.config
@@ -123,6 +128,14 @@ class WorkerService:
         stats = self._disagg_stats() if self._disagg_stats is not None else None
         yield stats if stats is not None else DisaggStats()
 
+    def metrics_sample(self) -> WorkerMetrics:
+        """This worker's metrics now (the ``metrics`` endpoint, its own ``/metrics``)."""
+        worker_id = self.info.worker_id if self.info is not None else 0
+        return worker_metrics.sample(worker_id, self.engine, self.counters, self._disagg_stats)
+
+    async def _metrics(self, payload: bytes, ctx: Context) -> AsyncIterator[WorkerMetrics]:
+        yield self.metrics_sample()
+
     async def _tune(self, payload: bytes, ctx: Context) -> AsyncIterator[float]:
         """payload: the batch multiplier (a float in (0, 1])."""
         try:
@@ -157,7 +170,7 @@ class WorkerService:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidArgument(f"malformed generate request: {exc}") from None
         ctx.id = request.request_id
-        async for chunk in run_generate(self.engine, request, ctx, self._monitor, self._validate):
+        async for chunk in run_generate(self.engine, request, ctx, self._monitor, self._validate, self.counters):
             yield chunk
 
     async def shutdown(self, grace_s: float = 30.0) -> None:

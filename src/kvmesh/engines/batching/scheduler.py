@@ -269,6 +269,7 @@ class Scheduler(Generic[S]):
         self._next_id = 0
         self._admissions = 0
         self._batch_tokens = 0.0  # moving average of tokens per pass (load reports)
+        self.preemptions = 0  # sequences preempted since start (metrics)
         # sequences in the pass now running elsewhere; their blocks are freed after it
         self._in_flight: set[int] = set()
         self._deferred_free: list[int] = []
@@ -575,6 +576,7 @@ class Scheduler(Generic[S]):
         return yielded
 
     def _preempt(self, seq: S, plan: Plan[S]) -> None:
+        self.preemptions += 1  # observability: the worker's kvmesh_worker_preemptions
         self._running.remove(seq)
         self.blocks.free(seq.id)
         seq.state = State.WAITING

@@ -167,6 +167,12 @@ class Frontend:
             routes["/admin/workers"] = {"GET": self._admin(self.list_workers)}
             routes["/admin/fault"] = {"POST": self._admin(self.set_fault)}
         self._openapi = _json(openapi_document(routes))
+        # observability: the live cluster page (behind the API key like /metrics; not in the OpenAPI document)
+        from kvmesh.frontend.dashboard import Dashboard
+
+        self.dashboard = Dashboard(self)
+        for path, handler in (("/dashboard", self.dashboard.page), ("/dashboard/events", self.dashboard.events)):
+            routes[path] = {"GET": handler if config.security.metrics_open else self._keyed(handler)}
         self.app = HttpApp(
             routes,
             not_found=self._not_found,

@@ -1,0 +1,260 @@
+"""``GET /dashboard``: a live page of the cluster, served by the frontend.
+
+One HTML document with its CSS and JavaScript inline (no build step, no external
+asset, works offline) and ``GET /dashboard/events``, a server-sent-event stream of
+JSON snapshots, one a second: every worker (role, health state, breaker state, KV
+usage, requests in flight; a worker that left stays listed as ``gone`` for a minute),
+the prefill queue, request-rate / TTFT / ITL history for the sparklines, and the
+router's last decisions with their explanation.
+
+A snapshot is built at most twice a second whatever the number of open pages; the
+number of open event streams is bounded (``MAX_STREAMS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvmesh.errors import ResourceExhausted
+from kvmesh.frontend.server import Request, Response
+from kvmesh.frontend.sse import SSEResponse
+from kvmesh.runtime.context import Context
+
+if TYPE_CHECKING:
+    from kvmesh.frontend.app import Frontend
+
+__all__ = ["Dashboard", "MAX_STREAMS"]
+
+MAX_STREAMS = 32
+GONE_KEEP_S = 60.0
+HISTORY = 120  # seconds of sparkline
+_STATUS = ("healthy", "suspicious", "unhealthy", "draining", "dead")
+_BREAKER = ("closed", "open", "half_open")
+
+
+class Dashboard:
+    def __init__(self, frontend: Frontend, interval_s: float = 1.0) -> None:
+        self.frontend = frontend
+        self.interval_s = interval_s
+        self._rows: dict[int, dict[str, Any]] = {}  # every worker seen (its last row)
+        self._gone: dict[int, float] = {}  # worker id → when it left
+        self._history: collections.deque[tuple[float, float, float, float, float, float]] = collections.deque(maxlen=HISTORY + 1)
+        self._cached: bytes = b""
+        self._cached_at = 0.0
+        self._lock = asyncio.Lock()
+        self.streams = 0
+
+    # ------------------------------------------------------------------ routes
+    async def page(self, request: Request) -> Response:
+        return Response(_PAGE, content_type="text/html; charset=utf-8", headers={"cache-control": "no-cache"})
+
+    async def events(self, request: Request) -> Response | SSEResponse:
+        if self.streams >= MAX_STREAMS:
+            from kvmesh.frontend.app import error_response
+
+            return error_response(ResourceExhausted(f"at most {MAX_STREAMS} dashboards may be open; close one", retry_after=5))
+        self.streams += 1
+        ctx = Context("dashboard")
+        return SSEResponse(self._stream(ctx), ctx, self.frontend.keepalive, on_close=self._closed)
+
+    def _closed(self) -> None:
+        self.streams -= 1
+
+    async def _stream(self, ctx: Context) -> AsyncIterator[bytes]:
+        while not ctx.is_stopped():
+            yield b"data: " + await self.snapshot() + b"\n\n"
+            try:
+                await asyncio.wait_for(ctx.stopped(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ data
+    async def snapshot(self) -> bytes:
+        async with self._lock:
+            now = time.monotonic()
+            if self._cached and now - self._cached_at < self.interval_s / 2:
+                return self._cached
+            self._cached = msgspec.json.encode(await self._build(now))
+            self._cached_at = now
+            return self._cached
+
+    async def _build(self, now: float) -> dict[str, Any]:
+        fe = self.frontend
+        samples = {int(w, 16): m for w, m in await fe.worker_samples(timeout_s=0.5)}
+        health = fe.registry.health
+        live: set[int] = set()
+        for name, entry in sorted(fe.registry.models.items()):
+            for inst in entry.instances.all():
+                live.add(inst.worker_id)
+                self._rows[inst.worker_id] = self._row(inst.worker_id, name, inst.info.address, samples, health)
+        for worker_id in fe.prefill_workers:
+            live.add(worker_id)
+            self._rows[worker_id] = self._row(worker_id, "", "", samples, health, role="prefill")
+        for worker_id, row in list(self._rows.items()):
+            if worker_id in live:
+                self._gone.pop(worker_id, None)
+                continue
+            left = self._gone.setdefault(worker_id, now)
+            if now - left > GONE_KEEP_S:
+                del self._rows[worker_id], self._gone[worker_id]
+            else:
+                row.update(health="gone", breaker="-", in_flight=0, gone_s=round(now - left, 1))
+        queue = max((m.disagg.queue_depth for m in samples.values() if m.disagg is not None), default=0)
+        return {
+            "time": time.time(),
+            "router": fe.config.router_mode,
+            "workers": [self._rows[w] for w in sorted(self._rows)],
+            "prefill_queue": queue,
+            "series": self._series(now),
+            "decisions": self._decisions(),
+        }
+
+    def _row(
+        self, worker_id: int, model: str, address: str, samples: dict[int, Any], health: Any, role: str | None = None
+    ) -> dict[str, Any]:
+        m = samples.get(worker_id)
+        tracker = health.trackers.get(worker_id) if health is not None else None
+        return {
+            "id": f"{worker_id:x}",
+            "model": model,
+            "address": address,
+            "role": role or (m.mode if m is not None else "aggregated"),
+            "health": _STATUS[int(tracker.status)] if tracker is not None else ("unknown" if health is None else "healthy"),
+            "breaker": _BREAKER[int(tracker.breaker.state)] if tracker is not None else "-",
+            "kv_used": m.kv_blocks_used if m is not None else None,
+            "kv_total": m.kv_blocks_total if m is not None else None,
+            "in_flight": m.in_flight if m is not None else None,
+            "running": m.running if m is not None else None,
+            "waiting": m.waiting if m is not None else None,
+            "requests": m.requests if m is not None else None,
+        }
+
+    def _series(self, now: float) -> dict[str, list[float]]:
+        """Per-interval request rate, mean TTFT and mean ITL (ms), from the frontend's
+        own counters and histograms."""
+        totals = _totals(self.frontend.metrics.registry)
+        self._history.append((now, *totals))
+        rate, ttft, itl = [], [], []
+        points = list(self._history)
+        for (t0, r0, ts0, tc0, is0, ic0), (t1, r1, ts1, tc1, is1, ic1) in zip(points, points[1:]):
+            dt = max(t1 - t0, 1e-6)
+            rate.append(round((r1 - r0) / dt, 3))
+            ttft.append(round((ts1 - ts0) / (tc1 - tc0) * 1000.0, 3) if tc1 > tc0 else 0.0)
+            itl.append(round((is1 - is0) / (ic1 - ic0) * 1000.0, 3) if ic1 > ic0 else 0.0)
+        return {"rate": rate, "ttft_ms": ttft, "itl_ms": itl}
+
+    def _decisions(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for name, entry in sorted(self.frontend.registry.models.items()):
+            recent = getattr(entry.router.policy, "recent", None)
+            for rid, d in list(recent or [])[-10:]:
+                out.append({
+                    "model": name, "request": rid, "worker": f"{d.worker_id:x}", "overlap_blocks": d.overlap_blocks,
+                    "why": [
+                        {"worker": f"{c.worker_id:x}", "overlap": c.overlap_blocks, "cost": round(c.cost, 3),
+                         "weight": c.weight}
+                        for c in d.candidates
+                    ],
+                })  # fmt: skip
+        return out[-10:]
+
+
+def _totals(registry: Any) -> tuple[float, float, float, float, float]:
+    """(requests, TTFT sum, TTFT count, ITL sum, ITL count) over every model."""
+    req = ts = tc = its = itc = 0.0
+    for metric in registry.collect():
+        if metric.name == "kvmesh_frontend_requests":
+            req += sum(s.value for s in metric.samples if s.name.endswith("_total"))
+        elif metric.name == "kvmesh_frontend_time_to_first_token_seconds":
+            ts += sum(s.value for s in metric.samples if s.name.endswith("_sum"))
+            tc += sum(s.value for s in metric.samples if s.name.endswith("_count"))
+        elif metric.name == "kvmesh_frontend_inter_token_latency_seconds":
+            its += sum(s.value for s in metric.samples if s.name.endswith("_sum"))
+            itc += sum(s.value for s in metric.samples if s.name.endswith("_count"))
+    return req, ts, tc, its, itc
+
+
+_PAGE = b"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>kvmesh cluster</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:0;background:#0f1419;color:#e6e6e6}
+header{padding:10px 18px;background:#1b2430;display:flex;gap:24px;align-items:baseline}
+h1{font-size:18px;margin:0}h2{font-size:14px;margin:14px 0 6px;color:#9fb3c8;text-transform:uppercase;letter-spacing:.05em}
+main{padding:0 18px 18px}table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:5px 8px;border-bottom:1px solid #2a3441}th{color:#9fb3c8;font-weight:600}
+.st{padding:1px 8px;border-radius:9px;font-weight:600}
+.healthy,.closed{background:#1f5130;color:#b7f5c8}.suspicious,.half_open{background:#5c4d14;color:#fde68a}
+.unhealthy,.open,.draining{background:#6b2a12;color:#fed7aa}.dead,.gone{background:#5b1a1a;color:#fecaca}
+.unknown{background:#333;color:#ccc}
+.bar{background:#2a3441;height:10px;width:120px;display:inline-block;vertical-align:middle}
+.bar>span{display:block;height:100%;background:#4f9cf9}
+.sparks{display:flex;gap:24px;flex-wrap:wrap}.spark{background:#1b2430;padding:8px 12px;border-radius:6px}
+.spark b{display:block;font-size:20px}svg{display:block}polyline{fill:none;stroke:#4f9cf9;stroke-width:1.5}
+#conn.down{color:#fca5a5}code{color:#9fb3c8}
+</style></head><body>
+<header><h1>kvmesh cluster</h1><span>router: <b id="router">-</b></span><span>prefill queue: <b id="queue">0</b></span>
+<span>workers: <b id="count">0</b></span><span id="conn">connecting...</span></header>
+<main>
+<h2>Traffic</h2>
+<div class="sparks">
+<div class="spark">requests/s <b id="rate">-</b><svg id="s-rate" width="240" height="40"></svg></div>
+<div class="spark">TTFT ms (mean) <b id="ttft">-</b><svg id="s-ttft" width="240" height="40"></svg></div>
+<div class="spark">ITL ms (mean) <b id="itl">-</b><svg id="s-itl" width="240" height="40"></svg></div>
+</div>
+<h2>Workers</h2>
+<table><thead><tr><th>worker</th><th>role</th><th>health</th><th>breaker</th><th>KV blocks</th><th>in flight</th>
+<th>running / waiting</th><th>requests</th><th>address</th></tr></thead><tbody id="workers"></tbody></table>
+<h2>Last routing decisions</h2>
+<table><thead><tr><th>request</th><th>worker</th><th>overlap blocks</th><th>why (candidates: overlap, cost, weight)</th></tr></thead>
+<tbody id="decisions"></tbody></table>
+</main>
+<script>
+"use strict";
+const $ = (id) => document.getElementById(id);
+function cell(text, cls) { const td = document.createElement("td"); if (cls) { const s = document.createElement("span");
+  s.className = "st " + cls; s.textContent = text; td.appendChild(s); } else { td.textContent = text; } return td; }
+function bar(used, total) { const td = document.createElement("td"); if (total == null) { td.textContent = "-"; return td; }
+  const b = document.createElement("span"); b.className = "bar"; const f = document.createElement("span");
+  f.style.width = (total ? Math.min(100, 100 * used / total) : 0) + "%"; b.appendChild(f); td.appendChild(b);
+  td.appendChild(document.createTextNode(" " + used + " / " + total)); return td; }
+function spark(id, values) { const svg = $(id); const w = 240, h = 40; const max = Math.max(1e-9, ...values);
+  const pts = values.map((v, i) => (i * w / Math.max(1, values.length - 1)).toFixed(1) + "," + (h - 2 - (h - 4) * v / max).toFixed(1));
+  svg.innerHTML = '<polyline points="' + pts.join(" ") + '"></polyline>'; }
+function last(a) { return a.length ? a[a.length - 1] : 0; }
+function render(s) {
+  $("router").textContent = s.router; $("queue").textContent = s.prefill_queue;
+  $("count").textContent = s.workers.filter((w) => w.health !== "gone").length;
+  const body = $("workers"); body.replaceChildren();
+  for (const w of s.workers) {
+    const tr = document.createElement("tr"); tr.dataset.worker = w.id; tr.dataset.health = w.health; tr.dataset.role = w.role;
+    tr.append(cell(w.id), cell(w.role), cell(w.health + (w.gone_s != null ? " " + w.gone_s + "s" : ""), w.health),
+      cell(w.breaker, w.breaker === "-" ? "" : w.breaker), bar(w.kv_used, w.kv_total), cell(w.in_flight ?? "-"),
+      cell((w.running ?? "-") + " / " + (w.waiting ?? "-")), cell(w.requests ?? "-"), cell(w.address || "-"));
+    body.appendChild(tr);
+  }
+  const d = $("decisions"); d.replaceChildren();
+  for (const x of s.decisions.slice().reverse()) {
+    const tr = document.createElement("tr");
+    tr.append(cell(x.request), cell(x.worker), cell(x.overlap_blocks),
+      cell(x.why.map((c) => c.worker + ": " + c.overlap + ", " + c.cost + ", " + c.weight).join(" | ")));
+    d.appendChild(tr);
+  }
+  if (!s.decisions.length) { const tr = document.createElement("tr"); tr.append(cell("(the " + s.router +
+    " router explains no decisions; --router-mode kv does)")); d.appendChild(tr); }
+  spark("s-rate", s.series.rate); spark("s-ttft", s.series.ttft_ms); spark("s-itl", s.series.itl_ms);
+  $("rate").textContent = last(s.series.rate).toFixed(1); $("ttft").textContent = last(s.series.ttft_ms).toFixed(1);
+  $("itl").textContent = last(s.series.itl_ms).toFixed(2);
+  document.body.dataset.updated = String(s.time);
+}
+const es = new EventSource("dashboard/events");
+es.onmessage = (e) => { $("conn").textContent = "live"; $("conn").className = ""; render(JSON.parse(e.data)); };
+es.onerror = () => { $("conn").textContent = "reconnecting..."; $("conn").className = "down"; };
+</script></body></html>
+"""

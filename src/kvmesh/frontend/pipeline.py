@@ -295,7 +295,9 @@ class Generation:
         root = self.trace.span if self.trace is not None else None
         if root is None:
             return None
-        attributes = {"worker_id": f"{instance.worker_id:x}", "attempt": attempt, "transport": instance.info.transport}
+        attributes: dict[str, str | int] = {
+            "worker_id": f"{instance.worker_id:x}", "attempt": attempt, "transport": instance.info.transport,
+        }  # fmt: skip
         span = tracing.start_span("request_plane.generate", root, "client", attributes)
         if span is not None:
             request.trace_context = tracing.span_traceparent(span)

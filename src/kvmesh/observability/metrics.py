@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-disable_created_metrics()  # no *_created series: one sample per counter/histogram child
+disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client; no *_created series
 
 __all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "CONTENT_TYPE_LATEST"]
 

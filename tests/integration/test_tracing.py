@@ -238,3 +238,53 @@ async def test_remote_prefill_is_a_child_and_a_link(spans: InMemorySpanExporter)
     assert link.context.span_id == prefill.context.span_id
     assert link.attributes["migration_span_id"] == f"{prefill.context.span_id:016x}"
     assert json.dumps(dict(decode.attributes))  # every attribute is a plain value
+
+
+# ---------------------------------------------------------------------------- NATS request plane
+
+
+async def test_the_trace_crosses_the_nats_request_plane(spans: InMemorySpanExporter, nats) -> None:  # type: ignore[no-untyped-def]
+    """HTTP → request over a NATS subject (response over call-home TCP) → worker: one tree."""
+    from kvmesh.config import FrontendConfig, MockerConfig, WorkerConfig
+    from kvmesh.frontend.app import Frontend
+    from kvmesh.frontend.server import bind_http, make_server
+    from kvmesh.protocol import InstanceInfo
+    from kvmesh.runtime.nats_plane import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
+    from kvmesh.worker.main import build_engine
+    from kvmesh.worker.service import WorkerService
+
+    lease = 0x7ACE
+    worker_nc, caller_nc = await connect_nats(nats.url), await connect_nats(nats.url)
+    engine, path = build_engine(WorkerConfig(mocker=MockerConfig(speedup=1e9)))
+    service = WorkerService(engine, NatsRequestServer(worker_nc, "ns", "backend", lease), validate=True)
+    config = await service.start()
+    home = CallHomeServer()
+    client = NatsRequestClient(caller_nc, home, "ns", "backend", lease, connect_timeout=5.0, response_timeout=5.0)
+    frontend = Frontend(FrontendConfig(http_port=0, keepalive_s=0.2, canary_interval_s=0))
+    await frontend.registry.attach(InstanceInfo(lease, "", config, path, transport="nats"), client)
+    sock = bind_http("127.0.0.1", 0)
+    server = make_server(frontend.app)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        body = {"model": "kvmesh-tiny", "prompt": "over nats", "max_tokens": 3, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    finally:
+        server.should_exit = True
+        await task
+        await service.shutdown(grace_s=2)
+        await client.close()
+        await home.close()
+        await worker_nc.close()
+        await caller_nc.close()
+    got = list(spans.get_finished_spans())
+    (root,) = by_name(got, "POST /v1/completions")
+    (hop,) = by_name(got, "request_plane.generate")
+    (gen,) = by_name(got, "engine.generate")
+    assert hop.attributes["transport"] == "nats"
+    assert parent_id(hop) == root.context.span_id and parent_id(gen) == hop.context.span_id
+    assert gen.context.trace_id == root.context.trace_id == int(r.headers["traceparent"][3:35], 16)
+    assert gen.attributes["output_tokens"] == 3

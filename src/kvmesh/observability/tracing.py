@@ -81,7 +81,7 @@ class _State:
 _state = _State()
 _log_trace_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvmesh_trace_id", default="-")
 _generate_span: contextvars.ContextVar[GenerateSpan | None] = contextvars.ContextVar("kvmesh_generate_span", default=None)
-_rand = random.SystemRandom()
+_rand = random.Random()  # ids need to be unique, not secret (W3C); no syscall per request
 
 
 def enabled() -> bool:
@@ -153,9 +153,12 @@ def format_traceparent(trace_id: int, span_id: int, flags: int = 1) -> str:
 
 
 def trace_id_of(traceparent: str | None) -> str:
-    """The trace id (hex) of a well-formed ``traceparent``, else ``"-"``."""
-    parsed = parse_traceparent(traceparent)
-    return f"{parsed[0]:032x}" if parsed is not None else "-"
+    """The trace id of a ``traceparent`` for log lines (``"-"`` when there is none or
+    it is not alphanumeric: nothing a peer sends can break a log line)."""
+    if traceparent is None or len(traceparent) != 55:
+        return "-"
+    trace_id = traceparent[3:35]
+    return trace_id if trace_id.isalnum() and trace_id.isascii() else "-"
 
 
 def parse_link(link: str | None) -> tuple[int, int] | None:

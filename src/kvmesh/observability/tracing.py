@@ -280,7 +280,9 @@ class GenerateSpan:
             attributes["migration_trace_id"] = f"{parsed[0]:032x}"
             attributes["migration_span_id"] = f"{parsed[1]:016x}"
         span = start_span("engine.generate", request.trace_context, "server", attributes, links)
-        return cls(span) if span is not None else None
+        if span is None or not span.is_recording():  # off, or sampled out (OTEL_TRACES_SAMPLER)
+            return None
+        return cls(span)
 
     def chunk(self, chunk: OutputChunk) -> None:
         n = len(chunk.token_ids)

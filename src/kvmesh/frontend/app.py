@@ -320,10 +320,7 @@ class Frontend:
         # tracing: the request's trace (root span when recording); the traceparent goes
         # to the workers (in the request) and back to the client (a response header)
         request_id = new_request_id()
-        trace = tracing.RequestTrace(
-            request.headers.get("traceparent"), f"{request.method} {request.path}",
-            {"http.route": request.path, "kvmesh.request_id": request_id},
-        )  # fmt: skip
+        trace = tracing.RequestTrace(request.headers.get("traceparent"), request.method, request.path, request_id)
         response = await self._serve_traced(request, kind, request_id, trace)
         if isinstance(response, Response):
             response.headers["traceparent"] = trace.traceparent

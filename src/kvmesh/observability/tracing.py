@@ -132,6 +132,7 @@ def shutdown() -> None:
 # ---------------------------------------------------------------------------- W3C trace context
 
 _HEX = frozenset("0123456789abcdef")
+_ZERO_TRACE = "0" * 32
 
 
 def parse_traceparent(value: str | None) -> tuple[int, int, int] | None:
@@ -172,10 +173,13 @@ def parse_link(link: str | None) -> tuple[int, int] | None:
 def new_trace(incoming: str | None) -> str:
     """A ``traceparent`` for a request with tracing off: the caller's trace continued
     (a new span id), or a new trace."""
-    parsed = parse_traceparent(incoming)
-    trace_id = parsed[0] if parsed is not None else _rand.getrandbits(128) or 1
-    flags = parsed[2] if parsed is not None else 0
-    return format_traceparent(trace_id, _rand.getrandbits(64) or 1, flags)
+    ids = _rand.randbytes(24).hex()  # (hex formatting of big ints costs microseconds; this does not)
+    if incoming is not None and parse_traceparent(incoming) is not None:
+        incoming = incoming.lower()
+        return f"00-{incoming[3:35]}-{ids[32:]}-{incoming[53:]}"
+    if ids[:32] == _ZERO_TRACE:  # all-zero ids are invalid (W3C); 2**-128
+        ids = "1" + ids[1:]
+    return f"00-{ids[:32]}-{ids[32:]}-00"
 
 
 # ---------------------------------------------------------------------------- spans
@@ -368,10 +372,14 @@ class RequestTrace:
 
     __slots__ = ("traceparent", "span", "trace_id")
 
-    def __init__(self, incoming: str | None, name: str, attributes: Mapping[str, AttrValue] | None = None) -> None:
-        span = start_span(name, incoming, "server", attributes) if _state.tracer is not None else None
-        self.span = span
-        self.traceparent = span_traceparent(span) if span is not None else new_trace(incoming)
+    def __init__(self, incoming: str | None, method: str, path: str, request_id: str) -> None:
+        if _state.tracer is None:
+            self.span: Span | None = None
+            self.traceparent = new_trace(incoming)
+        else:
+            attributes = {"http.method": method, "http.route": path, "kvmesh.request_id": request_id}
+            self.span = span = start_span(f"{method} {path}", incoming, "server", attributes)
+            self.traceparent = span_traceparent(span) if span is not None else new_trace(incoming)
         self.trace_id = self.traceparent[3:35]
         _log_trace_id.set(self.trace_id)
 

@@ -49,6 +49,7 @@ class Dashboard:
         self._cached_at = 0.0
         self._lock = asyncio.Lock()
         self.streams = 0
+        self._migrations = 0.0
 
     # ------------------------------------------------------------------ routes
     async def page(self, request: Request) -> Response:
@@ -112,6 +113,7 @@ class Dashboard:
             "workers": [self._rows[w] for w in sorted(self._rows)],
             "prefill_queue": queue,
             "series": self._series(now),
+            "migrations": self._migrations,
             "decisions": self._decisions(),
         }
 
@@ -138,8 +140,8 @@ class Dashboard:
     def _series(self, now: float) -> dict[str, list[float]]:
         """Per-interval request rate, mean TTFT and mean ITL (ms), from the frontend's
         own counters and histograms."""
-        totals = _totals(self.frontend.metrics.registry)
-        self._history.append((now, *totals))
+        req, ts, tc, its, itc, self._migrations = _totals(self.frontend.metrics.registry)
+        self._history.append((now, req, ts, tc, its, itc))
         rate, ttft, itl = [], [], []
         points = list(self._history)
         for (t0, r0, ts0, tc0, is0, ic0), (t1, r1, ts1, tc1, is1, ic1) in zip(points, points[1:]):
@@ -165,19 +167,21 @@ class Dashboard:
         return out[-10:]
 
 
-def _totals(registry: Any) -> tuple[float, float, float, float, float]:
-    """(requests, TTFT sum, TTFT count, ITL sum, ITL count) over every model."""
-    req = ts = tc = its = itc = 0.0
+def _totals(registry: Any) -> tuple[float, float, float, float, float, float]:
+    """(requests, TTFT sum, TTFT count, ITL sum, ITL count, migrations) over every model."""
+    req = ts = tc = its = itc = moved = 0.0
     for metric in registry.collect():
+        if metric.name == "kvmesh_migration":
+            moved += sum(s.value for s in metric.samples if s.name.endswith("_total"))
         if metric.name == "kvmesh_frontend_requests":
             req += sum(s.value for s in metric.samples if s.name.endswith("_total"))
-        elif metric.name == "kvmesh_frontend_time_to_first_token_seconds":
+        if metric.name == "kvmesh_frontend_time_to_first_token_seconds":
             ts += sum(s.value for s in metric.samples if s.name.endswith("_sum"))
             tc += sum(s.value for s in metric.samples if s.name.endswith("_count"))
         elif metric.name == "kvmesh_frontend_inter_token_latency_seconds":
             its += sum(s.value for s in metric.samples if s.name.endswith("_sum"))
             itc += sum(s.value for s in metric.samples if s.name.endswith("_count"))
-    return req, ts, tc, its, itc
+    return req, ts, tc, its, itc, moved
 
 
 _PAGE = b"""<!doctype html>
@@ -200,7 +204,7 @@ th,td{text-align:left;padding:5px 8px;border-bottom:1px solid #2a3441}th{color:#
 #conn.down{color:#fca5a5}code{color:#9fb3c8}
 </style></head><body>
 <header><h1>kvmesh cluster</h1><span>router: <b id="router">-</b></span><span>prefill queue: <b id="queue">0</b></span>
-<span>workers: <b id="count">0</b></span><span id="conn">connecting...</span></header>
+<span>workers: <b id="count">0</b></span><span>streams migrated: <b id="migrations">0</b></span><span id="conn">connecting...</span></header>
 <main>
 <h2>Traffic</h2>
 <div class="sparks">
@@ -229,7 +233,7 @@ function spark(id, values) { const svg = $(id); const w = 240, h = 40; const max
   svg.innerHTML = '<polyline points="' + pts.join(" ") + '"></polyline>'; }
 function last(a) { return a.length ? a[a.length - 1] : 0; }
 function render(s) {
-  $("router").textContent = s.router; $("queue").textContent = s.prefill_queue;
+  $("router").textContent = s.router; $("queue").textContent = s.prefill_queue; $("migrations").textContent = s.migrations;
   $("count").textContent = s.workers.filter((w) => w.health !== "gone").length;
   const body = $("workers"); body.replaceChildren();
   for (const w of s.workers) {

@@ -379,6 +379,8 @@ class Generation:
                     moving = None
             self.release()  # the failed worker's booking
             if generated and len(generated) >= (self.request.stop.max_tokens or 0):
+                if moving is not None:  # tracing: nothing left to move
+                    moving.end()
                 yield OutputChunk(finish_reason="length")  # every token was streamed; only the end was lost
                 return
             request = resume_request(self.request, generated)

@@ -10,6 +10,7 @@ every stream equals the aggregated run's."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 
@@ -145,8 +146,9 @@ async def test_disaggregated_serving_end_to_end(fleets) -> None:
     want = [await complete(agg.client(), p) for p in prompts]
     assert got == want
     metrics = httpx.get(f"http://{dis.cards[decode]['metrics_address']}/metrics").text
-    assert 'kvmesh_disagg_remote_prefills_total{mode="decode"} 4.0' in metrics, metrics
-    assert 'kvmesh_disagg_local_prefills_total{mode="decode"} 4.0' in metrics
+    # the worker's own /metrics (labelled by worker and role since the fleet-wide view)
+    assert re.search(r'^kvmesh_disagg_remote_prefills_total\{role="decode",worker_id="[0-9a-f]+"\} 4\.0$', metrics, re.M), metrics
+    assert re.search(r'^kvmesh_disagg_local_prefills_total\{role="decode",worker_id="[0-9a-f]+"\} 4\.0$', metrics, re.M)
 
     # queue pressure: 16 long prompts at once, two prefill workers busy ~60 ms a job → the
     # queue reaches its limit of 2 and the decode worker prefills the rest itself

@@ -328,7 +328,7 @@ async def test_nats_request_plane_streams_and_cancels_across_processes(cluster_f
 
     def worker_blocks() -> float:  # the worker's own view: KV blocks its engine holds
         text = httpx.get(worker_metrics).text
-        return float(re.search(r'^kvmesh_disagg_active_blocks\{mode="aggregated"\} ([0-9.e+]+)$', text, re.M).group(1))
+        return float(re.search(r'^kvmesh_disagg_active_blocks\{role="aggregated",worker_id="[0-9a-f]+"\} ([0-9.e+]+)$', text, re.M).group(1))
 
     client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
     resp = await client.completions.create(model="kvmesh-tiny", prompt="x", max_tokens=5, extra_body={"ignore_eos": True})

@@ -1,5 +1,5 @@
-"""deploy/grafana/kvmesh.json: every panel queries metrics a live frontend (with a
-worker) really exports on its /metrics."""
+"""deploy/grafana/kvmesh.json (and the alert rules): every query names metrics a live
+frontend (with a worker) really exports on its /metrics."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ async def test_every_panel_queries_an_exported_metric() -> None:
             assert names, f"panel {panel['title']!r}: {expr!r} names no kvmesh metric"
             missing = names - exported
             assert not missing, f"panel {panel['title']!r} queries {sorted(missing)}, which kvmesh does not export"
+    # the alert rules read exported metrics too
+    rules = (REPO / "deploy/prometheus/kvmesh-alerts.yml").read_text()
+    exprs_text = "\n".join(line for line in rules.splitlines() if not line.lstrip().startswith("#"))
+    missing = set(re.findall(r"\bkvmesh_[a-z0-9_]+", exprs_text)) - exported
+    assert not missing, f"kvmesh-alerts.yml reads {sorted(missing)}, which kvmesh does not export"
     # what the issue asks the dashboard to show
     for want in ("Request rate", "TTFT", "ITL", "503", "health", "breaker", "KV usage", "Prefix-cache", "Router decision",
                  "Prefill queue", "Migrations", "Degradation"):  # fmt: skip

@@ -113,3 +113,31 @@ def test_embedded_metrics_show_every_worker_and_prometheus_scrapes_them(tmp_path
             prom.terminate()
             prom.wait(15)
             log.close()
+
+
+def test_distributed_workers_serve_their_own_metrics_and_the_frontend_gathers_them(tmp_path: Path) -> None:
+    from tests.helpers import KvmeshProcess, wait_healthy
+
+    env = {"KVMESH_DISCOVERY": "file", "KVMESH_FILE_DISCOVERY_DIR": str(tmp_path / "disc"), "KVMESH_NAMESPACE": "metricsview"}
+    port = free_port()
+    procs = [KvmeshProcess(tmp_path, "frontend", "--http-port", str(port), "--canary-interval", "0", env=env)]
+    try:
+        cards = []
+        for _ in range(2):
+            procs.append(KvmeshProcess(tmp_path, "worker", "--speedup", "1e9", env=env))
+            cards.append(procs[-1].wait_ready())
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc=procs[0].proc)
+        ids = {f"{c['lease_id']:x}" for c in cards}
+        for card in cards:  # each worker's own /metrics, at the address in its discovery record
+            own = httpx.get(f"http://{card['metrics_address']}/metrics", timeout=10).text
+            assert set(re.findall(r'kvmesh_worker_kv_blocks_total\{[^}]*worker_id="(\w+)"', own)) == {f"{card['lease_id']:x}"}
+
+        def gathered() -> bool:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            return set(re.findall(r'kvmesh_worker_kv_blocks_total\{[^}]*worker_id="(\w+)"', text)) == ids
+
+        _wait(gathered, 30, "the frontend's /metrics to carry both workers")
+    finally:
+        for p in reversed(procs):
+            p.stop()

@@ -153,13 +153,14 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
         await plane.close()
 
 
-def _metrics(cfg: WorkerConfig, roles: Roles, service: WorkerService | None = None) -> str:
-    if cfg.metrics_port is None:
+def _metrics(cfg: WorkerConfig, roles: Roles, service: WorkerService | None = None, default_port: int | None = None) -> str:
+    port = cfg.metrics_port if cfg.metrics_port is not None else default_port
+    if port is None:
         return ""
     from kvmesh.worker.disagg import serve_metrics
 
     sample = service.metrics_sample if service is not None else None  # the whole worker's metrics
-    return f"{cfg.host}:{serve_metrics(roles, cfg.host, cfg.metrics_port, sample)}"
+    return f"{cfg.host}:{serve_metrics(roles, cfg.host, port, sample)}"
 
 
 async def _step_down(cfg: WorkerConfig, roles: Roles) -> None:
@@ -201,7 +202,7 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         service = WorkerService(roles.engine, server, cfg.validate_streams, roles.stats)
         config = await service.start()
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
-        info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles, service))
+        info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles, service, default_port=0))
         service.info = info
         await endpoint.register(info)
         watch = start_watch(runtime.discovery, rc.namespace, roles)

@@ -14,11 +14,15 @@ import logging
 import signal
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvmesh.config import RunConfig
 from kvmesh.errors import KvmeshError
+
+if TYPE_CHECKING:
+    from kvmesh.worker.supervisor import Supervisor
 
 __all__ = ["run_embedded"]
 
@@ -125,16 +129,33 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
         server = make_server(frontend.app, log_level)
         server.config.timeout_graceful_shutdown = 5
         announcer = asyncio.get_running_loop().create_task(_announce(cfg, entry.name, server, frontend.registry))
+        give_up = asyncio.get_running_loop().create_task(_give_up(supervisors, server))
         try:
             await server.serve(sockets=[sock])
         finally:
             announcer.cancel()
+            give_up.cancel()
             await watcher.close()
     finally:
         for one in supervisors:
             await one.stop()
         await runtime.shutdown()
+    failed = [one.error for one in supervisors if one.failed.is_set()]
+    if failed:
+        return _fail(failed[0])
     return 0
+
+
+async def _give_up(supervisors: list[Supervisor], server: Any) -> None:
+    """Stop serving once a supervisor gives up on a crash loop (kvmesh run then exits
+    1 with the worker's error)."""
+    waits = [asyncio.ensure_future(one.failed.wait()) for one in supervisors]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    server.should_exit = True
 
 
 async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: list) -> list:  # type: ignore[no-untyped-def]
@@ -143,14 +164,15 @@ async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: li
     ones sharing this process's prefill queue, served on the request plane."""
     from kvmesh.worker.supervisor import Supervisor
 
+    limit = cfg.max_failed_starts
     if not cfg.disaggregated:
-        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit, preforked=preforked)]
+        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit, preforked=preforked, max_failed_starts=limit)]
     address = await _serve_prefill_queue(cfg, runtime)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")
     return [
-        Supervisor(decode, cfg.decode_workers, on_ready, on_exit),
-        Supervisor(prefill, cfg.prefill_workers, on_ready, on_exit, first_id=1_000_000),
+        Supervisor(decode, cfg.decode_workers, on_ready, on_exit, max_failed_starts=limit),
+        Supervisor(prefill, cfg.prefill_workers, on_ready, on_exit, first_id=1_000_000, max_failed_starts=limit),
     ]
 
 

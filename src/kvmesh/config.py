@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from kvmesh.settings import NO_FLAG, EngineSettings, check, non_negative, port, positive, setting, split_commas
+from kvmesh.settings import NO_FLAG, EngineSettings, at_least, check, non_negative, port, positive, setting, split_commas
 
 __all__ = [
     "WorkerConfig",
@@ -217,7 +217,7 @@ class RunConfig:
 
     frontend: FrontendConfig
     worker: WorkerConfig
-    workers: int = setting(2, "number of worker processes", check=positive)
+    workers: int = setting(2, "number of worker processes", check=at_least(1))
     # disaggregated: this many prefill and decode workers instead of ``workers`` aggregated ones
     prefill_workers: int = setting(0, "disaggregated: prefill worker processes", check=non_negative)
     decode_workers: int = setting(0, "disaggregated: decode worker processes", check=non_negative)

@@ -43,6 +43,7 @@ __all__ = [
     "positive",
     "non_negative",
     "within",
+    "at_least",
     "port",
     "one_of",
     "load_file",
@@ -115,6 +116,13 @@ def positive(value: object) -> str | None:
 def non_negative(value: object) -> str | None:
     ok = isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)
     return None if ok else "must not be negative"
+
+
+def at_least(low: int) -> Check:
+    def check_low(value: object) -> str | None:
+        return None if isinstance(value, int) and value >= low else f"must be at least {low}"
+
+    return check_low
 
 
 def within(low: float, high: float) -> Check:

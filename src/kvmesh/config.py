@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from kvmesh.settings import NO_FLAG, EngineSettings, at_least, check, non_negative, port, positive, setting, split_commas
+from kvmesh.settings import port as a_port
+from kvmesh.settings import NO_FLAG, EngineSettings, at_least, check, non_negative, positive, setting, split_commas
 
 __all__ = [
     "WorkerConfig",
@@ -52,7 +53,7 @@ class WorkerConfig:
     block_size: int = setting(16, "KV block size in tokens (mocker and hf; vLLM: --vllm-block-size)", check=positive)
     worker_id: int = setting(0, "id in static mode (default: the port); distributed mode uses the lease id", check=non_negative)
     host: str = "127.0.0.1"  # from the runtime's --host
-    port: int = setting(0, "request-plane TCP port (0: any free port)", check=port)
+    port: int = setting(0, "request-plane TCP port (0: any free port)", check=a_port)
     validate_streams: bool = setting(False, "check every engine stream against the contract (also KVMESH_DEBUG=1)")
     grace_s: float = setting(30.0, "seconds in-flight requests get to finish on SIGTERM", flag="--grace", check=non_negative)
     # disaggregation (kvmesh.disagg): the worker's role and the global prefill queue
@@ -79,7 +80,7 @@ class WorkerConfig:
     )
     metrics_port: int | None = setting(
         None, "serve the worker's disaggregation counters for Prometheus on this port (0: any free port)",
-        check=port, group=_DISAGG,
+        check=a_port, group=_DISAGG,
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -166,7 +167,7 @@ _KV = "KV-aware routing (--router-mode kv | kv-approx)"
 @dataclass(frozen=True)
 class FrontendConfig:
     http_host: str = setting("127.0.0.1", "address to serve HTTP on")
-    http_port: int = setting(8000, "HTTP port", check=port)
+    http_port: int = setting(8000, "HTTP port", check=a_port)
     router_mode: str = setting("round_robin", "how to pick a worker", choices=ROUTER_MODES)
     keepalive_s: float = setting(15.0, "seconds between SSE keep-alive comments", check=positive)
     max_body_bytes: int = setting(4 * 1024 * 1024, "request body limit (413)", check=positive, group=_LIMITS)

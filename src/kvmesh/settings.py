@@ -337,8 +337,8 @@ def _add_flag(
         kwargs["metavar"] = meta.metavar
     elif not meta.choices:
         kwargs["metavar"] = {int: "N", float: "NUM"}.get(base, "TEXT")  # type: ignore[call-overload]  # base: an annotation
-    if meta.choices:
-        kwargs["choices"] = meta.choices
+    if meta.choices:  # shown, and checked by check(): a bad value is one line, as from the environment
+        kwargs["metavar"] = "{" + ",".join(meta.choices) + "}"
     if typing.get_origin(base) is tuple and meta.parse is None:
         kwargs["action"] = "append"  # the flag repeats
     else:

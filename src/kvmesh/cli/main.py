@@ -35,6 +35,11 @@ _ENGINE_FIELDS = ("model_path", "engine", "block_size", "validate_streams")
 _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "remote_prefill_timeout_s", "drain_migrate",
                   "metrics_port")  # fmt: skip
 _WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue")
+# the config classes whose settings each command takes (its flags and its --config keys)
+_ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
+RUN_CLASSES = (RunConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
+FRONTEND_CLASSES = (FrontendConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials)
+WORKER_CLASSES = (WorkerConfig, RuntimeConfig, ClusterCredentials, *_ENGINE_SETTINGS)
 _EXTRA_FILE_KEYS = {"model", "log-level", "log_level", "static-workers", "static_workers", "static"}
 
 
@@ -200,15 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         if ns.command == "run":
-            file = _file(ns, RunConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials,
-                         *(e.settings for e in registry.ENTRIES.values()))  # fmt: skip
+            file = _file(ns, *RUN_CLASSES)
             _apply_cluster_secret(ns, file)
             cfg = resolve(RunConfig, ns, file=file, frontend=_frontend_config(ns, file), worker=_worker_config(ns, file))
             from kvmesh.cli.run import run_embedded
 
             return run_embedded(cfg, _log_level(ns, file))
         if ns.command == "frontend":
-            file = _file(ns, FrontendConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials)
+            file = _file(ns, *FRONTEND_CLASSES)
             _apply_cluster_secret(ns, file)
             from kvmesh.cli.frontend import run_frontend
 
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_replay(ns)
         if ns.command == "worker":
-            file = _file(ns, WorkerConfig, RuntimeConfig, ClusterCredentials, *(e.settings for e in registry.ENTRIES.values()))
+            file = _file(ns, *WORKER_CLASSES)
             _apply_cluster_secret(ns, file)
             rcfg = _runtime_config(ns, file)
             wcfg = _worker_config(ns, file, host=rcfg.host)

@@ -384,11 +384,12 @@ def resolve(
     *,
     file: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
-    **given: object,
+    given: Mapping[str, object] | None = None,
 ) -> T:
     """``cls`` from flags (``ns``), environment, config file and defaults, in that
     order; ``given`` fields are set as they are (values the CLI derives itself)."""
     env = os.environ if env is None else env
+    given = given or {}
     hints = _hints(cls)
     values: dict[str, object] = {}
     for f, meta in settings_of(cls):

@@ -178,15 +178,16 @@ def _worker_config(ns: argparse.Namespace, file: dict[str, object] | None = None
     given = {**_model_path(ns, file), **given}
     if debug_enabled():
         given["validate_streams"] = True
-    cfg = resolve(WorkerConfig, ns, file=file, **given)
+    cfg = resolve(WorkerConfig, ns, file=file, given=given)
     options = resolve(registry.entry(cfg.engine).settings, ns, file=file)
     return dataclasses.replace(cfg, engine_options=options)
 
 
 def _frontend_config(ns: argparse.Namespace, file: dict[str, object]) -> FrontendConfig:
     return resolve(
-        FrontendConfig, ns, file=file, http=resolve(HttpLimits, ns, file=file), security=_security_config(ns, file)
-    )
+        FrontendConfig, ns, file=file,
+        given={"http": resolve(HttpLimits, ns, file=file), "security": _security_config(ns, file)},
+    )  # fmt: skip
 
 
 def _security_config(ns: argparse.Namespace, file: dict[str, object]) -> SecurityConfig:
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "run":
             file = _file(ns, *RUN_CLASSES)
             _apply_cluster_secret(ns, file)
-            cfg = resolve(RunConfig, ns, file=file, frontend=_frontend_config(ns, file), worker=_worker_config(ns, file))
+            parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file)}
+            cfg = resolve(RunConfig, ns, file=file, given=parts)
             from kvmesh.cli.run import run_embedded
 
             return run_embedded(cfg, _log_level(ns, file))

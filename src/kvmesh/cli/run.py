@@ -22,7 +22,12 @@ from kvmesh.config import RunConfig
 from kvmesh.errors import KvmeshError
 
 if TYPE_CHECKING:
-    from kvmesh.worker.supervisor import Supervisor
+    import socket
+    from collections.abc import Awaitable, Callable
+
+    from kvmesh.protocol import InstanceInfo
+    from kvmesh.runtime.distributed import DistributedRuntime
+    from kvmesh.worker.supervisor import ForkedWorker, Supervisor
 
 __all__ = ["run_embedded"]
 
@@ -73,7 +78,7 @@ def _own_cluster_secret() -> None:
     auth.process_secret()  # a bad secret file fails here, before anything starts
 
 
-def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
+def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
     """Fork the aggregated workers now, before this process has an event loop; the
     modules both sides use are imported first, once. Disaggregated workers are
     started later: they need the address of the prefill queue this process serves."""
@@ -88,7 +93,7 @@ def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
     return prefork(cfg.worker, cfg.workers, close=[sock])
 
 
-async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int:  # type: ignore[no-untyped-def]
+async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked: list[ForkedWorker]) -> int:
     from kvmesh.config import RuntimeConfig
     from kvmesh.runtime.distributed import DistributedRuntime, instance_key, sign_record
     from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
@@ -99,7 +104,7 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
     await runtime.start()
     ns = runtime.config.namespace
 
-    async def on_ready(info):  # type: ignore[no-untyped-def]
+    async def on_ready(info: InstanceInfo) -> None:
         key = instance_key(ns, info.component or COMPONENT, GENERATE, info.worker_id)
         await runtime.discovery.put(key, msgspec.json.encode(sign_record(runtime.secret, key, info)))
 
@@ -158,7 +163,13 @@ async def _give_up(supervisors: list[Supervisor], server: Any) -> None:
     server.should_exit = True
 
 
-async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: list) -> list:  # type: ignore[no-untyped-def]
+async def _supervisors(
+    cfg: RunConfig,
+    runtime: DistributedRuntime,
+    on_ready: Callable[[InstanceInfo], Awaitable[None]],
+    on_exit: Callable[[int], Awaitable[None]],
+    preforked: list[ForkedWorker],
+) -> list[Supervisor]:
     """The worker processes to keep running: ``workers`` aggregated ones (``preforked``
     already), or (with ``--prefill-workers``/``--decode-workers``) decode and prefill
     ones sharing this process's prefill queue, served on the request plane."""
@@ -176,7 +187,7 @@ async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: li
     ]
 
 
-async def _serve_prefill_queue(cfg: RunConfig, runtime) -> str:  # type: ignore[no-untyped-def]
+async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> str:
     """Embedded mode's global prefill queue (in this process), and the decode workers'
     KV endpoints from this process's discovery, for the workers to reach over TCP."""
     from kvmesh.disagg.queue import LocalPrefillQueue, serve_queue

@@ -19,24 +19,25 @@ import pickle
 import sys
 import traceback
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from kvmesh.config import RuntimeConfig, WorkerConfig, debug_enabled
 from kvmesh.errors import KvmeshError
 
 __all__ = ["run_worker", "event_loop_runner", "FAILED_PREFIX", "one_line"]
 
+T = TypeVar("T")
 FAILED_PREFIX = "KVMESH_FAILED "
 _MAX_LINE = 2000
 
 
-def event_loop_runner() -> Callable[[Coroutine[Any, Any, None]], None]:
+def event_loop_runner() -> Callable[[Coroutine[Any, Any, T]], T]:
     """``uvloop.run`` when uvloop is installed, else ``asyncio.run``."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover
         return asyncio.run
-    run: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
+    run: Callable[[Coroutine[Any, Any, T]], T] = uvloop.run
     return run
 
 

@@ -16,6 +16,16 @@ Flags default to ``None`` in argparse ("not given"), so precedence is decided he
 not by argparse. A field without :func:`setting` metadata is not a setting (e.g. a
 nested config, or a value the CLI derives from other flags).
 
+Adding a setting is one declaration, in the config class that carries it::
+
+    # kvmesh/config.py, class FrontendConfig
+    otel_endpoint: str = setting("", "OTLP endpoint for traces", env="KVMESH_OTEL_ENDPOINT", group="observability")
+
+and reading ``config.otel_endpoint`` where it is used: the flag (``--otel-endpoint``),
+the variable, the config-file key, ``--help`` and the check follow. An engine's
+setting goes into its class in :mod:`kvmesh.engines.settings` (the factory in
+:mod:`kvmesh.engines.registry` passes it on); a worker receives it with its config.
+
 This module is the ground floor: standard library only.
 """
 

@@ -47,7 +47,7 @@ class WorkerConfig:
     """One worker process. ``engine_options``: the settings of ``engine`` (its
     registry entry's settings class; None: that engine's defaults)."""
 
-    model_path: str | None = setting(None, "Hugging Face model folder (default: the bundled tiny model)")
+    model_path: str | None = setting(None, "Hugging Face model folder (default: the bundled tiny model)", metavar="DIR")
     engine: str = setting("mocker", "engine to run in each worker")
     engine_options: EngineSettings | None = None
     block_size: int = setting(16, "KV block size in tokens (mocker and hf; vLLM: --vllm-block-size)", check=positive)

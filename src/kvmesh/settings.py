@@ -40,7 +40,7 @@ import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeVar, Union
+from typing import Any, Final, TypeVar, Union
 
 __all__ = [
     "Setting",
@@ -277,7 +277,7 @@ def _coerce(tp: object, value: object, meta: Setting) -> object:
         return float(value)
     if typing.get_origin(base) is tuple and isinstance(value, list):
         return tuple(str(v) for v in value)
-    ok = {int: int, float: float, bool: bool, str: str}.get(base)  # type: ignore[call-overload]  # base is an annotation object
+    ok = next((t for t in (int, float, bool, str) if base is t), None)
     if ok is not None and (not isinstance(value, ok) or (ok is int and isinstance(value, bool))):
         raise ValueError(f"must be a {ok.__name__}")
     return value
@@ -308,8 +308,11 @@ def add_flags(
     """Add the flags of ``cls``'s settings; those with a ``group`` go into a section
     of that title, the rest into ``title``'s section (or the parser itself).
     ``choices``: allowed values known only to the caller (e.g. the engine registry)."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    target: argparse.ArgumentParser | argparse._ArgumentGroup = parser.add_argument_group(title) if title else parser
+    # one section per title, whichever class (or call) adds to it first
+    groups = {g.title: g for g in parser._action_groups if g.title}
+    target: argparse.ArgumentParser | argparse._ArgumentGroup = parser
+    if title:
+        target = groups.get(title) or parser.add_argument_group(title)
     hints = _hints(cls)
     for f, meta in settings_of(cls):
         if (only and f.name not in only) or f.name in exclude or meta.flag == NO_FLAG:
@@ -330,7 +333,8 @@ def _add_flag(
     default = f.default
     help_text = meta.help
     shown = _default_text(default)
-    notes = [f"default {shown}"] if shown and _base(tp) is not bool else []
+    said = "(default" in help_text  # the help says the default itself
+    notes = [f"default {shown}"] if shown and _base(tp) is not bool and not said else []
     if meta.env:
         notes.append(meta.env)
     if notes:
@@ -342,18 +346,18 @@ def _add_flag(
     if base is bool:
         where.add_argument(flag, dest=_dest(f, meta), action="store_true", default=None, help=help_text)
         return
-    kwargs: dict[str, object] = {"dest": _dest(f, meta), "default": None, "help": help_text}
+    kwargs: dict[str, Any] = {"dest": _dest(f, meta), "default": None, "help": help_text}
     if meta.metavar:
         kwargs["metavar"] = meta.metavar
     elif not meta.choices:
-        kwargs["metavar"] = {int: "N", float: "NUM"}.get(base, "TEXT")  # type: ignore[call-overload]  # base: an annotation
+        kwargs["metavar"] = "N" if base is int else "NUM" if base is float else "TEXT"
     if meta.choices:  # shown, and checked by check(): a bad value is one line, as from the environment
         kwargs["metavar"] = "{" + ",".join(meta.choices) + "}"
     if typing.get_origin(base) is tuple and meta.parse is None:
         kwargs["action"] = "append"  # the flag repeats
     else:
         kwargs["type"] = _parser_for(tp, meta)
-    where.add_argument(flag, **kwargs)  # type: ignore[arg-type]  # argparse's kwargs are untyped
+    where.add_argument(flag, **kwargs)
 
 
 # --- resolution ------------------------------------------------------------

@@ -40,7 +40,7 @@ _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
 RUN_CLASSES = (RunConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
 FRONTEND_CLASSES = (FrontendConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials)
 WORKER_CLASSES = (WorkerConfig, RuntimeConfig, ClusterCredentials, *_ENGINE_SETTINGS)
-_EXTRA_FILE_KEYS = {"model", "log-level", "log_level", "static-workers", "static_workers", "static"}
+_EXTRA_FILE_KEYS = {"model", "model-path", "log-level", "log_level", "static-workers", "static_workers", "static"}
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             raw = ns.static_workers or os.environ.get("KVMESH_STATIC_WORKERS", "") or str(file.get("static-workers", ""))
             static = [a.strip() for a in raw.split(",") if a.strip()]
             return run_frontend(
-                _frontend_config(ns, file), _runtime_config(ns, file), static, ns.model_path, _log_level(ns, file)
+                _frontend_config(ns, file), _runtime_config(ns, file), static,
+                ns.model_path or _str_or_none(file.get("model-path")), _log_level(ns, file),
             )
         if ns.command == "canary":
             from kvmesh.cli.canary import run_canary
@@ -240,12 +241,17 @@ def main(argv: list[str] | None = None) -> int:
                 wcfg = dataclasses.replace(wcfg, worker_id=wcfg.port)  # static mode: the port names the worker
             from kvmesh.worker.child import run_worker
 
-            return run_worker(wcfg, None if ns.static else rcfg, die_with_parent=ns.die_with_parent)
+            static_mode = bool(ns.static) or file.get("static") is True
+            return run_worker(wcfg, None if static_mode else rcfg, die_with_parent=ns.die_with_parent)
     except ValueError as exc:
         print(f"kvmesh {ns.command}: {exc}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {ns.command}")
     return 2
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
 
 
 def _log_level(ns: argparse.Namespace, file: dict[str, object]) -> str:

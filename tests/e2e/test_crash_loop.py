@@ -5,14 +5,18 @@ own error on one line and exit 1, instead of replacing dying workers forever whi
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
 from kvmesh.worker.supervisor import Supervisor
 from kvmesh.config import WorkerConfig
-from tests.helpers import free_port
+from tests.helpers import free_port, kvmesh_run
 
 pytestmark = pytest.mark.processes
 
@@ -46,3 +50,33 @@ async def test_backoff_doubles_per_failed_start_is_capped_and_resets_when_a_work
         sup._count_start(False, "boom")
     assert not sup._count_start(False, "ValueError: no memory") and sup.failed.is_set()
     assert sup.error == "6 worker starts in a row failed; the last: ValueError: no memory"
+
+
+def test_a_config_file_reaches_the_frontend_and_the_forked_and_replacement_workers(tmp_path):
+    """`--config`: an edge limit (frontend) and an engine setting (workers: the forked
+    ones and a replacement started with exec, which reads its config object on stdin)."""
+    path = tmp_path / "kvmesh.toml"
+    path.write_text("[edge]\nmax-headers = 12\n[mocker]\neos-probability = 1.0\n")
+    body = {"model": "kvmesh-tiny", "prompt": "hello", "max_tokens": 40}
+
+    def completion_tokens(url: str) -> int | None:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        return int(r.json()["usage"]["completion_tokens"]) if r.status_code == 200 else None
+
+    with kvmesh_run(tmp_path, "--config", str(path), workers=1) as server:
+        headers = {f"x-h{i}": "1" for i in range(20)}
+        assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 431
+        first = completion_tokens(server.url)
+        assert first is not None and first < 40  # EOS at every position after the first
+        (pid,) = server.worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while server.worker_pids() in ([], [pid]):  # the replacement: exec'd, config on stdin
+            assert time.monotonic() < deadline, "no replacement worker"
+            time.sleep(0.05)
+        again = None
+        while again is None:
+            assert time.monotonic() < deadline, "the replacement never served"
+            again = completion_tokens(server.url)
+            time.sleep(0.05)
+        assert again < 40

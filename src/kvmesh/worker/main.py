@@ -30,6 +30,8 @@ from kvmesh.runtime.names import GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
 from kvmesh.worker.service import WorkerService
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+
     from kvmesh.worker.disagg import Roles
 
 __all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher"]
@@ -232,7 +234,7 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def event_publisher(
-    kind: str, publisher_id: int, *, nats: object = None, namespace: str = "kvmesh", host: str = "127.0.0.1"
+    kind: str, publisher_id: int, *, nats: NatsClient | None = None, namespace: str = "kvmesh", host: str = "127.0.0.1"
 ) -> tuple[EventPlane, EventPublisher, str]:
     """A worker's KV events and load reports onto an event plane; returns the plane (to
     close), the engine-facing publisher and the address subscribers connect to."""

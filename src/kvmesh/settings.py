@@ -279,7 +279,8 @@ def _coerce(tp: object, value: object, meta: Setting) -> object:
         return tuple(str(v) for v in value)
     ok = next((t for t in (int, float, bool, str) if base is t), None)
     if ok is not None and (not isinstance(value, ok) or (ok is int and isinstance(value, bool))):
-        raise ValueError(f"must be a {ok.__name__}")
+        what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[ok]
+        raise ValueError(f"must be {what}")
     return value
 
 

@@ -94,6 +94,9 @@ def test_config_file(tmp_path, capsys):
     path.write_text("http-prot = 1\n")
     assert main(["run", "--config", str(path)]) == 2
     assert "no such setting for kvmesh run: http-prot" in capsys.readouterr().err
+    path.write_text("workers = 2.5\n")
+    assert main(["run", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == "kvmesh run: config file: workers = 2.5 must be an integer"
 
 
 def test_the_registry_builds_the_engine_and_carries_fault_injection():

@@ -99,9 +99,12 @@ class InProcessStack:
     """
 
     def __init__(self, speedup: float = 1e9, **mocker: object) -> None:
-        from kvmesh.config import FrontendConfig, MockerConfig, WorkerConfig
+        from kvmesh.config import FrontendConfig, WorkerConfig
+        from kvmesh.engines.settings import MockerSettings
 
-        self.worker_config = WorkerConfig(mocker=MockerConfig(speedup=speedup, **mocker))  # type: ignore[arg-type]
+        block_size = int(mocker.pop("block_size", 16))  # type: ignore[call-overload]  # a test passes an int
+        options = MockerSettings(speedup=speedup, **mocker)  # type: ignore[arg-type]
+        self.worker_config = WorkerConfig(block_size=block_size, engine_options=options)
         # canaries would add requests of their own to the engine these tests count
         self.frontend_config = FrontendConfig(http_port=0, keepalive_s=0.2, canary_interval_s=0)
         self.port = 0
@@ -111,11 +114,11 @@ class InProcessStack:
         from kvmesh.frontend.app import Frontend
         from kvmesh.frontend.server import bind_http, make_server
         from kvmesh.protocol import InstanceInfo
-        from kvmesh.worker.main import build_engine
+        from kvmesh.worker.main import build_engine, fault_injector
         from kvmesh.worker.service import WorkerService
 
         self.engine, path = build_engine(self.worker_config)
-        self.service = WorkerService(self.engine, validate=True)
+        self.service = WorkerService(self.engine, validate=True, inject_fault=fault_injector(self.worker_config, self.engine))
         config = await self.service.start()
         self.frontend = Frontend(self.frontend_config)
         from kvmesh.runtime.tcp_client import TcpClient

@@ -1,22 +1,31 @@
-"""Configuration: one frozen dataclass per role, parsed from CLI and environment once
-(in :mod:`kvmesh.cli`), read-only afterwards. Invalid values raise ``ValueError`` with
-a message that says what to fix."""
+"""Configuration: one frozen dataclass per role, built once (in :mod:`kvmesh.cli`) from
+flags, ``KVMESH_*`` variables and an optional ``--config`` file, read-only afterwards.
+
+Every setting is declared once, as a field made with :func:`kvmesh.settings.setting`
+(type, default, help, variable, flag, validation); the CLI flags, the environment and
+the config file are derived from the declarations (see :mod:`kvmesh.settings`).
+Invalid values raise ``ValueError`` with a message that says what to fix. Engine
+settings are declared by each engine and found through
+:mod:`kvmesh.engines.registry`; this module imports no engine.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
+from kvmesh.settings import port as a_port
+from kvmesh.settings import NO_FLAG, EngineSettings, at_least, check, non_negative, positive, setting, split_commas
+
 __all__ = [
-    "MockerConfig",
     "WorkerConfig",
     "FrontendConfig",
     "HttpLimits",
     "SecurityConfig",
+    "ClusterCredentials",
     "RunConfig",
     "RuntimeConfig",
     "ROUTER_MODES",
-    "ENGINES",
     "WORKER_MODES",
     "DISCOVERY_BACKENDS",
     "REQUEST_PLANES",
@@ -26,233 +35,177 @@ __all__ = [
 
 ROUTER_MODES = ("round_robin", "random", "kv", "kv-approx")
 WORKER_MODES = ("aggregated", "prefill", "decode")
-ENGINES = ("mocker", "vllm", "hf")
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("tcp", "nats")
 EVENT_PLANES = ("zmq", "nats", "memory")
 
-# flag name -> environment variable; flags win over the environment
-ENV_VARS = {
-    "namespace": "KVMESH_NAMESPACE",
-    "discovery": "KVMESH_DISCOVERY",
-    "etcd_endpoints": "KVMESH_ETCD_ENDPOINTS",
-    "file_discovery_dir": "KVMESH_FILE_DISCOVERY_DIR",
-    "nats_url": "KVMESH_NATS_URL",
-    "request_plane": "KVMESH_REQUEST_PLANE",
-    "event_plane": "KVMESH_EVENT_PLANE",
-    "host": "KVMESH_HOST",
-    "lease_ttl_s": "KVMESH_LEASE_TTL",
-    "etcd_ca_file": "KVMESH_ETCD_CA",
-    "etcd_cert_file": "KVMESH_ETCD_CERT",
-    "etcd_key_file": "KVMESH_ETCD_KEY",
-    "etcd_user": "KVMESH_ETCD_USER",
-    "nats_creds_file": "KVMESH_NATS_CREDS",
-    "nats_ca_file": "KVMESH_NATS_CA",
-    "nats_cert_file": "KVMESH_NATS_CERT",
-    "nats_key_file": "KVMESH_NATS_KEY",
-}
-
-
-def _positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
-@dataclass(frozen=True)
-class MockerConfig:
-    """The mocker's knobs as the CLI exposes them (``--speedup`` etc.)."""
-
-    speedup: float = 1.0
-    block_size: int = 16
-    num_blocks: int = 8192
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    fault: str = ""  # fault injection, e.g. "hang", "slow:factor=4" (kvmesh.engines.mocker.faults)
-    eos_probability: float = 0.0  # natural EOS per generated token (0: always max_tokens)
-
-    def __post_init__(self) -> None:
-        for name in ("speedup", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
-            _positive(f"--{name.replace('_', '-')}", getattr(self, name))
-        if not 0.0 <= self.eos_probability <= 1.0:
-            raise ValueError(f"--eos-probability must be within [0, 1], got {self.eos_probability}")
-        if self.fault:
-            from kvmesh.engines.mocker.faults import FaultSpec
-
-            try:
-                FaultSpec.parse(self.fault)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"--fault {self.fault!r}: {exc}") from None
-
-    def to_args(self) -> list[str]:
-        return [
-            "--speedup", repr(self.speedup),
-            "--block-size", str(self.block_size),
-            "--num-blocks", str(self.num_blocks),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-        ] + (["--fault", self.fault] if self.fault else []) + (
-            ["--eos-probability", repr(self.eos_probability)] if self.eos_probability else []
-        )  # fmt: skip
+_DISAGG = "disaggregated prefill/decode"
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model_path: str | None = None
-    engine: str = "mocker"
-    worker_id: int = 0
-    host: str = "127.0.0.1"
-    port: int = 0
-    mocker: MockerConfig = field(default_factory=MockerConfig)
-    validate_streams: bool = False
-    grace_s: float = 30.0
+    """One worker process. ``engine_options``: the settings of ``engine`` (its
+    registry entry's settings class; None: that engine's defaults)."""
+
+    model_path: str | None = setting(None, "Hugging Face model folder (default: the bundled tiny model)", metavar="DIR")
+    engine: str = setting("mocker", "engine to run in each worker")
+    engine_options: EngineSettings | None = None
+    block_size: int = setting(16, "KV block size in tokens (mocker and hf; vLLM: --vllm-block-size)", check=positive)
+    worker_id: int = setting(0, "id in static mode (default: the port); distributed mode uses the lease id", check=non_negative)
+    host: str = "127.0.0.1"  # from the runtime's --host
+    port: int = setting(0, "request-plane TCP port (0: any free port)", check=a_port)
+    validate_streams: bool = setting(False, "check every engine stream against the contract (also KVMESH_DEBUG=1)")
+    grace_s: float = setting(30.0, "seconds in-flight requests get to finish on SIGTERM", flag="--grace", check=non_negative)
     # disaggregation (kvmesh.disagg): the worker's role and the global prefill queue
-    mode: str = "aggregated"  # aggregated | prefill | decode
-    prefill_queue: str = ""  # "" / "nats": JetStream (distributed); "tcp://host:port": embedded mode's queue
-    max_local_prefill_length: int = 1000
-    max_prefill_queue_size: int = 2
-    remote_prefill_timeout_s: float = 30.0
-    drain_migrate: bool = False  # on SIGTERM, hand in-flight requests (and their KV) to other workers
-    metrics_port: int | None = None  # Prometheus endpoint for the disaggregation counters (0: any free port)
+    mode: str = setting(
+        "aggregated", "aggregated, prefill (pulls the prefill queue) or decode (prefills long prompts remotely)",
+        choices=WORKER_MODES,
+    )  # fmt: skip
+    prefill_queue: str = setting(
+        "", "distributed: JetStream on --nats-url (default); embedded: tcp://host:port of kvmesh run's queue",
+        check=lambda v: None if v in ("", "nats") or str(v).startswith("tcp://") else "must be 'nats' or tcp://host:port",
+    )  # fmt: skip
+    max_local_prefill_length: int = setting(
+        1000, "decode workers prefill remotely only prompts with more uncached tokens than this",
+        check=non_negative, group=_DISAGG,
+    )  # fmt: skip
+    max_prefill_queue_size: int = setting(
+        2, "... and only while the prefill queue holds fewer jobs than this", check=non_negative, group=_DISAGG
+    )
+    remote_prefill_timeout_s: float = setting(
+        30.0, "seconds a decode worker waits for a remote prefill before prefilling locally", check=positive, group=_DISAGG
+    )
+    drain_migrate: bool = setting(
+        False, "on SIGTERM, hand in-flight requests with their KV to other workers instead of finishing them", group=_DISAGG
+    )
+    metrics_port: int | None = setting(
+        None, "serve the worker's disaggregation counters for Prometheus on this port (0: any free port)",
+        check=a_port, group=_DISAGG,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.mode not in WORKER_MODES:
-            raise ValueError(f"--mode must be one of {', '.join(WORKER_MODES)}, got {self.mode!r}")
-        if self.prefill_queue not in ("", "nats") and not self.prefill_queue.startswith("tcp://"):
-            raise ValueError(f"--prefill-queue must be 'nats' or tcp://host:port, got {self.prefill_queue!r}")
-        if self.max_local_prefill_length < 0 or self.max_prefill_queue_size < 0:
-            raise ValueError("--max-local-prefill-length and --max-prefill-queue-size must be >= 0")
-        _positive("--remote-prefill-timeout", self.remote_prefill_timeout_s)
+        check(self)
 
-    def to_args(self) -> list[str]:
-        args = ["--engine", self.engine, "--worker-id", str(self.worker_id), "--host", self.host]
-        args += ["--port", str(self.port), "--grace", repr(self.grace_s)]
-        if self.model_path:
-            args += ["--model-path", self.model_path]
-        if self.validate_streams:
-            args.append("--validate-streams")
-        if self.mode != "aggregated":
-            args += ["--mode", self.mode]
-        if self.prefill_queue:
-            args += ["--prefill-queue", self.prefill_queue]
-        args += ["--max-local-prefill-length", str(self.max_local_prefill_length)]
-        args += ["--max-prefill-queue-size", str(self.max_prefill_queue_size)]
-        args += ["--remote-prefill-timeout", repr(self.remote_prefill_timeout_s)]
-        if self.drain_migrate:
-            args.append("--drain-migrate")
-        if self.metrics_port is not None:
-            args += ["--metrics-port", str(self.metrics_port)]
-        return args + self.mocker.to_args()
+
+_LIMITS = "HTTP limits (enforced as bytes arrive)"
 
 
 @dataclass(frozen=True)
 class HttpLimits:
     """What the frontend's HTTP server accepts, enforced as bytes arrive
-    (kvmesh.frontend.server). Each has a ``--flag`` of the same name."""
+    (kvmesh.frontend.server)."""
 
-    max_url_bytes: int = 8 * 1024  # past it: 414
-    max_header_bytes: int = 32 * 1024  # the whole head (request line + headers); past it: 431
-    max_headers: int = 100  # past it: 431
-    header_timeout_s: float = 10.0  # a request's head must arrive within this (from its first byte / the connection)
-    body_timeout_s: float = 30.0  # longest pause between two pieces of a body
-    keepalive_timeout_s: float = 30.0  # an idle connection between requests is closed after this
-    send_timeout_s: float = 60.0  # longest a response may wait on a client that does not read
-    max_connections: int = 4096  # open client connections; past it new ones get 503 and are closed
-    max_pipelined: int = 16  # requests queued on one connection before reading pauses
+    max_url_bytes: int = setting(8 * 1024, "URL limit (414)", check=positive, group=_LIMITS)
+    max_header_bytes: int = setting(32 * 1024, "request head limit: request line + headers (431)", check=positive, group=_LIMITS)
+    max_headers: int = setting(100, "headers per request (431)", check=positive, group=_LIMITS)
+    header_timeout_s: float = setting(10.0, "seconds for a request head to arrive", check=positive, group=_LIMITS)
+    body_timeout_s: float = setting(30.0, "longest pause inside a request body (s)", check=positive, group=_LIMITS)
+    keepalive_timeout_s: float = setting(30.0, "idle keep-alive connections close after this (s)", check=positive, group=_LIMITS)
+    send_timeout_s: float = setting(60.0, "a client that reads nothing for this long is dropped (s)", check=positive, group=_LIMITS)
+    max_connections: int = setting(4096, "open client connections; past it: 503 and close", check=positive, group=_LIMITS)
+    max_pipelined: int = setting(16, "requests queued per connection before reading pauses", check=positive, group=_LIMITS)
 
     def __post_init__(self) -> None:
-        for name in ("max_url_bytes", "max_header_bytes", "max_headers", "header_timeout_s", "body_timeout_s",
-                     "keepalive_timeout_s", "send_timeout_s", "max_connections", "max_pipelined"):  # fmt: skip
-            _positive(f"--{name.replace('_s', '').replace('_', '-')}", getattr(self, name))
+        check(self)
+
+
+_AUTH = "authentication and admin"
+TIERS = ("premium", "standard", "best_effort")
 
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """Who may call what (kvmesh.frontend.auth). Keys: ``--api-key`` / KVMESH_API_KEY
-    (tier premium) and ``--api-keys-file`` (``key tier`` per line)."""
+    """Who may call what (kvmesh.frontend.auth). ``api_keys`` is what the CLI makes of
+    ``--api-key`` (tier premium) and ``--api-keys-file`` (``key tier`` per line)."""
 
     api_keys: tuple[tuple[str, str], ...] = ()  # (key, highest priority tier it may ask for)
-    admin: bool = False  # serve /admin/*
-    admin_key: str = ""  # required on /admin/* when keys are configured
-    metrics_open: bool = True  # /metrics without a key even when keys are configured
-    trust_priority_header: bool = False  # without keys: accept any tier a client asks for
-    allow_special_tokens: bool = False  # parse special tokens typed in user text (trusted callers only)
-    max_stop: int = 16
-    max_stop_chars: int = 1024
-    max_messages: int = 1024
-    max_message_chars: int = 4 * 1024 * 1024  # all messages together (characters)
+    api_key: str = setting("", "require Authorization: Bearer KEY on /v1/*", env="KVMESH_API_KEY", group=_AUTH)
+    api_keys_file: str = setting(
+        "", "a file of 'KEY [TIER]' lines: several keys, each with the highest priority tier it may ask for",
+        env="KVMESH_API_KEYS_FILE", group=_AUTH,
+    )  # fmt: skip
+    admin: bool = setting(False, "serve /admin/* (fault injection, worker list); off by default", group=_AUTH)
+    admin_key: str = setting("", "the key /admin/* requires when API keys are on", env="KVMESH_ADMIN_KEY", group=_AUTH)
+    metrics_auth: bool = setting(False, "/metrics needs an API key too (default: open)", group=_AUTH)
+    trust_priority_header: bool = setting(
+        False, "without keys, accept the priority tier a client asks for (default: premium is refused)", group=_AUTH
+    )
+    allow_special_tokens: bool = setting(
+        False, "parse special tokens typed in user text as control tokens (trusted callers only)", group=_AUTH
+    )
+    max_stop: int = setting(16, "stop strings per request", check=positive, group=_AUTH)
+    max_stop_chars: int = setting(1024, "characters per stop string", check=positive, group=_AUTH)
+    max_messages: int = setting(1024, "chat messages per request", check=positive, group=_AUTH)
+    max_message_chars: int = setting(4 * 1024 * 1024, "characters of all messages together", check=positive, group=_AUTH)
 
     def __post_init__(self) -> None:
-        tiers = ("premium", "standard", "best_effort")
         for key, tier in self.api_keys:
-            if not key or tier not in tiers:
-                raise ValueError(f"an API key needs a tier in {', '.join(tiers)}, got {tier!r}")
+            if not key or tier not in TIERS:
+                raise ValueError(f"an API key needs a tier in {', '.join(TIERS)}, got {tier!r}")
         if self.admin and self.api_keys and not self.admin_key:
             raise ValueError("--admin with API keys needs --admin-key (or KVMESH_ADMIN_KEY)")
-        for name in ("max_stop", "max_stop_chars", "max_messages", "max_message_chars"):
-            _positive(name, getattr(self, name))
+        check(self)
+
+    def __repr__(self) -> str:  # keys stay out of logs
+        return f"SecurityConfig(keys={len(self.api_keys)}, admin={self.admin})"
 
     @property
     def keys_required(self) -> bool:
         return bool(self.api_keys)
 
+    @property
+    def metrics_open(self) -> bool:
+        """/metrics without a key even when keys are configured."""
+        return not self.metrics_auth
+
+
+_HEALTH = "health (canary checks, circuit breakers)"
+_DEGRADE = "graceful degradation (capacity of healthy workers vs demand, priority shedding)"
+_KV = "KV-aware routing (--router-mode kv | kv-approx)"
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    router_mode: str = "round_robin"
-    keepalive_s: float = 15.0
-    max_body_bytes: int = 4 * 1024 * 1024
-    connect_timeout_s: float = 5.0
-    response_timeout_s: float = 120.0
-    worker_wait_s: float = 5.0
-    kv_overlap_weight: float = 1.0
-    router_temperature: float = 0.0
-    kv_block_size: int | None = None  # None: take the workers' block size
-    admission_threshold: float | None = None  # None: no admission queue
-    admission_max_queue: int = 1024
-    migration_limit: int = 3  # re-issues of one request after mid-stream failures; 0: off
-    canary_interval_s: float = 30.0  # 0: no canary health checks
-    canary_timeout_s: float = 10.0
-    canary_files: tuple[str, ...] = ()
-    breaker_recovery_s: float = 60.0
+    http_host: str = setting("127.0.0.1", "address to serve HTTP on")
+    http_port: int = setting(8000, "HTTP port", check=a_port)
+    router_mode: str = setting("round_robin", "how to pick a worker", choices=ROUTER_MODES)
+    keepalive_s: float = setting(15.0, "seconds between SSE keep-alive comments", check=positive)
+    max_body_bytes: int = setting(4 * 1024 * 1024, "request body limit (413)", check=positive, group=_LIMITS)
+    connect_timeout_s: float = setting(5.0, "seconds to connect to a worker", check=positive)
+    response_timeout_s: float = setting(120.0, "seconds to wait for a worker's first response", check=positive)
+    worker_wait_s: float = setting(5.0, "seconds a request waits for a worker to appear, then 503", check=non_negative)
+    kv_overlap_weight: float = setting(1.0, "weight of prefill cost vs decode load", check=non_negative, group=_KV)
+    router_temperature: float = setting(0.0, "0: pick the cheapest; >0: sample", check=non_negative, group=_KV)
+    kv_block_size: int | None = setting(
+        None, "router block size (default: the workers'; must match them)", check=positive, group=_KV
+    )
+    admission_threshold: float | None = setting(
+        None, "queue requests while every worker has more than this × its batch token budget in prefill (default: off)",
+        check=positive, group=_KV,
+    )  # fmt: skip
+    admission_max_queue: int = setting(1024, "past this many waiting: 503", check=positive, group=_KV)
+    migration_limit: int = setting(
+        3, "times a request may move to another worker after a mid-stream failure (0: never)", check=non_negative
+    )
+    canary_interval_s: float = setting(30.0, "seconds between canary checks per worker (0: off)", check=non_negative, group=_HEALTH)
+    canary_timeout_s: float = setting(10.0, "seconds a canary may take", check=positive, group=_HEALTH)
+    canary_files: tuple[str, ...] = setting(
+        (), "a canary set (JSON; see `kvmesh canary record`); repeatable", flag="--canaries", metavar="FILE", group=_HEALTH
+    )
+    breaker_recovery_s: float = setting(60.0, "seconds an open circuit waits before a trial", check=positive, group=_HEALTH)
     # graceful degradation (off unless asked for): SLOs the capacity model is held to
-    degradation: bool = False
-    slo_ttft_ms: float = 500.0
-    slo_tpot_ms: float = 30.0
-    slo_output_tokens: int = 256
-    slo_max_batch: int = 256
-    shed_retry_after_s: float = 30.0
+    degradation: bool = setting(False, "shed by priority tier when capacity falls short of demand", group=_DEGRADE)
+    slo_ttft_ms: float = setting(500.0, "time-to-first-token SLO", check=positive, group=_DEGRADE)
+    slo_tpot_ms: float = setting(30.0, "time per output token SLO", check=positive, group=_DEGRADE)
+    slo_output_tokens: int = setting(256, "average output tokens", check=positive, group=_DEGRADE)
+    slo_max_batch: int = setting(256, "sequences one worker runs at once", check=positive, group=_DEGRADE)
+    shed_retry_after_s: float = setting(30.0, "Retry-After of shed requests (s)", check=positive, group=_DEGRADE)
     # the public edge (issue 12): HTTP limits and who may call what
     http: HttpLimits = field(default_factory=HttpLimits)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
-        if self.router_mode not in ROUTER_MODES:
-            raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {self.router_mode!r}")
-        if not 0 <= self.http_port < 65536:
-            raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
-        for name in ("keepalive_s", "max_body_bytes", "connect_timeout_s", "response_timeout_s"):
-            _positive(name, getattr(self, name))
-        if self.canary_interval_s < 0:
-            raise ValueError(f"--canary-interval must not be negative, got {self.canary_interval_s}")
-        _positive("--canary-timeout", self.canary_timeout_s)
-        _positive("--breaker-recovery", self.breaker_recovery_s)
-        if self.migration_limit < 0:
-            raise ValueError(f"--migration-limit must not be negative, got {self.migration_limit}")
-        if self.worker_wait_s < 0:
-            raise ValueError(f"--worker-wait must not be negative, got {self.worker_wait_s}")
-        if self.kv_overlap_weight < 0 or self.router_temperature < 0:
-            raise ValueError("--kv-overlap-weight and --router-temperature must not be negative")
-        if self.kv_block_size is not None:
-            _positive("--kv-block-size", self.kv_block_size)
-        if self.admission_threshold is not None:
-            _positive("--admission-threshold", self.admission_threshold)
-        _positive("--admission-max-queue", self.admission_max_queue)
+        check(self)
 
     @property
     def kv_routing(self) -> bool:
@@ -265,16 +218,17 @@ class RunConfig:
 
     frontend: FrontendConfig
     worker: WorkerConfig
-    workers: int = 2
+    workers: int = setting(2, "number of worker processes", check=at_least(1))
     # disaggregated: this many prefill and decode workers instead of ``workers`` aggregated ones
-    prefill_workers: int = 0
-    decode_workers: int = 0
+    prefill_workers: int = setting(0, "disaggregated: prefill worker processes", check=non_negative)
+    decode_workers: int = setting(0, "disaggregated: decode worker processes", check=non_negative)
+    max_failed_starts: int = setting(
+        5, "give up (exit 1 with the worker's error) after this many worker starts in a row fail",
+        check=positive,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {self.workers}")
-        if self.prefill_workers < 0 or self.decode_workers < 0:
-            raise ValueError("--prefill-workers and --decode-workers must be >= 0")
+        check(self)
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ValueError("disaggregated serving needs both --prefill-workers and --decode-workers (at least 1 each)")
 
@@ -289,49 +243,93 @@ def _default_file_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"kvmesh-discovery-{os.getuid()}")
 
 
+def _namespace_ok(value: object) -> str | None:
+    ok = isinstance(value, str) and value and "." not in value and "/" not in value
+    return None if ok else "must be a non-empty name without '.' or '/'"
+
+
+_RT = "distributed runtime"
+_SEC = "secured etcd / NATS (the etcd password only from KVMESH_ETCD_PASSWORD)"
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """How a process joins the distributed runtime (``kvmesh frontend`` / ``worker``)."""
 
-    namespace: str = "kvmesh"
-    discovery: str = "file"
-    etcd_endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
-    file_discovery_dir: str = field(default_factory=_default_file_dir)
-    nats_url: str = "nats://127.0.0.1:4222"
-    request_plane: str = "tcp"
-    event_plane: str = "zmq"
-    host: str = "127.0.0.1"
-    lease_ttl_s: float = 10.0
-    # secured etcd / NATS (all optional; see README "Securing a fleet"); the etcd password
-    # comes from KVMESH_ETCD_PASSWORD only, never a flag
-    etcd_ca_file: str = ""
-    etcd_cert_file: str = ""
-    etcd_key_file: str = ""
-    etcd_user: str = ""
-    etcd_password: str = field(default="", repr=False)
-    nats_creds_file: str = ""
-    nats_ca_file: str = ""
-    nats_cert_file: str = ""
-    nats_key_file: str = ""
+    namespace: str = setting("kvmesh", "namespace of this fleet", env="KVMESH_NAMESPACE", check=_namespace_ok, group=_RT)
+    discovery: str = setting("file", "discovery backend", env="KVMESH_DISCOVERY", choices=DISCOVERY_BACKENDS, group=_RT)
+    etcd_endpoints: tuple[str, ...] = setting(
+        ("http://127.0.0.1:2379",), "etcd endpoints, comma-separated", env="KVMESH_ETCD_ENDPOINTS",
+        parse=split_commas, group=_RT,
+    )  # fmt: skip
+    # "" : a per-user folder in the temporary directory (file_discovery_path)
+    file_discovery_dir: str = setting("", "folder of file discovery (default: a per-user temporary folder)",
+                                      env="KVMESH_FILE_DISCOVERY_DIR", group=_RT)  # fmt: skip
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server", env="KVMESH_NATS_URL", group=_RT)
+    request_plane: str = setting("tcp", "request plane", env="KVMESH_REQUEST_PLANE", choices=REQUEST_PLANES, group=_RT)
+    event_plane: str = setting("zmq", "event plane", env="KVMESH_EVENT_PLANE", choices=EVENT_PLANES, group=_RT)
+    host: str = setting("127.0.0.1", "address to bind and advertise", env="KVMESH_HOST", group=_RT)
+    lease_ttl_s: float = setting(
+        10.0, "seconds a dead process stays in discovery (etcd grants at least its minimum, 2 s by default)",
+        env="KVMESH_LEASE_TTL", check=positive, group=_RT,
+    )  # fmt: skip
+    # secured etcd / NATS (all optional; see README "Securing a fleet")
+    etcd_ca_file: str = setting("", "CA bundle for https:// endpoints", flag="--etcd-ca", env="KVMESH_ETCD_CA", group=_SEC)
+    etcd_cert_file: str = setting("", "client certificate", flag="--etcd-cert", env="KVMESH_ETCD_CERT", group=_SEC)
+    etcd_key_file: str = setting("", "client key", flag="--etcd-key", env="KVMESH_ETCD_KEY", group=_SEC)
+    etcd_user: str = setting("", "etcd user (password: KVMESH_ETCD_PASSWORD)", env="KVMESH_ETCD_USER", group=_SEC)
+    etcd_password: str = setting("", "etcd password", flag=NO_FLAG, env="KVMESH_ETCD_PASSWORD")
+    nats_creds_file: str = setting(
+        "", "NATS credentials file (JWT + nkey)", flag="--nats-creds", env="KVMESH_NATS_CREDS", group=_SEC
+    )
+    nats_ca_file: str = setting("", "CA bundle for tls:// servers", flag="--nats-ca", env="KVMESH_NATS_CA", group=_SEC)
+    nats_cert_file: str = setting("", "client certificate", flag="--nats-cert", env="KVMESH_NATS_CERT", group=_SEC)
+    nats_key_file: str = setting("", "client key", flag="--nats-key", env="KVMESH_NATS_KEY", group=_SEC)
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("discovery", DISCOVERY_BACKENDS),
-            ("request_plane", REQUEST_PLANES),
-            ("event_plane", EVENT_PLANES),
-        ):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} (or {ENV_VARS[name]}) must be one of {', '.join(allowed)}, got {value!r}"
-                )
-        if not self.namespace or "." in self.namespace or "/" in self.namespace:
-            raise ValueError(f"--namespace must be a non-empty name without '.' or '/', got {self.namespace!r}")
-        _positive("--lease-ttl (or KVMESH_LEASE_TTL)", self.lease_ttl_s)
+        if not self.file_discovery_dir:
+            object.__setattr__(self, "file_discovery_dir", _default_file_dir())
+        check(self)
+
+    def __repr__(self) -> str:  # the password stays out of logs
+        return f"RuntimeConfig(namespace={self.namespace!r}, discovery={self.discovery!r}, host={self.host!r})"
 
     @property
     def needs_nats(self) -> bool:
         return self.request_plane == "nats" or self.event_plane == "nats"
+
+
+_CLUSTER = "cluster credentials (internal connections)"
+
+
+@dataclass(frozen=True)
+class ClusterCredentials:
+    """The fleet's shared secret and mutual TLS (kvmesh.runtime.auth reads them from
+    the environment, which child processes inherit; the CLI puts given flags there)."""
+
+    cluster_secret_file: str = setting(
+        "", "the fleet's shared secret: internal connections are authenticated and discovery records and NATS"
+        " messages signed (or the secret itself in KVMESH_CLUSTER_SECRET; kvmesh run makes a random one by default)",
+        env="KVMESH_CLUSTER_SECRET_FILE", metavar="FILE", group=_CLUSTER,
+    )  # fmt: skip
+    tls_cert: str = setting(
+        "", "mutual TLS on internal TCP connections: this process's certificate", env="KVMESH_TLS_CERT", metavar="PEM",
+        group=_CLUSTER,
+    )  # fmt: skip
+    tls_key: str = setting("", "its private key", env="KVMESH_TLS_KEY", metavar="PEM", group=_CLUSTER)
+    tls_ca: str = setting(
+        "", "the fleet's CA: peers must present a certificate it signed", env="KVMESH_TLS_CA", metavar="PEM", group=_CLUSTER
+    )
+
+
+def _env_vars() -> dict[str, str]:
+    from kvmesh.settings import settings_of
+
+    return {f.name: m.env for f, m in settings_of(RuntimeConfig) if m.env}
+
+
+# field name -> environment variable of the runtime settings (derived from the declarations)
+ENV_VARS = _env_vars()
 
 
 def debug_enabled() -> bool:

@@ -3,7 +3,8 @@ files (config, tokenizer, template) over the request plane and caches them."""
 
 from __future__ import annotations
 
-from kvmesh.config import FrontendConfig, MockerConfig, WorkerConfig
+from kvmesh.config import FrontendConfig, WorkerConfig
+from kvmesh.engines.settings import MockerSettings
 from kvmesh.frontend.models import ModelRegistry
 from kvmesh.observability.metrics import FrontendMetrics
 from kvmesh.protocol import InstanceInfo
@@ -14,7 +15,7 @@ from kvmesh.worker.service import WorkerService
 
 async def test_frontend_fetches_model_files_it_cannot_read(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    engine, path = build_engine(WorkerConfig(mocker=MockerConfig(speedup=1e9)))
+    engine, path = build_engine(WorkerConfig(engine_options=MockerSettings(speedup=1e9)))
     service = WorkerService(engine)
     config = await service.start()
     try:

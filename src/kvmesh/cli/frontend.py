@@ -6,9 +6,13 @@ import atexit
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from kvmesh.config import FrontendConfig, RuntimeConfig
 from kvmesh.errors import KvmeshError
+
+if TYPE_CHECKING:
+    from kvmesh.runtime.distributed import Client
 
 __all__ = ["run_frontend"]
 
@@ -59,9 +63,11 @@ async def _serve(cfg, rcfg, static_workers, model_path, sock, log_level) -> int:
         frontend = Frontend(cfg, plane)
     if model_path:
         frontend.registry.add_model(model_path)
+    source: StaticWorkers | Client  # both: close() when done
     if static_workers:
-        source = StaticWorkers(static_workers, frontend.registry)
-        await source.start()
+        static = StaticWorkers(static_workers, frontend.registry)
+        await static.start()
+        source = static
     else:
         assert runtime is not None
         source = await watch_workers(runtime, frontend.registry)

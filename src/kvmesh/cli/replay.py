@@ -43,12 +43,10 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--duration-ms", type=float, default=None, help="only requests within this long after --start-ms")
     m = p.add_argument_group("mocker workers")
     m.add_argument("--block-size", type=int, default=512, help="KV block size in tokens (default 512, the trace's)")
-    m.add_argument("--num-blocks", type=int, default=8192, help="KV blocks per worker (default 8192)")
-    m.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences per worker (default 256)")
-    m.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step (default 8192)")
-    m.add_argument("--speedup", type=float, default=1.0, help="divide modelled step times by this")
-    m.add_argument("--eos-probability", type=float, default=0.0,
-                   help="chance of a natural end-of-sequence per generated token (default 0: each request's output_length)")
+    from kvmesh.engines.settings import MockerSettings
+    from kvmesh.settings import add_flags
+
+    add_flags(p, MockerSettings, exclude=("fault",))  # the same declarations as `kvmesh run --engine mocker`
     r = p.add_argument_group("KV router")
     r.add_argument("--overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the cost (default 1)")
     r.add_argument("--router-temperature", type=float, default=0.0, help="0: lowest cost wins; > 0: softmax sampling")
@@ -66,15 +64,18 @@ def _fail(message: str, status: int) -> int:
 
 def _config(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvmesh.engines.mocker.options import MockerOptions
+    from kvmesh.engines.settings import MockerSettings
     from kvmesh.replay.runner import ReplayConfig
+    from kvmesh.settings import resolve
 
+    m = resolve(MockerSettings, ns)
     mocker = MockerOptions(
         block_size=ns.block_size,
-        num_blocks=ns.num_blocks,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        speedup=ns.speedup,
-        eos_rate=ns.eos_probability,
+        num_blocks=m.num_blocks,
+        max_num_seqs=m.max_num_seqs,
+        max_num_batched_tokens=m.max_num_batched_tokens,
+        speedup=m.speedup,
+        eos_rate=m.eos_probability,
     )
     policies = tuple(p.strip() for p in ns.policy.split(",") if p.strip())
     return ReplayConfig(

@@ -15,11 +15,20 @@ import logging
 import signal
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvmesh.config import RunConfig
 from kvmesh.errors import KvmeshError
+
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Awaitable, Callable
+
+    from kvmesh.protocol import InstanceInfo
+    from kvmesh.runtime.distributed import DistributedRuntime
+    from kvmesh.worker.supervisor import ForkedWorker, Supervisor
 
 __all__ = ["run_embedded"]
 
@@ -75,7 +84,7 @@ def _own_cluster_secret() -> None:
     auth.process_secret()  # a bad secret file fails here, before anything starts
 
 
-def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
+def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
     """Fork the aggregated workers now, before this process has an event loop; the
     modules both sides use are imported first, once. Disaggregated workers are
     started later: they need the address of the prefill queue this process serves."""
@@ -90,7 +99,7 @@ def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
     return prefork(cfg.worker, cfg.workers, close=[sock])
 
 
-async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int:  # type: ignore[no-untyped-def]
+async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked: list[ForkedWorker]) -> int:
     from kvmesh.config import RuntimeConfig
     from kvmesh.runtime.distributed import DistributedRuntime, instance_key, sign_record
     from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
@@ -101,7 +110,7 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
     await runtime.start()
     ns = runtime.config.namespace
 
-    async def on_ready(info):  # type: ignore[no-untyped-def]
+    async def on_ready(info: InstanceInfo) -> None:
         key = instance_key(ns, info.component or COMPONENT, GENERATE, info.worker_id)
         await runtime.discovery.put(key, msgspec.json.encode(sign_record(runtime.secret, key, info)))
 
@@ -134,37 +143,61 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
         server = make_server(frontend.app, log_level)
         server.config.timeout_graceful_shutdown = 5
         announcer = asyncio.get_running_loop().create_task(_announce(cfg, entry.name, server, frontend.registry))
+        give_up = asyncio.get_running_loop().create_task(_give_up(supervisors, server))
         try:
             await server.serve(sockets=[sock])
         finally:
             announcer.cancel()
+            give_up.cancel()
             await watcher.close()
             await prefill_watch.close()
     finally:
         for one in supervisors:
             await one.stop()
         await runtime.shutdown()
+    failed = [one.error for one in supervisors if one.failed.is_set()]
+    if failed:
+        return _fail(failed[0])
     return 0
 
 
-async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: list) -> list:  # type: ignore[no-untyped-def]
+async def _give_up(supervisors: list[Supervisor], server: Any) -> None:
+    """Stop serving once a supervisor gives up on a crash loop (kvmesh run then exits
+    1 with the worker's error)."""
+    waits = [asyncio.ensure_future(one.failed.wait()) for one in supervisors]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    server.should_exit = True
+
+
+async def _supervisors(
+    cfg: RunConfig,
+    runtime: DistributedRuntime,
+    on_ready: Callable[[InstanceInfo], Awaitable[None]],
+    on_exit: Callable[[int], Awaitable[None]],
+    preforked: list[ForkedWorker],
+) -> list[Supervisor]:
     """The worker processes to keep running: ``workers`` aggregated ones (``preforked``
     already), or (with ``--prefill-workers``/``--decode-workers``) decode and prefill
     ones sharing this process's prefill queue, served on the request plane."""
     from kvmesh.worker.supervisor import Supervisor
 
+    limit = cfg.max_failed_starts
     if not cfg.disaggregated:
-        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit, preforked=preforked)]
+        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit, preforked=preforked, max_failed_starts=limit)]
     address = await _serve_prefill_queue(cfg, runtime)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")
     return [
-        Supervisor(decode, cfg.decode_workers, on_ready, on_exit),
-        Supervisor(prefill, cfg.prefill_workers, on_ready, on_exit, first_id=1_000_000),
+        Supervisor(decode, cfg.decode_workers, on_ready, on_exit, max_failed_starts=limit),
+        Supervisor(prefill, cfg.prefill_workers, on_ready, on_exit, first_id=1_000_000, max_failed_starts=limit),
     ]
 
 
-async def _serve_prefill_queue(cfg: RunConfig, runtime) -> str:  # type: ignore[no-untyped-def]
+async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> str:
     """Embedded mode's global prefill queue (in this process), and the decode workers'
     KV endpoints from this process's discovery, for the workers to reach over TCP."""
     from kvmesh.disagg.queue import LocalPrefillQueue, serve_queue

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 import msgspec
@@ -28,6 +30,8 @@ from kvmesh.runtime.names import GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
 from kvmesh.worker.service import WorkerService
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+
     from kvmesh.worker.disagg import Roles
 
 __all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher"]
@@ -40,48 +44,32 @@ UNREGISTER_TIMEOUT_S = 2.0
 
 
 def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> tuple[Engine, str]:
-    """The engine ``cfg`` names, over the model folder it names (default: bundled)."""
+    """The engine ``cfg`` names (through :mod:`kvmesh.engines.registry`), over the
+    model folder it names (default: bundled)."""
+    from kvmesh.engines.registry import EngineSpec, build
     from kvmesh.preprocess.model import bundled_model_path, load_model_folder
 
     model_path = cfg.model_path or str(bundled_model_path())
     model = load_model_folder(model_path)
-    if cfg.engine == "mocker":
-        from kvmesh.engines.mocker import MockerEngine, MockerOptions
-        from kvmesh.engines.mocker.faults import FaultSpec
+    spec = EngineSpec(
+        model_path=model_path,
+        served_model_name=model.name,
+        vocab_size=model.vocab_size,
+        eos_token_ids=tuple(model.eos_token_ids),
+        special_token_ids=tuple(model.special_token_ids),
+        context_length=model.context_length,
+        worker_id=cfg.worker_id,
+        block_size=cfg.block_size,
+    )
+    return build(cfg.engine, cfg.engine_options, spec, publisher or NullPublisher()), model_path
 
-        m = cfg.mocker
-        options = MockerOptions(
-            block_size=m.block_size,
-            num_blocks=m.num_blocks,
-            max_num_seqs=m.max_num_seqs,
-            max_num_batched_tokens=m.max_num_batched_tokens,
-            speedup=m.speedup,
-            vocab_size=model.vocab_size,
-            eos_token_ids=tuple(model.eos_token_ids),
-            special_token_ids=model.special_token_ids,
-            context_length=model.context_length,
-            worker_id=cfg.worker_id,
-            model=model_path,
-            served_model_name=model.name,
-            fault=FaultSpec.parse(m.fault) if m.fault else FaultSpec(),
-            eos_rate=m.eos_probability,
-        )
-        return MockerEngine(options, publisher or NullPublisher()), model_path
-    if cfg.engine == "vllm":
-        from kvmesh.engines.vllm import VllmEngine, VllmOptions
 
-        options = VllmOptions.from_env(model_path, served_model_name=model.name, worker_id=cfg.worker_id)
-        return VllmEngine(options, publisher or NullPublisher()), model_path
-    if cfg.engine == "hf":
-        from kvmesh.engines.hf import HfEngine, HfOptions
+def fault_injector(cfg: WorkerConfig, engine: Engine) -> Callable[[str], None] | None:
+    """The worker's ``fault`` endpoint, where ``cfg``'s engine registered one."""
+    from kvmesh.engines.registry import entry
 
-        # the KV block size is the one flag engines share (the KV router must agree);
-        # the rest comes from KVMESH_HF_* variables
-        hf = HfOptions.from_env(
-            model_path, served_model_name=model.name, worker_id=cfg.worker_id, block_size=cfg.mocker.block_size
-        )
-        return HfEngine(hf, publisher or NullPublisher()), model_path
-    raise ValueError(f"unknown engine {cfg.engine!r}")
+    inject = entry(cfg.engine).inject_fault
+    return None if inject is None else functools.partial(inject, engine)
 
 
 def die_with_parent() -> None:
@@ -125,7 +113,9 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
     plane, publisher, event_address = await event_publisher("zmq", cfg.worker_id, host=cfg.host)
     engine, model_path = build_engine(cfg, publisher)
     roles = await wire(cfg, engine, cfg.worker_id)
-    service = WorkerService(roles.engine, TcpServer(cfg.host, cfg.port), cfg.validate_streams, roles.stats)
+    service = WorkerService(
+        roles.engine, TcpServer(cfg.host, cfg.port), cfg.validate_streams, roles.stats, fault_injector(cfg, engine)
+    )
     try:
         config = await service.start()
         info = InstanceInfo(
@@ -199,7 +189,7 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         roles = await wire(cfg, engine, runtime.lease_id, runtime=runtime)
         endpoint = runtime.namespace().component(roles.component).endpoint(GENERATE)
         server = await runtime.request_server(roles.component)
-        service = WorkerService(roles.engine, server, cfg.validate_streams, roles.stats)
+        service = WorkerService(roles.engine, server, cfg.validate_streams, roles.stats, fault_injector(cfg, engine))
         config = await service.start()
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
         info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles, service, default_port=0))
@@ -246,7 +236,7 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def event_publisher(
-    kind: str, publisher_id: int, *, nats: object = None, namespace: str = "kvmesh", host: str = "127.0.0.1"
+    kind: str, publisher_id: int, *, nats: NatsClient | None = None, namespace: str = "kvmesh", host: str = "127.0.0.1"
 ) -> tuple[EventPlane, EventPublisher, str]:
     """A worker's KV events and load reports onto an event plane; returns the plane (to
     close), the engine-facing publisher and the address subscribers connect to."""

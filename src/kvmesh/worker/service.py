@@ -65,8 +65,10 @@ class WorkerService:
         server: RequestServer | None = None,
         validate: bool = False,
         disagg_stats: Callable[[], DisaggStats | None] | None = None,
+        inject_fault: Callable[[str], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._inject_fault = inject_fault  # the engine's registry entry's (kvmesh.engines.registry)
         self._disagg_stats = disagg_stats
         self.server: RequestServer = server if server is not None else TcpServer()
         self.config: EngineConfig | None = None
@@ -147,14 +149,11 @@ class WorkerService:
 
     async def _fault(self, payload: bytes, ctx: Context) -> AsyncIterator[str]:
         """Switch fault injection at run time: payload = a fault spec string ("" clears)."""
-        set_fault = getattr(self.engine, "set_fault", None)
-        if set_fault is None:
+        if self._inject_fault is None:
             raise InvalidArgument(f"{type(self.engine).__name__} has no fault injection")
-        from kvmesh.engines.mocker.faults import FaultSpec
-
         try:
             spec = msgspec.msgpack.decode(payload, type=str)
-            set_fault(FaultSpec.parse(spec) if spec else FaultSpec())
+            self._inject_fault(spec)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
             raise InvalidArgument(f"bad fault spec: {exc}") from None
         yield spec or "none"

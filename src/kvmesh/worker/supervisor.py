@@ -1,17 +1,25 @@
 """Embedded mode: the frontend process starts and supervises its worker processes.
 
-Each worker is its own OS process (``kvmesh worker ... --die-with-parent``), so a crash
-takes down only itself: the supervisor reports the exit (the frontend drops the
-instance), waits a backoff and starts a replacement with a fresh worker id. Workers
-die with the supervisor's process (Linux parent-death signal), and :meth:`stop`
-ends them in order: SIGTERM (graceful drain), then SIGKILL after a timeout.
+Each worker is its own OS process, so a crash takes down only itself: the supervisor
+reports the exit (the frontend drops the instance), waits a backoff and starts a
+replacement with a fresh worker id. Workers die with the supervisor's process (Linux
+parent-death signal), and :meth:`stop` ends them in order: SIGTERM (graceful drain),
+then SIGKILL after a timeout.
+
+A crash loop is not served forever: each worker that exits before it is ready (a
+failed start) doubles the backoff (capped at ``max_backoff_s``); a worker that gets
+ready resets it. After ``max_failed_starts`` failed starts in a row the supervisor
+gives up: :attr:`Supervisor.failed` is set and :attr:`Supervisor.error` holds the
+worker's own error on one line (its ``KVMESH_FAILED`` line, the same for every
+engine), which ``kvmesh run`` prints before it exits 1.
 
 Start-up: :func:`prefork` forks the first workers from the ``kvmesh run`` process
 before its event loop and HTTP stack exist. There is no exec: a child keeps the
-interpreter and the modules already imported, and runs the same ``kvmesh worker``
-command line in-process. So the workers start in parallel with the frontend, and
-each skips an interpreter start. The supervisor adopts them (:class:`ForkedWorker`);
-replacements start with exec (:func:`worker_command`).
+interpreter and the modules already imported, and runs the worker from the parent's
+:class:`~kvmesh.config.WorkerConfig` object (no argv). So the workers start in
+parallel with the frontend, and each skips an interpreter start. The supervisor
+adopts them (:class:`ForkedWorker`); replacements start with exec
+(:func:`worker_command`) and read their config object from stdin.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import pickle
 import random
 import signal
 import socket
@@ -33,6 +42,7 @@ import msgspec
 
 from kvmesh.config import WorkerConfig
 from kvmesh.protocol import InstanceInfo
+from kvmesh.worker.child import FAILED_PREFIX
 from kvmesh.worker.main import READY_PREFIX
 
 __all__ = ["Supervisor", "worker_command", "prefork", "ForkedWorker"]
@@ -42,12 +52,9 @@ log = logging.getLogger("kvmesh.supervisor")
 _decode_info = msgspec.json.Decoder(InstanceInfo).decode
 
 
-def _worker_args(cfg: WorkerConfig) -> list[str]:
-    return ["worker", *cfg.to_args(), "--static", "--die-with-parent"]
-
-
-def worker_command(cfg: WorkerConfig) -> list[str]:
-    return [sys.executable, "-m", "kvmesh.cli.main", *_worker_args(cfg)]
+def worker_command() -> list[str]:
+    """A replacement worker: it reads its pickled WorkerConfig from stdin."""
+    return [sys.executable, "-m", "kvmesh.worker.child"]
 
 
 class ForkedWorker:
@@ -137,9 +144,9 @@ def _forked_worker_main(cfg: WorkerConfig, parent: int, stdout_fd: int, close: S
         os.close(null)
         random.seed()  # not the frontend's random state
         logging.root.handlers.clear()  # the worker sets up its own logging
-        from kvmesh.cli.main import main
+        from kvmesh.worker.child import run_worker
 
-        code = main(_worker_args(cfg))
+        code = run_worker(cfg)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - report it, then leave without the parent's atexit
@@ -175,6 +182,8 @@ class Supervisor:
         startup_timeout_s: float = 60.0,
         first_id: int = 0,
         preforked: Sequence[ForkedWorker] = (),
+        max_failed_starts: int = 5,
+        max_backoff_s: float = 10.0,
     ) -> None:
         self.template = template
         self.count = count
@@ -191,6 +200,11 @@ class Supervisor:
         self._stopping = False
         self._next_id = first_id + count
         self.exits = 0
+        self.max_failed_starts = max_failed_starts
+        self.max_backoff_s = max_backoff_s
+        self.failed_starts = 0  # in a row, over all slots; a worker that gets ready resets it
+        self.failed = asyncio.Event()  # set when the supervisor gives up (see error)
+        self.error = ""
 
     def start(self) -> None:
         for slot in range(self.count):
@@ -201,28 +215,51 @@ class Supervisor:
         while not self._stopping:
             cfg = replace(self.template, worker_id=worker_id)
             try:
-                await self._run_once(cfg)
-            except Exception:  # noqa: BLE001 - keep supervising the other slots
+                ready, why = await self._run_once(cfg)
+            except Exception as exc:  # noqa: BLE001 - keep supervising the other slots
                 log.exception("worker %d failed to run", worker_id)
+                ready, why = False, f"{type(exc).__name__}: {exc}"
             if self._stopping or not self.restart:
                 return
-            await asyncio.sleep(self.backoff_s)
+            if not self._count_start(ready, why):
+                return
+            await asyncio.sleep(self._delay())
             worker_id = self._next_id
             self._next_id += 1
 
-    async def _run_once(self, cfg: WorkerConfig) -> None:
+    def _count_start(self, ready: bool, why: str) -> bool:
+        """Count a failed start (or reset the count); False once the supervisor gives up."""
+        if ready:
+            self.failed_starts = 0
+            return True
+        self.failed_starts += 1
+        if self.failed_starts < self.max_failed_starts:
+            return not self.failed.is_set()
+        if not self.failed.is_set():
+            self.error = f"{self.failed_starts} worker starts in a row failed; the last: {why}"
+            log.error("%s", self.error)
+            self.failed.set()
+        return False
+
+    def _delay(self) -> float:
+        """The backoff before the next start: doubled per failed start in a row, capped."""
+        if self.failed_starts == 0:
+            return self.backoff_s
+        return float(min(self.backoff_s * 2 ** (self.failed_starts - 1), self.max_backoff_s))
+
+    async def _run_once(self, cfg: WorkerConfig) -> tuple[bool, str]:
+        """Run one worker process to its end: (whether it got ready, why it ended)."""
         proc = self._preforked.pop(cfg.worker_id, None)
         if proc is not None:
             await proc.adopt()
         else:
-            proc = await asyncio.create_subprocess_exec(
-                *worker_command(cfg), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
-            )
+            proc = await self._exec(cfg)
         self.procs[cfg.worker_id] = proc
         ready = False
+        failure: list[str] = []
         try:
             assert proc.stdout is not None
-            ready = await self._await_ready(cfg.worker_id, proc.stdout)
+            ready = await self._await_ready(cfg.worker_id, proc.stdout, failure)
             # keep draining stdout so the worker never blocks on a full pipe
             while await proc.stdout.readline():
                 pass
@@ -234,8 +271,24 @@ class Supervisor:
         if not self._stopping:
             self.exits += 1
             log.warning("worker %d (pid %d) exited with code %s", cfg.worker_id, proc.pid, code)
+        why = failure[-1] if failure else f"the worker exited with code {code} before it was ready"
+        return ready, why
 
-    async def _await_ready(self, worker_id: int, stdout: asyncio.StreamReader) -> bool:
+    async def _exec(self, cfg: WorkerConfig) -> Any:
+        """A replacement worker: a fresh interpreter, its config object on stdin."""
+        proc = await asyncio.create_subprocess_exec(
+            *worker_command(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps(cfg))
+        try:
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):  # it died already: its exit says why
+            pass
+        proc.stdin.close()
+        return proc
+
+    async def _await_ready(self, worker_id: int, stdout: asyncio.StreamReader, failure: list[str]) -> bool:
         while True:
             line = await stdout.readline()
             if not line:
@@ -244,6 +297,9 @@ class Supervisor:
             if text.startswith(READY_PREFIX):
                 await self.on_ready(_decode_info(text[len(READY_PREFIX) :]))
                 return True
+            if text.startswith(FAILED_PREFIX):
+                failure.append(text[len(FAILED_PREFIX) :].strip())
+                continue
             sys.stdout.write(text)
 
     async def stop(self, timeout_s: float = 10.0) -> None:

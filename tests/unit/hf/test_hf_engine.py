@@ -306,12 +306,17 @@ async def test_kv_access_refuses_bad_calls(engine, prompt_ids):
 
 
 def test_worker_builds_the_hf_engine_over_the_bundled_model(tiny_path, monkeypatch):
-    from kvmesh.config import MockerConfig, WorkerConfig
+    from kvmesh.config import WorkerConfig
     from kvmesh.worker.main import build_engine
 
     monkeypatch.setenv("KVMESH_HF_THREADS", "1")
     monkeypatch.setenv("KVMESH_HF_NUM_BLOCKS", "100")
-    engine, path = build_engine(WorkerConfig(engine="hf", worker_id=7, mocker=MockerConfig(block_size=32)))
+    # the CLI resolves KVMESH_HF_* once (kvmesh.settings); the worker gets the object
+    from kvmesh.engines.settings import HfSettings
+    from kvmesh.settings import resolve
+
+    cfg = WorkerConfig(engine="hf", worker_id=7, block_size=32, engine_options=resolve(HfSettings))
+    engine, path = build_engine(cfg)
     assert isinstance(engine, HfEngine) and path == str(tiny_path)
     opts = engine.options
     assert (opts.threads, opts.num_blocks, opts.block_size, opts.worker_id) == (1, 100, 32, 7)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.engines.settings import HfSettings
+
 __all__ = ["HfOptions", "ENV_PREFIX"]
 
-ENV_PREFIX = "KVMESH_HF_"
-# options a worker takes from KVMESH_HF_<NAME> (the CLI passes the rest)
-_ENV_INTS = ("num_blocks", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "threads", "seed")
+ENV_PREFIX = "KVMESH_HF_"  # the variables are declared in kvmesh.engines.settings.HfSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +54,18 @@ class HfOptions:
             raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
 
     @classmethod
-    def from_env(cls, model_path: str, env: Mapping[str, str] | None = None, **given: Any) -> HfOptions:
-        """Options for a worker: ``given`` ones, the rest from ``KVMESH_HF_<OPTION>``
-        variables (``KVMESH_HF_THREADS=1``, ``KVMESH_HF_KV_CACHE_MB=1024``, ...)."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for name in _ENV_INTS:
-            raw = env.get(ENV_PREFIX + name.upper(), "")
-            if raw == "":
-                continue
-            try:
-                values[name] = int(raw)
-            except ValueError:
-                raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer") from None
+    def from_settings(cls, settings: HfSettings, model_path: str, **given: Any) -> HfOptions:
+        """Options from the declared ``--hf-*`` settings (kvmesh.engines.settings) and
+        what the worker knows (``given``: served name, worker id, block size)."""
+        values: dict[str, Any] = {k: v for k, v in dataclasses.asdict(settings).items() if v is not None}
         values.update(given)
         return cls(model_path=model_path, **values)
+
+    @classmethod
+    def from_env(cls, model_path: str, env: Mapping[str, str] | None = None, **given: Any) -> HfOptions:
+        """Options for a worker: ``given`` ones, the rest from ``KVMESH_HF_<OPTION>``
+        variables (``KVMESH_HF_THREADS=1``, ``KVMESH_HF_KV_CACHE_MB=1024``, ...), as
+        declared in :class:`~kvmesh.engines.settings.HfSettings`."""
+        from kvmesh.settings import resolve
+
+        return cls.from_settings(resolve(HfSettings, env=env), model_path, **given)

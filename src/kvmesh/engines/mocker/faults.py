@@ -15,6 +15,8 @@ hang      the step loop stops before delivering; streams stay open and silent (a
 slow      the step takes ``factor`` × its modelled time (thermal throttling)
 corrupt   each delivered token id is replaced by a different, deterministic one
           (silent data corruption: the scheduler itself keeps the true tokens)
+start     no step: the mocker's factory refuses to build the engine, so the worker
+          fails at start (crash-loop tests of the supervisor); inert at run time
 ========= =============================================================================
 
 When it fires: the fault is armed once ``after_tokens`` tokens have been generated
@@ -30,60 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
+from kvmesh.engines.mocker.fault_spec import FaultKind, FaultSpec
+from kvmesh.engines.mocker.scheduler import StepOutput
 from kvmesh.errors import EngineShutdown
 
-if TYPE_CHECKING:  # the scheduler imports options, which imports this module
-    from kvmesh.engines.mocker.scheduler import StepOutput
-
 __all__ = ["FaultKind", "FaultSpec", "FaultInjector", "corrupt_token"]
-
-FaultKind = Literal["none", "crash", "hang", "slow", "corrupt"]
-_KINDS = ("none", "crash", "hang", "slow", "corrupt")
-
-
-@dataclass(frozen=True, slots=True)
-class FaultSpec:
-    """What goes wrong and when; see the module docstring."""
-
-    kind: FaultKind = "none"
-    factor: float = 1.0
-    after_tokens: int = 0
-    probability: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"fault kind must be one of {_KINDS}, got {self.kind!r}")
-        if not (math.isfinite(self.factor) and self.factor > 0):
-            raise ValueError(f"fault factor must be a positive finite number, got {self.factor}")
-        if self.after_tokens < 0:
-            raise ValueError(f"fault after_tokens must be >= 0, got {self.after_tokens}")
-        if not (0.0 <= self.probability <= 1.0):
-            raise ValueError(f"fault probability must be within [0, 1], got {self.probability}")
-
-    @property
-    def active(self) -> bool:
-        return self.kind != "none"
-
-    @classmethod
-    def parse(cls, text: str) -> FaultSpec:
-        """``kind[:key=value,...]`` → spec; raises ``ValueError`` on anything unknown."""
-        kind, _, rest = text.strip().partition(":")
-        fields: dict[str, float | int] = {}
-        for item in filter(None, (part.strip() for part in rest.split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or key not in ("factor", "after_tokens", "probability", "seed"):
-                raise ValueError(f"bad fault option {item!r} in {text!r}")
-            fields[key] = int(value) if key in ("after_tokens", "seed") else float(value)
-        return cls(kind, **fields)  # type: ignore[arg-type]  # kind is checked in __post_init__
-
 
 def corrupt_token(token: int, seed: int, vocab_size: int) -> int:
     """A token id that differs from ``token``, the same for the same inputs."""
@@ -122,6 +79,8 @@ class FaultInjector:
             return dataclasses.replace(out, tokens={s: corrupt_token(t, seed, vocab) for s, t in out.tokens.items()})
         if kind == "hang":
             await self._released.wait()
+            return out
+        if kind == "start":  # fires only when the engine is built (kvmesh.engines.registry)
             return out
         self._exit_fn(1)  # crash; os._exit never returns
         raise EngineShutdown("mocker fault: crash")

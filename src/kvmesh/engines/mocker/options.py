@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvmesh.engines.mocker.faults import FaultSpec
+from kvmesh.engines.mocker.fault_spec import FaultSpec
 
 __all__ = ["MockerOptions"]
 

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.engines.settings import VllmSettings
+
 __all__ = ["VllmOptions", "ENV_PREFIX"]
 
-ENV_PREFIX = "KVMESH_VLLM_"
-# option -> how to parse its KVMESH_VLLM_<NAME> environment variable
-_ENV_PARSERS: dict[str, Any] = {
-    "block_size": int,
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "dtype": str,
-    "seed": int,
-    "enforce_eager": lambda v: v.strip().lower() in ("1", "true", "yes", "on"),
-    "enable_prefix_caching": lambda v: v.strip().lower() in ("1", "true", "yes", "on"),
-    "kv_cache_gb": float,
-    "gpu_memory_utilization": float,
-    "kv_transfer_config": json.loads,
-    "engine_args": json.loads,
-}
+ENV_PREFIX = "KVMESH_VLLM_"  # the variables are declared in kvmesh.engines.settings.VllmSettings
 
 
 @dataclass(frozen=True)
@@ -75,24 +61,22 @@ class VllmOptions:
             raise ValueError(f"VllmOptions.engine_args must not set {sorted(clash)}: use the options of the same name")
 
     @classmethod
+    def from_settings(
+        cls, settings: VllmSettings, model: str, served_model_name: str = "", worker_id: int = 0
+    ) -> VllmOptions:
+        """Options from the declared ``--vllm-*`` settings (kvmesh.engines.settings)."""
+        values: dict[str, Any] = {k: v for k, v in dataclasses.asdict(settings).items() if v is not None}
+        return cls(model=model, served_model_name=served_model_name, worker_id=worker_id, **values)
+
+    @classmethod
     def from_env(cls, model: str, served_model_name: str = "", worker_id: int = 0, env: Mapping[str, str] | None = None) -> VllmOptions:
         """Options for a worker, the rest from ``KVMESH_VLLM_<OPTION>`` variables
         (``KVMESH_VLLM_BLOCK_SIZE=32``, ``KVMESH_VLLM_ENFORCE_EAGER=1``,
-        ``KVMESH_VLLM_KV_TRANSFER_CONFIG='{"kv_connector": ...}'`` (JSON), ...)."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for name, parse in _ENV_PARSERS.items():
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is None or raw == "":
-                continue
-            try:
-                values[name] = parse(raw)
-            except ValueError as exc:
-                raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {exc}") from None
-        for name in ("kv_transfer_config", "engine_args"):
-            if name in values and not isinstance(values[name], dict):
-                raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a JSON object")
-        return cls(model=model, served_model_name=served_model_name, worker_id=worker_id, **values)
+        ``KVMESH_VLLM_KV_TRANSFER_CONFIG='{"kv_connector": ...}'`` (JSON), ...), as
+        declared in :class:`~kvmesh.engines.settings.VllmSettings`."""
+        from kvmesh.settings import resolve
+
+        return cls.from_settings(resolve(VllmSettings, env=env), model, served_model_name, worker_id)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``AsyncEngineArgs`` keyword arguments, except the KV events and transfer

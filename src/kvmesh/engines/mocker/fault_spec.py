@@ -1,0 +1,54 @@
+"""What a mocker fault is (:class:`FaultSpec`) and its CLI form; no engine imports, so
+the mocker's options and settings can hold one. The run-time side is :mod:`.faults`.
+
+``start`` is the one kind that fires before any step: the mocker's factory refuses to
+build the engine (a worker that fails at start, as a misconfigured real engine does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["FaultKind", "FaultSpec"]
+
+FaultKind = Literal["none", "crash", "hang", "slow", "corrupt", "start"]
+_KINDS = ("none", "crash", "hang", "slow", "corrupt", "start")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    """What goes wrong and when; see the module docstring."""
+
+    kind: FaultKind = "none"
+    factor: float = 1.0
+    after_tokens: int = 0
+    probability: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"fault kind must be one of {_KINDS}, got {self.kind!r}")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"fault factor must be a positive finite number, got {self.factor}")
+        if self.after_tokens < 0:
+            raise ValueError(f"fault after_tokens must be >= 0, got {self.after_tokens}")
+        if not (0.0 <= self.probability <= 1.0):
+            raise ValueError(f"fault probability must be within [0, 1], got {self.probability}")
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        """``kind[:key=value,...]`` → spec; raises ``ValueError`` on anything unknown."""
+        kind, _, rest = text.strip().partition(":")
+        fields: dict[str, float | int] = {}
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("factor", "after_tokens", "probability", "seed"):
+                raise ValueError(f"bad fault option {item!r} in {text!r}")
+            fields[key] = int(value) if key in ("after_tokens", "seed") else float(value)
+        return cls(kind, **fields)  # type: ignore[arg-type]  # kind is checked in __post_init__

@@ -1,0 +1,136 @@
+"""Each engine's settings, declared once (:func:`kvmesh.settings.setting`): the flags,
+``KVMESH_*`` variables and config-file keys of ``--engine mocker | hf | vllm`` are
+derived from these classes, and a worker receives the resolved object.
+
+Light on purpose (no torch, no vLLM, no engine code): the CLI imports it to build its
+parser. :mod:`kvmesh.engines.registry` pairs each class with its engine's factory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvmesh.settings import EngineSettings, check, non_negative, positive, setting, within
+
+__all__ = ["MockerSettings", "HfSettings", "VllmSettings"]
+
+
+def _fault_ok(value: object) -> str | None:
+    if not value:
+        return None
+    from kvmesh.engines.mocker.fault_spec import FaultSpec  # light: no engine code
+
+    try:
+        FaultSpec.parse(str(value))
+    except (ValueError, TypeError) as exc:
+        return f"is not a fault spec ({exc})"
+    return None
+
+
+_MOCKER = "mocker engine"
+
+
+@dataclass(frozen=True)
+class MockerSettings(EngineSettings):
+    """``--engine mocker`` (the block size is the worker's ``--block-size``)."""
+
+    speedup: float = setting(
+        1.0, "divide modelled step times by this (1e9: as fast as possible)", env="KVMESH_MOCKER_SPEEDUP",
+        check=positive, group=_MOCKER,
+    )  # fmt: skip
+    num_blocks: int = setting(8192, "KV blocks per worker", env="KVMESH_MOCKER_NUM_BLOCKS", check=positive, group=_MOCKER)
+    max_num_seqs: int = setting(
+        256, "max running sequences per worker", env="KVMESH_MOCKER_MAX_NUM_SEQS", check=positive, group=_MOCKER
+    )
+    max_num_batched_tokens: int = setting(
+        8192, "token budget per step", env="KVMESH_MOCKER_MAX_NUM_BATCHED_TOKENS", check=positive, group=_MOCKER
+    )
+    fault: str = setting(
+        "", "inject a fault: crash | hang | slow:factor=K | corrupt | start [,after_tokens=N,probability=P]",
+        env="KVMESH_MOCKER_FAULT", check=_fault_ok, group=_MOCKER,
+    )  # fmt: skip
+    eos_probability: float = setting(
+        0.0, "chance of a natural end-of-sequence per generated token (0: every request gets max_tokens)",
+        env="KVMESH_MOCKER_EOS_PROBABILITY", check=within(0.0, 1.0), group=_MOCKER,
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+_HF = "hf engine (PyTorch on the CPU)"
+
+
+@dataclass(frozen=True)
+class HfSettings(EngineSettings):
+    """``--engine hf`` (the block size is the worker's ``--block-size``)."""
+
+    num_blocks: int | None = setting(
+        None, "KV blocks (default: as many as fit in --hf-kv-cache-mb)", flag="--hf-num-blocks",
+        env="KVMESH_HF_NUM_BLOCKS", check=positive, group=_HF,
+    )  # fmt: skip
+    kv_cache_mb: int = setting(256, "KV cache size in MiB", flag="--hf-kv-cache-mb", env="KVMESH_HF_KV_CACHE_MB",
+                               check=positive, group=_HF)  # fmt: skip
+    max_num_seqs: int = setting(64, "max running sequences", flag="--hf-max-num-seqs", env="KVMESH_HF_MAX_NUM_SEQS",
+                                check=positive, group=_HF)  # fmt: skip
+    max_num_batched_tokens: int = setting(
+        512, "tokens per forward pass (long prompts prefill in chunks of it)", flag="--hf-max-num-batched-tokens",
+        env="KVMESH_HF_MAX_NUM_BATCHED_TOKENS", check=positive, group=_HF,
+    )  # fmt: skip
+    threads: int = setting(0, "torch threads (0: torch's choice)", flag="--hf-threads", env="KVMESH_HF_THREADS",
+                           check=non_negative, group=_HF)  # fmt: skip
+    seed: int | None = setting(None, "sampler seed of requests without one", flag="--hf-seed", env="KVMESH_HF_SEED", group=_HF)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+_VLLM = "vllm engine"
+
+
+def _fraction(value: object) -> str | None:
+    ok = isinstance(value, float) and 0 < value <= 1
+    return None if ok else "must be in (0, 1]"
+
+
+@dataclass(frozen=True)
+class VllmSettings(EngineSettings):
+    """``--engine vllm``: what the worker tells vLLM (see VllmOptions)."""
+
+    block_size: int = setting(
+        32, "KV block size (vLLM's CPU attention needs a multiple of 32)", flag="--vllm-block-size",
+        env="KVMESH_VLLM_BLOCK_SIZE", check=positive, group=_VLLM,
+    )  # fmt: skip
+    max_model_len: int | None = setting(None, "context length (default: the model's)", flag="--vllm-max-model-len",
+                                        env="KVMESH_VLLM_MAX_MODEL_LEN", check=positive, group=_VLLM)  # fmt: skip
+    max_num_seqs: int = setting(64, "max running sequences", flag="--vllm-max-num-seqs", env="KVMESH_VLLM_MAX_NUM_SEQS",
+                                check=positive, group=_VLLM)  # fmt: skip
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens per step", flag="--vllm-max-num-batched-tokens", env="KVMESH_VLLM_MAX_NUM_BATCHED_TOKENS",
+        check=positive, group=_VLLM,
+    )  # fmt: skip
+    dtype: str = setting("auto", "weights dtype", flag="--vllm-dtype", env="KVMESH_VLLM_DTYPE", group=_VLLM)
+    seed: int = setting(0, "vLLM's seed", flag="--vllm-seed", env="KVMESH_VLLM_SEED", group=_VLLM)
+    enforce_eager: bool = setting(False, "no torch.compile (a much faster start on a CPU)", flag="--vllm-enforce-eager",
+                                  env="KVMESH_VLLM_ENFORCE_EAGER", group=_VLLM)  # fmt: skip
+    enable_prefix_caching: bool = setting(
+        True, "vLLM's prefix cache", flag="--vllm-enable-prefix-caching", env="KVMESH_VLLM_ENABLE_PREFIX_CACHING",
+        group=_VLLM, hidden=True,  # on by default; a store_true flag cannot turn it off (use the variable)
+    )  # fmt: skip
+    kv_cache_gb: float | None = setting(None, "CPU KV cache (VLLM_CPU_KVCACHE_SPACE)", flag="--vllm-kv-cache-gb",
+                                        env="KVMESH_VLLM_KV_CACHE_GB", check=positive, group=_VLLM)  # fmt: skip
+    gpu_memory_utilization: float | None = setting(
+        None, "fraction of GPU memory vLLM may use", flag="--vllm-gpu-memory-utilization",
+        env="KVMESH_VLLM_GPU_MEMORY_UTILIZATION", check=_fraction, group=_VLLM,
+    )  # fmt: skip
+    kv_transfer_config: Mapping[str, object] | None = setting(
+        None, "vLLM's KVTransferConfig (JSON object)", flag="--vllm-kv-transfer-config",
+        env="KVMESH_VLLM_KV_TRANSFER_CONFIG", group=_VLLM, metavar="JSON",
+    )  # fmt: skip
+    engine_args: Mapping[str, object] | None = setting(
+        None, "further AsyncEngineArgs fields (JSON object)", flag="--vllm-engine-args",
+        env="KVMESH_VLLM_ENGINE_ARGS", group=_VLLM, metavar="JSON",
+    )  # fmt: skip
+    def __post_init__(self) -> None:
+        check(self)

@@ -245,7 +245,8 @@ async def test_remote_prefill_is_a_child_and_a_link(spans: InMemorySpanExporter)
 
 async def test_the_trace_crosses_the_nats_request_plane(spans: InMemorySpanExporter, nats) -> None:  # type: ignore[no-untyped-def]
     """HTTP → request over a NATS subject (response over call-home TCP) → worker: one tree."""
-    from kvmesh.config import FrontendConfig, MockerConfig, WorkerConfig
+    from kvmesh.config import FrontendConfig, WorkerConfig
+    from kvmesh.engines.settings import MockerSettings
     from kvmesh.frontend.app import Frontend
     from kvmesh.frontend.server import bind_http, make_server
     from kvmesh.protocol import InstanceInfo
@@ -255,7 +256,7 @@ async def test_the_trace_crosses_the_nats_request_plane(spans: InMemorySpanExpor
 
     lease = 0x7ACE
     worker_nc, caller_nc = await connect_nats(nats.url), await connect_nats(nats.url)
-    engine, path = build_engine(WorkerConfig(mocker=MockerConfig(speedup=1e9)))
+    engine, path = build_engine(WorkerConfig(engine_options=MockerSettings(speedup=1e9)))
     service = WorkerService(engine, NatsRequestServer(worker_nc, "ns", "backend", lease), validate=True)
     config = await service.start()
     home = CallHomeServer()

@@ -26,7 +26,7 @@ from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Opener, Publisher, Subscription, seal
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
-from kvmesh.runtime.nats_plane import sync_with_server
+from kvmesh.runtime.nats import sync_with_server
 
 __all__ = ["NatsEventPlane", "NatsPublisher", "NatsEventSubscription"]
 

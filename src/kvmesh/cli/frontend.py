@@ -40,7 +40,7 @@ async def _serve(cfg, rcfg, static_workers, model_path, sock, log_level) -> int:
     from kvmesh.frontend.app import Frontend
     from kvmesh.frontend.server import make_server
     from kvmesh.frontend.sources import StaticWorkers, watch_workers
-    from kvmesh.runtime.distributed import DistributedRuntime
+    from kvmesh.runtime.distributed import Client, DistributedRuntime
 
     from kvmesh.runtime.event_plane import make_event_plane
 
@@ -54,6 +54,7 @@ async def _serve(cfg, rcfg, static_workers, model_path, sock, log_level) -> int:
         frontend = Frontend(cfg, plane)
     if model_path:
         frontend.registry.add_model(model_path)
+    source: StaticWorkers | Client
     if static_workers:
         source = StaticWorkers(static_workers, frontend.registry)
         await source.start()

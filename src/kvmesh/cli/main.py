@@ -51,13 +51,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--eos-probability", type=float, default=d.eos_probability,
                    help="chance of a natural end-of-sequence per generated token (default 0: every request gets max_tokens)")
     p.add_argument("--validate-streams", action="store_true", help="check every engine stream against the contract")
-    d = WorkerConfig()
+    w = WorkerConfig()
     g = p.add_argument_group("disaggregated prefill/decode")
-    g.add_argument("--max-local-prefill-length", type=int, default=d.max_local_prefill_length,
+    g.add_argument("--max-local-prefill-length", type=int, default=w.max_local_prefill_length,
                    help="decode workers prefill remotely only prompts with more uncached tokens than this")
-    g.add_argument("--max-prefill-queue-size", type=int, default=d.max_prefill_queue_size,
+    g.add_argument("--max-prefill-queue-size", type=int, default=w.max_prefill_queue_size,
                    help="... and only while the prefill queue holds fewer jobs than this")
-    g.add_argument("--remote-prefill-timeout", type=float, default=d.remote_prefill_timeout_s,
+    g.add_argument("--remote-prefill-timeout", type=float, default=w.remote_prefill_timeout_s,
                    help="seconds a decode worker waits for a remote prefill before prefilling locally")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve the worker's disaggregation counters for Prometheus on this port (0: any free port)")
@@ -280,7 +280,8 @@ def _mocker_config(ns: argparse.Namespace) -> MockerConfig:
 def _model_path(ns: argparse.Namespace) -> str | None:
     """``--model NAME`` resolved through the catalog (converting once), else ``--model-path``."""
     if ns.model is None:
-        return ns.model_path
+        path: str | None = ns.model_path
+        return path
     if ns.model_path is not None:
         raise ValueError("pass --model or --model-path, not both")
     from kvmesh.errors import InvalidArgument

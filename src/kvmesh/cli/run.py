@@ -13,12 +13,16 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 from dataclasses import replace
 
 import msgspec
 
 from kvmesh.config import RunConfig
 from kvmesh.errors import KvmeshError
+
+if TYPE_CHECKING:
+    from kvmesh.worker.supervisor import ForkedWorker, Supervisor
 
 __all__ = ["run_embedded"]
 
@@ -69,7 +73,7 @@ def _own_cluster_secret() -> None:
     auth.process_secret()  # a bad secret file fails here, before anything starts
 
 
-def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
+def _fork_workers(cfg: RunConfig, sock) -> list[ForkedWorker]:  # type: ignore[no-untyped-def]
     """Fork the aggregated workers now, before this process has an event loop; the
     modules both sides use are imported first, once. Disaggregated workers are
     started later: they need the address of the prefill queue this process serves."""
@@ -84,7 +88,7 @@ def _fork_workers(cfg: RunConfig, sock) -> list:  # type: ignore[no-untyped-def]
     return prefork(cfg.worker, cfg.workers, close=[sock])
 
 
-async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int:  # type: ignore[no-untyped-def]
+async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list[ForkedWorker]) -> int:  # type: ignore[no-untyped-def]
     from kvmesh.config import RuntimeConfig
     from kvmesh.runtime.distributed import DistributedRuntime, instance_key, sign_record
     from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
@@ -137,7 +141,7 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list) -> int: 
     return 0
 
 
-async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: list) -> list:  # type: ignore[no-untyped-def]
+async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: list[ForkedWorker]) -> list[Supervisor]:  # type: ignore[no-untyped-def]
     """The worker processes to keep running: ``workers`` aggregated ones (``preforked``
     already), or (with ``--prefill-workers``/``--decode-workers``) decode and prefill
     ones sharing this process's prefill queue, served on the request plane."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 from kvmesh.config import RuntimeConfig, WorkerConfig
 from kvmesh.errors import KvmeshError
@@ -12,7 +14,14 @@ from kvmesh.errors import KvmeshError
 __all__ = ["run_worker", "event_loop_runner"]
 
 
-def event_loop_runner():  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+
+
+class _Runner(Protocol):
+    def __call__(self, main: Coroutine[Any, Any, T], /) -> T: ...
+
+
+def event_loop_runner() -> _Runner:
     """``uvloop.run`` when uvloop is installed, else ``asyncio.run``."""
     try:
         import uvloop

@@ -24,10 +24,12 @@ Everything else is the inner engine's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from kvmesh.disagg.policy import needs_queue_check, place_prefill
 from kvmesh.disagg.queue import PrefillQueue
@@ -295,7 +297,7 @@ class DisaggEngine(Engine):
             tid = f"migrate-{uuid.uuid4().hex}"
             valid = -(-res.cached_tokens // layout.block_size)
             self._offers[tid] = self.transfer.offer(tid, res.block_ids[:valid])
-            self._offers[tid].add_done_callback(lambda _f, rid=rid: self.inner.kv_release(rid))
+            self._offers[tid].add_done_callback(functools.partial(self._release_after_offer, rid))
             self._handoffs[rid] = DisaggregatedParams(
                 kind="kv_source",
                 worker_id=self.worker_id,
@@ -308,6 +310,9 @@ class DisaggEngine(Engine):
             count += 1
         self.stats.kv_migrations_out += count
         return count
+
+    def _release_after_offer(self, request_id: str, _offer: asyncio.Future[tuple[int, str]]) -> None:
+        self.inner.kv_release(request_id)
 
     async def wait_handoffs(self, timeout_s: float = 10.0) -> None:
         """Wait until the new workers pulled the handed-off KV (or ``timeout_s``)."""
@@ -372,7 +377,8 @@ async def _wait_done(done: asyncio.Future[tuple[int, str]], ctx: Context, timeou
     """"" when the prefill worker finished, "cancelled", or why it failed."""
     stop = asyncio.ensure_future(ctx.stopped())
     try:
-        finished, _ = await asyncio.wait([done, stop], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        waiting: list[asyncio.Future[Any]] = [done, stop]
+        finished, _ = await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.cancel()
     if stop in finished or ctx.is_stopped():

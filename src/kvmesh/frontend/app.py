@@ -42,7 +42,7 @@ from kvmesh.frontend.models import ModelRegistry
 from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess_async
 from kvmesh.frontend.schemas import check_limits, parse
-from kvmesh.frontend.server import HttpApp, Request, Response
+from kvmesh.frontend.server import Handler, HttpApp, Request, Response, StreamingResponse
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvmesh.runtime.context import Context
@@ -173,10 +173,10 @@ class Frontend:
             limits=config.http,
         )
 
-    def _keyed(self, handler: Any) -> Any:
+    def _keyed(self, handler: Handler) -> Handler:
         """``handler`` behind the API key (when keys are configured)."""
 
-        async def keyed(request: Request) -> Response:
+        async def keyed(request: Request) -> Response | StreamingResponse:
             try:
                 self.auth.tier_of(request.headers.get("authorization"))
             except KvmeshError as exc:
@@ -185,11 +185,11 @@ class Frontend:
 
         return keyed
 
-    def _admin(self, handler: Any) -> Any:
+    def _admin(self, handler: Handler) -> Handler:
         """``handler`` behind the admin key; a body must be application/json (a web
         page cannot send that cross-origin without a preflight kvmesh never answers)."""
 
-        async def admin(request: Request) -> Response:
+        async def admin(request: Request) -> Response | StreamingResponse:
             try:
                 self.auth.check_admin(request.headers.get("authorization"))
                 if not self.auth.required and not _literal_host(request.headers.get("host", "")):
@@ -495,7 +495,8 @@ class _TokenText:
         self._tok = tokenizer
 
     def token_text(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        text: str = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
 
 def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -204,7 +204,7 @@ class ModelRegistry:
         name = info.engine.served_model_name
         entry = self.models[name]
         entry.engine = info.engine
-        instance = Instance(info, client)  # type: ignore[arg-type]
+        instance = Instance(info, client)
         if entry.kv is not None:
             entry.kv.add_worker(instance)  # refuses a worker whose block size differs
         entry.instances.add(instance)

@@ -28,6 +28,8 @@ from kvmesh.runtime.names import GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
 from kvmesh.worker.service import WorkerService
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+
     from kvmesh.worker.disagg import Roles
 
 __all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher"]
@@ -70,8 +72,8 @@ def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> 
     if cfg.engine == "vllm":
         from kvmesh.engines.vllm import VllmEngine, VllmOptions
 
-        options = VllmOptions.from_env(model_path, served_model_name=model.name, worker_id=cfg.worker_id)
-        return VllmEngine(options, publisher or NullPublisher()), model_path
+        vllm = VllmOptions.from_env(model_path, served_model_name=model.name, worker_id=cfg.worker_id)
+        return VllmEngine(vllm, publisher or NullPublisher()), model_path
     if cfg.engine == "hf":
         from kvmesh.engines.hf import HfEngine, HfOptions
 
@@ -244,7 +246,7 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def event_publisher(
-    kind: str, publisher_id: int, *, nats: object = None, namespace: str = "kvmesh", host: str = "127.0.0.1"
+    kind: str, publisher_id: int, *, nats: NatsClient | None = None, namespace: str = "kvmesh", host: str = "127.0.0.1"
 ) -> tuple[EventPlane, EventPublisher, str]:
     """A worker's KV events and load reports onto an event plane; returns the plane (to
     close), the engine-facing publisher and the address subscribers connect to."""

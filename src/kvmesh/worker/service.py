@@ -91,7 +91,10 @@ class WorkerService:
 
     @property
     def address(self) -> str:
-        return self.server.address  # type: ignore[attr-defined]
+        server = self.server
+        if not isinstance(server, TcpServer):
+            raise AttributeError(f"a {type(server).__name__} has no address")
+        return server.address
 
     async def _info(self, payload: bytes, ctx: Context) -> AsyncIterator[InstanceInfo]:
         """This instance's card (static mode has no discovery to read it from)."""

@@ -211,9 +211,11 @@ class Supervisor:
             self._next_id += 1
 
     async def _run_once(self, cfg: WorkerConfig) -> None:
-        proc = self._preforked.pop(cfg.worker_id, None)
-        if proc is not None:
-            await proc.adopt()
+        forked = self._preforked.pop(cfg.worker_id, None)
+        proc: ForkedWorker | asyncio.subprocess.Process
+        if forked is not None:
+            await forked.adopt()
+            proc = forked
         else:
             proc = await asyncio.create_subprocess_exec(
                 *worker_command(cfg), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE

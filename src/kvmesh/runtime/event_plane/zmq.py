@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import zmq
@@ -50,12 +51,12 @@ class CurveKeys:
         self.client_secret = zmq.utils.z85.encode(secret.derive("zmq-curve-subscriber"))
         self.client_public = zmq.curve_public(self.client_secret)
 
-    def publisher(self, sock: zmq.Socket) -> None:
+    def publisher(self, sock: zmq.Socket[Any]) -> None:
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
 
-    def subscriber(self, sock: zmq.Socket) -> None:
+    def subscriber(self, sock: zmq.Socket[Any]) -> None:
         sock.curve_serverkey = self.server_public
         sock.curve_secretkey = self.client_secret
         sock.curve_publickey = self.client_public
@@ -65,8 +66,8 @@ class ZmqPublisher(Publisher):
     """Bound at ``address`` (``tcp://host:port``). ``seq`` is the last sequence number
     used; ``dropped`` counts the envelopes zmq refused to queue."""
 
-    def __init__(self, sock: zmq.Socket, topic: str, publisher_id: int, secret: ClusterSecret | None = None) -> None:
-        self._sock: zmq.Socket | None = sock
+    def __init__(self, sock: zmq.Socket[bytes], topic: str, publisher_id: int, secret: ClusterSecret | None = None) -> None:
+        self._sock: zmq.Socket[bytes] | None = sock
         self._secret = secret
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.topic = topic

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from kvmesh.config import (
     DISCOVERY_BACKENDS,
@@ -293,8 +294,8 @@ def _model_path(ns: argparse.Namespace) -> str | None:
         raise ValueError(exc.message) from None
 
 
-def _worker_config(ns: argparse.Namespace, **overrides: object) -> WorkerConfig:
-    fields: dict[str, object] = dict(
+def _worker_config(ns: argparse.Namespace, **overrides: Any) -> WorkerConfig:
+    fields: dict[str, Any] = dict(
         model_path=_model_path(ns),
         engine=ns.engine,
         mocker=_mocker_config(ns),
@@ -306,7 +307,7 @@ def _worker_config(ns: argparse.Namespace, **overrides: object) -> WorkerConfig:
         metrics_port=ns.metrics_port,
     )
     fields.update(overrides)
-    return WorkerConfig(**fields)  # type: ignore[arg-type]
+    return WorkerConfig(**fields)
 
 
 def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:

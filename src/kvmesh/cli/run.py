@@ -22,6 +22,13 @@ from kvmesh.config import RunConfig
 from kvmesh.errors import KvmeshError
 
 if TYPE_CHECKING:
+    import socket
+    from collections.abc import Awaitable, Callable
+
+    from kvmesh.frontend.models import ModelRegistry
+    from kvmesh.frontend.server import HttpServer
+    from kvmesh.protocol import InstanceInfo, KvEndpoint
+    from kvmesh.runtime.distributed import DistributedRuntime
     from kvmesh.worker.supervisor import ForkedWorker, Supervisor
 
 __all__ = ["run_embedded"]
@@ -73,7 +80,7 @@ def _own_cluster_secret() -> None:
     auth.process_secret()  # a bad secret file fails here, before anything starts
 
 
-def _fork_workers(cfg: RunConfig, sock) -> list[ForkedWorker]:  # type: ignore[no-untyped-def]
+def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
     """Fork the aggregated workers now, before this process has an event loop; the
     modules both sides use are imported first, once. Disaggregated workers are
     started later: they need the address of the prefill queue this process serves."""
@@ -88,7 +95,7 @@ def _fork_workers(cfg: RunConfig, sock) -> list[ForkedWorker]:  # type: ignore[n
     return prefork(cfg.worker, cfg.workers, close=[sock])
 
 
-async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list[ForkedWorker]) -> int:  # type: ignore[no-untyped-def]
+async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked: list[ForkedWorker]) -> int:
     from kvmesh.config import RuntimeConfig
     from kvmesh.runtime.distributed import DistributedRuntime, instance_key, sign_record
     from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
@@ -99,7 +106,7 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list[ForkedWor
     await runtime.start()
     ns = runtime.config.namespace
 
-    async def on_ready(info):  # type: ignore[no-untyped-def]
+    async def on_ready(info: InstanceInfo) -> None:
         key = instance_key(ns, info.component or COMPONENT, GENERATE, info.worker_id)
         await runtime.discovery.put(key, msgspec.json.encode(sign_record(runtime.secret, key, info)))
 
@@ -141,7 +148,13 @@ async def _serve(cfg: RunConfig, sock, log_level: str, preforked: list[ForkedWor
     return 0
 
 
-async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: list[ForkedWorker]) -> list[Supervisor]:  # type: ignore[no-untyped-def]
+async def _supervisors(
+    cfg: RunConfig,
+    runtime: DistributedRuntime,
+    on_ready: Callable[[InstanceInfo], Awaitable[None]],
+    on_exit: Callable[[int], Awaitable[None]],
+    preforked: list[ForkedWorker],
+) -> list[Supervisor]:
     """The worker processes to keep running: ``workers`` aggregated ones (``preforked``
     already), or (with ``--prefill-workers``/``--decode-workers``) decode and prefill
     ones sharing this process's prefill queue, served on the request plane."""
@@ -158,7 +171,7 @@ async def _supervisors(cfg: RunConfig, runtime, on_ready, on_exit, preforked: li
     ]
 
 
-async def _serve_prefill_queue(cfg: RunConfig, runtime) -> str:  # type: ignore[no-untyped-def]
+async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> str:
     """Embedded mode's global prefill queue (in this process), and the decode workers'
     KV endpoints from this process's discovery, for the workers to reach over TCP."""
     from kvmesh.disagg.queue import LocalPrefillQueue, serve_queue
@@ -170,7 +183,7 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime) -> str:  # type: ignore[
     decode_info = msgspec.json.Decoder(InstanceInfo).decode
     ns = runtime.config.namespace
 
-    async def kv_metadata(worker_id: int):  # type: ignore[no-untyped-def]
+    async def kv_metadata(worker_id: int) -> KvEndpoint | None:
         key = instance_key(ns, COMPONENT, GENERATE, worker_id)
         value = (await runtime.discovery.get_prefix(key)).get(key)
         return None if value is None else decode_info(value).kv
@@ -184,7 +197,7 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime) -> str:  # type: ignore[
     return server.address
 
 
-async def _announce(cfg: RunConfig, model: str, server, registry) -> None:  # type: ignore[no-untyped-def]
+async def _announce(cfg: RunConfig, model: str, server: HttpServer, registry: ModelRegistry) -> None:
     while not (server.started and registry.ready()):
         await asyncio.sleep(0.02)
     host, port = cfg.frontend.http_host, cfg.frontend.http_port

@@ -129,6 +129,6 @@ class AiohttpServer:
             return web.Response(body=result.body, status=result.status, headers={"content-type": result.content_type, **result.headers})
         response = web.StreamResponse()
         out = _Out(req, response)
-        await result.send_to(out)  # type: ignore[arg-type]
+        await result.send_to(out)  # type: ignore[arg-type]  # duck-typed stand-in, measurement only
         await out.finish()
         return response

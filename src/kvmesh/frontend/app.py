@@ -20,8 +20,8 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Literal
 
 import msgspec
 
@@ -45,6 +45,7 @@ from kvmesh.frontend.schemas import check_limits, parse
 from kvmesh.frontend.server import Handler, HttpApp, Request, Response, StreamingResponse
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
+from kvmesh.protocol import OutputChunk
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import EventPlane
@@ -287,12 +288,12 @@ class Frontend:
             raise PayloadTooLarge(f"the request body has {request.body_size} bytes; the limit is {limit} bytes")
         return request.body
 
-    async def _serve(self, request: Request, kind: str) -> Response | SSEResponse:
+    async def _serve(self, request: Request, kind: Literal["chat", "completion"]) -> Response | SSEResponse:
         endpoint = "chat_completions" if kind == "chat" else "completions"
         request_id = new_request_id()
         try:
             allowed = self.auth.tier_of(request.headers.get("authorization"))
-            req = parse(self._read_body(request), kind)  # type: ignore[arg-type]
+            req = parse(self._read_body(request), kind)
             check_limits(req, self.config.security)
             entry = self.registry.get(req.model)
             tier = req.priority or request.headers.get("x-kvmesh-priority")
@@ -350,9 +351,9 @@ class Frontend:
             )
 
     async def _sse_events(
-        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str,
+        self, gen: Generation, stream: AsyncGenerator[OutputChunk, None], kind: str, response_id: str, endpoint: str,
         include_usage: bool, started: _Once,
-    ) -> AsyncIterator[bytes]:  # fmt: skip
+    ) -> AsyncGenerator[bytes, None]:  # fmt: skip
         started.cancel()  # the events run: their own finally does the accounting
         entry = gen.entry
         chunks = (ChatChunks if kind == "chat" else CompletionChunks)(response_id, int(time.time()), entry.name)
@@ -384,7 +385,7 @@ class Frontend:
             self._finish(gen, endpoint, status)
 
     async def _unary(
-        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str, route: Any = None
+        self, gen: Generation, stream: AsyncGenerator[OutputChunk, None], kind: str, response_id: str, endpoint: str, route: Any = None
     ) -> Response:
         parts: list[str] = []
         logprobs: list[Any] = []

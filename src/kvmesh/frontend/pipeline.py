@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import msgspec
 
@@ -248,21 +248,21 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.request.token_ids)
 
-    async def open(self) -> AsyncIterator[OutputChunk]:
+    async def open(self) -> AsyncGenerator[OutputChunk, None]:
         """Route and open the worker stream (errors here are HTTP errors, not SSE)."""
         instance = await self.entry.router.pick(self.request)
         self._booked = True
         self.worker_id = instance.worker_id
         return self._chunks(instance)
 
-    def _stream_on(self, instance: Instance, request: PreprocessedRequest) -> AsyncIterator[OutputChunk]:
+    def _stream_on(self, instance: Instance, request: PreprocessedRequest) -> AsyncGenerator[OutputChunk, None]:
         self.worker_id = instance.worker_id
         self.entry.metrics.routed(instance.worker_id)
         return instance.client.stream(
             GENERATE, _encode_request(request), self.ctx, decode=_decode_chunk, merge=merge_chunks
         )
 
-    async def _chunks(self, instance: Instance) -> AsyncIterator[OutputChunk]:
+    async def _chunks(self, instance: Instance) -> AsyncGenerator[OutputChunk, None]:
         """The worker's chunks, kept flowing when workers fail.
 
         A migratable failure (a worker draining, gone, unreachable, timed out) before
@@ -308,7 +308,7 @@ class Generation:
                     self.request.request_id, instance.worker_id, len(generated), exc.message,
                 )  # fmt: skip
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
             self.release()  # the failed worker's booking
             if generated and len(generated) >= (self.request.stop.max_tokens or 0):
                 yield OutputChunk(finish_reason="length")  # every token was streamed; only the end was lost
@@ -321,7 +321,7 @@ class Generation:
             self._booked = True
             tried.add(instance.worker_id)
 
-    async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
+    async def deltas(self, stream: AsyncGenerator[OutputChunk, None]) -> AsyncIterator[tuple[str, OutputChunk]]:
         pre = self.entry.preprocessor
         detok = pre.detokenizer(skip_special_tokens=self._skip_special)
         stops = self.request.stop.stop
@@ -371,7 +371,7 @@ class Generation:
             raise StreamIncomplete("the worker's stream ended without a finish reason")
         finally:
             self.release()
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
 
 def explain_route(gen: Generation) -> dict[str, object]:

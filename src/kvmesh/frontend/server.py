@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import httptools
 
@@ -176,7 +176,7 @@ async def _no_lifespan() -> AsyncIterator[None]:
 # ---------------------------------------------------------------------------- writing
 
 _status_lines: dict[int, bytes] = {}
-_date = [0, b""]
+_date: list[Any] = [0, b""]  # [second, the date header for it]
 
 
 def _status_line(status: int) -> bytes:
@@ -195,7 +195,8 @@ def _date_header() -> bytes:
     if now != _date[0]:
         _date[0] = now
         _date[1] = time.strftime("date: %a, %d %b %Y %H:%M:%S GMT\r\n", time.gmtime(now)).encode()
-    return _date[1]  # type: ignore[return-value]
+    header: bytes = _date[1]
+    return header
 
 
 def _head(status: int, headers: list[tuple[bytes, bytes]], extra: bytes) -> bytes:
@@ -246,7 +247,7 @@ class ResponseStream:
         if self._head:
             data = self._head + data
             self._head = b""
-        self._transport.write(data)  # type: ignore[union-attr]
+        self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
 
     def end(self, data: bytes = b"") -> None:
         if self.ended:
@@ -260,7 +261,7 @@ class ResponseStream:
             data = self._head + data
             self._head = b""
         if data:
-            self._transport.write(data)  # type: ignore[union-attr]
+            self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
 
     async def drain(self) -> None:
         while self.paused and not self.disconnected:
@@ -341,7 +342,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
         if len(self.server.connections) >= self.limits.max_connections:
             self._over_capacity()
             return
@@ -664,7 +665,7 @@ class HttpServer:
         self.app = app
         self.config = config or ServerConfig()
         self.connections: set[_Connection] = set()
-        self.servers: list[asyncio.AbstractServer] = []
+        self.servers: list[asyncio.Server] = []
         self.started = False
         self.exiting = False
         self.refused = 0  # connections turned away past max_connections
@@ -766,5 +767,5 @@ def make_server(app: HttpApp, log_level: str = "warning", limits: HttpLimits | N
     if os.environ.get("KVMESH_HTTP_SERVER", "own") == "aiohttp":
         from kvmesh.frontend.aiohttp_server import AiohttpServer
 
-        return AiohttpServer(app, config)  # type: ignore[return-value]
+        return AiohttpServer(app, config)  # type: ignore[return-value]  # duck-typed stand-in, measurement only
     return HttpServer(app, config)

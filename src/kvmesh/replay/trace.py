@@ -122,7 +122,7 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)  # type: ignore[arg-type]
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class TokenSynth:

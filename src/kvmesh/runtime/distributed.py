@@ -374,7 +374,7 @@ class Endpoint:
         """The discovery value for this endpoint served by ``server``."""
         rt = self.runtime
         nats = rt.config.request_plane == "nats"
-        address = "" if nats else f"{server.host}:{server.port}"  # type: ignore[attr-defined]
+        address = server.address if not nats and isinstance(server, TcpServer) else ""
         subject = f"{self.component.namespace.name}.{self.component.name}.{self.name}-{rt.lease_id:x}" if nats else ""
         return InstanceInfo(
             worker_id=rt.lease_id,

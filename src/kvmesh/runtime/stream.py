@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol, TypeVar, overload
 
 import msgspec
@@ -57,7 +57,7 @@ class RequestClient(Protocol):
     """The caller side of a request plane, bound to one worker instance."""
 
     @overload
-    def stream(self, endpoint: str, payload: bytes, ctx: Context) -> AsyncIterator[msgspec.Raw]: ...
+    def stream(self, endpoint: str, payload: bytes, ctx: Context) -> AsyncGenerator[msgspec.Raw, None]: ...
     @overload
     def stream(
         self,
@@ -66,7 +66,7 @@ class RequestClient(Protocol):
         ctx: Context,
         decode: Callable[[msgspec.Raw], T],
         merge: Callable[[T, T], T] | None = None,
-    ) -> AsyncIterator[T]: ...
+    ) -> AsyncGenerator[T, None]: ...
     async def close(self) -> None: ...
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 import msgspec
@@ -213,7 +213,7 @@ class TcpClient:
         ctx: Context,
         decode: Decode | None = None,
         merge: Merge | None = None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Send one request; yield the decoded response items until the stream ends.
 
         Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,10 +175,10 @@ def serve_metrics(roles: Roles, host: str, port: int) -> int:
     """Serve this worker's disaggregation counters and queue depth for Prometheus on
     ``host:port`` (a daemon thread); returns the port."""
     from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
     class _Collector:
-        def collect(self):  # type: ignore[no-untyped-def]
+        def collect(self) -> Iterator[Metric]:
             stats = roles.stats()
             if stats is None:
                 return

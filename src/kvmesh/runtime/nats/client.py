@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -79,7 +79,7 @@ class NatsRequestClient:
         ctx: Context,
         decode: Decode | None = None,
         merge: Merge | None = None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Send one request; yield the decoded response items until the stream ends.
 
         Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with

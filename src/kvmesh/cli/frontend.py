@@ -41,7 +41,7 @@ async def _serve(
     cfg: FrontendConfig, rcfg: RuntimeConfig, static_workers: list[str], model_path: str | None, sock: socket.socket, log_level: str
 ) -> int:
     from kvmesh.frontend.app import Frontend
-    from kvmesh.frontend.server import make_server
+    from kvmesh.frontend.serving import make_server
     from kvmesh.frontend.sources import StaticWorkers, watch_workers
     from kvmesh.runtime.distributed import Client, DistributedRuntime
 

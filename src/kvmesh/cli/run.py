@@ -123,7 +123,7 @@ async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked:
     signal.signal(signal.SIGINT, lambda *_: None)
     try:
         from kvmesh.frontend.app import Frontend
-        from kvmesh.frontend.server import make_server
+        from kvmesh.frontend.serving import make_server
         from kvmesh.frontend.sources import watch_workers
 
         from kvmesh.runtime.event_plane import make_event_plane

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import http
 import logging
-import os
 import signal
 import socket
 import time
@@ -45,7 +44,6 @@ from kvmesh.config import HttpLimits
 
 __all__ = [
     "bind_http",
-    "make_server",
     "HttpServer",
     "HttpApp",
     "Request",
@@ -756,16 +754,3 @@ def _restore_signals(loop: asyncio.AbstractEventLoop, previous: dict[int, Any]) 
     for sig, handler in previous.items():
         loop.remove_signal_handler(sig)
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def make_server(app: HttpApp, log_level: str = "warning", limits: HttpLimits | None = None) -> HttpServer:
-    """The server for ``app`` (``log_level`` sets this module's logger). The seam:
-    ``KVMESH_HTTP_SERVER=aiohttp`` serves the same app with aiohttp's low-level server
-    instead (for the comparison in docs/performance.md only)."""
-    log.setLevel(log_level.upper())
-    config = ServerConfig(limits=limits or app.limits)
-    if os.environ.get("KVMESH_HTTP_SERVER", "own") == "aiohttp":
-        from kvmesh.frontend.aiohttp_server import AiohttpServer
-
-        return AiohttpServer(app, config)  # type: ignore[return-value]  # duck-typed stand-in, measurement only
-    return HttpServer(app, config)

@@ -46,7 +46,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
 import msgspec
 
@@ -92,6 +92,15 @@ _encode = msgspec.json.encode
 
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class _Listening(Protocol):
+    """A request server with a TCP address (the TCP plane's)."""
+
+    host: str
+    port: int
+
 
 NIL = b"\xc0"  # msgpack nil: the payload of an endpoint that takes no argument
 
@@ -374,7 +383,7 @@ class Endpoint:
         """The discovery value for this endpoint served by ``server``."""
         rt = self.runtime
         nats = rt.config.request_plane == "nats"
-        address = server.address if not nats and isinstance(server, TcpServer) else ""
+        address = f"{server.host}:{server.port}" if not nats and isinstance(server, _Listening) else ""
         subject = f"{self.component.namespace.name}.{self.component.name}.{self.name}-{rt.lease_id:x}" if nats else ""
         return InstanceInfo(
             worker_id=rt.lease_id,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -53,6 +54,14 @@ def read_model_files(folder: str, name: str) -> ModelFiles:
         raise InvalidArgument(f"this worker's model folder {folder} is not a local folder")
     files = {n: (path / n).read_bytes() for n in MODEL_FILE_NAMES if (path / n).is_file()}
     return ModelFiles(name=name, files=files)
+
+
+@runtime_checkable
+class _Addressed(Protocol):
+    """A request server with a TCP address (the TCP plane's)."""
+
+    @property
+    def address(self) -> str: ...
 
 
 class WorkerService:
@@ -92,7 +101,7 @@ class WorkerService:
     @property
     def address(self) -> str:
         server = self.server
-        if not isinstance(server, TcpServer):
+        if not isinstance(server, _Addressed):
             raise AttributeError(f"a {type(server).__name__} has no address")
         return server.address
 

@@ -35,12 +35,21 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from kvmesh.errors import EngineShutdown
 
-if TYPE_CHECKING:  # the scheduler imports options, which imports this module
-    from kvmesh.engines.mocker.scheduler import StepOutput
+
+class _Step(Protocol):
+    """What a fault reads of a step's output (the scheduler's ``StepOutput``, a
+    dataclass; named structurally, as the scheduler imports options, which import this)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    tokens: dict[int, int]
+    duration_ms: float
+
+
+StepT = TypeVar("StepT", bound=_Step)
 
 __all__ = ["FaultKind", "FaultSpec", "FaultInjector", "corrupt_token"]
 
@@ -110,7 +119,7 @@ class FaultInjector:
         """The spec was replaced: a hung step loop may go on."""
         self._released.set()
 
-    async def apply(self, out: StepOutput) -> StepOutput:
+    async def apply(self, out: StepT) -> StepT:
         """Called by the step loop after each step, before the step is slept or delivered."""
         if not self._fires(len(out.tokens)):
             return out

@@ -45,8 +45,12 @@ class _Step(Protocol):
     dataclass; named structurally, as the scheduler imports options, which import this)."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
-    tokens: dict[int, int]
-    duration_ms: float
+
+    @property
+    def tokens(self) -> dict[int, int]: ...
+
+    @property
+    def duration_ms(self) -> float: ...
 
 
 StepT = TypeVar("StepT", bound=_Step)

@@ -379,7 +379,7 @@ def explain_route(gen: Generation) -> dict[str, object]:
     entry = gen.entry
     out: dict[str, object] = {"worker": f"{gen.worker_id:x}" if gen.worker_id is not None else None}
     policy = entry.router.policy
-    decision = getattr(policy, "explained", {}).pop(gen.request.request_id, None)
+    decision = policy.explain(gen.request.request_id)
     if decision is None:
         out["mode"] = type(policy).__name__
         return out

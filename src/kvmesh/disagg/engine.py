@@ -1,7 +1,8 @@
-"""``DisaggEngine``: a worker's engine with KV that can come from, or go to, elsewhere.
+"""``DisaggEngine``: what a worker puts in front of its engine's ``generate`` when its KV
+can come from, or go to, elsewhere.
 
-Wraps any engine that supports KV block access (``kv_layout()`` not None) and adds,
-in front of its ``generate``:
+For any engine that supports KV block access (``kv_layout()`` not None), a
+:class:`~kvmesh.engines.base.GenerateFront` that adds, before the engine's ``generate``:
 
 * **remote prefill** (mode ``decode``): reserve the prompt's blocks (prefix hits
   reused), ask :func:`~kvmesh.disagg.policy.place_prefill`, and when remote, put a
@@ -18,7 +19,10 @@ in front of its ``generate``:
   the ``kv_source`` and a migratable :class:`~kvmesh.errors.EngineShutdown`, so the
   frontend resumes it on another worker, which pulls the KV.
 
-Everything else is the inner engine's.
+Everything else (load reports, KV dumps and events, faults, batch tuning) the worker
+asks of the engine itself: this class forwards nothing. ``open``/``drain``/``close``
+are the front's lifecycle around the engine's; ``start``/``cleanup`` run both, for
+using it alone (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from kvmesh.disagg.policy import needs_queue_check, place_prefill
@@ -41,12 +45,9 @@ from kvmesh.protocol import (
     DisaggStats,
     DisaggThresholds,
     EngineConfig,
-    KvDump,
     KvEndpoint,
-    KvEvent,
     KvLayout,
     KvReservation,
-    LoadReport,
     OutputChunk,
     PrefillJob,
     PreprocessedRequest,
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 MODES = ("aggregated", "prefill", "decode")
 
 
-class DisaggEngine(Engine):
+class DisaggEngine:
     def __init__(
         self,
         inner: Engine,
@@ -98,26 +99,33 @@ class DisaggEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> EngineConfig:
-        config = await self.inner.start()
+    async def open(self) -> None:
+        """After the engine started: serve its KV blocks to other workers."""
         await self.transfer.start()
-        return config
-
-    async def abort(self, ctx: Context) -> None:
-        await self.inner.abort(ctx)
 
     async def drain(self) -> None:
+        """Before the engine drains: let the new workers pull the handed-off KV."""
         await self.wait_handoffs()
-        await self.inner.drain()
+
+    async def close(self) -> None:
+        """After the engine's cleanup."""
+        await self.transfer.close()
+        await self.connector.close()
+        if self.queue is not None:
+            await self.queue.close()
+
+    async def start(self) -> EngineConfig:
+        """The engine, then the front (used alone; a worker starts its engine itself)."""
+        config = await self.inner.start()
+        await self.open()
+        return config
 
     async def cleanup(self) -> None:
+        """The engine's cleanup, then the front's (used alone)."""
         try:
             await self.inner.cleanup()
         finally:
-            await self.transfer.close()
-            await self.connector.close()
-            if self.queue is not None:
-                await self.queue.close()
+            await self.close()
 
     @property
     def kv_endpoint(self) -> KvEndpoint | None:
@@ -321,49 +329,6 @@ class DisaggEngine(Engine):
             await asyncio.wait(list(offers.values()), timeout=timeout_s)
         for tid in offers:
             self.transfer.forget(tid)  # releases the blocks of any still unclaimed
-
-    # ------------------------------------------------------------------ the inner engine's
-
-    def kv_snapshot(self) -> KvDump | None:
-        return self.inner.kv_snapshot()
-
-    def set_batch_multiplier(self, multiplier: float) -> None:
-        self.inner.set_batch_multiplier(multiplier)
-
-    def load_report(self) -> LoadReport | None:
-        return self.inner.load_report()
-
-    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
-        return self.inner.kv_events_since(event_id)
-
-    def kv_layout(self) -> KvLayout | None:
-        return self.inner.kv_layout()
-
-    def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
-        return self.inner.kv_reserve(request)
-
-    def kv_release(self, request_id: str) -> None:
-        self.inner.kv_release(request_id)
-
-    def kv_export(self, block_ids: Sequence[int]) -> bytes:
-        return self.inner.kv_export(block_ids)
-
-    def kv_import(self, block_ids: Sequence[int], data: bytes) -> None:
-        self.inner.kv_import(block_ids, data)
-
-    def kv_commit(self, request_id: str, computed_tokens: int) -> None:
-        self.inner.kv_commit(request_id, computed_tokens)
-
-    async def prefill_remote(
-        self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
-    ) -> bytes:
-        return await self.inner.prefill_remote(request, prefix_kv, cached_tokens, upto)
-
-    def kv_detach(self, request_id: str) -> KvReservation | None:
-        return self.inner.kv_detach(request_id)
-
-    def __getattr__(self, name: str) -> object:  # set_fault, fault, scheduler, ... of the inner engine
-        return getattr(self.inner, name)
 
 
 def _plain(request: PreprocessedRequest) -> PreprocessedRequest:

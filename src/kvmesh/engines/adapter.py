@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, GenerateFront
 from kvmesh.errors import KvmeshError, StreamIncomplete
 from kvmesh.protocol import OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
@@ -85,14 +85,16 @@ async def run_generate(
     ctx: Context,
     monitor: AbortMonitor,
     validate: bool = False,
+    front: GenerateFront | None = None,
 ) -> AsyncIterator[OutputChunk]:
-    """The engine's stream with the monitor attached (and the validator when asked).
+    """The engine's stream (through ``front`` when the worker has one) with the monitor
+    attached (and the validator when asked).
 
     If the engine's stream ends without a terminal outside validation, a
     :class:`StreamIncomplete` error is raised so the caller always sees one terminal.
     """
     monitor.watch(ctx)
-    stream = engine.generate(request, ctx)
+    stream = (front or engine).generate(request, ctx)
     if validate:
         stream = validated(stream, type(engine).__name__)
     finished = False

@@ -1,10 +1,12 @@
 """A worker's disaggregation wiring: its role (``--mode``), the prefill queue it uses,
 where it finds other workers' KV endpoints, and the run-time thresholds.
 
-* ``aggregated`` (default) and ``decode`` workers run their engine inside a
-  :class:`~kvmesh.disagg.engine.DisaggEngine` with a KV-transfer server, whose
-  :class:`~kvmesh.protocol.KvEndpoint` goes into the worker's discovery record (the
-  decode worker's KV metadata); ``decode`` ones also put remote prefills on the queue.
+* ``aggregated`` (default) and ``decode`` workers whose engine moves KV blocks put a
+  :class:`~kvmesh.disagg.engine.DisaggEngine` in front of the engine's ``generate``
+  (KV migrations in, hand-offs out on drain; ``decode`` ones also put remote prefills
+  on the queue) with a KV-transfer server, whose :class:`~kvmesh.protocol.KvEndpoint`
+  goes into the worker's discovery record. The engine itself stays the worker's
+  engine; an engine without KV access gets no front.
 * ``prefill`` workers run a :class:`~kvmesh.disagg.prefill.PrefillWorker` that pulls
   the queue; they register under the ``prefill`` component, so frontends never route
   requests to them.
@@ -43,17 +45,15 @@ _decode_thresholds = msgspec.json.Decoder(DisaggThresholds).decode
 
 @dataclass
 class Roles:
-    """What :func:`wire` built: the engine to serve, and the prefill loop if any."""
+    """What :func:`wire` built: the engine to serve, the front of its ``generate`` and
+    the prefill loop if any."""
 
     engine: Engine
     component: str
     prefill: PrefillWorker | None = None
     queue: PrefillQueue | None = None
     closers: tuple[Callable[[], Any], ...] = ()
-
-    @property
-    def disagg(self) -> DisaggEngine | None:
-        return self.engine if isinstance(self.engine, DisaggEngine) else None
+    disagg: DisaggEngine | None = None  # the worker service's front (GenerateFront)
 
     def stats(self) -> DisaggStats | None:
         if self.prefill is not None:
@@ -77,7 +77,7 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
         metadata = KvMetadataCache(_metadata_lookup(queue, runtime))
         worker = PrefillWorker(engine, queue, TcpKvConnector(), metadata)
         return Roles(engine, PREFILL_COMPONENT, prefill=worker, queue=queue, closers=(queue.close,))
-    wrapped = DisaggEngine(
+    front = DisaggEngine(
         engine,
         worker_id=worker_id,
         transfer=KvTransferServer(engine, host=cfg.host),
@@ -87,7 +87,7 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
         thresholds=thresholds,
         remote_timeout_s=cfg.remote_prefill_timeout_s,
     )
-    return Roles(wrapped, COMPONENT, queue=queue)
+    return Roles(engine, COMPONENT, queue=queue, disagg=front)
 
 
 async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:

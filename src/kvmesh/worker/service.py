@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 from kvmesh.engines.adapter import AbortMonitor, run_generate
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, GenerateFront
 from kvmesh.errors import EngineShutdown, InvalidArgument
 from kvmesh.protocol import (
     DisaggStats,
@@ -71,8 +71,10 @@ class WorkerService:
         server: RequestServer | None = None,
         validate: bool = False,
         disagg_stats: Callable[[], DisaggStats | None] | None = None,
+        front: GenerateFront | None = None,
     ) -> None:
         self.engine = engine
+        self.front = front  # in front of the engine's generate (a disaggregation role), if any
         self._disagg_stats = disagg_stats
         self.server: RequestServer = server if server is not None else TcpServer()
         self.config: EngineConfig | None = None
@@ -85,6 +87,8 @@ class WorkerService:
     async def start(self) -> EngineConfig:
         """Start the engine and serve ``generate`` (and the model's files) on the server."""
         self.config = await self.engine.start()
+        if self.front is not None:
+            await self.front.open()
         self.server.register(GENERATE, self._generate)
         self.server.register(MODEL_FILES, self._model_files)
         self.server.register(INFO, self._info)
@@ -169,7 +173,7 @@ class WorkerService:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidArgument(f"malformed generate request: {exc}") from None
         ctx.id = request.request_id
-        async for chunk in run_generate(self.engine, request, ctx, self._monitor, self._validate):
+        async for chunk in run_generate(self.engine, request, ctx, self._monitor, self._validate, self.front):
             yield chunk
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
@@ -181,8 +185,14 @@ class WorkerService:
         if not await self.server.wait_idle(grace_s):
             log.warning("grace period of %.1f s over with %d requests in flight", grace_s, self.server.in_flight)
         try:
+            if self.front is not None:
+                await self.front.drain()
             await self.engine.drain()
         finally:
-            await self.engine.cleanup()
+            try:
+                await self.engine.cleanup()
+            finally:
+                if self.front is not None:
+                    await self.front.close()
             await self._monitor.close()
             await self.server.close()

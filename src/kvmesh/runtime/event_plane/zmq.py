@@ -30,7 +30,16 @@ import zmq.utils.z85
 
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
-from kvmesh.runtime.event_plane.base import MAX_EVENT_BYTES, Envelope, EventPlane, Opener, Publisher, Subscription, seal
+from kvmesh.runtime.event_plane.base import (
+    MAX_EVENT_BYTES,
+    CheckedSubscription,
+    Envelope,
+    EventPlane,
+    Opener,
+    Publisher,
+    close_all,
+    seal,
+)
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
 
 __all__ = ["ZmqEventPlane", "ZmqPublisher", "ZmqSubscription"]
@@ -93,7 +102,7 @@ class ZmqPublisher(Publisher):
             sock.close(linger=0)
 
 
-class ZmqSubscription(Subscription):
+class ZmqSubscription(CheckedSubscription):
     def __init__(self, sock: zmq.asyncio.Socket, topic: str, capacity: int, secret: ClusterSecret | None = None) -> None:
         self._sock = sock
         self.topic = topic
@@ -124,14 +133,6 @@ class ZmqSubscription(Subscription):
             self._sock.disconnect(address)
         except zmq.ZMQError:
             pass  # zmq already forgot it (e.g. the publisher's endpoint went away)
-
-    @property
-    def malformed(self) -> int:
-        return self._opener.malformed
-
-    @property
-    def unsigned(self) -> int:
-        return self._opener.unsigned
 
     async def _read(self) -> None:
         open_ = self._opener.open
@@ -230,8 +231,5 @@ class ZmqEventPlane(EventPlane):
             return
         pubs, self._publishers = self._publishers, []
         subs, self._subscriptions = self._subscriptions, []
-        for pub in pubs:
-            await pub.close()
-        for sub in subs:
-            await sub.close()
+        await close_all(pubs, subs)
         ctx.term()  # every socket is closed with linger 0: returns at once

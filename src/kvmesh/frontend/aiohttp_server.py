@@ -21,7 +21,7 @@ import asyncio
 import socket
 from typing import Any
 
-from kvmesh.frontend.server import HttpApp, Request, Response, ServerConfig, _install_signals, _restore_signals
+from kvmesh.frontend.server import ExitFlag, HttpApp, Request, Response, ServerConfig, _install_signals, _restore_signals
 
 __all__ = ["AiohttpServer"]
 
@@ -77,7 +77,7 @@ class _Out:
             await self._response.write_eof()
 
 
-class AiohttpServer:
+class AiohttpServer(ExitFlag):
     """Same surface as :class:`~kvmesh.frontend.server.HttpServer` (``serve``,
     ``should_exit``, ``started``, ``servers``, ``config``)."""
 
@@ -87,15 +87,6 @@ class AiohttpServer:
         self.servers: list[asyncio.AbstractServer] = []
         self.started = False
         self._exit = asyncio.Event()
-
-    @property
-    def should_exit(self) -> bool:
-        return self._exit.is_set()
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        if value:
-            self._exit.set()
 
     async def serve(self, sockets: list[socket.socket]) -> None:
         from aiohttp import web

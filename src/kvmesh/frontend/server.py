@@ -656,7 +656,22 @@ class ServerConfig:
     timeout_graceful_shutdown: float | None = None  # None: wait for in-flight requests
 
 
-class HttpServer:
+class ExitFlag:
+    """``should_exit``, as a server's owner sets it (once) to make ``serve`` return."""
+
+    _exit: asyncio.Event
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit.set()
+
+
+class HttpServer(ExitFlag):
     """Serves an :class:`HttpApp` on sockets bound beforehand (see module docstring)."""
 
     def __init__(self, app: HttpApp, config: ServerConfig | None = None) -> None:
@@ -670,15 +685,6 @@ class HttpServer:
         self.timed_out = 0  # connections closed by a header/body timeout
         self._exit = asyncio.Event()
         self._force = False
-
-    @property
-    def should_exit(self) -> bool:
-        return self._exit.is_set()
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        if value:
-            self._exit.set()
 
     def _on_signal(self) -> None:
         if self._exit.is_set():

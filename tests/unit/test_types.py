@@ -18,8 +18,9 @@ SRC = ROOT / "src" / "kvmesh"
 pytest.importorskip("mypy", reason="mypy is in the test extra: pip install -e '.[test]'")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # a cold run over the whole tree takes ~1.5 min on a loaded 2-core machine
-def test_mypy_strict_passes(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_mypy_strict_passes() -> None:
     from mypy import api
 
     cache = ROOT / ".mypy_cache"  # reused between runs (ignored by git); a cold run is slower, not different

@@ -35,7 +35,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard, TypeVar
 
 from kvmesh.errors import EngineShutdown
 
@@ -59,6 +59,10 @@ __all__ = ["FaultKind", "FaultSpec", "FaultInjector", "corrupt_token"]
 
 FaultKind = Literal["none", "crash", "hang", "slow", "corrupt"]
 _KINDS = ("none", "crash", "hang", "slow", "corrupt")
+
+
+def _is_kind(kind: str) -> TypeGuard[FaultKind]:
+    return kind in _KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +93,15 @@ class FaultSpec:
     def parse(cls, text: str) -> FaultSpec:
         """``kind[:key=value,...]`` → spec; raises ``ValueError`` on anything unknown."""
         kind, _, rest = text.strip().partition(":")
-        fields: dict[str, float | int] = {}
+        fields: dict[str, Any] = {}  # int for after_tokens and seed, else float
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, sep, value = item.partition("=")
             if not sep or key not in ("factor", "after_tokens", "probability", "seed"):
                 raise ValueError(f"bad fault option {item!r} in {text!r}")
             fields[key] = int(value) if key in ("after_tokens", "seed") else float(value)
-        return cls(kind, **fields)  # type: ignore[arg-type]  # kind is checked in __post_init__
+        if not _is_kind(kind):
+            raise ValueError(f"fault kind must be one of {_KINDS}, got {kind!r}")
+        return cls(kind, **fields)
 
 
 def corrupt_token(token: int, seed: int, vocab_size: int) -> int:

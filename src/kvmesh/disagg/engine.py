@@ -37,7 +37,7 @@ from typing import Any
 
 from kvmesh.disagg.policy import needs_queue_check, place_prefill
 from kvmesh.disagg.queue import PrefillQueue
-from kvmesh.disagg.transfer import KvConnector, KvTransferServer
+from kvmesh.disagg.transfer import KvConnector, KvTransferServer, TransferStats
 from kvmesh.engines.base import Engine
 from kvmesh.errors import EngineShutdown, KvmeshError
 from kvmesh.protocol import (
@@ -68,7 +68,7 @@ class DisaggEngine:
         inner: Engine,
         *,
         worker_id: int,
-        transfer: KvTransferServer,
+        transfer: KvTransferServer | None,
         connector: KvConnector,
         mode: str = "aggregated",
         queue: PrefillQueue | None = None,
@@ -80,9 +80,11 @@ class DisaggEngine:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "decode" and queue is None:
             raise ValueError("a decode worker needs a prefill queue")
+        if mode == "decode" and transfer is None:
+            raise ValueError("a decode worker needs a KV-transfer server (prefill workers write into it)")
         self.inner = inner
         self.worker_id = worker_id
-        self.transfer = transfer
+        self.transfer = transfer  # None: KV comes in (migrations), never goes out, no port
         self.connector = connector
         self.mode = mode
         self.queue = queue if mode == "decode" else None
@@ -100,8 +102,9 @@ class DisaggEngine:
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
-        """After the engine started: serve its KV blocks to other workers."""
-        await self.transfer.start()
+        """After the engine started: serve its KV blocks to other workers (if it does)."""
+        if self.transfer is not None:
+            await self.transfer.start()
 
     async def drain(self) -> None:
         """Before the engine drains: let the new workers pull the handed-off KV."""
@@ -109,7 +112,8 @@ class DisaggEngine:
 
     async def close(self) -> None:
         """After the engine's cleanup."""
-        await self.transfer.close()
+        if self.transfer is not None:
+            await self.transfer.close()
         await self.connector.close()
         if self.queue is not None:
             await self.queue.close()
@@ -129,11 +133,12 @@ class DisaggEngine:
 
     @property
     def kv_endpoint(self) -> KvEndpoint | None:
-        return self.transfer.endpoint()
+        return self.transfer.endpoint() if self.transfer is not None else None
 
     def disagg_stats(self) -> DisaggStats:
         stats = self.stats
-        sent, received = self.connector.stats, self.transfer.stats
+        sent = self.connector.stats
+        received = self.transfer.stats if self.transfer is not None else TransferStats()
         stats.kv_bytes_sent = sent.bytes_sent + received.bytes_sent
         stats.kv_bytes_received = sent.bytes_received + received.bytes_received
         stats.kv_transfer_s = round(sent.seconds, 6)
@@ -215,12 +220,12 @@ class DisaggEngine:
         upto = len(request.token_ids) - 1  # the last prompt token is computed here, to sample from
         first, last = res.cached_tokens // bs, -(-upto // bs)
         job = PrefillJob(uuid.uuid4().hex, self.worker_id, _plain(request), res.block_ids, res.cached_tokens, upto)
-        self._done[job.job_id] = self.transfer.expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
+        self._done[job.job_id] = self._server().expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
         try:
             await self.queue.put(job)
         except Exception as exc:  # noqa: BLE001 - any backend's error: prefill locally
             log.warning("prefill queue refused a job (%r); prefilling locally", exc)
-            self.transfer.forget(job.job_id)
+            self._server().forget(job.job_id)
             del self._done[job.job_id]
             self.stats.remote_fallbacks += 1
             return None
@@ -231,7 +236,7 @@ class DisaggEngine:
         try:
             outcome = await _wait_done(done, ctx, self.remote_timeout_s)
         finally:
-            self.transfer.forget(job.job_id)
+            self._server().forget(job.job_id)
         if outcome == "cancelled":
             self.inner.kv_release(request.request_id)
             return False
@@ -247,6 +252,11 @@ class DisaggEngine:
         self.stats.remote_fallbacks += 1
         self.stats.local_prefills += 1
         return True
+
+    def _server(self) -> KvTransferServer:
+        if self.transfer is None:  # checked in __init__ for decode workers, the only users
+            raise EngineShutdown("this worker has no KV-transfer server")
+        return self.transfer
 
     def _layout(self) -> KvLayout:
         layout = self.inner.kv_layout()
@@ -295,7 +305,8 @@ class DisaggEngine:
         """Detach every in-flight request, keeping its KV readable for the worker that
         resumes it; returns how many were handed off."""
         layout = self.inner.kv_layout()
-        if layout is None:
+        transfer = self.transfer
+        if layout is None or transfer is None:
             return 0
         count = 0
         for rid in list(self._live):
@@ -304,14 +315,14 @@ class DisaggEngine:
                 continue
             tid = f"migrate-{uuid.uuid4().hex}"
             valid = -(-res.cached_tokens // layout.block_size)
-            self._offers[tid] = self.transfer.offer(tid, res.block_ids[:valid])
+            self._offers[tid] = transfer.offer(tid, res.block_ids[:valid])
             self._offers[tid].add_done_callback(functools.partial(self._release_after_offer, rid))
             self._handoffs[rid] = DisaggregatedParams(
                 kind="kv_source",
                 worker_id=self.worker_id,
                 block_ids=res.block_ids[:valid],
                 num_tokens=res.cached_tokens,
-                address=self.transfer.address,
+                address=transfer.address,
                 transfer_id=tid,
                 layout=layout,
             )
@@ -327,8 +338,9 @@ class DisaggEngine:
         offers, self._offers = self._offers, {}
         if offers:
             await asyncio.wait(list(offers.values()), timeout=timeout_s)
-        for tid in offers:
-            self.transfer.forget(tid)  # releases the blocks of any still unclaimed
+        if self.transfer is not None:
+            for tid in offers:
+                self.transfer.forget(tid)  # releases the blocks of any still unclaimed
 
 
 def _plain(request: PreprocessedRequest) -> PreprocessedRequest:

@@ -4,9 +4,11 @@ where it finds other workers' KV endpoints, and the run-time thresholds.
 * ``aggregated`` (default) and ``decode`` workers whose engine moves KV blocks put a
   :class:`~kvmesh.disagg.engine.DisaggEngine` in front of the engine's ``generate``
   (KV migrations in, hand-offs out on drain; ``decode`` ones also put remote prefills
-  on the queue) with a KV-transfer server, whose :class:`~kvmesh.protocol.KvEndpoint`
-  goes into the worker's discovery record. The engine itself stays the worker's
-  engine; an engine without KV access gets no front.
+  on the queue). Where KV leaves the worker (``decode``: prefill workers write into
+  it; ``--drain-migrate``: hand-offs) the front has a KV-transfer server, whose
+  :class:`~kvmesh.protocol.KvEndpoint` goes into the worker's discovery record;
+  elsewhere it opens no port. The engine itself stays the worker's engine; an
+  engine without KV access gets no front.
 * ``prefill`` workers run a :class:`~kvmesh.disagg.prefill.PrefillWorker` that pulls
   the queue; they register under the ``prefill`` component, so frontends never route
   requests to them.
@@ -80,7 +82,9 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
     front = DisaggEngine(
         engine,
         worker_id=worker_id,
-        transfer=KvTransferServer(engine, host=cfg.host),
+        # a KV-transfer port only where KV leaves: prefill workers write into decode
+        # workers; a draining worker hands its requests' KV off
+        transfer=KvTransferServer(engine, host=cfg.host) if cfg.mode == "decode" or cfg.drain_migrate else None,
         connector=TcpKvConnector(),
         mode=cfg.mode,
         queue=queue,

@@ -64,7 +64,7 @@ from kvmesh.runtime import tcp_client, tcp_server
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, Frame
-from kvmesh.runtime.nats_plane import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
+from kvmesh.runtime.nats import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.tcp_server import TcpServer
 

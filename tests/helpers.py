@@ -112,7 +112,8 @@ class InProcessStack:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[InProcessStack]:
         from kvmesh.frontend.app import Frontend
-        from kvmesh.frontend.server import bind_http, make_server
+        from kvmesh.frontend.server import bind_http
+        from kvmesh.frontend.serving import make_server
         from kvmesh.protocol import InstanceInfo
         from kvmesh.worker.main import build_engine, fault_injector
         from kvmesh.worker.service import WorkerService

@@ -13,7 +13,7 @@ import pytest
 
 from kvmesh.protocol import LoadReport
 from kvmesh.runtime.event_plane import Envelope, GapTracker, NatsEventPlane, ZmqEventPlane, make_event_plane
-from kvmesh.runtime.nats_plane import connect_nats
+from kvmesh.runtime.nats import connect_nats
 
 PROBE = b"probe"
 

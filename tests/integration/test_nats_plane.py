@@ -17,7 +17,7 @@ import pytest
 
 from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, InvalidArgument, ResourceExhausted, ResponseTimeout
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.nats_plane import (
+from kvmesh.runtime.nats import (
     CallHomeServer,
     NatsReply,
     NatsRequestClient,
@@ -301,7 +301,7 @@ WORKER = textwrap.dedent(
     """
     import asyncio, sys
     import msgspec
-    from kvmesh.runtime.nats_plane import NatsRequestServer, connect_nats
+    from kvmesh.runtime.nats import NatsRequestServer, connect_nats
 
     async def main(url, lease):
         nc = await connect_nats(url)
@@ -404,14 +404,14 @@ async def test_a_late_answer_to_an_earlier_send_is_killed_not_merged():
     that got the first send calls home after all, that stream is killed and none of
     its items reach the caller."""
     from kvmesh.runtime.frames import KILL, Ack, Ctl, End, FrameReader, FrameWriter, Out
-    from kvmesh.runtime.tcp_client import _END, _Mailbox
+    from kvmesh.runtime.stream import END, Mailbox
 
     home = CallHomeServer()
     await home.start()
     try:
-        stream = home._open(_Mailbox(dec, None))
+        stream = home.open(Mailbox(dec, None))
         first = stream.sid
-        home._rekey(stream)  # what NatsRequestClient does before sending again
+        home.rekey(stream)  # what NatsRequestClient does before sending again
         assert stream.sid != first and home.streams == {stream.sid: stream}
         reader, writer = await asyncio.open_connection("127.0.0.1", home.port)
         frames = FrameWriter()
@@ -421,7 +421,7 @@ async def test_a_late_answer_to_an_earlier_send_is_killed_not_merged():
             frames.add(frame)
         writer.write(frames.take())
         got = []
-        while (item := await asyncio.wait_for(stream.box.next(), 5)) is not _END:
+        while (item := await asyncio.wait_for(stream.box.next(), 5)) is not END:
             got.append(item)
         assert got == ["answer"]
         kill = FrameReader().feed(await asyncio.wait_for(reader.read(4096), 5))

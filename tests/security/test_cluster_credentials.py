@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.errors import CannotConnect, KvmeshError
 from kvmesh.runtime.discovery.etcd import EtcdCredentials, EtcdDiscovery
-from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
+from kvmesh.runtime.nats import connect_nats, nats_tls_context
 from tests.helpers import free_port
 from tests.security.certs import make_certs
 from tests.services import _stop, _wait_port, binary

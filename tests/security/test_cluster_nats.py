@@ -12,7 +12,7 @@ import pytest
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import Ack, End, FrameWriter, OutItem
-from kvmesh.runtime.nats_plane import CallHomeServer, NatsRequest, NatsRequestClient, NatsRequestServer, connect_nats
+from kvmesh.runtime.nats import CallHomeServer, NatsRequest, NatsRequestClient, NatsRequestServer, connect_nats
 
 pytestmark = pytest.mark.timeout(60)
 

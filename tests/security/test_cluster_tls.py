@@ -15,7 +15,7 @@ from kvmesh.errors import CannotConnect, KvmeshError
 from kvmesh.protocol import KvEndpoint
 from kvmesh.runtime.auth import ClusterSecret, TlsContexts
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.nats_plane import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
+from kvmesh.runtime.nats import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.tcp_server import TcpServer
 from tests.security.certs import make_certs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -45,11 +46,13 @@ def run_frontend(
         return _fail(f"cannot reach a runtime service: {exc}")
 
 
-async def _serve(cfg, rcfg, static_workers, model_path, sock, log_level) -> int:  # type: ignore[no-untyped-def]
+async def _serve(
+    cfg: FrontendConfig, rcfg: RuntimeConfig, static_workers: list[str], model_path: str | None, sock: socket.socket, log_level: str
+) -> int:
     from kvmesh.frontend.app import Frontend
-    from kvmesh.frontend.server import make_server
+    from kvmesh.frontend.serving import make_server
     from kvmesh.frontend.sources import StaticWorkers, watch_workers
-    from kvmesh.runtime.distributed import DistributedRuntime
+    from kvmesh.runtime.distributed import Client, DistributedRuntime
 
     from kvmesh.runtime.event_plane import make_event_plane
 

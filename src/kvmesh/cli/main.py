@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from typing import Any
 
 from kvmesh.config import (
     ClusterCredentials,

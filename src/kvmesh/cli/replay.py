@@ -20,6 +20,11 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.replay.runner import ReplayConfig
 
 __all__ = ["add_replay_args", "main", "run_replay"]
 
@@ -62,7 +67,7 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-def _config(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _config(ns: argparse.Namespace) -> ReplayConfig:
     from kvmesh.engines.mocker.options import MockerOptions
     from kvmesh.engines.settings import MockerSettings
     from kvmesh.replay.runner import ReplayConfig
@@ -150,9 +155,13 @@ class _progress:
 
         self._bar = tqdm(total=total, desc=name, unit="req", disable=disabled, leave=False, file=sys.stderr)
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
+    def __enter__(self) -> Callable[[], None]:
         bar = self._bar
-        return lambda: bar.update(1)
+
+        def tick() -> None:
+            bar.update(1)
+
+        return tick
 
     def __exit__(self, *exc: object) -> None:
         self._bar.close()

@@ -14,6 +14,7 @@ import atexit
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
     import socket
     from collections.abc import Awaitable, Callable
 
-    from kvmesh.protocol import InstanceInfo
+    from kvmesh.frontend.models import ModelRegistry
+    from kvmesh.frontend.server import HttpServer
+    from kvmesh.protocol import InstanceInfo, KvEndpoint
     from kvmesh.runtime.distributed import DistributedRuntime
     from kvmesh.worker.supervisor import ForkedWorker, Supervisor
 
@@ -127,7 +130,7 @@ async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked:
     signal.signal(signal.SIGINT, lambda *_: None)
     try:
         from kvmesh.frontend.app import Frontend
-        from kvmesh.frontend.server import make_server
+        from kvmesh.frontend.serving import make_server
         from kvmesh.frontend.sources import watch_workers
 
         from kvmesh.runtime.event_plane import make_event_plane
@@ -209,7 +212,7 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> s
     decode_info = msgspec.json.Decoder(InstanceInfo).decode
     ns = runtime.config.namespace
 
-    async def kv_metadata(worker_id: int):  # type: ignore[no-untyped-def]
+    async def kv_metadata(worker_id: int) -> KvEndpoint | None:
         key = instance_key(ns, COMPONENT, GENERATE, worker_id)
         value = (await runtime.discovery.get_prefix(key)).get(key)
         return None if value is None else decode_info(value).kv
@@ -223,7 +226,7 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> s
     return server.address
 
 
-async def _announce(cfg: RunConfig, model: str, server, registry) -> None:  # type: ignore[no-untyped-def]
+async def _announce(cfg: RunConfig, model: str, server: HttpServer, registry: ModelRegistry) -> None:
     while not (server.started and registry.ready()):
         await asyncio.sleep(0.02)
     host, port = cfg.frontend.http_host, cfg.frontend.http_port

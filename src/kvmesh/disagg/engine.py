@@ -1,7 +1,8 @@
-"""``DisaggEngine``: a worker's engine with KV that can come from, or go to, elsewhere.
+"""``DisaggEngine``: what a worker puts in front of its engine's ``generate`` when its KV
+can come from, or go to, elsewhere.
 
-Wraps any engine that supports KV block access (``kv_layout()`` not None) and adds,
-in front of its ``generate``:
+For any engine that supports KV block access (``kv_layout()`` not None), a
+:class:`~kvmesh.engines.base.GenerateFront` that adds, before the engine's ``generate``:
 
 * **remote prefill** (mode ``decode``): reserve the prompt's blocks (prefix hits
   reused), ask :func:`~kvmesh.disagg.policy.place_prefill`, and when remote, put a
@@ -18,23 +19,27 @@ in front of its ``generate``:
   the ``kv_source`` and a migratable :class:`~kvmesh.errors.EngineShutdown`, so the
   frontend resumes it on another worker, which pulls the KV.
 
-Everything else is the inner engine's.
+Everything else (load reports, KV dumps and events, faults, batch tuning) the worker
+asks of the engine itself: this class forwards nothing. ``open``/``drain``/``close``
+are the front's lifecycle around the engine's; ``start``/``cleanup`` run both, for
+using it alone (tests, benchmarks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvmesh.disagg.policy import needs_queue_check, place_prefill
 from kvmesh.disagg.queue import PrefillQueue
-from kvmesh.disagg.transfer import KvConnector, KvTransferServer
+from kvmesh.disagg.transfer import KvConnector, KvTransferServer, TransferStats
 from kvmesh.engines.base import Engine
 from kvmesh.errors import EngineShutdown, KvmeshError
 from kvmesh.observability import tracing
@@ -43,12 +48,9 @@ from kvmesh.protocol import (
     DisaggStats,
     DisaggThresholds,
     EngineConfig,
-    KvDump,
     KvEndpoint,
-    KvEvent,
     KvLayout,
     KvReservation,
-    LoadReport,
     OutputChunk,
     PrefillJob,
     PreprocessedRequest,
@@ -66,13 +68,13 @@ log = logging.getLogger(__name__)
 MODES = ("aggregated", "prefill", "decode")
 
 
-class DisaggEngine(Engine):
+class DisaggEngine:
     def __init__(
         self,
         inner: Engine,
         *,
         worker_id: int,
-        transfer: KvTransferServer,
+        transfer: KvTransferServer | None,
         connector: KvConnector,
         mode: str = "aggregated",
         queue: PrefillQueue | None = None,
@@ -84,9 +86,11 @@ class DisaggEngine(Engine):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "decode" and queue is None:
             raise ValueError("a decode worker needs a prefill queue")
+        if mode == "decode" and transfer is None:
+            raise ValueError("a decode worker needs a KV-transfer server (prefill workers write into it)")
         self.inner = inner
         self.worker_id = worker_id
-        self.transfer = transfer
+        self.transfer = transfer  # None: KV comes in (migrations), never goes out, no port
         self.connector = connector
         self.mode = mode
         self.queue = queue if mode == "decode" else None
@@ -103,34 +107,44 @@ class DisaggEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> EngineConfig:
-        config = await self.inner.start()
-        await self.transfer.start()
-        return config
-
-    async def abort(self, ctx: Context) -> None:
-        await self.inner.abort(ctx)
+    async def open(self) -> None:
+        """After the engine started: serve its KV blocks to other workers (if it does)."""
+        if self.transfer is not None:
+            await self.transfer.start()
 
     async def drain(self) -> None:
+        """Before the engine drains: let the new workers pull the handed-off KV."""
         await self.wait_handoffs()
-        await self.inner.drain()
+
+    async def close(self) -> None:
+        """After the engine's cleanup."""
+        if self.transfer is not None:
+            await self.transfer.close()
+        await self.connector.close()
+        if self.queue is not None:
+            await self.queue.close()
+
+    async def start(self) -> EngineConfig:
+        """The engine, then the front (used alone; a worker starts its engine itself)."""
+        config = await self.inner.start()
+        await self.open()
+        return config
 
     async def cleanup(self) -> None:
+        """The engine's cleanup, then the front's (used alone)."""
         try:
             await self.inner.cleanup()
         finally:
-            await self.transfer.close()
-            await self.connector.close()
-            if self.queue is not None:
-                await self.queue.close()
+            await self.close()
 
     @property
     def kv_endpoint(self) -> KvEndpoint | None:
-        return self.transfer.endpoint()
+        return self.transfer.endpoint() if self.transfer is not None else None
 
     def disagg_stats(self) -> DisaggStats:
         stats = self.stats
-        sent, received = self.connector.stats, self.transfer.stats
+        sent = self.connector.stats
+        received = self.transfer.stats if self.transfer is not None else TransferStats()
         stats.kv_bytes_sent = sent.bytes_sent + received.bytes_sent
         stats.kv_bytes_received = sent.bytes_received + received.bytes_received
         stats.kv_transfer_s = round(sent.seconds, 6)
@@ -201,7 +215,7 @@ class DisaggEngine(Engine):
         try:
             return await self._await_remote(request, job, ctx)
         finally:
-            _end_remote_prefill(span, started, self.transfer.trace_links.pop(job.job_id, None))
+            _end_remote_prefill(span, started, self._server().trace_links.pop(job.job_id, None))
 
     async def _queue_status(self) -> QueueStatus:
         assert self.queue is not None
@@ -228,12 +242,12 @@ class DisaggEngine(Engine):
         job = PrefillJob(
             uuid.uuid4().hex, self.worker_id, plain, res.block_ids, res.cached_tokens, upto, enqueued_at=time.time()
         )
-        self._done[job.job_id] = self.transfer.expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
+        self._done[job.job_id] = self._server().expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
         try:
             await self.queue.put(job)
         except Exception as exc:  # noqa: BLE001 - any backend's error: prefill locally
             log.warning("prefill queue refused a job (%r); prefilling locally", exc)
-            self.transfer.forget(job.job_id)
+            self._server().forget(job.job_id)
             del self._done[job.job_id]
             self.stats.remote_fallbacks += 1
             return None
@@ -244,7 +258,7 @@ class DisaggEngine(Engine):
         try:
             outcome = await _wait_done(done, ctx, self.remote_timeout_s)
         finally:
-            self.transfer.forget(job.job_id)
+            self._server().forget(job.job_id)
         if outcome == "cancelled":
             self.inner.kv_release(request.request_id)
             return False
@@ -260,6 +274,11 @@ class DisaggEngine(Engine):
         self.stats.remote_fallbacks += 1
         self.stats.local_prefills += 1
         return True
+
+    def _server(self) -> KvTransferServer:
+        if self.transfer is None:  # checked in __init__ for decode workers, the only users
+            raise EngineShutdown("this worker has no KV-transfer server")
+        return self.transfer
 
     def _layout(self) -> KvLayout:
         layout = self.inner.kv_layout()
@@ -308,7 +327,8 @@ class DisaggEngine(Engine):
         """Detach every in-flight request, keeping its KV readable for the worker that
         resumes it; returns how many were handed off."""
         layout = self.inner.kv_layout()
-        if layout is None:
+        transfer = self.transfer
+        if layout is None or transfer is None:
             return 0
         count = 0
         for rid in list(self._live):
@@ -317,14 +337,14 @@ class DisaggEngine(Engine):
                 continue
             tid = f"migrate-{uuid.uuid4().hex}"
             valid = -(-res.cached_tokens // layout.block_size)
-            self._offers[tid] = self.transfer.offer(tid, res.block_ids[:valid])
-            self._offers[tid].add_done_callback(lambda _f, rid=rid: self.inner.kv_release(rid))
+            self._offers[tid] = transfer.offer(tid, res.block_ids[:valid])
+            self._offers[tid].add_done_callback(functools.partial(self._release_after_offer, rid))
             self._handoffs[rid] = DisaggregatedParams(
                 kind="kv_source",
                 worker_id=self.worker_id,
                 block_ids=res.block_ids[:valid],
                 num_tokens=res.cached_tokens,
-                address=self.transfer.address,
+                address=transfer.address,
                 transfer_id=tid,
                 layout=layout,
             )
@@ -332,56 +352,17 @@ class DisaggEngine(Engine):
         self.stats.kv_migrations_out += count
         return count
 
+    def _release_after_offer(self, request_id: str, _offer: asyncio.Future[tuple[int, str]]) -> None:
+        self.inner.kv_release(request_id)
+
     async def wait_handoffs(self, timeout_s: float = 10.0) -> None:
         """Wait until the new workers pulled the handed-off KV (or ``timeout_s``)."""
         offers, self._offers = self._offers, {}
         if offers:
             await asyncio.wait(list(offers.values()), timeout=timeout_s)
-        for tid in offers:
-            self.transfer.forget(tid)  # releases the blocks of any still unclaimed
-
-    # ------------------------------------------------------------------ the inner engine's
-
-    def kv_snapshot(self) -> KvDump | None:
-        return self.inner.kv_snapshot()
-
-    def set_batch_multiplier(self, multiplier: float) -> None:
-        self.inner.set_batch_multiplier(multiplier)
-
-    def load_report(self) -> LoadReport | None:
-        return self.inner.load_report()
-
-    def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
-        return self.inner.kv_events_since(event_id)
-
-    def kv_layout(self) -> KvLayout | None:
-        return self.inner.kv_layout()
-
-    def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
-        return self.inner.kv_reserve(request)
-
-    def kv_release(self, request_id: str) -> None:
-        self.inner.kv_release(request_id)
-
-    def kv_export(self, block_ids: Sequence[int]) -> bytes:
-        return self.inner.kv_export(block_ids)
-
-    def kv_import(self, block_ids: Sequence[int], data: bytes) -> None:
-        self.inner.kv_import(block_ids, data)
-
-    def kv_commit(self, request_id: str, computed_tokens: int) -> None:
-        self.inner.kv_commit(request_id, computed_tokens)
-
-    async def prefill_remote(
-        self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
-    ) -> bytes:
-        return await self.inner.prefill_remote(request, prefix_kv, cached_tokens, upto)
-
-    def kv_detach(self, request_id: str) -> KvReservation | None:
-        return self.inner.kv_detach(request_id)
-
-    def __getattr__(self, name: str) -> object:  # set_fault, fault, scheduler, ... of the inner engine
-        return getattr(self.inner, name)
+        if self.transfer is not None:
+            for tid in offers:
+                self.transfer.forget(tid)  # releases the blocks of any still unclaimed
 
 
 def _remote_prefill_span(prompt_tokens: int, cached: int, depth: int) -> Span | None:
@@ -414,7 +395,8 @@ async def _wait_done(done: asyncio.Future[tuple[int, str]], ctx: Context, timeou
     """"" when the prefill worker finished, "cancelled", or why it failed."""
     stop = asyncio.ensure_future(ctx.stopped())
     try:
-        finished, _ = await asyncio.wait([done, stop], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        waiting: list[asyncio.Future[Any]] = [done, stop]
+        finished, _ = await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.cancel()
     if stop in finished or ctx.is_stopped():

@@ -25,7 +25,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -47,6 +47,8 @@ __all__ = [
     "QUEUE_STATUS",
     "KV_METADATA",
 ]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -218,16 +220,21 @@ class RemotePrefillQueue(PrefillQueue):
 
         self._client = TcpClient(address)
 
-    async def _call(self, endpoint: str, payload: bytes, decode: Any) -> Any:
+    async def _call(self, endpoint: str, payload: bytes, decode: Callable[[msgspec.Raw], T]) -> T | None:
         from kvmesh.runtime.distributed import call
 
-        return await call(self._client, endpoint, payload, decode=decode)
+        return await call(self._client, endpoint, payload, decode)
 
     async def put(self, job: PrefillJob) -> None:
-        await self._call(QUEUE_PUT, _encode(job), None)
+        from kvmesh.runtime.distributed import call
+
+        await call(self._client, QUEUE_PUT, _encode(job))
 
     async def status(self) -> QueueStatus:
-        return await self._call(QUEUE_STATUS, _encode(None), msgspec.msgpack.Decoder(QueueStatus).decode)
+        status = await self._call(QUEUE_STATUS, _encode(None), msgspec.msgpack.Decoder(QueueStatus).decode)
+        if status is None:
+            raise CannotConnect("the prefill queue answered no status")
+        return status
 
     async def pull(self, timeout_s: float) -> Delivery | None:
         job = await self._call(QUEUE_PULL, _encode(timeout_s), msgspec.msgpack.Decoder(PrefillJob | None).decode)

@@ -161,8 +161,9 @@ class KvTransferServer:
         self._conns: dict[asyncio.StreamWriter, asyncio.Task[None] | None] = {}
 
     async def start(self) -> None:
-        tls = {} if self.tls is None else {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, **tls)  # type: ignore[arg-type]
+        tls = self.tls.server if self.tls is not None else None
+        timeout = HANDSHAKE_TIMEOUT_S if tls is not None else None
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, ssl=tls, ssl_handshake_timeout=timeout)
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property
@@ -385,8 +386,9 @@ class TcpKvConnector(KvConnector):
             return link
         host, _, port = address.rpartition(":")
         try:
-            tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": host}
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), **tls), self.connect_timeout_s)  # type: ignore[arg-type]
+            tls = self.tls.client if self.tls is not None else None
+            opening = asyncio.open_connection(host, int(port), ssl=tls, server_hostname=host if tls is not None else None)
+            reader, writer = await asyncio.wait_for(opening, self.connect_timeout_s)
         except (OSError, TimeoutError) as exc:
             raise CannotConnect(f"cannot reach the KV-transfer server at {address}: {exc}") from None
         if self.secret is not None:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, GenerateFront
 from kvmesh.errors import KvmeshError, StreamIncomplete
 from kvmesh.observability import tracing
 from kvmesh.observability.worker_metrics import WorkerCounters
@@ -88,8 +88,10 @@ async def run_generate(
     monitor: AbortMonitor,
     validate: bool = False,
     counters: WorkerCounters | None = None,
+    front: GenerateFront | None = None,
 ) -> AsyncIterator[OutputChunk]:
-    """The engine's stream with the monitor attached (and the validator when asked).
+    """The engine's stream (through ``front`` when the worker has one) with the monitor
+    attached (and the validator when asked).
 
     If the engine's stream ends without a terminal outside validation, a
     :class:`StreamIncomplete` error is raised so the caller always sees one terminal.
@@ -98,13 +100,14 @@ async def run_generate(
     # tracing: the request's trace id on this task's log lines; the engine.generate span
     # only while spans are recorded (no per-chunk work otherwise)
     tracing.set_log_trace_id(tracing.trace_id_of(request.trace_context))
-    span = tracing.GenerateSpan.start(request, str(getattr(engine, "mode", "aggregated"))) if tracing.enabled() else None
+    role = str(getattr(front, "mode", "aggregated"))  # the disaggregation front knows the role
+    span = tracing.GenerateSpan.start(request, role) if tracing.enabled() else None
     if span is not None:
         tracing.set_current_generate(span)
     if counters is not None:  # the worker's metrics: requests, in flight, tokens at the terminal
         counters.requests += 1
         counters.in_flight += 1
-    stream = engine.generate(request, ctx)
+    stream = (front or engine).generate(request, ctx)
     if validate:
         stream = validated(stream, type(engine).__name__)
     finished = False

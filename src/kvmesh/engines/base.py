@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.protocol import (
@@ -50,7 +51,19 @@ from kvmesh.protocol import (
 )
 from kvmesh.runtime.context import Context
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "GenerateFront"]
+
+
+class GenerateFront(Protocol):
+    """What a worker may put in front of its engine's ``generate`` (the disaggregation
+    role, :class:`kvmesh.disagg.engine.DisaggEngine`): every other call goes to the
+    engine itself. The worker calls ``open`` after the engine started, ``drain`` before
+    the engine drains and ``close`` after its cleanup."""
+
+    def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]: ...
+    async def open(self) -> None: ...
+    async def drain(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 class Engine(abc.ABC):

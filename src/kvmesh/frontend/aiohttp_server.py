@@ -21,7 +21,7 @@ import asyncio
 import socket
 from typing import Any
 
-from kvmesh.frontend.server import HttpApp, Request, Response, ServerConfig, _install_signals, _restore_signals
+from kvmesh.frontend.server import ExitFlag, HttpApp, Request, Response, ServerConfig, _install_signals, _restore_signals
 
 __all__ = ["AiohttpServer"]
 
@@ -77,7 +77,7 @@ class _Out:
             await self._response.write_eof()
 
 
-class AiohttpServer:
+class AiohttpServer(ExitFlag):
     """Same surface as :class:`~kvmesh.frontend.server.HttpServer` (``serve``,
     ``should_exit``, ``started``, ``servers``, ``config``)."""
 
@@ -87,15 +87,6 @@ class AiohttpServer:
         self.servers: list[asyncio.AbstractServer] = []
         self.started = False
         self._exit = asyncio.Event()
-
-    @property
-    def should_exit(self) -> bool:
-        return self._exit.is_set()
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        if value:
-            self._exit.set()
 
     async def serve(self, sockets: list[socket.socket]) -> None:
         from aiohttp import web
@@ -129,6 +120,6 @@ class AiohttpServer:
             return web.Response(body=result.body, status=result.status, headers={"content-type": result.content_type, **result.headers})
         response = web.StreamResponse()
         out = _Out(req, response)
-        await result.send_to(out)  # type: ignore[arg-type]
+        await result.send_to(out)  # type: ignore[arg-type]  # duck-typed stand-in, measurement only
         await out.finish()
         return response

@@ -21,8 +21,8 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Literal
 
 import msgspec
 
@@ -43,11 +43,12 @@ from kvmesh.frontend.models import ModelRegistry
 from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess_async
 from kvmesh.frontend.schemas import check_limits, parse
-from kvmesh.frontend.server import HttpApp, Request, Response
+from kvmesh.frontend.server import Handler, HttpApp, Request, Response, StreamingResponse
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability import tracing, worker_metrics
 from kvmesh.protocol import WorkerMetrics
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
+from kvmesh.protocol import OutputChunk
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import EventPlane
@@ -170,7 +171,7 @@ class Frontend:
         # observability: the live cluster page (behind the API key like /metrics; not in the OpenAPI document)
         from kvmesh.frontend.dashboard import Dashboard
 
-        self.dashboard = Dashboard(self)
+        self.dashboard = Dashboard(self, error_response)
         for path, handler in (("/dashboard", self.dashboard.page), ("/dashboard/events", self.dashboard.events)):
             routes[path] = {"GET": handler if config.security.metrics_open else self._keyed(handler)}
         self.app = HttpApp(
@@ -184,10 +185,10 @@ class Frontend:
             limits=config.http,
         )
 
-    def _keyed(self, handler: Any) -> Any:
+    def _keyed(self, handler: Handler) -> Handler:
         """``handler`` behind the API key (when keys are configured)."""
 
-        async def keyed(request: Request) -> Response:
+        async def keyed(request: Request) -> Response | StreamingResponse:
             try:
                 self.auth.tier_of(request.headers.get("authorization"))
             except KvmeshError as exc:
@@ -196,11 +197,11 @@ class Frontend:
 
         return keyed
 
-    def _admin(self, handler: Any) -> Any:
+    def _admin(self, handler: Handler) -> Handler:
         """``handler`` behind the admin key; a body must be application/json (a web
         page cannot send that cross-origin without a preflight kvmesh never answers)."""
 
-        async def admin(request: Request) -> Response:
+        async def admin(request: Request) -> Response | StreamingResponse:
             try:
                 self.auth.check_admin(request.headers.get("authorization"))
                 if not self.auth.required and not _literal_host(request.headers.get("host", "")):
@@ -265,7 +266,7 @@ class Frontend:
                 m = await asyncio.wait_for(call(client, METRICS, decode=_decode_worker_metrics), timeout_s)
             except (KvmeshError, asyncio.TimeoutError, OSError):
                 return None
-            return f"{worker_id:x}", m
+            return None if m is None else (f"{worker_id:x}", m)
 
         got = await asyncio.gather(*(one(w, c) for w, c in sorted(clients.items())))
         return [g for g in got if g is not None]
@@ -316,7 +317,7 @@ class Frontend:
             raise PayloadTooLarge(f"the request body has {request.body_size} bytes; the limit is {limit} bytes")
         return request.body
 
-    async def _serve(self, request: Request, kind: str) -> Response | SSEResponse:
+    async def _serve(self, request: Request, kind: Literal["chat", "completion"]) -> Response | SSEResponse:
         # tracing: the request's trace (root span when recording); the traceparent goes
         # to the workers (in the request) and back to the client (a response header)
         request_id = new_request_id()
@@ -331,12 +332,12 @@ class Frontend:
         return response
 
     async def _serve_traced(
-        self, request: Request, kind: str, request_id: str, trace: tracing.RequestTrace
+        self, request: Request, kind: Literal["chat", "completion"], request_id: str, trace: tracing.RequestTrace
     ) -> Response | SSEResponse:
         endpoint = "chat_completions" if kind == "chat" else "completions"
         try:
             allowed = self.auth.tier_of(request.headers.get("authorization"))
-            req = parse(self._read_body(request), kind)  # type: ignore[arg-type]
+            req = parse(self._read_body(request), kind)
             check_limits(req, self.config.security)
             entry = self.registry.get(req.model)
             tier = req.priority or request.headers.get("x-kvmesh-priority")
@@ -396,9 +397,9 @@ class Frontend:
             )
 
     async def _sse_events(
-        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str,
+        self, gen: Generation, stream: AsyncGenerator[OutputChunk, None], kind: str, response_id: str, endpoint: str,
         include_usage: bool, started: _Once,
-    ) -> AsyncIterator[bytes]:  # fmt: skip
+    ) -> AsyncGenerator[bytes, None]:  # fmt: skip
         started.cancel()  # the events run: their own finally does the accounting
         entry = gen.entry
         chunks = (ChatChunks if kind == "chat" else CompletionChunks)(response_id, int(time.time()), entry.name)
@@ -430,7 +431,7 @@ class Frontend:
             self._finish(gen, endpoint, status)
 
     async def _unary(
-        self, gen: Generation, stream: AsyncIterator[Any], kind: str, response_id: str, endpoint: str, route: Any = None
+        self, gen: Generation, stream: AsyncGenerator[OutputChunk, None], kind: str, response_id: str, endpoint: str, route: Any = None
     ) -> Response:
         parts: list[str] = []
         logprobs: list[Any] = []
@@ -543,7 +544,8 @@ class _TokenText:
         self._tok = tokenizer
 
     def token_text(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        text: str = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
 
 def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:

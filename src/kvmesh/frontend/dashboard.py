@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -39,8 +39,11 @@ _BREAKER = ("closed", "open", "half_open")
 
 
 class Dashboard:
-    def __init__(self, frontend: Frontend, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, frontend: Frontend, error_response: Callable[[BaseException], Response], interval_s: float = 1.0
+    ) -> None:
         self.frontend = frontend
+        self._error_response = error_response  # the frontend's error body (no import of frontend.app: a cycle)
         self.interval_s = interval_s
         self._rows: dict[int, dict[str, Any]] = {}  # every worker seen (its last row)
         self._gone: dict[int, float] = {}  # worker id → when it left
@@ -57,9 +60,7 @@ class Dashboard:
 
     async def events(self, request: Request) -> Response | SSEResponse:
         if self.streams >= MAX_STREAMS:
-            from kvmesh.frontend.app import error_response
-
-            return error_response(ResourceExhausted(f"at most {MAX_STREAMS} dashboards may be open; close one", retry_after=5))
+            return self._error_response(ResourceExhausted(f"at most {MAX_STREAMS} dashboards may be open; close one", retry_after=5))
         self.streams += 1
         ctx = Context("dashboard")
         return SSEResponse(self._stream(ctx), ctx, self.frontend.keepalive, on_close=self._closed)
@@ -67,7 +68,7 @@ class Dashboard:
     def _closed(self) -> None:
         self.streams -= 1
 
-    async def _stream(self, ctx: Context) -> AsyncIterator[bytes]:
+    async def _stream(self, ctx: Context) -> AsyncGenerator[bytes, None]:
         while not ctx.is_stopped():
             yield b"data: " + await self.snapshot() + b"\n\n"
             try:

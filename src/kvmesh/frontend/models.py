@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,7 +205,7 @@ class ModelRegistry:
         name = info.engine.served_model_name
         entry = self.models[name]
         entry.engine = info.engine
-        instance = Instance(info, client)  # type: ignore[arg-type]
+        instance = Instance(info, client)
         if entry.kv is not None:
             entry.kv.add_worker(instance)  # refuses a worker whose block size differs
         entry.instances.add(instance)
@@ -254,6 +255,21 @@ class ModelRegistry:
         if instance is None:
             raise ModelNotFound(f"no worker {worker_id:x}; see GET /admin/workers")
         return instance
+
+    # -- the fleet view health uses (kvmesh.health.fleet.FleetView)
+    def workers(self) -> list[Instance]:
+        return [i for e in self.models.values() for i in e.instances.all()]
+
+    def weight(self, worker_id: int) -> float:
+        return self.health.weight(worker_id) if self.health is not None else 1.0
+
+    def capacities(self, worker_ids: Sequence[int]) -> dict[int, float] | None:
+        health = self.health
+        return {w: health.capacity(w) for w in worker_ids} if health is not None else None
+
+    def canary_prompt(self, model: str, text: str) -> list[int] | None:
+        entry = self.models.get(model)
+        return entry.preprocessor.text_prompt(text) if entry is not None else None
 
     def ready(self) -> bool:
         return any(len(e.instances) for e in self.models.values())

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -259,7 +259,7 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.request.token_ids)
 
-    async def open(self) -> AsyncIterator[OutputChunk]:
+    async def open(self) -> AsyncGenerator[OutputChunk, None]:
         """Route and open the worker stream (errors here are HTTP errors, not SSE)."""
         instance = await self._pick(self.request, frozenset())
         self.worker_id = instance.worker_id
@@ -303,14 +303,14 @@ class Generation:
             request.trace_context = tracing.span_traceparent(span)
         return span
 
-    def _stream_on(self, instance: Instance, request: PreprocessedRequest) -> AsyncIterator[OutputChunk]:
+    def _stream_on(self, instance: Instance, request: PreprocessedRequest) -> AsyncGenerator[OutputChunk, None]:
         self.worker_id = instance.worker_id
         self.entry.metrics.routed(instance.worker_id)
         return instance.client.stream(
             GENERATE, _encode_request(request), self.ctx, decode=_decode_chunk, merge=merge_chunks
         )
 
-    async def _chunks(self, instance: Instance) -> AsyncIterator[OutputChunk]:
+    async def _chunks(self, instance: Instance) -> AsyncGenerator[OutputChunk, None]:
         """The worker's chunks, kept flowing when workers fail.
 
         A migratable failure (a worker draining, gone, unreachable, timed out) before
@@ -371,7 +371,7 @@ class Generation:
                     self.request.request_id, instance.worker_id, len(generated), exc.message,
                 )  # fmt: skip
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
                 if hop is not None:
                     hop.end()
                 if moving is not None and moved is None:
@@ -395,7 +395,7 @@ class Generation:
             if moved is not None:  # counted once the target is known
                 self.entry.metrics.migrated(moved[0], f"{source:x}", f"{instance.worker_id:x}")
 
-    async def deltas(self, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[tuple[str, OutputChunk]]:
+    async def deltas(self, stream: AsyncGenerator[OutputChunk, None]) -> AsyncIterator[tuple[str, OutputChunk]]:
         pre = self.entry.preprocessor
         detok = pre.detokenizer(skip_special_tokens=self._skip_special)
         stops = self.request.stop.stop
@@ -445,7 +445,7 @@ class Generation:
             raise StreamIncomplete("the worker's stream ended without a finish reason")
         finally:
             self.release()
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
 
 def explain_route(gen: Generation) -> dict[str, object]:
@@ -453,7 +453,7 @@ def explain_route(gen: Generation) -> dict[str, object]:
     entry = gen.entry
     out: dict[str, object] = {"worker": f"{gen.worker_id:x}" if gen.worker_id is not None else None}
     policy = entry.router.policy
-    decision = getattr(policy, "explained", {}).pop(gen.request.request_id, None)
+    decision = policy.explain(gen.request.request_id)
     if decision is None:
         out["mode"] = type(policy).__name__
         return out

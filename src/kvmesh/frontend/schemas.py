@@ -10,7 +10,7 @@ strings, messages) before any of it is tokenized.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Union, cast
 
 import msgspec
 from msgspec import Meta
@@ -139,20 +139,21 @@ class CompletionRequest(_Sampling, kw_only=True):
         return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and not all(type(p) is int for p in prompt):
-            if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        prompt: object = self.prompt
+        if isinstance(self.prompt, list) and self.prompt and not all(type(p) is int for p in self.prompt):
+            if not (all(isinstance(p, str) for p in self.prompt) or all(isinstance(p, list) for p in self.prompt)):
                 raise InvalidArgument("prompt must be a string, a list of token ids, or a list of one of those")
-            if len(prompt) != 1:
-                raise InvalidArgument(f"prompt holds {len(prompt)} prompts; send one prompt per request")
-            prompt = prompt[0]
+            if len(self.prompt) != 1:
+                raise InvalidArgument(f"prompt holds {len(self.prompt)} prompts; send one prompt per request")
+            prompt = self.prompt[0]
         if isinstance(prompt, (str, list)) and len(prompt) == 0:
             raise InvalidArgument("prompt must not be empty")
         if self.echo:
             raise InvalidArgument("echo is not supported; set echo to false")
         if self.suffix:
             raise InvalidArgument("suffix is not supported; leave it out")
-        return prompt  # type: ignore[return-value]
+        # a string or token ids: a list of strings or of lists was unwrapped above
+        return cast("str | list[int]", prompt)
 
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

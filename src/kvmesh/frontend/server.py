@@ -30,14 +30,13 @@ import asyncio
 import contextlib
 import http
 import logging
-import os
 import signal
 import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import httptools
 
@@ -45,7 +44,6 @@ from kvmesh.config import HttpLimits
 
 __all__ = [
     "bind_http",
-    "make_server",
     "HttpServer",
     "HttpApp",
     "Request",
@@ -176,7 +174,7 @@ async def _no_lifespan() -> AsyncIterator[None]:
 # ---------------------------------------------------------------------------- writing
 
 _status_lines: dict[int, bytes] = {}
-_date = [0, b""]
+_date: list[Any] = [0, b""]  # [second, the date header for it]
 
 
 def _status_line(status: int) -> bytes:
@@ -195,7 +193,8 @@ def _date_header() -> bytes:
     if now != _date[0]:
         _date[0] = now
         _date[1] = time.strftime("date: %a, %d %b %Y %H:%M:%S GMT\r\n", time.gmtime(now)).encode()
-    return _date[1]  # type: ignore[return-value]
+    header: bytes = _date[1]
+    return header
 
 
 def _head(status: int, headers: list[tuple[bytes, bytes]], extra: bytes) -> bytes:
@@ -246,7 +245,7 @@ class ResponseStream:
         if self._head:
             data = self._head + data
             self._head = b""
-        self._transport.write(data)  # type: ignore[union-attr]
+        self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
 
     def end(self, data: bytes = b"") -> None:
         if self.ended:
@@ -260,7 +259,7 @@ class ResponseStream:
             data = self._head + data
             self._head = b""
         if data:
-            self._transport.write(data)  # type: ignore[union-attr]
+            self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
 
     async def drain(self) -> None:
         while self.paused and not self.disconnected:
@@ -341,7 +340,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
         if len(self.server.connections) >= self.limits.max_connections:
             self._over_capacity()
             return
@@ -657,20 +656,10 @@ class ServerConfig:
     timeout_graceful_shutdown: float | None = None  # None: wait for in-flight requests
 
 
-class HttpServer:
-    """Serves an :class:`HttpApp` on sockets bound beforehand (see module docstring)."""
+class ExitFlag:
+    """``should_exit``, as a server's owner sets it (once) to make ``serve`` return."""
 
-    def __init__(self, app: HttpApp, config: ServerConfig | None = None) -> None:
-        self.app = app
-        self.config = config or ServerConfig()
-        self.connections: set[_Connection] = set()
-        self.servers: list[asyncio.AbstractServer] = []
-        self.started = False
-        self.exiting = False
-        self.refused = 0  # connections turned away past max_connections
-        self.timed_out = 0  # connections closed by a header/body timeout
-        self._exit = asyncio.Event()
-        self._force = False
+    _exit: asyncio.Event
 
     @property
     def should_exit(self) -> bool:
@@ -680,6 +669,22 @@ class HttpServer:
     def should_exit(self, value: bool) -> None:
         if value:
             self._exit.set()
+
+
+class HttpServer(ExitFlag):
+    """Serves an :class:`HttpApp` on sockets bound beforehand (see module docstring)."""
+
+    def __init__(self, app: HttpApp, config: ServerConfig | None = None) -> None:
+        self.app = app
+        self.config = config or ServerConfig()
+        self.connections: set[_Connection] = set()
+        self.servers: list[asyncio.Server] = []
+        self.started = False
+        self.exiting = False
+        self.refused = 0  # connections turned away past max_connections
+        self.timed_out = 0  # connections closed by a header/body timeout
+        self._exit = asyncio.Event()
+        self._force = False
 
     def _on_signal(self) -> None:
         if self._exit.is_set():
@@ -755,16 +760,3 @@ def _restore_signals(loop: asyncio.AbstractEventLoop, previous: dict[int, Any]) 
     for sig, handler in previous.items():
         loop.remove_signal_handler(sig)
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def make_server(app: HttpApp, log_level: str = "warning", limits: HttpLimits | None = None) -> HttpServer:
-    """The server for ``app`` (``log_level`` sets this module's logger). The seam:
-    ``KVMESH_HTTP_SERVER=aiohttp`` serves the same app with aiohttp's low-level server
-    instead (for the comparison in docs/performance.md only)."""
-    log.setLevel(log_level.upper())
-    config = ServerConfig(limits=limits or app.limits)
-    if os.environ.get("KVMESH_HTTP_SERVER", "own") == "aiohttp":
-        from kvmesh.frontend.aiohttp_server import AiohttpServer
-
-        return AiohttpServer(app, config)  # type: ignore[return-value]
-    return HttpServer(app, config)

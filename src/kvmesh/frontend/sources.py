@@ -12,7 +12,7 @@ import msgspec
 from kvmesh.errors import KvmeshError
 from kvmesh.frontend.models import ModelRegistry
 from kvmesh.protocol import InstanceInfo
-from kvmesh.runtime.distributed import Client, DistributedRuntime, call
+from kvmesh.runtime.distributed import Client, DistributedRuntime, RequestClient, call
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.names import COMPONENT, GENERATE, INFO, PREFILL_COMPONENT
 
@@ -26,9 +26,9 @@ _decode_info = msgspec.msgpack.Decoder(InstanceInfo).decode
 async def watch_workers(runtime: DistributedRuntime, registry: ModelRegistry) -> Client:
     """Attach every ``backend/generate`` instance discovery reports, detach removed ones."""
 
-    async def added(info: InstanceInfo, client: object) -> None:
+    async def added(info: InstanceInfo, client: RequestClient) -> None:
         try:
-            await registry.attach(info, client)  # type: ignore[arg-type]
+            await registry.attach(info, client)
         except KvmeshError as exc:
             log.error("cannot serve worker %x: %s", info.worker_id, exc.message)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -169,7 +169,7 @@ class SSEResponse:
 
     def __init__(
         self,
-        events: AsyncIterator[bytes],
+        events: AsyncGenerator[bytes, None],
         ctx: Context,
         keepalive: KeepAlive,
         on_disconnect: Callable[[], None] | None = None,
@@ -207,7 +207,7 @@ class SSEResponse:
         finally:
             self.keepalive.unregister(live)
             try:
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()
             finally:
                 if self.on_close is not None:
                     self.on_close()

@@ -34,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import msgspec
 
 from kvmesh.errors import KvmeshError
+from kvmesh.health.fleet import FleetView
 from kvmesh.health.canary import Canary, CanaryOutput, CanarySet, evaluate, load_canaries, record_canaries
 from kvmesh.health.state import (
     CheckKind,
@@ -63,8 +64,9 @@ from kvmesh.protocol import (
     StopConditions,
 )
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.distributed import call
+from kvmesh.runtime.distributed import RequestClient, call
 from kvmesh.runtime.instances import Instance
+from kvmesh.observability.metrics import FrontendMetrics
 from kvmesh.runtime.names import GENERATE, LOAD
 
 __all__ = ["HealthMonitor", "DEFAULT_CANARY_PROMPTS", "generate_greedy"]
@@ -80,7 +82,7 @@ _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
 
 
 async def generate_greedy(
-    client: Any, model: str, prompt: list[int], n: int, timing: list[float] | None = None
+    client: RequestClient, model: str, prompt: list[int], n: int, timing: list[float] | None = None
 ) -> tuple[list[int], list[float] | None]:
     """``n`` greedy tokens for ``prompt`` straight from one worker (no router), with the
     top log-probability of each token when the engine reports it. The request asks for
@@ -117,13 +119,13 @@ def load_sample(report: LoadReport | None) -> LoadSample | None:
 class HealthMonitor:
     def __init__(
         self,
-        registry: Any,
+        fleet: FleetView,
         config: HealthConfig,
         timeout_s: float,
         canary_files: Sequence[str] = (),
-        metrics: Any = None,
+        metrics: FrontendMetrics | None = None,
     ) -> None:
-        self.registry = registry
+        self.view = fleet  # the served workers and models
         self.config = config
         self.timeout_s = timeout_s
         self.metrics = metrics
@@ -204,7 +206,7 @@ class HealthMonitor:
                 self._spawn(self._round(due))
             await asyncio.sleep(tick)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -337,12 +339,11 @@ class HealthMonitor:
         known = self._canaries.get(model)
         if known is not None:
             return known
-        entry = self.registry.models.get(model)
-        if entry is None:
-            return None
         outputs = []
         for text in DEFAULT_CANARY_PROMPTS:
-            prompt = entry.preprocessor.text_prompt(text)
+            prompt = self.view.canary_prompt(model, text)
+            if prompt is None:
+                return None
             try:
                 tokens, top = await asyncio.wait_for(self._generate(instance, prompt, _CANARY_TOKENS), self.timeout_s)
             except (TimeoutError, KvmeshError):

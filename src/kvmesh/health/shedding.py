@@ -13,15 +13,17 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any
 
 import msgspec
 
 from kvmesh.errors import KvmeshError
+from kvmesh.health.fleet import FleetView
 from kvmesh.health.degradation import CapacityConfig, Decision, DegradationController, admit
 from kvmesh.protocol import LoadReport
 from kvmesh.runtime.distributed import call
+from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import LOAD, TUNE
+from kvmesh.observability.metrics import FrontendMetrics
 
 __all__ = ["RateMeter", "LoadShedder"]
 
@@ -55,8 +57,10 @@ class RateMeter:
 
 
 class LoadShedder:
-    def __init__(self, registry: Any, config: CapacityConfig, period_s: float = 0.5, metrics: Any = None) -> None:
-        self.registry = registry
+    def __init__(
+        self, fleet: FleetView, config: CapacityConfig, period_s: float = 0.5, metrics: FrontendMetrics | None = None
+    ) -> None:
+        self.fleet = fleet
         self.controller = DegradationController(config)
         self.meter = RateMeter()
         self.period_s = period_s
@@ -86,11 +90,11 @@ class LoadShedder:
                 log.exception("degradation update failed")
 
     async def _evaluate(self) -> None:
-        health = self.registry.health
-        instances = [i for e in self.registry.models.values() for i in e.instances.all()]
-        live = [i for i in instances if health is None or health.weight(i.worker_id) > 0]
+        fleet = self.fleet
+        instances = fleet.workers()
+        live = [i for i in instances if fleet.weight(i.worker_id) > 0]
         reports = [r for r in await asyncio.gather(*(self._load(i) for i in live)) if r is not None]
-        weights = {i.worker_id: health.capacity(i.worker_id) for i in live} if health is not None else None
+        weights = fleet.capacities([i.worker_id for i in live])
         now = time.monotonic()
         change = self.controller.evaluate(reports, now, weights=weights, demand_rps=self.meter.rate(now))
         if change is not None:
@@ -102,7 +106,7 @@ class LoadShedder:
         if self.metrics is not None:
             self.metrics.degradation_level.set(int(self.controller.level))
 
-    async def _tune(self, instance: Any, multiplier: float) -> None:
+    async def _tune(self, instance: Instance, multiplier: float) -> None:
         """Tell a worker the level's batch multiplier (once per change per worker)."""
         try:
             await call(instance.client, TUNE, msgspec.msgpack.encode(multiplier))
@@ -111,7 +115,7 @@ class LoadShedder:
             return
         self._batch[instance.worker_id] = multiplier
 
-    async def _load(self, instance: Any) -> LoadReport | None:
+    async def _load(self, instance: Instance) -> LoadReport | None:
         try:
             report = await call(instance.client, LOAD, decode=_decode_load)
         except KvmeshError:

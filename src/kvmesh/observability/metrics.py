@@ -73,7 +73,7 @@ class ModelMetrics:
         self.input_tokens = parent.input_tokens.labels(model)
         self.output_tokens = parent.output_tokens.labels(model)
         self._decisions = parent.decisions
-        self._routed: dict[int, object] = {}
+        self._routed: dict[int, Counter] = {}
         self.cached_tokens = parent.cached_tokens.labels(model)
         self.router = RouterMetrics(parent, model)
         self._migrations = parent.migrations
@@ -90,7 +90,7 @@ class ModelMetrics:
         child = self._routed.get(worker_id)
         if child is None:
             child = self._routed[worker_id] = self._decisions.labels(self._model, f"{worker_id:x}")
-        child.inc()  # type: ignore[attr-defined]
+        child.inc()
 
     def finished(self, endpoint: str, status: str) -> None:
         self._requests.labels(self._model, endpoint, status).inc()

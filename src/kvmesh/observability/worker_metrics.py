@@ -13,14 +13,12 @@ the engine on demand, and rendered for Prometheus, labelled by worker.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from kvmesh.protocol import DisaggStats, OutputChunk, WorkerMetrics
+from kvmesh.protocol import DisaggStats, LoadReport, OutputChunk, WorkerMetrics
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
-
-    from kvmesh.engines.base import Engine
 
 __all__ = ["WorkerCounters", "sample", "families", "render", "DISAGG_COUNTERS"]
 
@@ -45,8 +43,14 @@ class WorkerCounters:
             self.output_tokens += usage.completion_tokens
 
 
+class _Reporting(Protocol):
+    """What a sample reads of an engine (observability sits below engines: no import)."""
+
+    def load_report(self) -> LoadReport | None: ...
+
+
 def sample(
-    worker_id: int, engine: Engine, counters: WorkerCounters, disagg: Callable[[], DisaggStats | None] | None = None
+    worker_id: int, engine: _Reporting, counters: WorkerCounters, disagg: Callable[[], DisaggStats | None] | None = None
 ) -> WorkerMetrics:
     """This worker's metrics now (cheap: counters and the engine's load report)."""
     report = engine.load_report()

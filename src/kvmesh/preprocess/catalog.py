@@ -160,7 +160,8 @@ def _check_converter(entry: CatalogEntry) -> None:
 
 def _is_current(folder: Path, source: dict[str, Any]) -> bool:
     try:
-        return json.loads((folder / MARKER_FILE).read_text()) == source
+        marker: object = json.loads((folder / MARKER_FILE).read_text())
+        return marker == source
     except (OSError, ValueError):
         return False
 

@@ -24,7 +24,8 @@ from typing import Any, NoReturn
 from jinja2 import TemplateError, TemplateSyntaxError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvmesh.errors import InvalidArgument, KvmeshError
 
@@ -48,7 +49,7 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     used further, so ``{{ x.__class__ }}`` would pass silently.
     """
 
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:  # type: ignore[override]
+    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker
+from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, run_trace
 from kvmesh.protocol import LoadReport, PreprocessedRequest
 from kvmesh.replay.policies import ReplayPolicy
 from kvmesh.runtime.events import CallbackPublisher
@@ -45,24 +45,8 @@ def simulate(
         for i in range(workers)
     ]
     feedback = _Feedback(policy, on_done)
-    records: list[RequestRecord] = []
-    pending = iter(arrivals)
-    nxt = next(pending, None)
-    last = float("-inf")
-    while True:
-        t_step = _next_step_time(fleet)
-        if nxt is not None and (t_step is None or nxt[0] <= t_step):
-            t, request = nxt
-            if t < last:
-                raise ValueError(f"arrivals must be in time order: {t} after {last}")
-            last = t
-            records.append(fleet[policy.route(request, t)].submit(request, t))
-            nxt = next(pending, None)
-        elif t_step is not None:
-            for worker in fleet:
-                feedback.deliver(worker.advance_to(t_step))
-        else:
-            return records
+    records = run_trace(arrivals, fleet, lambda request, t, _workers: policy.route(request, t), feedback.deliver)
+    return list(records.values())  # arrival order
 
 
 class _Feedback:
@@ -84,12 +68,3 @@ class _Feedback:
                 self.policy.on_finished(rid, ev.time_ms)
                 if self.on_done is not None:
                     self.on_done()
-
-
-def _next_step_time(fleet: list[VirtualWorker]) -> float | None:
-    best: float | None = None
-    for w in fleet:
-        t = w.next_event_time()
-        if t is not None and (best is None or t < best):
-            best = t
-    return best

@@ -122,7 +122,7 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)  # type: ignore[arg-type]
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class TokenSynth:
@@ -133,10 +133,10 @@ class TokenSynth:
         if not 0 < vocab_size <= 1 << 32:
             raise ValueError(f"vocab_size must be in 1..2**32, got {vocab_size}")
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[int, array] = OrderedDict()
+        self._cache: OrderedDict[int, array[int]] = OrderedDict()
         self._cache_blocks = cache_blocks
 
-    def block(self, hash_id: int) -> array:
+    def block(self, hash_id: int) -> array[int]:
         """The :data:`TRACE_BLOCK_TOKENS` token ids of ``hash_id`` (an ``array('I')``)."""
         cached = self._cache.get(hash_id)
         if cached is not None:

@@ -204,9 +204,10 @@ def select_greedy(
         if prefill or active:
             cost = _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
         else:
-            cost = by_overlap.get(overlap)
-            if cost is None:
-                cost = by_overlap[overlap] = _cost(overlap, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
+            cached = by_overlap.get(overlap)
+            if cached is None:
+                cached = by_overlap[overlap] = _cost(overlap, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
+            cost = cached
         costs.append(cost)
     idle_cost = _cost(0, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
     has_idle = len(busy) < len(workers)

@@ -75,6 +75,7 @@ _LOG_SLACK = 1024
 # find_matches caches the decoding of masks with more bits than this, this many at most.
 _DECODE_CACHE_MIN_BITS = 16
 _DECODE_CACHE_SIZE = 2048
+_FREE = -1  # the worker id of a free dense index (worker ids are lease ids, never negative)
 
 
 # _BYTE_BITS[b]: positions of the set bits of the byte b.
@@ -130,7 +131,7 @@ class KvIndexer:
         self._count: list[int] = []  # by dense index: live blocks
         self._bits: list[int] = []  # by dense index: the interned 1 << i
         self._index: dict[int, int] = {}  # worker id -> dense index
-        self._ids: list[int | None] = []  # dense index -> worker id (None: free)
+        self._ids: list[int] = []  # dense index -> worker id (_FREE: none)
         self._free: list[int] = []  # heap of free dense indices
         # Wide masks seen by find_matches -> their worker ids. Popular prefixes end in
         # the same few masks, and decoding 500 bits costs more than the rest of a query.
@@ -217,7 +218,7 @@ class KvIndexer:
         if i is None:
             return
         self._clear(i)
-        self._ids[i] = None
+        self._ids[i] = _FREE
         self._decoded.clear()
         heapq.heappush(self._free, i)
 
@@ -256,14 +257,14 @@ class KvIndexer:
         """Worker ids of the bits of ``mask`` (> 0)."""
         ids = self._ids
         if mask & (mask - 1) == 0:
-            return (ids[mask.bit_length() - 1],)  # type: ignore[return-value]
+            return (ids[mask.bit_length() - 1],)
         if mask.bit_count() <= _DECODE_CACHE_MIN_BITS:
-            return tuple(map(ids.__getitem__, _bit_indices(mask)))  # type: ignore[arg-type]
+            return tuple(map(ids.__getitem__, _bit_indices(mask)))
         out = self._decoded.get(mask)
         if out is None:
             if len(self._decoded) >= _DECODE_CACHE_SIZE:
                 self._decoded.clear()
-            out = self._decoded[mask] = tuple(map(ids.__getitem__, _bit_indices(mask)))  # type: ignore[arg-type]
+            out = self._decoded[mask] = tuple(map(ids.__getitem__, _bit_indices(mask)))
         return out
 
     def _live(self, i: int) -> Iterable[int]:

@@ -4,8 +4,9 @@ Selection policies are pure (ids in, id out); :class:`PushRouter` is the glue th
 waits for instances and hands back the chosen :class:`~kvmesh.runtime.instances.Instance`.
 Modes: ``round_robin`` and ``random``; ``direct`` happens when a request names a
 worker id in its routing hints. The KV-aware modes plug in as another policy
-(:class:`kvmesh.router.service.KvPolicy`) that may also ``admit`` requests (wait in a
-queue) and hear of each request's first token and end.
+(:class:`kvmesh.router.service.KvPolicy`) that also admits requests (they may wait in
+a queue), hears of each request's first token and end, and explains its decisions.
+Every hook is part of :class:`Policy`; :class:`Stateless` gives the no-op ones.
 """
 
 from __future__ import annotations
@@ -16,19 +17,56 @@ from typing import Protocol
 
 from kvmesh.errors import NoWorkers
 from kvmesh.protocol import PreprocessedRequest
+from kvmesh.router.core import Decision
 from kvmesh.runtime.instances import Instance, InstanceSet
 
-__all__ = ["Policy", "RoundRobin", "Random", "make_policy", "PushRouter"]
+__all__ = ["Policy", "Stateless", "RoundRobin", "Random", "make_policy", "PushRouter"]
 
 
 class Policy(Protocol):
+    """How a :class:`PushRouter` picks a worker, and what it tells the policy."""
+
     def select(self, ids: Sequence[int], request: PreprocessedRequest, weights: Mapping[int, float] | None = None) -> int:
         """One of ``ids``. ``weights`` (health, in (0, 1]; None: all 1) scale each
         worker's share of the traffic."""
         ...
 
+    async def admit(self, request: PreprocessedRequest) -> None:
+        """Return when ``request`` may be routed (a policy may queue it)."""
+        ...
 
-class RoundRobin:
+    def first_token(self, request_id: str) -> None:
+        """The request's first token arrived (its prefill is done)."""
+        ...
+
+    def finished(self, request_id: str) -> None:
+        """The request ended, however it ended."""
+        ...
+
+    def explain(self, request_id: str) -> Decision | None:
+        """Why the request went where it went, once, if it asked (``routing.explain``)
+        and the policy keeps reasons; else None."""
+        ...
+
+
+class Stateless:
+    """The hooks of a policy that keeps no per-request state: admits at once, keeps
+    no reasons."""
+
+    async def admit(self, request: PreprocessedRequest) -> None:
+        return None
+
+    def first_token(self, request_id: str) -> None:
+        return None
+
+    def finished(self, request_id: str) -> None:
+        return None
+
+    def explain(self, request_id: str) -> Decision | None:
+        return None
+
+
+class RoundRobin(Stateless):
     """In turn; a worker of weight w < 1 takes its turn with probability w."""
 
     def __init__(self, seed: int | None = None) -> None:
@@ -44,7 +82,7 @@ class RoundRobin:
         return worker
 
 
-class Random:
+class Random(Stateless):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
@@ -74,9 +112,8 @@ class PushRouter:
     async def pick(self, request: PreprocessedRequest, exclude: frozenset[int] = frozenset()) -> Instance:
         if not self.instances.ids:
             await self.instances.wait_nonempty(self.wait_s, self.what)
-        admit = getattr(self.policy, "admit", None)
-        if admit is not None and not exclude:
-            await admit(request)
+        if not exclude:  # a retry elsewhere was admitted already
+            await self.policy.admit(request)
         hints = request.routing
         if hints is not None and hints.worker_id is not None:
             instance = self.instances.get(hints.worker_id)
@@ -100,12 +137,8 @@ class PushRouter:
 
     def first_token(self, request_id: str) -> None:
         """The request's first token arrived (its prefill is done)."""
-        hook = getattr(self.policy, "first_token", None)
-        if hook is not None:
-            hook(request_id)
+        self.policy.first_token(request_id)
 
     def finished(self, request_id: str) -> None:
         """The request ended, however it ended."""
-        hook = getattr(self.policy, "finished", None)
-        if hook is not None:
-            hook(request_id)
+        self.policy.finished(request_id)

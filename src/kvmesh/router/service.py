@@ -335,3 +335,6 @@ class KvPolicy:
     def finished(self, request_id: str) -> None:
         self.service.finished(request_id)
         self.explained.pop(request_id, None)
+
+    def explain(self, request_id: str) -> Decision | None:
+        return self.explained.pop(request_id, None)

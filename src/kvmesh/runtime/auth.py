@@ -47,7 +47,7 @@ import os
 import secrets
 import ssl
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 from kvmesh.errors import InvalidArgument
 
@@ -374,7 +374,7 @@ class ProtocolHandshake:
     def __init__(self, hs: Handshake, transport: asyncio.BaseTransport, timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
         loop = asyncio.get_running_loop()
         self._hs = hs
-        self._transport: asyncio.Transport = transport  # type: ignore[assignment]
+        self._transport = cast(asyncio.Transport, transport)  # a stream connection's transport
         self.ready: asyncio.Future[None] = loop.create_future()
         self.ready.add_done_callback(_retrieve)
         first = hs.start()

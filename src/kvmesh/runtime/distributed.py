@@ -46,7 +46,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
 import msgspec
 
@@ -57,8 +57,15 @@ from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.discovery.base import Discovery, Lease
+from kvmesh.runtime.stream import Handler, RequestClient, RequestServer
 from kvmesh.runtime.tcp_client import TcpClient
-from kvmesh.runtime.tcp_server import Handler, TcpServer
+from kvmesh.runtime.tcp_server import TcpServer
+
+if TYPE_CHECKING:  # imported when first used: a process without NATS never loads nats-py
+    from nats.aio.client import Client as NatsClient
+
+    from kvmesh.runtime.discovery.etcd import EtcdCredentials
+    from kvmesh.runtime.nats import CallHomeServer
 
 __all__ = [
     "DistributedRuntime",
@@ -84,30 +91,36 @@ _decode_info = msgspec.json.Decoder(InstanceInfo).decode
 _encode = msgspec.json.encode
 
 
-class RequestServer(Protocol):
-    def register(self, endpoint: str, handler: Handler) -> None: ...
-    async def start(self) -> None: ...
-    async def stop_accepting(self) -> None: ...
-    async def wait_idle(self, timeout: float) -> bool: ...
-    async def close(self) -> None: ...
-
-    @property
-    def in_flight(self) -> int: ...
+T = TypeVar("T")
 
 
-class RequestClient(Protocol):
-    def stream(self, endpoint: str, payload: bytes, ctx: Any, decode: Any = None, merge: Any = None) -> Any: ...
-    async def close(self) -> None: ...
+@runtime_checkable
+class _Listening(Protocol):
+    """A request server with a TCP address (the TCP plane's)."""
+
+    host: str
+    port: int
 
 
 NIL = b"\xc0"  # msgpack nil: the payload of an endpoint that takes no argument
 
 
-async def call(client: RequestClient, endpoint: str, payload: bytes = NIL, decode: Any = None) -> Any:
-    """One request, one answer: the last item ``endpoint`` streams back (None if none).
-    Typed errors propagate as from :meth:`RequestClient.stream`."""
+@overload
+async def call(client: RequestClient, endpoint: str, payload: bytes = NIL) -> msgspec.Raw | None: ...
+@overload
+async def call(client: RequestClient, endpoint: str, payload: bytes, decode: Callable[[msgspec.Raw], T]) -> T | None: ...
+@overload
+async def call(client: RequestClient, endpoint: str, payload: bytes = NIL, *, decode: Callable[[msgspec.Raw], T]) -> T | None: ...
+async def call(
+    client: RequestClient, endpoint: str, payload: bytes = NIL, decode: Callable[[msgspec.Raw], Any] | None = None
+) -> Any:
+    """One request, one answer: the last item ``endpoint`` streams back (None if none),
+    decoded by ``decode`` (raw msgpack without one). Typed errors propagate as from
+    :meth:`RequestClient.stream`."""
     result = None
-    async for item in client.stream(endpoint, payload, Context(f"call-{endpoint}"), decode=decode):
+    ctx = Context(f"call-{endpoint}")
+    items = client.stream(endpoint, payload, ctx) if decode is None else client.stream(endpoint, payload, ctx, decode)
+    async for item in items:
         result = item
     return result
 
@@ -149,9 +162,9 @@ class DistributedRuntime:
         self._revoked = asyncio.Event()
         self._holder: asyncio.Task[None] | None = None
         self.renewals = 0  # leases taken after one expired out of contact
-        self.nats: Any = None
+        self.nats: NatsClient | None = None
         self._servers: dict[str, RequestServer] = {}
-        self._callhome: Any = None
+        self._callhome: CallHomeServer | None = None
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closed = False
 
@@ -172,7 +185,7 @@ class DistributedRuntime:
         if self.config.needs_nats:
             await self.connect_nats()
 
-    def _etcd_credentials(self) -> Any:
+    def _etcd_credentials(self) -> EtcdCredentials | None:
         c = self.config
         if c.discovery != "etcd":
             return None
@@ -180,11 +193,11 @@ class DistributedRuntime:
 
         return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
 
-    async def connect_nats(self) -> Any:
+    async def connect_nats(self) -> NatsClient:
         """This process's NATS client (connected on first use, closed at shutdown), with
         the configured credentials file and TLS files (if any)."""
         if self.nats is None:
-            from kvmesh.runtime.nats_plane import connect_nats, nats_tls_context
+            from kvmesh.runtime.nats import connect_nats, nats_tls_context
 
             c = self.config
             tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
@@ -299,9 +312,10 @@ class DistributedRuntime:
         server = self._servers.get(key)
         if server is None:
             if self.config.request_plane == "nats":
-                from kvmesh.runtime.nats_plane import NatsRequestServer
+                from kvmesh.runtime.nats import NatsRequestServer
 
-                server = NatsRequestServer(self.nats, self.config.namespace, component, self.lease_id, secret=self.secret)
+                nc = await self.connect_nats()
+                server = NatsRequestServer(nc, self.config.namespace, component, self.lease_id, secret=self.secret)
             else:
                 server = TcpServer(self.config.host, 0, secret=self.secret)
             await server.start()
@@ -313,16 +327,16 @@ class DistributedRuntime:
     ) -> RequestClient:
         """A request-plane client that reaches ``info`` over its own transport."""
         if info.transport == "nats":
-            await self.connect_nats()
+            nc = await self.connect_nats()
             if self._callhome is None:
-                from kvmesh.runtime.nats_plane import CallHomeServer
+                from kvmesh.runtime.nats import CallHomeServer
 
                 self._callhome = CallHomeServer(self.config.host, 0, secret=self.secret)
                 await self._callhome.start()
-            from kvmesh.runtime.nats_plane import NatsRequestClient
+            from kvmesh.runtime.nats import NatsRequestClient
 
             return NatsRequestClient(
-                self.nats, self._callhome, info.namespace, info.component, info.worker_id,
+                nc, self._callhome, info.namespace, info.component, info.worker_id,
                 connect_timeout=connect_timeout, response_timeout=response_timeout,
             )  # fmt: skip
         return TcpClient(info.address, connect_timeout, response_timeout, secret=self.secret)
@@ -369,7 +383,7 @@ class Endpoint:
         """The discovery value for this endpoint served by ``server``."""
         rt = self.runtime
         nats = rt.config.request_plane == "nats"
-        address = "" if nats else f"{server.host}:{server.port}"  # type: ignore[attr-defined]
+        address = f"{server.host}:{server.port}" if not nats and isinstance(server, _Listening) else ""
         subject = f"{self.component.namespace.name}.{self.component.name}.{self.name}-{rt.lease_id:x}" if nats else ""
         return InstanceInfo(
             worker_id=rt.lease_id,
@@ -476,7 +490,11 @@ class Client:
         self.known[info.worker_id] = info
         task = asyncio.get_running_loop().create_task(self._add(key, info))
         self._adding[info.worker_id] = task
-        task.add_done_callback(lambda t, w=info.worker_id: self._adding.pop(w, None) if self._adding.get(w) is t else None)
+        task.add_done_callback(lambda t: self._added(info.worker_id, t))
+
+    def _added(self, worker_id: int, task: asyncio.Task[None]) -> None:
+        if self._adding.get(worker_id) is task:
+            del self._adding[worker_id]
 
     async def _add(self, key: str, info: InstanceInfo) -> None:
         """Attach one instance, within ``record_timeout_s``; skipped (and logged) otherwise."""

@@ -50,8 +50,8 @@ class CallbackPublisher:
     """Forwards to two callables (used to bridge to an event plane)."""
 
     def __init__(self, on_kv: Callable[[KvEvent], None], on_load: Callable[[LoadReport], None]) -> None:
-        self.publish_kv = on_kv  # type: ignore[method-assign]
-        self.publish_load = on_load  # type: ignore[method-assign]
+        self.publish_kv = on_kv
+        self.publish_load = on_load
 
 
 class KvEventRing:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 import msgspec
 
@@ -33,74 +32,17 @@ from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, H
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
 from kvmesh.runtime.sockets import tune_stream_socket
+from kvmesh.runtime.stream import END, Decode, Mailbox, Merge
 
 __all__ = ["TcpClient"]
 
 log = logging.getLogger(__name__)
 
-_END = object()
-
-
-class _Mailbox:
-    __slots__ = ("items", "error", "ended", "waiter", "timer", "decode", "merge", "answered")
-
-    def __init__(self, decode: Callable[[Any], Any] | None, merge: Callable[[Any, Any], Any] | None) -> None:
-        self.items: deque[Any] = deque()
-        self.error: BaseException | None = None
-        self.ended = False
-        self.waiter: asyncio.Future[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.decode = decode
-        self.merge = merge
-        self.answered = False
-
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def _answered(self) -> None:
-        self.answered = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def put(self, payload: msgspec.Raw) -> None:
-        if not self.answered:
-            self._answered()
-        item = self.decode(payload) if self.decode is not None else payload
-        if self.merge is not None and self.items:
-            self.items[-1] = self.merge(self.items[-1], item)
-        else:
-            self.items.append(item)
-        self._wake()
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if self.ended:
-            return
-        self._answered()
-        self.ended = True
-        self.error = error
-        self._wake()
-
-    async def next(self) -> Any:
-        while True:
-            if self.items:
-                return self.items.popleft()
-            if self.ended:
-                if self.error is not None:
-                    raise self.error
-                return _END
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-            self.waiter = None
-
-
 class _Connection(asyncio.Protocol):
     def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
         self.address = address
         self.transport: asyncio.Transport | None = None
-        self.streams: dict[int, _Mailbox] = {}
+        self.streams: dict[int, Mailbox] = {}
         self._reader = FrameReader()
         self._writer = FrameWriter()
         self._next_sid = 1
@@ -111,8 +53,8 @@ class _Connection(asyncio.Protocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set by connection_lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self._writer.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
+        self._writer.transport = self.transport
         tune_stream_socket(transport.get_extra_info("socket"))
         if self._secret is not None:
             hs = Handshake(self._secret, "request", client=True, peer=f"worker {self.address}")
@@ -139,7 +81,8 @@ class _Connection(asyncio.Protocol):
                 return
             data = rest
         try:
-            frames = self._reader.feed(data)
+            # Any: dispatched on `kind = type(frame)` below, which mypy does not follow
+            frames: list[Any] = self._reader.feed(data)
         except InvalidArgument as exc:
             self._fail_all(exc)
             return
@@ -183,7 +126,7 @@ class _Connection(asyncio.Protocol):
     def alive(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
-    def open(self, endpoint: str, payload: bytes, box: _Mailbox) -> int:
+    def open(self, endpoint: str, payload: bytes, box: Mailbox) -> int:
         sid = self._next_sid
         self._next_sid += 1
         self.streams[sid] = box
@@ -235,10 +178,13 @@ class TcpClient:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         secret = self.secret
-        tls = {} if self.tls is None else {"ssl": self.tls.client, "server_hostname": self._host, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
+        tls = self.tls.client if self.tls is not None else None
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self.address, secret), self._host, self._port, **tls),  # type: ignore[arg-type]
+                loop.create_connection(
+                    lambda: _Connection(self.address, secret), self._host, self._port, ssl=tls,
+                    server_hostname=self._host if tls else None, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls else None,
+                ),
                 self.connect_timeout,
             )
         except TimeoutError:
@@ -265,16 +211,16 @@ class TcpClient:
         endpoint: str,
         payload: bytes,
         ctx: Context,
-        decode: Callable[[Any], Any] | None = None,
-        merge: Callable[[Any, Any], Any] | None = None,
-    ) -> AsyncIterator[Any]:
+        decode: Decode | None = None,
+        merge: Merge | None = None,
+    ) -> AsyncGenerator[Any, None]:
         """Send one request; yield the decoded response items until the stream ends.
 
         Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with
         whatever the worker sends last. Leaving the iteration early kills the stream.
         """
         conn = await self._connection()
-        box = _Mailbox(decode, merge)
+        box = Mailbox(decode, merge)
         sid = conn.open(endpoint, payload, box)
         if self.response_timeout is not None:
             box.timer = asyncio.get_running_loop().call_later(
@@ -284,7 +230,7 @@ class TcpClient:
         try:
             while True:
                 item = await box.next()
-                if item is _END:
+                if item is END:
                     return
                 yield item
         finally:
@@ -296,12 +242,12 @@ class TcpClient:
                 await self.close()
 
     @staticmethod
-    def _on_stop(conn: _Connection, sid: int, box: _Mailbox, ctx: Context) -> None:
+    def _on_stop(conn: _Connection, sid: int, box: Mailbox, ctx: Context) -> None:
         if box.ended:
             return
         conn.control(sid, KILL if ctx.is_killed() else STOP)
 
-    def _timed_out(self, conn: _Connection, sid: int, box: _Mailbox) -> None:
+    def _timed_out(self, conn: _Connection, sid: int, box: Mailbox) -> None:
         box.timer = None
         if box.answered or box.ended:
             return

@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, cast
 
 import msgspec
 
@@ -47,19 +47,17 @@ from kvmesh.runtime.frames import (
     Req,
 )
 from kvmesh.runtime.sockets import tune_stream_socket
+from kvmesh.runtime.stream import Handler, StreamHost
 
-__all__ = ["Handler", "TcpServer"]
+__all__ = ["Handler", "TcpServer", "ServerConnection"]
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[memoryview | bytes, Context], AsyncIterator[Any]]
-
 
 class _Conn(asyncio.Protocol):
     """One caller's connection (accepted, or dialled out by the NATS plane's call-home:
     ``client=True`` then plays the client side of the handshake)."""
 
-    def __init__(self, server: TcpServer, client: bool = False) -> None:
+    def __init__(self, server: StreamHost, client: bool = False) -> None:
         self._server = server
         self._reader = FrameReader(server.max_frame_bytes)
         self._writer = FrameWriter(coalesce=True)
@@ -74,8 +72,8 @@ class _Conn(asyncio.Protocol):
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        self._writer.transport = transport  # type: ignore[assignment]
+        self._transport = cast(asyncio.Transport, transport)  # a stream connection's transport
+        self._writer.transport = self._transport
         tune_stream_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
@@ -228,6 +226,23 @@ class _Conn(asyncio.Protocol):
     def open_streams(self) -> int:
         return len(self._streams)
 
+    # -- for the NATS plane's call-home (runtime/nats/server.py)
+    @property
+    def alive(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    @property
+    def gone(self) -> bool:
+        return self._transport is None
+
+    def serve(self, req: Req) -> None:
+        """Open the stream ``req`` asks for (Ack, then its handler in a task)."""
+        self._open(req)
+
+
+# The worker side of a stream connection: accepted here, dialled out by the NATS plane.
+ServerConnection = _Conn
+
 
 class TcpServer:
     """Listens on ``host:port`` (0 = any free port) and serves registered endpoints."""
@@ -263,11 +278,12 @@ class TcpServer:
 
     async def start(self, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
-        tls = {"ssl": self.tls.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S} if self.tls is not None else {}
+        tls = self.tls.server if self.tls is not None else None
+        timeout = HANDSHAKE_TIMEOUT_S if tls is not None else None
         if sock is not None:
-            self._server = await loop.create_server(lambda: _Conn(self), sock=sock, **tls)  # type: ignore[arg-type]
+            self._server = await loop.create_server(lambda: _Conn(self), sock=sock, ssl=tls, ssl_handshake_timeout=timeout)
         else:
-            self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port, **tls)  # type: ignore[arg-type]
+            self._server = await loop.create_server(lambda: _Conn(self), self.host, self.port, ssl=tls, ssl_handshake_timeout=timeout)
         self.port = self._server.sockets[0].getsockname()[1]
         self.started = True
 
@@ -279,7 +295,7 @@ class TcpServer:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -1,10 +1,14 @@
 """A worker's disaggregation wiring: its role (``--mode``), the prefill queue it uses,
 where it finds other workers' KV endpoints, and the run-time thresholds.
 
-* ``aggregated`` (default) and ``decode`` workers run their engine inside a
-  :class:`~kvmesh.disagg.engine.DisaggEngine` with a KV-transfer server, whose
-  :class:`~kvmesh.protocol.KvEndpoint` goes into the worker's discovery record (the
-  decode worker's KV metadata); ``decode`` ones also put remote prefills on the queue.
+* ``aggregated`` (default) and ``decode`` workers whose engine moves KV blocks put a
+  :class:`~kvmesh.disagg.engine.DisaggEngine` in front of the engine's ``generate``
+  (KV migrations in, hand-offs out on drain; ``decode`` ones also put remote prefills
+  on the queue). Where KV leaves the worker (``decode``: prefill workers write into
+  it; ``--drain-migrate``: hand-offs) the front has a KV-transfer server, whose
+  :class:`~kvmesh.protocol.KvEndpoint` goes into the worker's discovery record;
+  elsewhere it opens no port. The engine itself stays the worker's engine; an
+  engine without KV access gets no front.
 * ``prefill`` workers run a :class:`~kvmesh.disagg.prefill.PrefillWorker` that pulls
   the queue; they register under the ``prefill`` component, so frontends never route
   requests to them.
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +47,15 @@ _decode_thresholds = msgspec.json.Decoder(DisaggThresholds).decode
 
 @dataclass
 class Roles:
-    """What :func:`wire` built: the engine to serve, and the prefill loop if any."""
+    """What :func:`wire` built: the engine to serve, the front of its ``generate`` and
+    the prefill loop if any."""
 
     engine: Engine
     component: str
     prefill: PrefillWorker | None = None
     queue: PrefillQueue | None = None
     closers: tuple[Callable[[], Any], ...] = ()
-
-    @property
-    def disagg(self) -> DisaggEngine | None:
-        return self.engine if isinstance(self.engine, DisaggEngine) else None
+    disagg: DisaggEngine | None = None  # the worker service's front (GenerateFront)
 
     def stats(self) -> DisaggStats | None:
         if self.prefill is not None:
@@ -77,17 +79,19 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
         metadata = KvMetadataCache(_metadata_lookup(queue, runtime))
         worker = PrefillWorker(engine, queue, TcpKvConnector(), metadata)
         return Roles(engine, PREFILL_COMPONENT, prefill=worker, queue=queue, closers=(queue.close,))
-    wrapped = DisaggEngine(
+    front = DisaggEngine(
         engine,
         worker_id=worker_id,
-        transfer=KvTransferServer(engine, host=cfg.host),
+        # a KV-transfer port only where KV leaves: prefill workers write into decode
+        # workers; a draining worker hands its requests' KV off
+        transfer=KvTransferServer(engine, host=cfg.host) if cfg.mode == "decode" or cfg.drain_migrate else None,
         connector=TcpKvConnector(),
         mode=cfg.mode,
         queue=queue,
         thresholds=thresholds,
         remote_timeout_s=cfg.remote_prefill_timeout_s,
     )
-    return Roles(wrapped, COMPONENT, queue=queue)
+    return Roles(engine, COMPONENT, queue=queue, disagg=front)
 
 
 async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:
@@ -176,10 +180,10 @@ def serve_metrics(roles: Roles, host: str, port: int, sample: Callable[[], Worke
     returns the port. ``sample``: the worker's whole metrics (engine, requests,
     disaggregation; labelled by worker), else only the disaggregation counters."""
     from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
     class _Collector:
-        def collect(self):  # type: ignore[no-untyped-def]
+        def collect(self) -> Iterator[Metric]:
             if sample is not None:
                 from kvmesh.observability.worker_metrics import families
 

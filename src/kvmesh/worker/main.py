@@ -114,7 +114,8 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
     engine, model_path = build_engine(cfg, publisher)
     roles = await wire(cfg, engine, cfg.worker_id)
     service = WorkerService(
-        roles.engine, TcpServer(cfg.host, cfg.port), cfg.validate_streams, roles.stats, fault_injector(cfg, engine)
+        roles.engine, TcpServer(cfg.host, cfg.port), cfg.validate_streams, roles.stats, fault_injector(cfg, engine),
+        roles.disagg,
     )
     try:
         config = await service.start()
@@ -189,7 +190,9 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         roles = await wire(cfg, engine, runtime.lease_id, runtime=runtime)
         endpoint = runtime.namespace().component(roles.component).endpoint(GENERATE)
         server = await runtime.request_server(roles.component)
-        service = WorkerService(roles.engine, server, cfg.validate_streams, roles.stats, fault_injector(cfg, engine))
+        service = WorkerService(
+            roles.engine, server, cfg.validate_streams, roles.stats, fault_injector(cfg, engine), roles.disagg
+        )
         config = await service.start()
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
         info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles, service, default_port=0))

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
 from kvmesh.engines.adapter import AbortMonitor, run_generate
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, GenerateFront
 from kvmesh.errors import EngineShutdown, InvalidArgument
 from kvmesh.protocol import (
     DisaggStats,
@@ -58,6 +59,14 @@ def read_model_files(folder: str, name: str) -> ModelFiles:
     return ModelFiles(name=name, files=files)
 
 
+@runtime_checkable
+class _Addressed(Protocol):
+    """A request server with a TCP address (the TCP plane's)."""
+
+    @property
+    def address(self) -> str: ...
+
+
 class WorkerService:
     def __init__(
         self,
@@ -66,9 +75,11 @@ class WorkerService:
         validate: bool = False,
         disagg_stats: Callable[[], DisaggStats | None] | None = None,
         inject_fault: Callable[[str], None] | None = None,
+        front: GenerateFront | None = None,
     ) -> None:
         self.engine = engine
         self._inject_fault = inject_fault  # the engine's registry entry's (kvmesh.engines.registry)
+        self.front = front  # in front of the engine's generate (a disaggregation role), if any
         self._disagg_stats = disagg_stats
         self.server: RequestServer = server if server is not None else TcpServer()
         self.config: EngineConfig | None = None
@@ -82,6 +93,8 @@ class WorkerService:
     async def start(self) -> EngineConfig:
         """Start the engine and serve ``generate`` (and the model's files) on the server."""
         self.config = await self.engine.start()
+        if self.front is not None:
+            await self.front.open()
         self.server.register(GENERATE, self._generate)
         self.server.register(MODEL_FILES, self._model_files)
         self.server.register(INFO, self._info)
@@ -98,7 +111,10 @@ class WorkerService:
 
     @property
     def address(self) -> str:
-        return self.server.address  # type: ignore[attr-defined]
+        server = self.server
+        if not isinstance(server, _Addressed):
+            raise AttributeError(f"a {type(server).__name__} has no address")
+        return server.address
 
     async def _info(self, payload: bytes, ctx: Context) -> AsyncIterator[InstanceInfo]:
         """This instance's card (static mode has no discovery to read it from)."""
@@ -169,7 +185,9 @@ class WorkerService:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidArgument(f"malformed generate request: {exc}") from None
         ctx.id = request.request_id
-        async for chunk in run_generate(self.engine, request, ctx, self._monitor, self._validate, self.counters):
+        async for chunk in run_generate(
+            self.engine, request, ctx, self._monitor, self._validate, self.counters, self.front
+        ):
             yield chunk
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
@@ -181,8 +199,14 @@ class WorkerService:
         if not await self.server.wait_idle(grace_s):
             log.warning("grace period of %.1f s over with %d requests in flight", grace_s, self.server.in_flight)
         try:
+            if self.front is not None:
+                await self.front.drain()
             await self.engine.drain()
         finally:
-            await self.engine.cleanup()
+            try:
+                await self.engine.cleanup()
+            finally:
+                if self.front is not None:
+                    await self.front.close()
             await self._monitor.close()
             await self.server.close()

@@ -288,7 +288,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
             await self._step(sched, plan)
             self._publish_load()
 
-    async def _step(self, sched: Scheduler, plan: Plan) -> None:
+    async def _step(self, sched: Scheduler, plan: Plan[Seq]) -> None:
         """Run one planned pass in the forward thread and apply its results."""
         samplers = plan.samples
         inputs = make_inputs(self._chunks(sched, plan), self.options.block_size)
@@ -306,7 +306,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
                 box.push(by_seq[sid])
         self._deliver_finished(finished)
 
-    def _chunks(self, sched: Scheduler, plan: Plan) -> list[Chunk]:
+    def _chunks(self, sched: Scheduler, plan: Plan[Seq]) -> list[Chunk]:
         bs = self.options.block_size
         chunks = []
         for seq, n in plan.entries:
@@ -326,7 +326,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         history = tuple(seq.tokens)
         return dataclasses.replace(p, banned=seq.banned(), history=history, output=history[seq.prompt_len :])
 
-    def _count(self, plan: Plan, samples: int, seconds: float) -> None:
+    def _count(self, plan: Plan[Seq], samples: int, seconds: float) -> None:
         st = self.stats
         st.steps += 1
         st.forward_tokens += plan.num_tokens

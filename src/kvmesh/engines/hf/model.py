@@ -236,11 +236,11 @@ class LlamaModel:
     def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
         p = f"layers.{i}."
         a = p + "self_attn."
-        biases = [w.get(a + f"{n}_proj.bias") for n in "qkv"]
+        biases = [b for n in "qkv" if (b := w.get(a + f"{n}_proj.bias")) is not None]
         return _Layer(
             # q, k and v (and gate, up) as one matmul each: their rows stacked
             qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-            qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,  # type: ignore[misc]
+            qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
             o=w[a + "o_proj.weight"],
             o_bias=w.get(a + "o_proj.bias"),
             gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),

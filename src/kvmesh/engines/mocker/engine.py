@@ -214,11 +214,13 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
     def kv_detach(self, request_id: str) -> KvReservation | None:
         sid = self._sids.get(request_id)
         box = None if sid is None else self._boxes.get(sid)
-        # a step in progress may have sampled a token not delivered yet: it is dropped
-        seq = None if box is None else self._scheduler.detach(sid, box.pushed)  # type: ignore[arg-type]
-        if seq is None or box is None:
+        if sid is None or box is None:
             return None
-        del self._boxes[sid]  # type: ignore[arg-type]
+        # a step in progress may have sampled a token not delivered yet: it is dropped
+        seq = self._scheduler.detach(sid, box.pushed)
+        if seq is None:
+            return None
+        del self._boxes[sid]
         box.cancel()
         return KvReservation(request_id, self._scheduler.block_ids(seq), len(seq.tokens), seq.num_computed)
 

@@ -188,9 +188,11 @@ def run_trace(
     arrivals: Iterable[tuple[float, PreprocessedRequest]],
     workers: Sequence[VirtualWorker],
     route: RoutePolicy | None = None,
+    on_events: Callable[[list[TokenEvent]], None] | None = None,
 ) -> dict[str, RequestRecord]:
     """Replay ``arrivals`` (time-ordered ``(arrival_ms, request)``) across ``workers``,
     routing each with ``route`` (default round robin); returns every request's record.
+    ``on_events`` hears each worker's token events as its steps run (feedback).
 
     Arrivals at an instant are submitted before any step starting at that instant.
     """
@@ -212,7 +214,9 @@ def run_trace(
             nxt = next(pending, None)
         elif t_step is not None:
             for worker in workers:
-                worker.advance_to(t_step)
+                events = worker.advance_to(t_step)
+                if on_events is not None:
+                    on_events(events)
         else:
             return records
 

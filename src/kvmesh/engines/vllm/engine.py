@@ -260,7 +260,7 @@ class VllmEngine(Engine):
         """A vLLM stat logger class that forwards scheduler stats to :meth:`_on_stats`."""
         engine = self
 
-        class _LoadLogger(vllm.StatLoggerBase):
+        class _LoadLogger(vllm.StatLoggerBase):  # type: ignore[misc]  # vllm is optional and untyped here (a subclass of Any)
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 pass
 

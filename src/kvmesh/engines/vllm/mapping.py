@@ -131,8 +131,10 @@ class OutputMapper:
         return stop_reason == last and last in self._eos and last not in self._stop_ids
 
     def _finish(self, out: OutputChunk, reason: str) -> None:
-        if reason in ("stop", "length"):
-            out.finish_reason = reason
+        if reason == "stop":
+            out.finish_reason = "stop"
+        elif reason == "length":
+            out.finish_reason = "length"
         elif reason == "abort":
             out.finish_reason = "cancelled"
         else:

@@ -106,12 +106,13 @@ class EtcdCredentials:
         return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
 
 
-class _TlsClient(aetcd.Client):
+class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type information (a subclass of Any)
     """``aetcd.Client`` over a TLS channel (aetcd itself opens plain channels only);
     the same stubs, watcher and token authentication as its ``connect``."""
 
     def __init__(self, *args: Any, channel_credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._is_connecting: bool = self._is_connecting  # set by aetcd; declared for the type checker
         self._channel_credentials = channel_credentials
 
     async def connect(self) -> None:

@@ -59,7 +59,7 @@ def make_event_plane(
 ) -> EventPlane:
     """Build the event plane named ``kind`` (one of :data:`KINDS`).
 
-    ``nats`` needs a connected ``nats_client`` (see ``kvmesh.runtime.nats_plane.connect_nats``)
+    ``nats`` needs a connected ``nats_client`` (see ``kvmesh.runtime.nats.connect_nats``)
     and uses ``namespace``; ``zmq`` binds its publishers on ``host``; ``memory`` joins
     ``hub`` when given. ValueError for an unknown kind or a missing/misplaced argument.
     """

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 import hmac
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 
@@ -112,6 +112,29 @@ class Subscription(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+class CheckedSubscription(Subscription):
+    """A subscription that opens envelopes from the network with an :class:`Opener`
+    and counts what it dropped."""
+
+    _opener: Opener
+
+    @property
+    def malformed(self) -> int:
+        return self._opener.malformed
+
+    @property
+    def unsigned(self) -> int:
+        return self._opener.unsigned
+
+
+async def close_all(publishers: Sequence[Publisher], subscriptions: Sequence[Subscription]) -> None:
+    """Close a plane's publishers, then its subscriptions."""
+    for pub in publishers:
+        await pub.close()
+    for sub in subscriptions:
+        await sub.close()
 
 
 class EventPlane(abc.ABC):

@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
-from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription
+from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription, close_all
 
 __all__ = ["Inbox", "MemoryHub", "MemoryEventPlane", "MemoryPublisher", "MemorySubscription", "check_topic"]
 
@@ -164,7 +164,4 @@ class MemoryEventPlane(EventPlane):
         self._closed = True
         pubs, self._publishers = self._publishers, []
         subs, self._subscriptions = self._subscriptions, []
-        for pub in pubs:
-            await pub.close()
-        for sub in subs:
-            await sub.close()
+        await close_all(pubs, subs)

@@ -24,9 +24,9 @@ from nats.aio.subscription import Subscription as NatsSubscription
 
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
-from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Opener, Publisher, Subscription, seal
+from kvmesh.runtime.event_plane.base import CheckedSubscription, Envelope, EventPlane, Opener, Publisher, close_all, seal
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
-from kvmesh.runtime.nats_plane import sync_with_server
+from kvmesh.runtime.nats import sync_with_server
 
 __all__ = ["NatsEventPlane", "NatsPublisher", "NatsEventSubscription"]
 
@@ -99,20 +99,12 @@ class NatsPublisher(Publisher):
         self._queue.clear()
 
 
-class NatsEventSubscription(Subscription):
+class NatsEventSubscription(CheckedSubscription):
     def __init__(self, topic: str, capacity: int, secret: ClusterSecret | None = None) -> None:
         self.topic = topic
         self.inbox = Inbox(capacity)
         self._sub: NatsSubscription | None = None
         self._opener = Opener(secret)
-
-    @property
-    def malformed(self) -> int:
-        return self._opener.malformed
-
-    @property
-    def unsigned(self) -> int:
-        return self._opener.unsigned
 
     async def _on_msg(self, msg: Msg) -> None:
         envelope = self._opener.open(msg.data)
@@ -188,7 +180,4 @@ class NatsEventPlane(EventPlane):
         self._closed = True
         pubs, self._publishers = self._publishers, []
         subs, self._subscriptions = self._subscriptions, []
-        for pub in pubs:
-            await pub.close()
-        for sub in subs:
-            await sub.close()
+        await close_all(pubs, subs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import zmq
@@ -29,7 +30,16 @@ import zmq.utils.z85
 
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
-from kvmesh.runtime.event_plane.base import MAX_EVENT_BYTES, Envelope, EventPlane, Opener, Publisher, Subscription, seal
+from kvmesh.runtime.event_plane.base import (
+    MAX_EVENT_BYTES,
+    CheckedSubscription,
+    Envelope,
+    EventPlane,
+    Opener,
+    Publisher,
+    close_all,
+    seal,
+)
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
 
 __all__ = ["ZmqEventPlane", "ZmqPublisher", "ZmqSubscription"]
@@ -50,12 +60,12 @@ class CurveKeys:
         self.client_secret = zmq.utils.z85.encode(secret.derive("zmq-curve-subscriber"))
         self.client_public = zmq.curve_public(self.client_secret)
 
-    def publisher(self, sock: zmq.Socket) -> None:
+    def publisher(self, sock: zmq.Socket[Any]) -> None:
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
 
-    def subscriber(self, sock: zmq.Socket) -> None:
+    def subscriber(self, sock: zmq.Socket[Any]) -> None:
         sock.curve_serverkey = self.server_public
         sock.curve_secretkey = self.client_secret
         sock.curve_publickey = self.client_public
@@ -65,8 +75,8 @@ class ZmqPublisher(Publisher):
     """Bound at ``address`` (``tcp://host:port``). ``seq`` is the last sequence number
     used; ``dropped`` counts the envelopes zmq refused to queue."""
 
-    def __init__(self, sock: zmq.Socket, topic: str, publisher_id: int, secret: ClusterSecret | None = None) -> None:
-        self._sock: zmq.Socket | None = sock
+    def __init__(self, sock: zmq.Socket[bytes], topic: str, publisher_id: int, secret: ClusterSecret | None = None) -> None:
+        self._sock: zmq.Socket[bytes] | None = sock
         self._secret = secret
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.topic = topic
@@ -92,7 +102,7 @@ class ZmqPublisher(Publisher):
             sock.close(linger=0)
 
 
-class ZmqSubscription(Subscription):
+class ZmqSubscription(CheckedSubscription):
     def __init__(self, sock: zmq.asyncio.Socket, topic: str, capacity: int, secret: ClusterSecret | None = None) -> None:
         self._sock = sock
         self.topic = topic
@@ -123,14 +133,6 @@ class ZmqSubscription(Subscription):
             self._sock.disconnect(address)
         except zmq.ZMQError:
             pass  # zmq already forgot it (e.g. the publisher's endpoint went away)
-
-    @property
-    def malformed(self) -> int:
-        return self._opener.malformed
-
-    @property
-    def unsigned(self) -> int:
-        return self._opener.unsigned
 
     async def _read(self) -> None:
         open_ = self._opener.open
@@ -229,8 +231,5 @@ class ZmqEventPlane(EventPlane):
             return
         pubs, self._publishers = self._publishers, []
         subs, self._subscriptions = self._subscriptions, []
-        for pub in pubs:
-            await pub.close()
-        for sub in subs:
-            await sub.close()
+        await close_all(pubs, subs)
         ctx.term()  # every socket is closed with linger 0: returns at once

@@ -1,0 +1,56 @@
+"""The NATS request plane's wire: subjects, the request message and its MAC, the reply."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.runtime.auth import ClusterSecret
+
+__all__ = ["NatsRequest", "NatsReply", "ACCEPTED", "request_mac", "request_subject", "split_address"]
+
+_BAD_TOKEN_CHARS = frozenset(" \t\r\n.*>")
+
+
+class NatsRequest(msgspec.Struct, array_like=True):
+    """The NATS message that opens a stream: ``payload`` is the endpoint's own msgpack."""
+
+    sid: int
+    callhome: str
+    payload: msgspec.Raw
+    mac: bytes = b""  # HMAC of the cluster secret (see request_mac); empty without one
+
+
+def request_mac(secret: ClusterSecret, subject: str, sid: int, callhome: str, payload: bytes) -> bytes:
+    sid_bytes = sid.to_bytes(9, "little", signed=True)  # any msgpack integer fits
+    return secret.sign("nats-request", subject.encode(), sid_bytes, callhome.encode(), bytes(payload))
+
+
+class NatsReply(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The worker's immediate answer: empty ``kind`` = accepted, else a typed error."""
+
+    kind: str = ""
+    message: str = ""
+
+
+ACCEPTED = msgspec.msgpack.encode(NatsReply())
+
+
+def _check_token(what: str, value: str) -> None:
+    if not value or any(c in _BAD_TOKEN_CHARS for c in value):
+        raise ValueError(f"{what} {value!r} must be a non-empty NATS subject token (no spaces, '.', '*' or '>')")
+
+
+def request_subject(namespace: str, component: str, endpoint: str, lease_id: int) -> str:
+    """``{namespace}.{component}.{endpoint}-{lease_id:x}``; ValueError for a bad name."""
+    for what, value in (("namespace", namespace), ("component", component), ("endpoint", endpoint)):
+        _check_token(what, value)
+    return f"{namespace}.{component}.{endpoint}-{lease_id:x}"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"call-home address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+

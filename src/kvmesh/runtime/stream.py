@@ -1,0 +1,160 @@
+"""What the request planes (TCP, NATS) share: the seams and the stream transport.
+
+Seams (``typing.Protocol``; :class:`~kvmesh.runtime.tcp_client.TcpClient` and
+:class:`~kvmesh.runtime.nats.NatsRequestClient` are both a :class:`RequestClient`,
+:class:`~kvmesh.runtime.tcp_server.TcpServer` and
+:class:`~kvmesh.runtime.nats.NatsRequestServer` both a :class:`RequestServer`):
+
+- :data:`Handler`: an endpoint, ``handler(payload, ctx) -> AsyncIterator[item]``;
+- :class:`RequestServer`: serves handlers (register, start, drain, close);
+- :class:`RequestClient`: streams one request's response items, decoded by the
+  caller's ``decode`` (raw msgpack without one), merged by ``merge`` when the
+  consumer lags;
+- :class:`StreamHost`: what the worker-side connection protocol reads from the
+  server it serves for (the TCP server, or the NATS server's call-home dialler).
+
+Transport: :class:`Mailbox`, a stream's slot between the connection's reader and
+the consumer (bounded by ``merge``), and :data:`END`, what it yields at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import Any, Protocol, TypeVar, overload
+
+import msgspec
+
+from kvmesh.runtime.auth import ClusterSecret, TlsContexts
+from kvmesh.runtime.context import Context
+
+__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge"]
+
+T = TypeVar("T")
+
+# An endpoint: the request's msgpack payload and its context in, response items out
+# (each one a msgspec-encodable value).
+Handler = Callable[[bytes, Context], AsyncIterator[object]]
+Decode = Callable[[msgspec.Raw], Any]  # a response item's msgpack → the caller's value
+Merge = Callable[[Any, Any], Any]  # two pending items → one (a lagging consumer)
+
+
+class RequestServer(Protocol):
+    """The worker side of a request plane."""
+
+    def register(self, endpoint: str, handler: Handler) -> None: ...
+    async def start(self) -> None: ...
+    async def stop_accepting(self) -> None: ...
+    async def wait_idle(self, timeout: float) -> bool: ...
+    async def close(self) -> None: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+class RequestClient(Protocol):
+    """The caller side of a request plane, bound to one worker instance."""
+
+    @overload
+    def stream(self, endpoint: str, payload: bytes, ctx: Context) -> AsyncGenerator[msgspec.Raw, None]: ...
+    @overload
+    def stream(
+        self,
+        endpoint: str,
+        payload: bytes,
+        ctx: Context,
+        decode: Callable[[msgspec.Raw], T],
+        merge: Callable[[T, T], T] | None = None,
+    ) -> AsyncGenerator[T, None]: ...
+    async def close(self) -> None: ...
+
+
+class StreamHost(Protocol):
+    """What a worker-side connection (``tcp_server.ServerConnection``) reads from the
+    server it serves streams for."""
+
+    endpoints: dict[str, Handler]
+    max_frame_bytes: int
+    max_streams: int
+    secret: ClusterSecret | None
+    tls: TlsContexts | None
+    channel: str  # what the handshake binds a connection to
+    handshake_timeout_s: float
+    foreign_frames: int
+    draining: bool
+    _conns: set[Any]  # the server's open connections (kept by the connections themselves)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+
+
+class _End:
+    """The type of :data:`END`."""
+
+    __slots__ = ()
+
+
+END = _End()  # what Mailbox.next returns once the stream has ended without an error
+
+
+class Mailbox:
+    """One stream's response items between the connection's reader and its consumer.
+
+    The reader ``put``s raw items (decoded here); with ``merge`` at most one item waits,
+    pending items merged into it, so a slow consumer never holds more than the
+    response itself. ``timer`` (the first-item deadline) is cancelled by the first item.
+    """
+
+    __slots__ = ("items", "error", "ended", "waiter", "timer", "decode", "merge", "answered")
+
+    def __init__(self, decode: Decode | None, merge: Merge | None) -> None:
+        self.items: deque[Any] = deque()
+        self.error: BaseException | None = None
+        self.ended = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.decode = decode
+        self.merge = merge
+        self.answered = False
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _answered(self) -> None:
+        self.answered = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def put(self, payload: msgspec.Raw) -> None:
+        if not self.answered:
+            self._answered()
+        item = self.decode(payload) if self.decode is not None else payload
+        if self.merge is not None and self.items:
+            self.items[-1] = self.merge(self.items[-1], item)
+        else:
+            self.items.append(item)
+        self._wake()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self.ended:
+            return
+        self._answered()
+        self.ended = True
+        self.error = error
+        self._wake()
+
+    async def next(self) -> Any:
+        """The next item, or :data:`END`; raises the stream's error."""
+        while True:
+            if self.items:
+                return self.items.popleft()
+            if self.ended:
+                if self.error is not None:
+                    raise self.error
+                return END
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+            self.waiter = None

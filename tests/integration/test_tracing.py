@@ -248,9 +248,10 @@ async def test_the_trace_crosses_the_nats_request_plane(spans: InMemorySpanExpor
     from kvmesh.config import FrontendConfig, WorkerConfig
     from kvmesh.engines.settings import MockerSettings
     from kvmesh.frontend.app import Frontend
-    from kvmesh.frontend.server import bind_http, make_server
+    from kvmesh.frontend.server import bind_http
+    from kvmesh.frontend.serving import make_server
     from kvmesh.protocol import InstanceInfo
-    from kvmesh.runtime.nats_plane import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
+    from kvmesh.runtime.nats import CallHomeServer, NatsRequestClient, NatsRequestServer, connect_nats
     from kvmesh.worker.main import build_engine
     from kvmesh.worker.service import WorkerService
 

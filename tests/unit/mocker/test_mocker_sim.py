@@ -56,11 +56,10 @@ def test_simultaneous_arrivals_share_a_step_and_late_ones_wait() -> None:
     b = worker.submit(req("b", range(100, 200)), 0.0)
     assert worker.advance_to(0.0) == []  # the step started; it ends later
     end = worker.next_event_time()
-    # each prefill of the pass is charged on its own (as Dynamo's mocker charges them)
-    assert end == pytest.approx(2 * OPTS.prefill_ms(100))
+    assert end == pytest.approx(OPTS.prefill_ms(200))
     c = worker.submit(req("c", range(200, 300)), 1.0)  # arrives mid-step: joins the next one
     worker.run_until_idle()
-    assert a.ttft_ms == b.ttft_ms == pytest.approx(2 * OPTS.prefill_ms(100))
+    assert a.ttft_ms == b.ttft_ms == pytest.approx(OPTS.prefill_ms(200))
     assert c.ttft_ms is not None and c.token_times_ms[0] > end  # type: ignore[operator]
 
 

@@ -20,7 +20,9 @@ One pass (:meth:`Scheduler.schedule`):
    ``max_num_batched_tokens`` budget (a decode costs 1); a *long* prefill (more than
    ``long_prefill_token_threshold`` tokens left, when that is set) takes at most the
    threshold, so the budget left over admits waiting requests beside it (vLLM V1's
-   chunked prefill: one token budget per pass, shared). When its blocks cannot grow,
+   chunked prefill: one token budget per pass, shared); in a pass where no short
+   prefill shares the budget, long ones get the rest of it back (a long prompt alone
+   still prefills at the full budget). When its blocks cannot grow,
    the most recently admitted running sequence not yet scheduled in this pass is
    preempted (recompute: blocks freed, progress forgotten, back to the front of the
    queue) until it fits; with nobody left to preempt, the sequence preempts itself,
@@ -247,8 +249,8 @@ class Plan(Generic[S]):
     prefill_tokens: int = 0
     decode_seqs: int = 0
     kv_usage: float = 0.0
-    # the new tokens of each sequence that prefills in this pass, in pass order (the
-    # mocker's timing model charges each; their sum is ``prefill_tokens``)
+    # the new tokens of each sequence that prefills in this pass, in pass order (their
+    # sum is ``prefill_tokens``)
     prefill_chunks: list[int] = field(default_factory=list)
 
     @property
@@ -572,9 +574,12 @@ class Scheduler(Generic[S]):
         return min(left, budget)
 
     def _top_up(self, plan: Plan[S]) -> None:
-        """Budget nobody else took goes back to long prefills whose chunk was capped (a
-        long prompt alone prefills at the full budget; the cap only makes room)."""
-        if plan.budget <= 0 or not self.limits.long_prefill_token_threshold:
+        """In a pass where no short prefill shares the budget, what is left of it goes
+        back to long prefills whose chunk was capped (a long prompt alone prefills at the
+        full budget; the cap only makes room, and a short prompt beside a long one never
+        waits for more of the long one than the cap)."""
+        cap = self.limits.long_prefill_token_threshold
+        if plan.budget <= 0 or not cap or any(n != cap for n in plan.prefill_chunks):
             return
         for i, (seq, n) in enumerate(plan.entries):
             left = seq.target - seq.num_computed - n

@@ -13,7 +13,6 @@ A pass that has both costs the sum; every duration is divided by ``speedup``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.engines.mocker.faults import FaultSpec
@@ -52,7 +51,8 @@ class MockerOptions:
     decode_coeffs: tuple[float, float, float] = (-25.74, 54.01, 5.74)
     eos_rate: float = 0.0
     # chunked prefill beside short requests (vLLM V1's knobs; see the batching core):
-    # None: a quarter of max_num_batched_tokens; 0: off (a prefill may take the whole budget)
+    # None: max_num_batched_tokens ÷ 16 (512 of 8192; at least one block); 0: off (a
+    # prefill may take the whole budget)
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
     max_num_partial_prefills: int = 0  # 0: no cap on the prefills of one pass
@@ -137,20 +137,17 @@ class MockerOptions:
     def long_prefill_threshold(self) -> int:
         """The threshold in force (the default resolved)."""
         if self.long_prefill_token_threshold is None:
-            return self.max_num_batched_tokens // 4
+            return max(self.block_size, self.max_num_batched_tokens // 16)
         return self.long_prefill_token_threshold
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
-        """Duration of one pass with a single prefill, speedup applied: the prefill part
-        if the pass prefills, plus the decode part if it decodes; 0 for an empty pass."""
-        return self.pass_ms((prefill_tokens,) if prefill_tokens > 0 else (), decode_seqs, kv_usage)
-
-    def pass_ms(self, prefill_chunks: Sequence[int], decode_seqs: int, kv_usage: float) -> float:
-        """Duration of one pass, speedup applied: every sequence's prefill chunk is
-        charged on its own (each with the polynomial's constant, as Dynamo's mocker
-        charges the prefills of one iteration: several prefills in one pass never cost
-        less than there), plus the decode part if the pass decodes."""
-        total = sum(self.prefill_ms(n) for n in prefill_chunks if n > 0)
+        """Duration of one pass, speedup applied: the prefill part over all the pass's new
+        prefill tokens if it prefills (one forward pass: several prefills share the
+        polynomial's constant, as in Dynamo's mocker, whose polynomial model charges the
+        batch's total new tokens), plus the decode part if it decodes; 0 for an empty pass."""
+        total = 0.0
+        if prefill_tokens > 0:
+            total += self.prefill_ms(prefill_tokens)
         if decode_seqs > 0:
             total += self.decode_ms(kv_usage)
         return total / self.speedup

@@ -13,11 +13,11 @@ oracle draws one token (:mod:`kvmesh.engines.mocker.tokens`) for every request w
 sequence the pass completes, and the core applies the pass: computed tokens advance,
 full blocks join the prefix cache, finish rules free the blocks of ended requests.
 
-The step's modelled duration is :meth:`MockerOptions.pass_ms` over the pass's
-prefill chunks (each charged on its own, as Dynamo's mocker does), its decode count
-and the KV usage after allocation. Long prompts are prefilled in chunks of at most
-``long_prefill_threshold`` tokens (a quarter of the token budget by default), so short
-requests are admitted beside them in the same pass.
+The step's modelled duration is :meth:`MockerOptions.step_ms` over the pass's new
+prefill tokens (all of its prefills together), its decode count and the KV usage
+after allocation. While other prefills share a pass, a long prompt takes at most
+``long_prefill_threshold`` tokens of it (a sixteenth of the token budget by default),
+and one long prompt prefills at a time, so short requests are admitted beside it.
 
 Finish rules: a natural EOS ends the stream with ``stop`` and is *not* emitted; a
 drawn token in ``stop_token_ids`` ends it with ``stop`` and *is* emitted; both only
@@ -243,7 +243,7 @@ class Scheduler:
             preempted=plan.preempted,
             prefill_tokens=plan.prefill_tokens,
             decode_seqs=plan.decode_seqs,
-            duration_ms=self.options.pass_ms(plan.prefill_chunks, plan.decode_seqs, plan.kv_usage),
+            duration_ms=self.options.step_ms(plan.prefill_tokens, plan.decode_seqs, plan.kv_usage),
         )
 
     def _draw(self, seq: MockSeq) -> int:

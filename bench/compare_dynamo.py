@@ -101,12 +101,13 @@ def install_dynamo(venv: Path) -> None:
         raise SystemExit(f"torch was installed into {venv}; it is not wanted (remove the venv)")
 
 
-def reexec_in_netns(argv: list[str]) -> int:
+def reexec_in_netns(argv: list[str], script: str | None = None) -> int:
+    """Run ``script`` (default: this file) again with ``argv`` in a new network namespace."""
     if shutil.which("unshare") is None:
         raise SystemExit("unshare not found; use --no-netns")
     env = dict(os.environ)
     env[NETNS_MARK] = "1"
-    cmd = ["unshare", "--net", "--", sys.executable, str(Path(__file__).resolve())] + argv
+    cmd = ["unshare", "--net", "--", sys.executable, script or str(Path(__file__).resolve())] + argv
     log("re-executing inside a private network namespace (loopback only)")
     p = subprocess.Popen(cmd, env=env)
     try:

@@ -40,6 +40,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -262,6 +263,87 @@ async def replay(url: str, trace, synth: PromptSynth, a: argparse.Namespace) -> 
     return samples, loop.time() - start
 
 
+# ---------------------------------------------------------------------------- aiperf client
+
+AIPERF_MODEL_ID = "kvmesh/kvmesh-tiny"  # the name the model folder gets in a private HF cache
+
+
+def aiperf_env(model_path: str, log_dir: str) -> dict[str, str]:
+    """aiperf's dataset workers force the HF hub offline, where a plain folder path is
+    refused as a tokenizer: the model folder is placed in a private, offline HF cache
+    under a repo id instead (nothing is downloaded)."""
+    hub = Path(log_dir) / "hf" / "hub" / ("models--" + AIPERF_MODEL_ID.replace("/", "--"))
+    rev = "0" * 40
+    snap = hub / "snapshots" / rev
+    if not snap.exists():
+        snap.mkdir(parents=True)
+        (hub / "refs").mkdir()
+        (hub / "refs" / "main").write_text(rev)
+        for f in Path(model_path).iterdir():
+            shutil.copy(f, snap / f.name)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HOME=str(Path(log_dir) / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def aiperf_replay(url: str, trace, model_path: str, log_dir: str, arm: Arm,  # type: ignore[no-untyped-def]
+                  a: argparse.Namespace) -> tuple[list[Sample], float, float | None]:
+    """The trace slice replayed by NVIDIA's aiperf (mooncake_trace dataset, fixed
+    schedule: each request at its timestamp; prompts built from the hash ids in blocks
+    of 512 tokens; ``max_tokens`` = output_length with ``ignore_eos``). Returns the
+    samples, aiperf's benchmark duration and the prefix-cache hit rate the server
+    reported in usage (cached ÷ prompt tokens; None if it reports none)."""
+    out = Path(log_dir) / ("aiperf-" + arm.name.replace(" ", "-") + f"-{time.monotonic_ns()}")
+    out.mkdir()
+    sliced = out / "trace.jsonl"
+    t_first = trace[0].timestamp_ms
+    sliced.write_text("".join(json.dumps({"timestamp": round((r.timestamp_ms - t_first) / a.time_scale),
+                                          "input_length": r.input_length,
+                                          "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
+                              for r in trace))  # fmt: skip
+    cmd = [a.aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "completions", "--streaming",
+           "--tokenizer", AIPERF_MODEL_ID, "--input-file", str(sliced), "--custom-dataset-type", "mooncake_trace",
+           "--fixed-schedule", "--isl-block-size", str(BLOCK), "--extra-inputs", "ignore_eos:true",
+           "--use-server-token-count", "--request-timeout-seconds", str(a.request_timeout),
+           "--artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
+           "--workers-max", str(a.aiperf_workers), "--record-processors", "1"]  # fmt: skip
+    t0 = time.monotonic()
+    with open(out / "aiperf.out", "w") as log_f:
+        rc = subprocess.run(cmd, stdout=log_f, stderr=subprocess.STDOUT, env=aiperf_env(model_path, log_dir),
+                            timeout=a.request_timeout + 900, check=False).returncode  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"aiperf exited with {rc}; see {out / 'aiperf.out'}")
+    log(f"  aiperf took {time.monotonic() - t0:.0f} s (dataset build + replay)")
+    return _aiperf_samples(out, len(trace))
+
+
+def _metric(m: dict, key: str) -> float | None:  # type: ignore[type-arg]
+    v = m.get(key)
+    return float(v["value"]) if isinstance(v, dict) and v.get("value") is not None else None
+
+
+def _aiperf_samples(out: Path, n: int) -> tuple[list[Sample], float, float | None]:
+    samples: list[Sample] = []
+    prompt = cached = 0.0
+    for line in (out / "profile_export.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        m = rec.get("metrics") or {}
+        isl = _metric(m, "input_sequence_length") or 0.0
+        s = Sample(int(isl), 0)
+        err = rec.get("error")
+        s.ttft_ms, s.itl_ms = _metric(m, "time_to_first_token"), _metric(m, "inter_token_latency")
+        s.tokens = int(_metric(m, "output_sequence_length") or 0)
+        s.ok = not err and s.ttft_ms is not None
+        s.error = json.dumps(err)[:200] if err else ("" if s.ok else "no first token")
+        prompt += _metric(m, "usage_prompt_tokens") or 0.0
+        cached += _metric(m, "usage_prompt_cache_read_tokens") or 0.0
+        samples.append(s)
+    samples += [Sample(0, 0, error="no record from aiperf") for _ in range(n - len(samples))]
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    duration = summary.get("benchmark_duration", {}).get("avg") or 0.0
+    return samples, float(duration), (cached / prompt if prompt and cached else None)
+
+
 def run_arm(arm: Arm, a: argparse.Namespace, trace, synth: PromptSynth, model_path: str, log_dir: str) -> ArmResult:  # type: ignore[no-untyped-def]
     launch = dynamo_arm if arm.system == "dynamo" else kvmesh_arm
     srv = launch(arm, a, model_path, log_dir)
@@ -274,7 +356,10 @@ def run_arm(arm: Arm, a: argparse.Namespace, trace, synth: PromptSynth, model_pa
             if arm.health:  # let the first canary round (idle baselines) finish
                 time.sleep(1.0)
         before = run_async(_metrics(srv.url)) if arm.system == "kvmesh" else ""
-        res.samples, res.wall_s = run_async(replay(srv.url, trace, synth, a))
+        if a.client == "aiperf":
+            res.samples, res.wall_s, res.hit_rate = aiperf_replay(srv.url, trace, model_path, log_dir, arm, a)
+        else:
+            res.samples, res.wall_s = run_async(replay(srv.url, trace, synth, a))
         if arm.system == "kvmesh":
             after = run_async(_metrics(srv.url))
             _kvmesh_counters(res, before, after)
@@ -289,7 +374,8 @@ def _kvmesh_counters(res: ArmResult, before: str, after: str) -> None:
 
     prompt = delta(r'kvmesh_frontend_input_tokens_total\{model="[^"]+"\} ([0-9.e+]+)')
     cached = delta(r'kvmesh_frontend_cached_tokens_total\{model="[^"]+"\} ([0-9.e+]+)')
-    res.hit_rate = cached / prompt if prompt else None
+    if res.hit_rate is None:
+        res.hit_rate = cached / prompt if prompt else None
     res.migrations = delta(r"kvmesh_migration_total\{[^}]*\} ([0-9.e+]+)")
     res.transitions = delta(r"kvmesh_health_transitions_total\{[^}]*\} ([0-9.e+]+)")
     res.transitions_detail = [
@@ -392,6 +478,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--launch-timeout", type=float, default=120.0)
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
+    ap.add_argument("--client", choices=("own", "aiperf"), default="own",
+                    help="own: the bench's HTTP client; aiperf: NVIDIA's aiperf (fixed schedule)")
+    ap.add_argument("--aiperf", default=str(HERE / ".venv-aiperf" / "bin" / "aiperf"),
+                    help="the aiperf executable (bench/.venv-aiperf: python -m venv bench/.venv-aiperf && "
+                         "bench/.venv-aiperf/bin/pip install aiperf)")
+    ap.add_argument("--aiperf-workers", type=int, default=2, help="aiperf --workers-max (2: the machine is small)")
+    ap.add_argument("--no-netns", action="store_true", help="with Dynamo arms: do not enter a private network namespace")
     return ap.parse_args(argv)
 
 
@@ -403,6 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     span = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 / a.time_scale
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     dynamo = (a.dynamo_venv / "bin" / "python").exists()
+    if a.client == "aiperf" and not Path(a.aiperf).exists():
+        raise SystemExit(f"no aiperf at {a.aiperf} (python -m venv bench/.venv-aiperf && bench/.venv-aiperf/bin/pip install aiperf)")
+    if dynamo and not a.no_netns:
+        # Dynamo's ZMQ publishers bind 0.0.0.0: everything runs in a private network
+        # namespace with loopback only (as bench/compare_dynamo.py does)
+        from compare_dynamo import NETNS_MARK, loopback_up, reexec_in_netns
+
+        if os.environ.get(NETNS_MARK) != "1":
+            raise SystemExit(reexec_in_netns(list(argv if argv is not None else sys.argv[1:]), str(Path(__file__).resolve())))
+        loopback_up()
     arms = []
     for mode in modes:
         arms.append(Arm("kvmesh", mode, True))

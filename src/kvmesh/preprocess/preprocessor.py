@@ -3,8 +3,11 @@
 Large prompts are built off the event loop: :meth:`Preprocessor.chat_prompt_async` and
 :meth:`Preprocessor.text_prompt_async` template and tokenize a prompt of
 ``OFFLOAD_CHARS`` characters or more in a thread pool shared by the process (sized to
-the machine), so a short prompt, built inline, never waits behind a long one. Threads
-suffice: ``tokenizers`` releases the GIL in ``encode_batch_fast``, the call
+the machine), so a short prompt, built inline, never waits behind a long one. The pool
+runs the smallest waiting prompt first and keeps one thread free of prompts of
+``LONG_CHARS`` or more, so a mid-sized prompt does not queue behind a burst of huge ones
+either (FIFO made a 900-token prompt wait a second behind 250k tokens of a trace burst).
+Threads suffice: ``tokenizers`` releases the GIL in ``encode_batch_fast``, the call
 :meth:`~kvmesh.preprocess.tokenizer.Tokenizer.encode` uses for long inputs
 (``bench/tokenize_gil.py`` measures it), and rendering a template is cheap next to
 tokenizing its output.
@@ -14,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from kvmesh.errors import InvalidArgument
@@ -26,24 +31,87 @@ from kvmesh.preprocess.stop import StopMatcher
 from kvmesh.preprocess.template import ChatTemplate
 from kvmesh.preprocess.tokenizer import IncrementalDetokenizer, Tokenizer, encode_chat
 
-__all__ = ["Preprocessor", "OFFLOAD_CHARS", "preprocess_pool"]
+__all__ = ["Preprocessor", "OFFLOAD_CHARS", "LONG_CHARS", "SizedPool", "preprocess_pool"]
 
 # Prompts shorter than this (characters of text) are built on the caller's thread:
 # they take well under a millisecond, less than a hop to the pool and back.
 OFFLOAD_CHARS = 2048
+# Prompts this large (about 12k tokens, some 20 ms of tokenizing) never take the pool's
+# last free thread: it stays for smaller ones.
+LONG_CHARS = 64 * 1024
 
-_pool: ThreadPoolExecutor | None = None
+_pool: SizedPool | None = None
 _pool_lock = threading.Lock()
 
 
-def preprocess_pool() -> ThreadPoolExecutor:
+class SizedPool:
+    """Threads that build prompts, the smallest waiting one first (shortest job first:
+    a job's size is its characters), with at most ``workers - 1`` jobs of ``long_chars``
+    or more running at once (at least 1). Threads start on demand and live as long as
+    the process (daemons)."""
+
+    def __init__(self, workers: int, long_chars: int = LONG_CHARS, name: str = "kvmesh-preprocess") -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.long_chars = long_chars
+        self._name = name
+        self._cv = threading.Condition()
+        self._heap: list[tuple[int, int, Callable[[], list[int]], Future[list[int]]]] = []
+        self._order = itertools.count()
+        self._threads = 0
+        self._idle = 0
+        self._long_running = 0
+
+    @property
+    def long_slots(self) -> int:
+        return max(1, self.workers - 1)
+
+    def submit(self, build: Callable[[], list[int]], size: int) -> Future[list[int]]:
+        fut: Future[list[int]] = Future()
+        with self._cv:
+            heapq.heappush(self._heap, (size, next(self._order), build, fut))
+            if self._idle == 0 and self._threads < self.workers:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._name}-{self._threads}", daemon=True).start()
+            self._cv.notify_all()
+        return fut
+
+    def _take(self) -> tuple[int, Callable[[], list[int]], Future[list[int]]]:
+        """(called holding the lock) The smallest job allowed to start now; waits."""
+        while True:
+            if self._heap and (self._heap[0][0] < self.long_chars or self._long_running < self.long_slots):
+                size, _, build, fut = heapq.heappop(self._heap)
+                return size, build, fut
+            self._idle += 1
+            self._cv.wait()
+            self._idle -= 1
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                size, build, fut = self._take()
+                is_long = size >= self.long_chars
+                self._long_running += is_long
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(build())
+                    except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                        fut.set_exception(exc)
+            finally:
+                with self._cv:
+                    self._long_running -= is_long
+                    self._cv.notify_all()
+
+
+def preprocess_pool() -> SizedPool:
     """The process's preprocessing threads (created on first use; one per core, 2-8)."""
     global _pool
     if _pool is None:
         with _pool_lock:
             if _pool is None:
-                workers = max(2, min(8, os.cpu_count() or 2))
-                _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmesh-preprocess")
+                _pool = SizedPool(max(2, min(8, os.cpu_count() or 2)))
     return _pool
 
 
@@ -183,4 +251,4 @@ class Preprocessor:
 async def _run(build: Callable[[], list[int]], size: int) -> list[int]:
     if size < OFFLOAD_CHARS:
         return build()
-    return await asyncio.get_running_loop().run_in_executor(preprocess_pool(), build)
+    return await asyncio.wrap_future(preprocess_pool().submit(build, size))

@@ -97,3 +97,54 @@ async def test_preprocess_async_builds_the_same_request(big: Preprocessor) -> No
         a = await preprocess_async(entry, req, "r1")  # type: ignore[arg-type]
         b = preprocess(entry, req, "r1")  # type: ignore[arg-type]
         assert a == b and len(a.token_ids) > 10_000
+
+
+def _job(log: list[str], name: str, gate: threading.Event | None = None, started: threading.Event | None = None):  # type: ignore[no-untyped-def]
+    def build() -> list[int]:
+        if started is not None:
+            started.set()
+        if gate is not None:
+            assert gate.wait(30)
+        log.append(name)
+        return [len(log)]
+
+    return build
+
+
+def test_the_pool_builds_the_smallest_waiting_prompt_first() -> None:
+    pool = pre_mod.SizedPool(1, long_chars=10**9)
+    log: list[str] = []
+    gate, started = threading.Event(), threading.Event()
+    first = pool.submit(_job(log, "busy", gate, started), 10)
+    assert started.wait(30)  # the only thread is taken; the rest queue
+    futs = [pool.submit(_job(log, name), size) for name, size in (("500", 500), ("100", 100), ("300", 300))]
+    gate.set()
+    for f in [first, *futs]:
+        f.result(30)
+    assert log == ["busy", "100", "300", "500"]
+
+
+def test_a_burst_of_huge_prompts_leaves_a_thread_for_smaller_ones() -> None:
+    pool = pre_mod.SizedPool(2, long_chars=1000)
+    log: list[str] = []
+    gate, started = threading.Event(), threading.Event()
+    huge1 = pool.submit(_job(log, "huge1", gate, started), 50_000)
+    assert started.wait(30)
+    huge2 = pool.submit(_job(log, "huge2", gate), 40_000)  # waits: one long prompt at a time on 2 threads
+    mid = pool.submit(_job(log, "mid"), 500)
+    assert mid.result(30) and log == ["mid"]  # built while huge1 still holds its thread
+    assert not huge2.done()
+    gate.set()
+    huge1.result(30), huge2.result(30)
+    assert log == ["mid", "huge1", "huge2"]
+
+
+def test_a_failing_build_reaches_its_caller_and_the_pool_goes_on() -> None:
+    pool = pre_mod.SizedPool(1)
+
+    def boom() -> list[int]:
+        raise ValueError("bad prompt")
+
+    with pytest.raises(ValueError, match="bad prompt"):
+        pool.submit(boom, 10).result(30)
+    assert pool.submit(lambda: [7], 10).result(30) == [7]

@@ -17,7 +17,12 @@ One pass (:meth:`Scheduler.schedule`):
    urgent, most recently admitted running one (vLLM's priority policy).
 1. **running** sequences, decodes first then unfinished (chunked) prefills, each in
    admission order, each taking ``min(tokens left, budget)`` of the
-   ``max_num_batched_tokens`` budget (a decode costs 1). When its blocks cannot grow,
+   ``max_num_batched_tokens`` budget (a decode costs 1); a *long* prefill (more than
+   ``long_prefill_token_threshold`` tokens left, when that is set) takes at most the
+   threshold, so the budget left over admits waiting requests beside it (vLLM V1's
+   chunked prefill: one token budget per pass, shared); in a pass where no short
+   prefill shares the budget, long ones get the rest of it back (a long prompt alone
+   still prefills at the full budget). When its blocks cannot grow,
    the most recently admitted running sequence not yet scheduled in this pass is
    preempted (recompute: blocks freed, progress forgotten, back to the front of the
    queue) until it fits; with nobody left to preempt, the sequence preempts itself,
@@ -27,7 +32,11 @@ One pass (:meth:`Scheduler.schedule`):
    one token is always computed, to sample from), allocate for the first chunk; stop
    at the first that does not fit, at ``max_num_seqs`` running (premium requests may
    use the full ``max_num_seqs`` under :meth:`Scheduler.set_batch_multiplier`), or
-   when the budget is spent. A head that cannot fit an empty pool fails.
+   when the budget is spent. A head that cannot fit an empty pool fails. A long
+   request (see above) is passed over, keeping its place, while
+   ``max_long_partial_prefills`` long prefills are under way, so shorter requests
+   behind it are admitted; ``max_num_partial_prefills`` (0: no cap) bounds the
+   prefills of one pass (vLLM's knobs of the same names).
 
 Stop rules (:meth:`Scheduler.complete`, over the token the engine drew for each
 sequence that completed its tokens): :data:`EOS` (or an ``eos_ids`` token, unless
@@ -100,6 +109,22 @@ class SchedulerLimits:
     enable_prefix_caching: bool = True
     worker_id: int = 0
     event_ring_capacity: int = 1024
+    # chunked prefill beside short requests (vLLM's names); threshold 0: no request is
+    # "long", a prefill may take the whole budget
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
+    max_num_partial_prefills: int = 0  # 0: no cap on the prefills of one pass
+
+    def __post_init__(self) -> None:
+        for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_long_partial_prefills < 1:
+            raise ValueError(f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
+
+    def is_long(self, tokens_left: int) -> bool:
+        """A prefill with this many tokens left is long (its chunks are capped)."""
+        return 0 < self.long_prefill_token_threshold < tokens_left
 
     @property
     def total_tokens(self) -> int:
@@ -224,6 +249,9 @@ class Plan(Generic[S]):
     prefill_tokens: int = 0
     decode_seqs: int = 0
     kv_usage: float = 0.0
+    # the new tokens of each sequence that prefills in this pass, in pass order (their
+    # sum is ``prefill_tokens``)
+    prefill_chunks: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> list[S]:
@@ -243,6 +271,15 @@ class Plan(Generic[S]):
             self.decode_seqs += 1
         else:
             self.prefill_tokens += n
+            self.prefill_chunks.append(n)
+
+    def grow(self, index: int, extra: int) -> None:
+        """Give the prefill at ``entries[index]`` ``extra`` more tokens of the budget."""
+        seq, n = self.entries[index]
+        self.entries[index] = (seq, n + extra)
+        self.budget -= extra
+        self.prefill_tokens += extra
+        self.prefill_chunks[self.prefill_chunks.index(n)] = n + extra  # the same value: order kept for equal ones
 
 
 class Scheduler(Generic[S]):
@@ -504,6 +541,7 @@ class Scheduler(Generic[S]):
         too_big = self._schedule_running(plan)
         if not plan.preempted or yielded:
             self._admit_waiting(plan)
+        self._top_up(plan)
         plan.kv_usage = self.blocks.usage
         plan.failed.extend(self._end(seq, "error", self._too_big(seq)) for seq in too_big)
         self._batch_tokens += _BATCH_EMA * (plan.prefill_tokens + plan.decode_seqs - self._batch_tokens)
@@ -523,10 +561,44 @@ class Scheduler(Generic[S]):
                 break
             if seq.state is not State.RUNNING:  # preempted earlier in this pass
                 continue
-            n = min(seq.target - seq.num_computed, plan.budget)
+            if not seq.is_decode and self._prefill_slots_full(plan):
+                continue
+            n = self._chunk(seq.target - seq.num_computed, plan.budget)
             if self._make_room(seq, n, order, i, plan, too_big):
                 plan.add(seq, n)
         return too_big
+
+    def _chunk(self, left: int, budget: int) -> int:
+        """New tokens a prefill with ``left`` tokens to go takes from ``budget``."""
+        if self.limits.is_long(left):
+            left = self.limits.long_prefill_token_threshold
+        return min(left, budget)
+
+    def _top_up(self, plan: Plan[S]) -> None:
+        """In a pass where no short prefill shares the budget, what is left of it goes
+        back to long prefills whose chunk was capped (a long prompt alone prefills at the
+        full budget; the cap only makes room, and a short prompt beside a long one never
+        waits for more of the long one than the cap)."""
+        cap = self.limits.long_prefill_token_threshold
+        if plan.budget <= 0 or not cap or any(n != cap for n in plan.prefill_chunks):
+            return
+        for i, (seq, n) in enumerate(plan.entries):
+            left = seq.target - seq.num_computed - n
+            if plan.budget <= 0:
+                return
+            if left <= 0 or n != self.limits.long_prefill_token_threshold or seq.state is not State.RUNNING:
+                continue
+            extra = min(left, plan.budget)
+            if self.blocks.allocate(seq.id, seq.num_computed + n + extra):
+                plan.grow(i, extra)
+
+    def _prefill_slots_full(self, plan: Plan[S]) -> bool:
+        cap = self.limits.max_num_partial_prefills
+        return cap > 0 and len(plan.prefill_chunks) >= cap
+
+    def _long_partials(self) -> int:
+        """Running sequences whose prefill is long (their next chunk is capped)."""
+        return sum(1 for s in self._running if not s.is_decode and self.limits.is_long(s.target - s.num_computed))
 
     def _make_room(self, seq: S, n: int, order: list[S], i: int, plan: Plan[S], too_big: list[S]) -> bool:
         """Grow ``seq``'s blocks for ``n`` more tokens, preempting sequences scheduled
@@ -585,19 +657,38 @@ class Scheduler(Generic[S]):
         plan.preempted.append(seq.id)
 
     def _admit_waiting(self, plan: Plan[S]) -> None:
+        # long requests passed over while the long-prefill slots are taken keep their
+        # places (put back in front); at most max_num_seqs are looked past per pass
+        passed: list[S] = []
+        try:
+            self._admit_loop(plan, passed)
+        finally:
+            self._waiting.extendleft(reversed(passed))
+
+    def _admit_loop(self, plan: Plan[S], passed: list[S]) -> None:
         bs = self.limits.block_size
+        long_now = self._long_partials() if self.limits.long_prefill_token_threshold else 0
         while self._waiting and plan.budget > 0 and len(self._running) < self._cap(self._waiting[0]):
+            if self._prefill_slots_full(plan):
+                return
             seq = self._waiting[0]
             holds = self.blocks.held_blocks(seq.id) > 0  # adopted reservation / remote prefill
             hit = 0 if holds else self._prefix_hit(seq)
             computed = seq.num_computed if holds else hit * bs
-            n = min(seq.target - computed, plan.budget)
+            is_long = self.limits.is_long(seq.target - computed)
+            if is_long and long_now >= self.limits.max_long_partial_prefills:
+                if len(passed) >= self.limits.max_num_seqs:
+                    return
+                passed.append(self._waiting.popleft())
+                continue
+            n = self._chunk(seq.target - computed, plan.budget)
             if not self.blocks.allocate(seq.id, computed + n, seq.seq_hashes[:hit]):
                 if not self._running and not plan.entries and not self._reserved and self.blocks.active_blocks == 0:
                     self._waiting.popleft()  # alone with an empty pool and still no room: never fits
                     plan.failed.append(self._end(seq, "error", self._too_big(seq)))
                     continue
                 return
+            long_now += is_long
             self._waiting.popleft()
             if not holds and seq.admitted < 0:
                 seq.cached_tokens = computed

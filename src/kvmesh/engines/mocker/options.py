@@ -50,6 +50,12 @@ class MockerOptions:
     prefill_coeffs: tuple[float, float, float] = (4.21e-7, 1.518e-2, 16.5)
     decode_coeffs: tuple[float, float, float] = (-25.74, 54.01, 5.74)
     eos_rate: float = 0.0
+    # chunked prefill beside short requests (vLLM V1's knobs; see the batching core):
+    # None: max_num_batched_tokens ÷ 16 (512 of 8192; at least one block); 0: off (a
+    # prefill may take the whole budget)
+    long_prefill_token_threshold: int | None = None
+    max_long_partial_prefills: int = 1
+    max_num_partial_prefills: int = 0  # 0: no cap on the prefills of one pass
     # KV transfer (disaggregation, migration): the modelled size of one token's KV
     # (kvmesh-tiny in fp32: 4 layers × 2 KV heads × 64 dims × K and V × 4 bytes) and the
     # link's bandwidth; a transfer of n blocks takes n·block_size·kv_bytes_per_token ÷
@@ -73,6 +79,10 @@ class MockerOptions:
             "event_ring_capacity",
             "kv_bytes_per_token",
         )
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_long_partial_prefills < 1 or self.max_num_partial_prefills < 0:
+            raise ValueError("max_long_partial_prefills must be >= 1 and max_num_partial_prefills >= 0")
         if not (math.isfinite(self.kv_bandwidth) and self.kv_bandwidth > 0):
             raise ValueError(f"kv_bandwidth must be a positive finite number, got {self.kv_bandwidth}")
         if not self.model:
@@ -113,17 +123,28 @@ class MockerOptions:
 
     def remote_prefill_ms(self, new_tokens: int) -> float:
         """Model time of a prefill worker computing ``new_tokens`` alone, in chunks of
-        ``max_num_batched_tokens`` (speedup applied)."""
+        ``max_num_batched_tokens`` (of the long-prefill threshold when the prompt is
+        longer than that; speedup applied)."""
         total, left = 0.0, new_tokens
+        threshold = self.long_prefill_threshold
         while left > 0:
-            chunk = min(left, self.max_num_batched_tokens)
+            chunk = min(left, threshold if 0 < threshold < left else self.max_num_batched_tokens)
             total += self.prefill_ms(chunk)
             left -= chunk
         return total / self.speedup
 
+    @property
+    def long_prefill_threshold(self) -> int:
+        """The threshold in force (the default resolved)."""
+        if self.long_prefill_token_threshold is None:
+            return max(self.block_size, self.max_num_batched_tokens // 16)
+        return self.long_prefill_token_threshold
+
     def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
-        """Duration of one pass, speedup applied: the prefill part if the pass prefills,
-        plus the decode part if it decodes; 0 for an empty pass."""
+        """Duration of one pass, speedup applied: the prefill part over all the pass's new
+        prefill tokens if it prefills (one forward pass: several prefills share the
+        polynomial's constant, as in Dynamo's mocker, whose polynomial model charges the
+        batch's total new tokens), plus the decode part if it decodes; 0 for an empty pass."""
         total = 0.0
         if prefill_tokens > 0:
             total += self.prefill_ms(prefill_tokens)

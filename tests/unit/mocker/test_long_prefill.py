@@ -1,0 +1,119 @@
+"""Chunked prefill beside short prompts (vLLM V1's shared token budget): a long prompt's
+chunks are capped at ``long_prefill_token_threshold`` while other prefills share the
+pass, at most ``max_long_partial_prefills`` long prompts prefill at once, and short
+prompts behind them are admitted in the very next pass instead of waiting for the
+whole long prefill. The mocker and the hf engine share this core."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvmesh.engines.batching.scheduler import SchedulerLimits
+from kvmesh.engines.mocker.options import MockerOptions
+from kvmesh.engines.mocker.scheduler import Scheduler, limits_of
+from kvmesh.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+
+OPTS = MockerOptions(block_size=16, num_blocks=4096, max_num_batched_tokens=1024, context_length=16384,
+                     long_prefill_token_threshold=128)  # fmt: skip
+
+
+def req(rid: str, tokens: list[int] | range, max_tokens: int = 4) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id=rid,
+        model="mock",
+        token_ids=list(tokens),
+        sampling=SamplingOptions(),
+        stop=StopConditions(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def test_a_lone_long_prompt_prefills_at_the_full_budget() -> None:
+    sched = Scheduler(OPTS)
+    sid = sched.add(req("long", range(3000)))
+    chunks = []
+    while sid not in (out := sched.step()).tokens:
+        chunks.append(out.prefill_tokens)
+    chunks.append(out.prefill_tokens)
+    assert chunks == [1024, 1024, 952]
+
+
+def test_a_short_prompt_is_admitted_beside_a_long_prefill() -> None:
+    sched = Scheduler(OPTS)
+    long_id = sched.add(req("long", range(8000)))
+    first = sched.step()
+    assert first.prefill_tokens == 1024  # alone: the whole budget
+    short_id = sched.add(req("short", range(10_000, 10_100)))
+    out = sched.step()
+    # the short prompt's first token comes from the very next pass; the long one took
+    # only its capped chunk of that pass and is still prefilling
+    assert short_id in out.tokens
+    assert long_id not in out.tokens
+    assert out.prefill_tokens == 100 + 128
+
+
+def test_without_a_threshold_the_short_prompt_waits_for_the_long_one() -> None:
+    sched = Scheduler(dataclasses.replace(OPTS, long_prefill_token_threshold=0))
+    long_id = sched.add(req("long", range(8000)))
+    sched.step()
+    short_id = sched.add(req("short", range(10_000, 10_300)))
+    passes = 1
+    while short_id not in (out := sched.step()).tokens:
+        passes += 1
+    assert passes == 8  # 8000 tokens at 1024 a pass, then the short one
+    assert long_id in out.tokens
+
+
+def test_a_prompt_over_the_threshold_counts_as_long() -> None:
+    sched = Scheduler(OPTS)
+    sched.add(req("long", range(8000)))
+    sched.step()
+    mid = sched.add(req("mid", range(10_000, 10_300)))  # 300 > 128: long, waits for the slot
+    out = sched.step()
+    assert mid not in out.tokens and sched.num_waiting == 1
+
+
+def test_one_long_prefill_at_a_time_and_shorter_ones_pass_it() -> None:
+    sched = Scheduler(OPTS)
+    a = sched.add(req("a", range(5000)))
+    b = sched.add(req("b", range(20_000, 25_000)))
+    c = sched.add(req("c", range(40_000, 40_100)))
+    out = sched.step()
+    assert c in out.tokens  # admitted past the long b, which keeps its place
+    assert out.prefill_tokens == 128 + 100  # a's capped chunk and all of c
+    assert sched.core.get(b) is not None and sched.core.get(b).num_computed == 0  # type: ignore[union-attr]
+    assert sched.num_waiting == 1
+    # once a is done prefilling, b starts
+    while a not in (out := sched.step()).tokens:
+        assert sched.core.get(b).num_computed == 0  # type: ignore[union-attr]
+    sched.step()
+    assert sched.core.get(b).num_computed > 0  # type: ignore[union-attr]
+
+
+def test_max_long_partial_prefills_lets_two_long_prompts_share() -> None:
+    sched = Scheduler(dataclasses.replace(OPTS, max_long_partial_prefills=2))
+    sched.add(req("a", range(5000)))
+    sched.add(req("b", range(20_000, 25_000)))
+    out = sched.step()
+    assert out.prefill_tokens == 1024  # two capped chunks, then topped up to the budget
+    assert sched.num_waiting == 0
+
+
+def test_max_num_partial_prefills_caps_the_prefills_of_a_pass() -> None:
+    sched = Scheduler(dataclasses.replace(OPTS, max_num_partial_prefills=1))
+    ids = [sched.add(req(f"s{i}", range(1000 * i, 1000 * i + 100))) for i in range(3)]
+    out = sched.step()
+    assert list(out.tokens) == [ids[0]]
+    assert sched.num_waiting == 2
+
+
+def test_the_threshold_reaches_the_shared_limits() -> None:
+    limits = limits_of(OPTS)
+    assert (limits.long_prefill_token_threshold, limits.max_long_partial_prefills) == (128, 1)
+    assert limits_of(MockerOptions()).long_prefill_token_threshold == 8192 // 16
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        SchedulerLimits(block_size=16, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
+                        context_length=128, max_long_partial_prefills=0)  # fmt: skip
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        MockerOptions(long_prefill_token_threshold=-1)

@@ -1,0 +1,276 @@
+"""The planner's decision core: pure, no I/O, no clock (time is in the observation).
+
+Each round the glue hands :meth:`Planner.plan` an :class:`Observation` of the fleet
+(workers with role, routability and load; the prefill queue in tokens; TTFT and ITL
+against the SLO; the degradation level) and gets back the :class:`Action` list to
+carry out. Two pressures drive it::
+
+    prefill = max(ttft_p90 / slo_ttft, queue_tokens / (queue_tokens_per_prefill × prefill workers))
+    decode  = max(itl_p90 / slo_itl, mean KV use of the decode (or aggregated) workers)
+
+A pressure at or above ``high`` is a need, below ``low`` is slack. In order:
+
+1. **Replace lost capacity, at once.** When fewer workers of a role are routable than
+   the plan holds (a crash, an ejection), a ready hot spare is promoted into that
+   role; without one, a replacement is started. No hold, no cool-down.
+2. **Keep the hot spares**: start one spare per round while ready + starting spares
+   are fewer than ``hot_spares`` and the fleet is below ``max_workers``.
+3. **Reshape, with hysteresis and a cool-down**: a signal must hold for
+   ``hold_rounds`` consecutive rounds, and ``cooldown_s`` must have passed since the
+   last reshaping action. Disaggregated fleets move the least-loaded worker from the
+   slack role to the needy one (keeping at least ``min_prefill`` / ``min_decode``);
+   when no role has slack, a worker is started (up to ``max_workers``); when both
+   roles are slack, the least-loaded worker is stopped (down to ``min_workers``).
+   Not in a round that replaces lost capacity.
+   Aggregated fleets only start and stop. Degradation at level 2 or worse counts as
+   need on the more pressed side (the fleet cannot carry its SLO target).
+
+Every action carries the reason and the inputs it was decided on, for the log and
+the metrics.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Role", "WorkerView", "Observation", "PlannerConfig", "Action", "ActionKind", "Plan", "Planner"]
+
+
+class Role(enum.Enum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    SPARE = "spare"  # started, canary-checked, not routed to
+
+
+SERVING = (Role.AGGREGATED, Role.PREFILL, Role.DECODE)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    worker_id: int
+    role: Role
+    routable: bool  # healthy and in routing (a spare: ready to be promoted)
+    kv_usage: float = 0.0  # active / total KV blocks, 0..1
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def load(self) -> float:
+        return self.kv_usage + self.running + 2 * self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    now_s: float
+    workers: tuple[WorkerView, ...]
+    # roles of workers on their way into a role: launched, being promoted or moving (a
+    # moving worker is also in ``workers`` under its old role until it re-registers)
+    starting: tuple[Role, ...] = ()
+    prefill_queue_tokens: int = 0
+    ttft_p90_ms: float = 0.0
+    itl_p90_ms: float = 0.0
+    degradation_level: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    min_workers: int = 1
+    max_workers: int = 8
+    hot_spares: int = 0
+    slo_ttft_ms: float = 500.0
+    slo_itl_ms: float = 50.0
+    high: float = 0.9
+    low: float = 0.5
+    queue_tokens_per_prefill: int = 16_384
+    hold_rounds: int = 3
+    cooldown_s: float = 30.0
+    min_prefill: int = 1
+    min_decode: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(f"need 1 <= min_workers <= max_workers, got {self.min_workers} and {self.max_workers}")
+        if self.hot_spares < 0 or self.hold_rounds < 1 or self.cooldown_s < 0:
+            raise ValueError("hot_spares and cooldown_s must be >= 0 and hold_rounds >= 1")
+        if not 0 < self.low < self.high:
+            raise ValueError(f"need 0 < low < high, got low={self.low} high={self.high}")
+        if min(self.slo_ttft_ms, self.slo_itl_ms, self.queue_tokens_per_prefill) <= 0:
+            raise ValueError("SLOs and queue_tokens_per_prefill must be positive")
+        if self.min_prefill < 1 or self.min_decode < 1:
+            raise ValueError("a disaggregated fleet keeps at least one prefill and one decode worker")
+
+
+class ActionKind(enum.Enum):
+    PROMOTE = "promote"  # a ready spare takes ``role``
+    START = "start"  # start a worker in ``role`` (SPARE: a hot spare)
+    STOP = "stop"  # drain and stop ``worker_id``
+    MOVE = "move"  # drain ``worker_id`` and re-register it in ``role``
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    kind: ActionKind
+    role: Role
+    reason: str
+    worker_id: int | None = None
+    inputs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    actions: tuple[Action, ...]
+    prefill_pressure: float
+    decode_pressure: float
+
+
+class Planner:
+    """Decisions with memory: the planned size of each role, signal streaks and the
+    time of the last reshaping action. Feed it one observation per round."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        self._planned: dict[Role, int] | None = None
+        self._streaks: dict[str, int] = {"prefill": 0, "decode": 0, "down": 0}
+        self._last_reshape_s = -math.inf
+
+    @property
+    def planned(self) -> dict[Role, int]:
+        return dict(self._planned or {})
+
+    def plan(self, obs: Observation) -> Plan:
+        if self._planned is None:
+            self._planned = {r: sum(1 for w in obs.workers if w.role is r) for r in SERVING}
+        prefill, decode = self._pressures(obs)
+        inputs = {"prefill_pressure": prefill, "decode_pressure": decode, "workers": float(len(obs.workers))}
+        actions = self._replace_lost(obs, inputs)
+        replacing = bool(actions)
+        actions += self._keep_spares(obs, actions, inputs)
+        self._count_streaks(prefill, decode, obs.degradation_level)
+        # a round that replaces lost capacity does not also reshape (its signals are stale)
+        if not replacing and obs.now_s - self._last_reshape_s >= self.config.cooldown_s:
+            reshape = self._reshape(obs, actions, prefill, decode, inputs)
+            if reshape is not None:
+                actions.append(reshape)
+                self._last_reshape_s = obs.now_s
+                self._streaks = dict.fromkeys(self._streaks, 0)
+        return Plan(tuple(actions), prefill, decode)
+
+    # --------------------------------------------------------------------- signals
+
+    def _disaggregated(self) -> bool:
+        p = self._planned or {}
+        return p.get(Role.PREFILL, 0) > 0 and p.get(Role.DECODE, 0) > 0
+
+    def _pressures(self, obs: Observation) -> tuple[float, float]:
+        c = self.config
+        prefill = obs.ttft_p90_ms / c.slo_ttft_ms
+        n_prefill = sum(1 for w in obs.workers if w.role is Role.PREFILL and w.routable)
+        if self._disaggregated():
+            prefill = max(prefill, obs.prefill_queue_tokens / (c.queue_tokens_per_prefill * max(n_prefill, 1)))
+        kv_roles = (Role.DECODE,) if self._disaggregated() else (Role.AGGREGATED, Role.DECODE)
+        kv = [w.kv_usage for w in obs.workers if w.role in kv_roles and w.routable]
+        decode = max(obs.itl_p90_ms / c.slo_itl_ms, sum(kv) / len(kv) if kv else 0.0)
+        return prefill, decode
+
+    def _count_streaks(self, prefill: float, decode: float, level: int) -> None:
+        c = self.config
+        need_prefill = prefill >= c.high or (level >= 2 and prefill >= decode)
+        need_decode = decode >= c.high or (level >= 2 and decode > prefill)
+        down = prefill < c.low and decode < c.low and level == 0
+        for name, on in (("prefill", need_prefill), ("decode", need_decode), ("down", down)):
+            self._streaks[name] = self._streaks[name] + 1 if on else 0
+
+    # --------------------------------------------------------------------- actions
+
+    def _replace_lost(self, obs: Observation, inputs: dict[str, float]) -> list[Action]:
+        assert self._planned is not None
+        spares = sorted((w for w in obs.workers if w.role is Role.SPARE and w.routable), key=lambda w: w.worker_id)
+        actions: list[Action] = []
+        for role in SERVING:
+            have = sum(1 for w in obs.workers if w.role is role and w.routable) + obs.starting.count(role)
+            for _ in range(self._planned[role] - have):
+                if spares:
+                    spare = spares.pop(0)
+                    actions.append(Action(ActionKind.PROMOTE, role, f"{role.value} worker lost", spare.worker_id, inputs))
+                elif self._fleet_size(obs, actions) < self.config.max_workers:
+                    actions.append(Action(ActionKind.START, role, f"{role.value} worker lost, no spare ready", None, inputs))
+        return actions
+
+    def _keep_spares(self, obs: Observation, taken: Sequence[Action], inputs: dict[str, float]) -> list[Action]:
+        promoted = sum(1 for a in taken if a.kind is ActionKind.PROMOTE)
+        spares = sum(1 for w in obs.workers if w.role is Role.SPARE) - promoted + obs.starting.count(Role.SPARE)
+        if spares >= self.config.hot_spares or self._fleet_size(obs, taken) >= self.config.max_workers:
+            return []
+        return [Action(ActionKind.START, Role.SPARE, f"{spares} of {self.config.hot_spares} hot spares", None, inputs)]
+
+    def _fleet_size(self, obs: Observation, taken: Sequence[Action]) -> int:
+        started = sum(1 for a in taken if a.kind is ActionKind.START)
+        return len(obs.workers) + len(obs.starting) + started
+
+    def _reshape(
+        self, obs: Observation, taken: Sequence[Action], prefill: float, decode: float, inputs: dict[str, float]
+    ) -> Action | None:
+        hold = self.config.hold_rounds
+        need = [r for r, s in (("prefill", prefill), ("decode", decode)) if self._streaks[r] >= hold]
+        if need:
+            role = max(need, key=lambda r: prefill if r == "prefill" else decode)
+            return self._grow(obs, taken, role, prefill, decode, inputs)
+        if self._streaks["down"] >= hold:
+            return self._shrink(obs, prefill, decode, inputs)
+        return None
+
+    def _grow(
+        self, obs: Observation, taken: Sequence[Action], need: str, prefill: float, decode: float, inputs: dict[str, float]
+    ) -> Action | None:
+        assert self._planned is not None
+        c = self.config
+        if self._disaggregated():
+            to, frm = (Role.PREFILL, Role.DECODE) if need == "prefill" else (Role.DECODE, Role.PREFILL)
+            slack = (decode if need == "prefill" else prefill) < c.low
+            floor = c.min_decode if frm is Role.DECODE else c.min_prefill
+            donor = _least_loaded(obs, frm)
+            if slack and donor is not None and self._planned[frm] > floor:
+                self._planned[frm] -= 1
+                self._planned[to] += 1
+                return Action(ActionKind.MOVE, to, f"{need} pressed, {frm.value} slack", donor.worker_id, inputs)
+        else:
+            to = Role.AGGREGATED
+        planned = self._serving_planned() + self._spares_and_starting(obs, taken)
+        if max(planned, self._fleet_size(obs, taken)) >= c.max_workers:
+            return None  # at the ceiling: degradation and shedding carry it
+        self._planned[to] += 1
+        return Action(ActionKind.START, to, f"{need} pressed", None, inputs)
+
+    def _shrink(self, obs: Observation, prefill: float, decode: float, inputs: dict[str, float]) -> Action | None:
+        assert self._planned is not None
+        c = self.config
+        if self._serving_planned() <= c.min_workers:
+            return None
+        if self._disaggregated():
+            role = Role.PREFILL if prefill <= decode else Role.DECODE
+            floor = c.min_prefill if role is Role.PREFILL else c.min_decode
+            if self._planned[role] <= floor:
+                return None
+        else:
+            role = Role.AGGREGATED
+        victim = _least_loaded(obs, role)
+        if victim is None:
+            return None
+        self._planned[role] -= 1
+        return Action(ActionKind.STOP, role, "prefill and decode slack", victim.worker_id, inputs)
+
+    def _serving_planned(self) -> int:
+        return sum((self._planned or {}).values())
+
+    def _spares_and_starting(self, obs: Observation, taken: Sequence[Action]) -> int:
+        spares = sum(1 for w in obs.workers if w.role is Role.SPARE) + obs.starting.count(Role.SPARE)
+        return spares + sum(1 for a in taken if a.kind is ActionKind.START and a.role is Role.SPARE)
+
+
+def _least_loaded(obs: Observation, role: Role) -> WorkerView | None:
+    candidates = [w for w in obs.workers if w.role is role and w.routable]
+    return min(candidates, key=lambda w: (w.load, w.worker_id), default=None)

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("protocol",),
     ("config",),
     ("runtime", "preprocess", "observability"),
-    ("engines", "router", "health"),
+    ("engines", "router", "health", "planner"),
     ("disagg", "testing", "replay"),
     ("frontend", "worker"),
     ("cli",),

@@ -78,6 +78,7 @@ class DisaggEngine(Engine):
         if mode == "decode" and queue is None:
             raise ValueError("a decode worker needs a prefill queue")
         self.inner = inner
+        self.supports_guided = inner.supports_guided
         self.worker_id = worker_id
         self.transfer = transfer
         self.connector = connector

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from kvmesh.engines.base import Engine
-from kvmesh.errors import KvmeshError, StreamIncomplete
+from kvmesh.errors import InvalidArgument, KvmeshError, StreamIncomplete
 from kvmesh.protocol import OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 
@@ -91,6 +91,11 @@ async def run_generate(
     If the engine's stream ends without a terminal outside validation, a
     :class:`StreamIncomplete` error is raised so the caller always sees one terminal.
     """
+    if request.guided is not None and not engine.supports_guided:
+        raise InvalidArgument(
+            f"the {type(engine).__name__} engine does not support structured outputs (response_format, guided_*, "
+            f"forced tool calls); serve the model with --engine hf, mocker or vllm"
+        )
     monitor.watch(ctx)
     stream = engine.generate(request, ctx)
     if validate:

@@ -3,6 +3,9 @@
 Pure torch on one batch of logit rows; runs in the engine's forward thread. Each row
 carries its :class:`SampleParams`. Order for one row (vLLM's):
 
+0. a guided row (structured outputs) gets ``-inf`` on every token its grammar does
+   not allow next (:class:`~kvmesh.preprocess.guided.Guide`), and its grammar then
+   consumes the token drawn;
 1. ``banned`` ids get ``-inf`` (EOS and stop ids while ``min_tokens`` are not out yet);
 2. penalties over earlier tokens (``repetition_penalty`` on prompt + output,
    ``presence``/``frequency`` on output, OpenAI's definitions);
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.preprocess.guided import Guide
 from kvmesh.protocol import PreprocessedRequest, TokenLogprob
 
 __all__ = ["SampleParams", "Sampled", "sample", "params_for", "MAX_LOGPROBS"]
@@ -47,6 +51,8 @@ class SampleParams:
     frequency_penalty: float = 0.0
     history: tuple[int, ...] = ()  # prompt + output, for the repetition penalty
     output: tuple[int, ...] = field(default_factory=tuple)  # output only, for presence/frequency
+    guide: Guide | None = None  # the request's grammar (structured outputs), shared across steps
+    remaining: int | None = None  # tokens of budget left (the guide closes the output in time)
 
     @property
     def greedy(self) -> bool:
@@ -110,12 +116,14 @@ def sample(logits: torch.Tensor, params: list[SampleParams]) -> list[Sampled]:
     for i, p in enumerate(params):
         token = greedy_ids[i] if p.greedy else _draw(logits[i], p)
         out.append(Sampled(token, None if p.logprobs is None else _logprob(logits[i], token, p.logprobs)))
+        if p.guide is not None:
+            p.guide.consume(token)
     return out
 
 
 def _adjust(logits: torch.Tensor, params: list[SampleParams]) -> torch.Tensor:
     """Bans and penalties, on a copy only when some row needs them."""
-    if not any(p.banned or p.penalised for p in params):
+    if not any(p.banned or p.penalised or p.guide is not None for p in params):
         return logits
     logits = logits.clone()
     for i, p in enumerate(params):
@@ -124,7 +132,23 @@ def _adjust(logits: torch.Tensor, params: list[SampleParams]) -> torch.Tensor:
             _penalise(row, p)
         if p.banned:
             row[list(p.banned)] = float("-inf")
+        if p.guide is not None:
+            _guide(row, p.guide, p.remaining)
     return logits
+
+
+def _guide(row: torch.Tensor, guide: Guide, remaining: int | None) -> None:
+    """``-inf`` on what the grammar forbids. A ban (``min_tokens``) that would leave
+    nothing allowed gives way to the grammar: the output must stay valid."""
+    allowed = torch.from_numpy(guide.allowed(remaining))
+    n = min(row.shape[0], allowed.shape[0])
+    if not bool(torch.isfinite(row[:n][allowed[:n]]).any()):
+        row.fill_(float("-inf"))
+        row[:n] = torch.where(allowed[:n], 0.0, float("-inf"))
+        return
+    row[:n].masked_fill_(~allowed[:n], float("-inf"))
+    if row.shape[0] > n:
+        row[n:] = float("-inf")
 
 
 def _penalise(row: torch.Tensor, p: SampleParams) -> None:

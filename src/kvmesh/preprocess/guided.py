@@ -223,6 +223,10 @@ class Guide:
     def closing(self) -> bool:
         return self._closing
 
+    @property
+    def eos(self) -> int:
+        return self._tok.eos
+
     def _mask(self, m: llguidance.LLMatcher) -> BoolMask:
         words = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
         mask: BoolMask = np.unpackbits(words, bitorder="little")[: self._tok.vocab_size].astype(np.bool_)

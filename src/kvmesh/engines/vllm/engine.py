@@ -46,7 +46,7 @@ from typing import Any
 
 from kvmesh.engines.base import Engine
 from kvmesh.engines.vllm.events import VllmKvEventBridge
-from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs
+from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs, structured_outputs_kwargs
 from kvmesh.engines.vllm.options import VllmOptions
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted, Unknown
 from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
@@ -67,6 +67,8 @@ VLLM_INSTALL_HINT = (
 
 class VllmEngine(Engine):
     """vLLM behind the kvmesh Engine contract (module docstring)."""
+
+    supports_guided = True  # through vLLM's structured outputs (mapping.structured_outputs_kwargs)
 
     def __init__(self, options: VllmOptions, publisher: EventPublisher | None = None) -> None:
         self.options = options
@@ -203,6 +205,8 @@ class VllmEngine(Engine):
 
     def _sampling_params(self, vllm: Any, request: PreprocessedRequest) -> Any:
         kw = sampling_kwargs(request, self._vllm_eos)
+        if request.guided is not None:
+            kw["structured_outputs"] = vllm.StructuredOutputsParams(**structured_outputs_kwargs(request.guided))
         try:
             return vllm.SamplingParams(output_kind=vllm.RequestOutputKind.DELTA, **kw)
         except (ValueError, TypeError) as exc:
@@ -296,7 +300,7 @@ class _Vllm:
             def prompt(ids: list[int]) -> Any:
                 return TokensPrompt(prompt_token_ids=ids)
 
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -307,6 +311,7 @@ class _Vllm:
         self.AsyncLLM = AsyncLLM
         self.prompt = prompt
         self.SamplingParams = SamplingParams
+        self.StructuredOutputsParams = StructuredOutputsParams
         self.RequestOutputKind = RequestOutputKind
         self.StatLoggerBase = StatLoggerBase
         self.EngineDeadError = EngineDeadError

@@ -29,6 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llguidance
 import msgspec
@@ -37,6 +38,9 @@ import numpy.typing as npt
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.protocol import GuidedDecoding
+
+if TYPE_CHECKING:  # a TypedDict of llguidance's stub only
+    from llguidance._lib import JsonCompileOptions
 
 __all__ = ["grammar_text", "check", "GuidedTokenizer", "Guide", "MAX_SPEC_CHARS", "CLOSE_WATCH", "ENGINE_NAME"]
 
@@ -51,7 +55,7 @@ CLOSE_SLACK = 3
 _CLOSERS = frozenset('"}]')
 # JSON: no free whitespace and compact separators (an untrained model would otherwise
 # fill its budget with spaces); ``x-guidance`` in a schema may still override these.
-_JSON_OPTIONS: llguidance.JsonCompileOptions = {
+_JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ",",
     "key_separator": ":",

@@ -79,9 +79,12 @@ def grammar_text(g: GuidedDecoding) -> str:
             schema = msgspec.json.decode(g.spec)
         except msgspec.DecodeError as exc:
             raise InvalidArgument(f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
+        if not isinstance(schema, dict):
             raise InvalidArgument("the JSON schema must be a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(g.spec, defaults=_JSON_OPTIONS)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(g.spec, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise InvalidArgument(f"the JSON schema is not usable: {exc}") from None
     if g.kind == "regex":
         if not g.spec:
             raise InvalidArgument("guided_regex must not be empty")

@@ -251,7 +251,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
             raise InvalidArgument(f"min_tokens must be >= 0, got {stop.min_tokens}")
         max_tokens = room if stop.max_tokens is None else min(stop.max_tokens, room)
         params = params_for(request, vocab, self._default_gen)
-        if request.guided is not None:
+        if request.guided is not None and prefill_upto is None:  # a remote prefill samples nothing
             origin = request.original_prompt_len
             generated = tokens[origin:] if origin is not None else []
             params.guide = self._guided_tokenizer().guide(request.guided, generated)

@@ -199,20 +199,22 @@ class Guide:
     """One request's position in its grammar. Used by one thread at a time (the
     engine's sampler): ``allowed`` for the next token, then ``consume`` the one drawn.
 
-    Ending within budget: once ``remaining`` tokens are few (:data:`CLOSE_WATCH`), each
-    step measures how many tokens the shortest way to close costs (a copy of the matcher
-    follows :meth:`_close_pick`: EOS, else a closing token, else the lowest allowed id);
+    Ending within budget: once ``remaining`` tokens are few (:data:`CLOSE_WATCH`), the
+    guide measures how many tokens the shortest way to close costs (a copy of the matcher
+    follows :meth:`_close_pick`: EOS, else a closing token, else the lowest allowed id),
+    again after a third of the tokens it had to spare (every step at the very end);
     when that no longer leaves :data:`CLOSE_SLACK` tokens to spare, the guide switches
     for good to that same deterministic path, which is complete in as many tokens as
     measured. Sampling is untouched until then.
     """
 
-    __slots__ = ("matcher", "_tok", "_closing")
+    __slots__ = ("matcher", "_tok", "_closing", "_next_check")
 
     def __init__(self, matcher: llguidance.LLMatcher, tok: GuidedTokenizer) -> None:
         self.matcher = matcher
         self._tok = tok
         self._closing = False
+        self._next_check = CLOSE_WATCH  # measure the closing path again at this many tokens left
 
     def allowed(self, remaining: int | None = None) -> BoolMask:
         """Which token ids may come next (length: the model's vocabulary); with
@@ -220,8 +222,11 @@ class Guide:
         m = self.matcher
         if m.is_error():
             return self._only(self._tok.eos)
-        if remaining is not None and not self._closing and remaining <= CLOSE_WATCH:
-            self._closing = self.closing_cost(remaining) + CLOSE_SLACK >= remaining
+        if remaining is not None and not self._closing and remaining <= self._next_check:
+            spare = remaining - self.closing_cost(remaining) - CLOSE_SLACK
+            self._closing = spare <= 0
+            # the path grows by a token or two per token at most: look again a third of the spare later
+            self._next_check = remaining - max(1, spare // 3)
         if self._closing:
             return self._only(self._close_pick(m))
         return self._mask(m)
@@ -236,7 +241,7 @@ class Guide:
 
     def _mask(self, m: llguidance.LLMatcher) -> BoolMask:
         words = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-        mask: BoolMask = np.unpackbits(words, bitorder="little")[: self._tok.vocab_size].astype(np.bool_)
+        mask: BoolMask = np.unpackbits(words, bitorder="little")[: self._tok.vocab_size].view(np.bool_)
         return mask
 
     def _close_pick(self, m: llguidance.LLMatcher) -> int:

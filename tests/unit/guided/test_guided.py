@@ -194,3 +194,19 @@ def test_the_mocker_oracle_stays_in_the_grammar_and_is_deterministic(tok):
     first = run(1)
     assert first == run(1)
     jsonschema.validate(json.loads(tok.tok.decode_str(first)), SCHEMA)
+
+
+def test_the_hf_sampler_masks_only_guided_rows_and_a_ban_gives_way_to_the_grammar(tok):
+    torch = pytest.importorskip("torch")
+    from kvmesh.engines.hf.sampling import SampleParams, sample
+
+    logits = torch.zeros(3, 2048)
+    logits[:, 7] = 10.0  # the "model" wants token 7 everywhere
+    guide = tok.guide(GuidedDecoding("choice", choices=("yes",)))
+    forced = tok.tok.tokenize_str("yes")[0]
+    eos_guide = tok.guide(GuidedDecoding("choice", choices=("no",)), tok.tok.tokenize_str("no"))
+    params = [SampleParams(), SampleParams(guide=guide, remaining=10), SampleParams(guide=eos_guide, banned=(2,))]
+    out = [s.token for s in sample(logits, params)]
+    assert out[0] == 7  # free row untouched
+    assert out[1] == forced  # guided row: only the grammar's token
+    assert out[2] == 2  # the grammar allows only EOS: the min_tokens ban gives way

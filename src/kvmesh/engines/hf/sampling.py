@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvmesh.errors import InvalidArgument
@@ -132,23 +133,33 @@ def _adjust(logits: torch.Tensor, params: list[SampleParams]) -> torch.Tensor:
             _penalise(row, p)
         if p.banned:
             row[list(p.banned)] = float("-inf")
-        if p.guide is not None:
-            _guide(row, p.guide, p.remaining)
+    guided = [i for i, p in enumerate(params) if p.guide is not None]
+    if guided:
+        _guide(logits, guided, params)
     return logits
 
 
-def _guide(row: torch.Tensor, guide: Guide, remaining: int | None) -> None:
-    """``-inf`` on what the grammar forbids. A ban (``min_tokens``) that would leave
-    nothing allowed gives way to the grammar: the output must stay valid."""
-    allowed = torch.from_numpy(guide.allowed(remaining))
-    n = min(row.shape[0], allowed.shape[0])
-    if not bool(torch.isfinite(row[:n][allowed[:n]]).any()):
-        row.fill_(float("-inf"))
-        row[:n] = torch.where(allowed[:n], 0.0, float("-inf"))
-        return
-    row[:n].masked_fill_(~allowed[:n], float("-inf"))
-    if row.shape[0] > n:
-        row[n:] = float("-inf")
+def _guide(logits: torch.Tensor, rows: list[int], params: list[SampleParams]) -> None:
+    """``-inf`` on what each guided row's grammar forbids, in one masked fill for all of
+    them. A ban (``min_tokens``) that would leave a row nothing allowed gives way to the
+    grammar: the output must stay valid."""
+    vocab = logits.shape[1]
+    masks = np.zeros((len(rows), vocab), dtype=np.bool_)
+    for k, i in enumerate(rows):
+        p = params[i]
+        assert p.guide is not None
+        allowed = p.guide.allowed(p.remaining)
+        n = min(vocab, allowed.shape[0])
+        masks[k, :n] = allowed[:n]
+    allowed_t = torch.from_numpy(masks)
+    whole = len(rows) == logits.shape[0]
+    sub = logits if whole else logits[rows]
+    sub.masked_fill_(allowed_t.logical_not(), float("-inf"))
+    dead = torch.isneginf(sub.max(dim=1).values)
+    if bool(dead.any()):  # the bans took the grammar's last choices
+        sub[dead] = torch.where(allowed_t[dead], 0.0, float("-inf"))
+    if not whole:
+        logits[rows] = sub
 
 
 def _penalise(row: torch.Tensor, p: SampleParams) -> None:

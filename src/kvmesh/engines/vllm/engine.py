@@ -47,7 +47,7 @@ from typing import Any
 from kvmesh.engines.base import Engine
 from kvmesh.engines.vllm.events import VllmKvEventBridge
 from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs, structured_outputs_kwargs
-from kvmesh.engines.vllm.options import VllmOptions
+from kvmesh.engines.vllm.options import VllmOptions, default_kv_cache_gb, mem_available_bytes
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted, Unknown
 from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
@@ -94,6 +94,10 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         if opts.kv_cache_gb is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{opts.kv_cache_gb:g}"
+        elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # sized from the memory really available
+            gb = default_kv_cache_gb(mem_available_bytes())
+            if gb is not None:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{gb:g}"
         bridge = None
         if opts.kv_events:
             bridge = self._bridge = VllmKvEventBridge(opts.worker_id, opts.block_size, self._publisher)

@@ -210,3 +210,21 @@ def test_the_hf_sampler_masks_only_guided_rows_and_a_ban_gives_way_to_the_gramma
     assert out[0] == 7  # free row untouched
     assert out[1] == forced  # guided row: only the grammar's token
     assert out[2] == 2  # the grammar allows only EOS: the min_tokens ban gives way
+
+
+async def test_an_engine_without_structured_outputs_refuses_a_guided_request():
+    from kvmesh.engines.adapter import AbortMonitor, run_generate
+    from kvmesh.engines.sample import EchoEngine
+    from kvmesh.runtime.context import Context
+
+    engine = EchoEngine()
+    await engine.start()
+    req = PreprocessedRequest(request_id="r", model="echo", token_ids=[1, 2], guided=GuidedDecoding("regex", "a+"))
+    monitor = AbortMonitor(engine)
+    with pytest.raises(InvalidArgument, match="does not support structured outputs"):
+        async for _ in run_generate(engine, req, Context("r"), monitor):
+            pass
+    free = msgspec.structs.replace(req, guided=None, request_id="r2")
+    assert [c async for c in run_generate(engine, free, Context("r2"), monitor)]
+    await monitor.close()
+    await engine.cleanup()

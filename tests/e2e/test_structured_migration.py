@@ -65,7 +65,7 @@ def _migrations(url: str) -> float:
 @pytest.mark.timeout(240)
 async def test_a_migrated_structured_stream_still_validates(tmp_path):
     # speedup 1: modelled step times, so a stream lasts long enough to be cut mid-way
-    with kvmesh_run(tmp_path, workers=2, speedup="1") as server:
+    with kvmesh_run(tmp_path, "--router-mode", "round_robin", workers=2, speedup="1") as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             reference = []
             for i in range(STREAMS):
@@ -76,7 +76,7 @@ async def test_a_migrated_structured_stream_still_validates(tmp_path):
             before = _migrations(server.url)
             progress = [0] * STREAMS
             tasks = [asyncio.ensure_future(_stream(client, i, progress)) for i in range(STREAMS)]
-            while min(progress) < 3:  # every stream is under way (on both workers)
+            while min(progress) < 3:  # every stream is under way (round robin: two on each worker)
                 assert not any(t.done() for t in tasks), "a stream ended before the kill"
                 await asyncio.sleep(0.01)
             victim = server.worker_pids()[0]

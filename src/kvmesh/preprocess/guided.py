@@ -51,8 +51,10 @@ CACHE_SIZE = 128  # compiled grammars kept per tokenizer
 # From this many tokens of budget left, a guide measures its closing path each step;
 # it takes that path when fewer than CLOSE_SLACK tokens would be left to spare.
 CLOSE_WATCH = 48
-CLOSE_SLACK = 3
+CLOSE_SLACK = 4
+_NEAR = 16  # with this few tokens to spare, every step is measured and every token drawn checked
 _CLOSERS = frozenset('"}]')
+_PROGRESS = "@.a0-:T"
 # JSON: no free whitespace and compact separators (an untrained model would otherwise
 # fill its budget with spaces); ``x-guidance`` in a schema may still override these.
 _JSON_OPTIONS: JsonCompileOptions = {
@@ -146,6 +148,10 @@ class GuidedTokenizer:
         self._cache: OrderedDict[GuidedDecoding, llguidance.LLMatcher] = OrderedDict()
         self.compiles = 0  # distinct grammars compiled (a cache miss each)
         self.closers = self._closing_tokens()
+        # the closing path's preferences after EOS: closing tokens, then single characters
+        # that finish common formats and patterns (an email, a number, a date)
+        extra = [ids[0] for c in _PROGRESS if len(ids := self.tok.tokenize_str(c)) == 1 and 0 <= ids[0] < vocab_size]
+        self.close_order = tuple(int(t) for t in np.flatnonzero(self.closers)) + tuple(dict.fromkeys(extra))
 
     @classmethod
     def from_folder(cls, folder: str | Path, vocab_size: int, eos_ids: Iterable[int]) -> GuidedTokenizer:
@@ -201,20 +207,23 @@ class Guide:
 
     Ending within budget: once ``remaining`` tokens are few (:data:`CLOSE_WATCH`), the
     guide measures how many tokens the shortest way to close costs (a copy of the matcher
-    follows :meth:`_close_pick`: EOS, else a closing token, else the lowest allowed id),
-    again after a third of the tokens it had to spare (every step at the very end);
+    follows :meth:`_close_pick`: EOS, else a closing token, else a character that finishes
+    common formats, else the lowest allowed id; never the same token three times running),
+    again after a third of the tokens it had to spare (every step once 16 or fewer are, each token drawn then checked by :meth:`settle`);
     when that no longer leaves :data:`CLOSE_SLACK` tokens to spare, the guide switches
     for good to that same deterministic path, which is complete in as many tokens as
     measured. Sampling is untouched until then.
     """
 
-    __slots__ = ("matcher", "_tok", "_closing", "_next_check")
+    __slots__ = ("matcher", "_tok", "_closing", "_next_check", "_recent", "_near")
 
     def __init__(self, matcher: llguidance.LLMatcher, tok: GuidedTokenizer) -> None:
         self.matcher = matcher
         self._tok = tok
         self._closing = False
         self._next_check = CLOSE_WATCH  # measure the closing path again at this many tokens left
+        self._recent = (-1, -1)  # the last two tokens consumed (the closing path avoids a third in a row)
+        self._near = False  # the last measure left _NEAR tokens or fewer to spare: each token drawn is checked
 
     def allowed(self, remaining: int | None = None) -> BoolMask:
         """Which token ids may come next (length: the model's vocabulary); with
@@ -225,10 +234,11 @@ class Guide:
         if remaining is not None and not self._closing and remaining <= self._next_check:
             spare = remaining - self.closing_cost(remaining) - CLOSE_SLACK
             self._closing = spare <= 0
+            self._near = spare <= _NEAR
             # the path grows by a token or two per token at most: look again a third of the spare later
-            self._next_check = remaining - max(1, spare // 3)
+            self._next_check = remaining - (1 if spare <= _NEAR else spare // 3)
         if self._closing:
-            return self._only(self._close_pick(m))
+            return self._only(self._close_pick(m, self._recent))
         return self._mask(m)
 
     @property
@@ -244,26 +254,49 @@ class Guide:
         mask: BoolMask = np.unpackbits(words, bitorder="little")[: self._tok.vocab_size].view(np.bool_)
         return mask
 
-    def _close_pick(self, m: llguidance.LLMatcher) -> int:
+    def _close_pick(self, m: llguidance.LLMatcher, recent: tuple[int, int]) -> int:
+        """EOS, else the first allowed of the tokenizer's closing preferences, else the
+        lowest allowed id; never a third time in a row (a ``}`` can be string content)."""
         mask = self._mask(m)
         eos = self._tok.eos
         if mask[eos]:
             return eos
-        closers = mask & self._tok.closers
-        pick = closers if closers.any() else mask
-        return int(np.argmax(pick))  # the lowest id allowed
+        repeat = recent[0] if recent[0] == recent[1] else -1
+        for t in self._tok.close_order:
+            if mask[t] and t != repeat:
+                return t
+        ids = np.flatnonzero(mask)
+        pick = ids[ids != repeat]
+        return int(pick[0] if len(pick) else ids[0])
+
+    def settle(self, token: int, remaining: int | None) -> int:
+        """The token to emit in place of the one drawn: the same, unless (in the last few
+        tokens of the budget) it would leave the output unable to close in time, e.g. one
+        that opens an optional property; then the closing path's, and closing from now on."""
+        if remaining is None or self._closing or token == self._tok.eos or not self._near:
+            return token
+        after = self.matcher.deep_copy()
+        if not after.consume_token(token):
+            return token
+        if self._cost(after, (self._recent[1], token), remaining) <= remaining - 2:
+            return token
+        self._closing = True
+        return self._close_pick(self.matcher, self._recent)
 
     def closing_cost(self, limit: int) -> int:
         """Tokens the closing path needs before the output is complete (``limit`` + 1:
         more than ``limit``)."""
-        m = self.matcher.deep_copy()
+        return self._cost(self.matcher.deep_copy(), self._recent, limit)
+
+    def _cost(self, m: llguidance.LLMatcher, recent: tuple[int, int], limit: int) -> int:
         for n in range(limit + 1):
             if m.is_error():
                 break
-            token = self._close_pick(m)
+            token = self._close_pick(m, recent)
             if token == self._tok.eos:
                 return n
             m.consume_token(token)
+            recent = (recent[1], token)
         return limit + 1
 
     def _only(self, token: int) -> BoolMask:
@@ -273,6 +306,7 @@ class Guide:
 
     def consume(self, token: int) -> bool:
         """Advance over the token drawn; False (and the matcher in error) if it broke the grammar."""
+        self._recent = (self._recent[1], token)
         if self.matcher.is_stopped():
             return token == self._tok.eos or self.matcher.consume_token(token)
         return self.matcher.consume_token(token)

@@ -46,7 +46,7 @@ def _walk(tok: GuidedTokenizer, g: GuidedDecoding, budget: int, seed: int) -> tu
     out: list[int] = []
     for left in range(budget, 0, -1):
         ids = np.flatnonzero(guide.allowed(left))
-        t = int(ids[rng.randrange(len(ids))])
+        t = guide.settle(int(ids[rng.randrange(len(ids))]), left)  # as the samplers do
         assert guide.consume(t)
         if t == tok.eos:
             return tok.tok.decode_str(out), True
@@ -54,14 +54,24 @@ def _walk(tok: GuidedTokenizer, g: GuidedDecoding, budget: int, seed: int) -> tu
     return tok.tok.decode_str(out), False
 
 
+# optional properties (one with a format) can be opened at the last moment; "}" is string content
+OPTIONAL = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string", "format": "email"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, OPTIONAL], ids=["required", "optional"])
 @pytest.mark.parametrize("extra", [0, 1, 5, 30, 200])
-def test_random_tokens_inside_the_grammar_end_in_valid_json_within_the_budget(tok, extra):
-    g = GuidedDecoding("json_schema", json.dumps(SCHEMA))
+def test_random_tokens_inside_the_grammar_end_in_valid_json_within_the_budget(tok, schema, extra):
+    g = GuidedDecoding("json_schema", json.dumps(schema))
     shortest = tok.guide(g).closing_cost(1000)  # the fewest tokens any valid output needs
     assert 0 < shortest < 1000
-    for seed in range(5):
+    for seed in range(20):
         text, _ = _walk(tok, g, shortest + extra, seed)
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
 
 
 def test_without_the_closing_path_random_tokens_would_not_close(tok):

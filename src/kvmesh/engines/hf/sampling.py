@@ -116,6 +116,8 @@ def sample(logits: torch.Tensor, params: list[SampleParams]) -> list[Sampled]:
     out = []
     for i, p in enumerate(params):
         token = greedy_ids[i] if p.greedy else _draw(logits[i], p)
+        if p.guide is not None:
+            token = p.guide.settle(token, p.remaining)
         out.append(Sampled(token, None if p.logprobs is None else _logprob(logits[i], token, p.logprobs)))
         if p.guide is not None:
             p.guide.consume(token)

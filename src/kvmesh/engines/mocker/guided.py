@@ -38,5 +38,9 @@ def guided_token(guide: Guide, h: int, vocab: Sequence[int], remaining: int, eos
         allowed = np.flatnonzero(mask)
         allowed = allowed[allowed != eos]
         token = int(allowed[(h & _MASK32) % len(allowed)])
+    token = guide.settle(token, remaining)
+    if token == eos:
+        guide.consume(eos)
+        return None
     guide.consume(token)
     return token

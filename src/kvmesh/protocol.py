@@ -36,6 +36,7 @@ __all__ = [
     "RoutingHints",
     "DisaggregatedParams",
     "PreprocessedRequest",
+    "GuidedDecoding",
     "Usage",
     "TokenLogprob",
     "OutputChunk",
@@ -152,6 +153,24 @@ class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
     layout: KvLayout | None = None
 
 
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+class GuidedDecoding(msgspec.Struct, omit_defaults=True, frozen=True):
+    """A constraint on what may be generated (structured outputs, forced tool calls).
+
+    ``kind`` says how ``spec`` reads: ``json_schema`` a JSON Schema (JSON text),
+    ``json_object`` any JSON object (``spec`` empty), ``regex`` a regular expression
+    (Rust ``regex`` syntax), ``grammar`` a Lark grammar (llguidance's dialect);
+    ``choice``: ``choices`` holds the strings one of which is the whole output.
+    Engines compile it with :mod:`kvmesh.preprocess.guided`.
+    """
+
+    kind: GuidedKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     """A tokenized request, ready for an engine."""
 
@@ -174,6 +193,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     # remote prefill): ``"{trace_id:032x}-{span_id:016x}"``. Both bounded by the decoder.
     trace_context: str | None = None
     migration_link: str | None = None
+    # structured outputs: what the output must match (issue 18); None = free text
+    guided: GuidedDecoding | None = None
 
 
 class Usage(msgspec.Struct, omit_defaults=True, gc=False):

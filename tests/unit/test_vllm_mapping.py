@@ -135,3 +135,23 @@ def test_vllm_exceptions_map_onto_the_kvmesh_tree():
     wrapped.__cause__ = KeyError("x")
     err = _kvmesh_error(names, wrapped)
     assert type(err) is Unknown and "KeyError" in err.message
+
+
+def test_cpu_defaults_the_models_own_dtype_and_a_kv_cache_from_available_memory(tmp_path):
+    from kvmesh.engines.vllm.options import default_kv_cache_gb, mem_available_bytes, model_dtype
+    from kvmesh.preprocess.model import bundled_model_path
+
+    # float32 weights stay float32 (vLLM's "auto" would make them bfloat16 on a CPU)
+    assert model_dtype(str(bundled_model_path())) == "float32"
+    assert VllmOptions(model=str(bundled_model_path())).engine_kwargs()["dtype"] == "float32"
+    assert VllmOptions(model=str(bundled_model_path()), dtype="bfloat16").engine_kwargs()["dtype"] == "bfloat16"
+    assert model_dtype(str(tmp_path)) is None and VllmOptions(model=str(tmp_path)).engine_kwargs()["dtype"] == "auto"
+    # a quarter of what is available now, within bounds (vLLM's own default wants most of the node)
+    gib = 1 << 30
+    assert default_kv_cache_gb(8 * gib) == 2.0
+    assert default_kv_cache_gb(gib // 2) == 0.25 and default_kv_cache_gb(512 * gib) == 16.0
+    assert default_kv_cache_gb(None) is None
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable: 2048 kB\n")
+    assert mem_available_bytes(str(meminfo)) == 2048 * 1024
+    assert mem_available_bytes(str(tmp_path / "none")) is None

@@ -89,6 +89,7 @@ class DisaggEngine:
         if mode == "decode" and transfer is None:
             raise ValueError("a decode worker needs a KV-transfer server (prefill workers write into it)")
         self.inner = inner
+        self.supports_guided = inner.supports_guided
         self.worker_id = worker_id
         self.transfer = transfer  # None: KV comes in (migrations), never goes out, no port
         self.connector = connector

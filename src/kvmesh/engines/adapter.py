@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from kvmesh.engines.base import Engine, GenerateFront
-from kvmesh.errors import KvmeshError, StreamIncomplete
+from kvmesh.errors import InvalidArgument, KvmeshError, StreamIncomplete
 from kvmesh.observability import tracing
 from kvmesh.observability.worker_metrics import WorkerCounters
 from kvmesh.protocol import OutputChunk, PreprocessedRequest
@@ -96,6 +96,11 @@ async def run_generate(
     If the engine's stream ends without a terminal outside validation, a
     :class:`StreamIncomplete` error is raised so the caller always sees one terminal.
     """
+    if request.guided is not None and not engine.supports_guided:
+        raise InvalidArgument(
+            f"the {type(engine).__name__} engine does not support structured outputs (response_format, guided_*, "
+            f"forced tool calls); serve the model with --engine hf, mocker or vllm"
+        )
     monitor.watch(ctx)
     # tracing: the request's trace id on this task's log lines; the engine.generate span
     # only while spans are recorded (no per-chunk work otherwise)

@@ -69,6 +69,10 @@ class GenerateFront(Protocol):
 class Engine(abc.ABC):
     """Abstract engine. Subclasses implement ``start``, ``generate`` and ``cleanup``."""
 
+    # Whether ``generate`` honours ``PreprocessedRequest.guided`` (structured outputs);
+    # the worker refuses a guided request with InvalidArgument (a 400) when it does not.
+    supports_guided: bool = False
+
     @abc.abstractmethod
     async def start(self) -> EngineConfig:
         """Load and allocate; return the config the worker registers."""

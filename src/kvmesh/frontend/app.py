@@ -42,8 +42,11 @@ from kvmesh.frontend.auth import Authenticator
 from kvmesh.frontend.models import ModelRegistry
 from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.pipeline import Generation, explain_route, new_request_id, preprocess_async
-from kvmesh.frontend.schemas import check_limits, parse
+from kvmesh.frontend.schemas import ChatCompletionRequest, check_limits, parse
 from kvmesh.frontend.server import Handler, HttpApp, Request, Response, StreamingResponse
+from kvmesh.frontend.tools import ToolMode, new_call_id, parse_tool_call, tool_mode
+from kvmesh.preprocess import guided as guided_grammar
+from kvmesh.protocol import GuidedDecoding
 from kvmesh.frontend.sse import DONE, ChatChunks, CompletionChunks, KeepAlive, SSEResponse, error_event
 from kvmesh.observability import tracing, worker_metrics
 from kvmesh.protocol import WorkerMetrics
@@ -345,6 +348,8 @@ class Frontend:
             self._admit(tier)
             explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
             preq = await preprocess_async(entry, req, request_id, explain, self.config.security.allow_special_tokens)
+            if preq.guided is not None:
+                await _check_guided(preq.guided)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
             return error_response(exc, request_id)
         metrics = entry.metrics
@@ -366,13 +371,13 @@ class Frontend:
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             done = _Once(lambda: self._abandoned(gen, endpoint))
-            events = self._sse_events(gen, stream, kind, response_id, endpoint, include_usage, done)
+            events = self._sse_events(gen, stream, kind, response_id, endpoint, include_usage, done, _Tools.of(req))
             headers = [(b"x-kvmesh-route", _json(route))] if route is not None else None
             return SSEResponse(events, ctx, self.keepalive, self.metrics.disconnects.inc, headers, on_close=done)
         request.on_disconnect = ctx.stop_generating  # a client that leaves stops its generation
         if request.disconnected:  # ... or that left while the request was being routed
             ctx.stop_generating()
-        response = await self._unary(gen, stream, kind, response_id, endpoint, route)
+        response = await self._unary(gen, stream, kind, response_id, endpoint, route, _Tools.of(req))
         if route is not None:
             response.headers["x-kvmesh-route"] = _json(route).decode()
         return response
@@ -398,7 +403,7 @@ class Frontend:
 
     async def _sse_events(
         self, gen: Generation, stream: AsyncGenerator[OutputChunk, None], kind: str, response_id: str, endpoint: str,
-        include_usage: bool, started: _Once,
+        include_usage: bool, started: _Once, tools: _Tools | None = None,
     ) -> AsyncGenerator[bytes, None]:  # fmt: skip
         started.cancel()  # the events run: their own finally does the accounting
         entry = gen.entry
@@ -409,13 +414,25 @@ class Frontend:
             first = chunks.role()
             if first is not None:
                 yield first
+            held: list[str] | None = [] if tools is not None else None  # a possible tool call is held back
             async for text, chunk in gen.deltas(stream):
-                if want_logprobs and chunk.logprobs:
+                if held is not None:
+                    held.append(text)
+                elif want_logprobs and chunk.logprobs:
                     yield chunks.content_with_logprobs(text, self._logprobs(gen, chunk, kind))
                 elif text:
                     yield chunks.content(text)
+            finish = gen.finish_reason or "stop"
+            if held is not None and tools is not None and isinstance(chunks, ChatChunks):
+                text = "".join(held)
+                call = parse_tool_call(text, tools.mode, tools.names)
+                if call is not None:
+                    yield chunks.tool_call(new_call_id(), call.name, call.arguments)
+                    finish = "tool_calls"
+                elif text:
+                    yield chunks.content(text)
             # the end of the stream as one write: finish, usage, [DONE]
-            tail = chunks.finish(gen.finish_reason or "stop")
+            tail = chunks.finish(finish)
             if include_usage:
                 tail += chunks.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
             yield tail + DONE
@@ -431,8 +448,9 @@ class Frontend:
             self._finish(gen, endpoint, status)
 
     async def _unary(
-        self, gen: Generation, stream: AsyncGenerator[OutputChunk, None], kind: str, response_id: str, endpoint: str, route: Any = None
-    ) -> Response:
+        self, gen: Generation, stream: AsyncGenerator[OutputChunk, None], kind: str, response_id: str, endpoint: str,
+        route: Any = None, tools: _Tools | None = None,
+    ) -> Response:  # fmt: skip
         parts: list[str] = []
         logprobs: list[Any] = []
         want_logprobs = gen.request.output.logprobs is not None
@@ -454,6 +472,14 @@ class Frontend:
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            call = parse_tool_call(text, tools.mode, tools.names) if tools is not None else None
+            if call is not None:
+                function = {"name": call.name, "arguments": call.arguments}
+                choice["message"] = {
+                    "role": "assistant", "content": None,
+                    "tool_calls": [{"id": new_call_id(), "type": "function", "function": function}],
+                }  # fmt: skip
+                choice["finish_reason"] = "tool_calls"
             if want_logprobs:
                 choice["logprobs"] = {"content": logprobs}
             obj = "chat.completion"
@@ -505,6 +531,39 @@ class Frontend:
             "top_logprobs": [{pre.token_text(t): v for t, v in lp.top} for lp in chunk.logprobs],
             "text_offset": [],
         }
+
+
+class _Tools:
+    """A chat request's tools, as its output is read back (None: no tools in play)."""
+
+    __slots__ = ("mode", "names")
+
+    def __init__(self, mode: ToolMode, names: frozenset[str]) -> None:
+        self.mode = mode
+        self.names = names
+
+    @classmethod
+    def of(cls, req: Any) -> _Tools | None:
+        mode = tool_mode(req)
+        if mode == "none" or not isinstance(req, ChatCompletionRequest):
+            return None
+        return cls(mode, frozenset(t.function.name for t in req.tools or ()))
+
+
+# Constraints the grammar engine accepted already (validation is CPU work, done in a thread once).
+_GUIDED_OK: dict[GuidedDecoding, None] = {}
+_GUIDED_OK_MAX = 256
+
+
+async def _check_guided(g: GuidedDecoding) -> None:
+    """A 400 naming what the grammar engine refuses (unsupported schema feature, bad
+    regex or grammar), before the request is routed."""
+    if g in _GUIDED_OK:
+        return
+    await asyncio.to_thread(guided_grammar.check, g)
+    if len(_GUIDED_OK) >= _GUIDED_OK_MAX:
+        _GUIDED_OK.pop(next(iter(_GUIDED_OK)))
+    _GUIDED_OK[g] = None
 
 
 def _literal_host(host: str) -> bool:

@@ -21,6 +21,7 @@ import msgspec
 from kvmesh.errors import MIGRATABLE, InvalidArgument, KvmeshError, StreamIncomplete, Unknown
 from kvmesh.frontend.models import ModelEntry
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from kvmesh.frontend.tools import chat_messages, guided_of
 from kvmesh.health.migration import (
     LINK_BYTES_PER_S,
     MigrationBudget,
@@ -96,7 +97,7 @@ def merge_chunks(pending: OutputChunk, new: OutputChunk) -> OutputChunk:
 def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest, parse_special: bool) -> list[int]:
     pre = entry.preprocessor
     if isinstance(req, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = chat_messages(req)
         kwargs = req.chat_template_kwargs or {}
         return pre.chat_prompt(messages, add_generation_prompt=req.add_generation_prompt, parse_special=parse_special, **kwargs)
     return pre.text_prompt(req.single_prompt(), parse_special=parse_special)
@@ -120,7 +121,7 @@ async def _prompt_tokens_async(
     """:func:`_prompt_tokens` with a large prompt built in the preprocessing pool."""
     pre = entry.preprocessor
     if isinstance(req, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = chat_messages(req)
         kwargs = req.chat_template_kwargs or {}
         return await pre.chat_prompt_async(
             messages, add_generation_prompt=req.add_generation_prompt, parse_special=parse_special, **kwargs
@@ -193,6 +194,7 @@ def preprocess(
         output=OutputOptions(logprobs=req.logprob_count()),
         eos_token_ids=list(entry.info.eos_token_ids),
         routing=_routing_hints(req, explain),
+        guided=guided_of(req),
     )
 
 

@@ -10,7 +10,7 @@ strings, messages) before any of it is tokenized.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union, cast
+from typing import Annotated, Any, Literal, Union, cast
 
 import msgspec
 from msgspec import Meta
@@ -18,7 +18,7 @@ from msgspec import Meta
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse", "check_limits"]
+__all__ = ["ResponseFormat", "Tool", "NamedToolChoice", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse", "check_limits"]
 
 _I32 = 2**31 - 1
 NonNegInt = Annotated[int, Meta(ge=0, le=_I32)]
@@ -57,6 +57,47 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
         return "".join(parts)
 
 
+# ---- structured outputs and tools (issue 18). JSON Schemas are plain JSON values: the
+# grammar engine reads them (kvmesh.preprocess.guided), the frontend never walks them.
+
+
+# A JSON Schema as decoded JSON (values of any JSON type, hence Any); never walked here.
+JsonSchema = dict[str, Any]
+
+
+class JsonSchemaFormat(msgspec.Struct, omit_defaults=True):
+    name: Annotated[str, Meta(max_length=64)] = "response"
+    schema: JsonSchema | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, omit_defaults=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(msgspec.Struct, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, omit_defaults=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     """Fields shared by chat and text completions (OpenAI names, plus extensions)."""
 
@@ -85,6 +126,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     kv_overlap_weight: Annotated[float, Meta(ge=0.0, le=1e6)] | None = None
     router_temperature: Annotated[float, Meta(ge=0.0, le=1e6)] | None = None
     router_explain: bool = False
+    # structured outputs, vLLM's names: regex (Rust regex syntax), choice, Lark grammar, JSON schema
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json: JsonSchema | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -102,6 +148,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Union[str, int, float, bool, None]] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -85,6 +85,15 @@ class ChatChunks:
     def usage(self, prompt: int, completion: int, cached: int) -> bytes:
         return self._head + b'[],"usage":' + _usage(prompt, completion, cached) + b"}\n\n"
 
+    def tool_call(self, call_id: str, name: str, arguments: str) -> bytes:
+        """A tool call as OpenAI streams one: a delta naming it, then its arguments."""
+        head = {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        args = {"index": 0, "function": {"arguments": arguments}}
+        return b"".join(
+            self._head + b'[{"index":0,"delta":{"tool_calls":[' + _json(part) + b']},"finish_reason":null}]}\n\n'
+            for part in (head, args)
+        )
+
 
 class CompletionChunks:
     """Event bytes for one streamed text completion."""

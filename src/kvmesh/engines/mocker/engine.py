@@ -29,6 +29,7 @@ import asyncio
 import os
 import struct
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.engines.batching.mailbox import Mailbox
@@ -37,7 +38,8 @@ from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import MockSeq, Scheduler, StepOutput
 from kvmesh.errors import InvalidArgument, ResourceExhausted
-from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, PreprocessedRequest
+from kvmesh.preprocess.guided import GuidedTokenizer
+from kvmesh.protocol import EngineConfig, GuidedDecoding, KvLayout, KvReservation, PreprocessedRequest
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
 
@@ -68,6 +70,7 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
     """A simulated vLLM-style engine; see the module docstring."""
 
     engine_name = "mocker"
+    supports_guided = True
 
     def __init__(
         self,
@@ -238,7 +241,29 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
     # ------------------------------------------------------------------ requests
 
     def _admit(self, request: PreprocessedRequest) -> int:
+        if request.guided is not None and self._scheduler.guided is None:
+            raise InvalidArgument("structured outputs on the mocker need its model folder's tokenizer.json")
         return self._scheduler.add(request)
+
+    async def _prepare_guided(self, request: PreprocessedRequest) -> None:
+        """The model folder's tokenizer for the grammar engine (once), the grammar compiled (cached), in a thread."""
+        guided = request.guided
+        if guided is not None:
+            self._scheduler.guided = await asyncio.to_thread(self._guided_tokenizer, guided)
+
+    def _guided_tokenizer(self, guided: GuidedDecoding) -> GuidedTokenizer:
+        tok = self._scheduler.guided
+        if tok is None:
+            folder = Path(self.options.model)
+            if not (folder / "tokenizer.json").is_file():
+                raise InvalidArgument(
+                    "structured outputs on the mocker need a model folder with tokenizer.json (--model-path)"
+                )
+            opts = self.options
+            eos = opts.eos_token_ids or (0,)
+            tok = GuidedTokenizer.from_folder(folder, opts.vocab_size, eos)
+        tok.compile(guided)
+        return tok
 
     def _new_box(self, seq_id: int) -> _Mailbox:
         return _Mailbox()

@@ -44,6 +44,8 @@ from kvmesh.engines.mocker.tokens import (
     request_key,
     token_at,
 )
+from kvmesh.engines.mocker.guided import guided_token
+from kvmesh.preprocess.guided import Guide, GuidedTokenizer
 from kvmesh.protocol import LoadReport, PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher
 
@@ -71,7 +73,7 @@ class MockSeq(Seq):
     user's prompt ends (a migrated request carries its output so far), and the KV
     digests imported into its blocks."""
 
-    __slots__ = ("origin_len", "key", "vocab", "imported")
+    __slots__ = ("origin_len", "key", "vocab", "imported", "guide")
 
     def __init__(self, request: PreprocessedRequest, max_tokens: int) -> None:
         stop = request.stop
@@ -89,6 +91,7 @@ class MockSeq(Seq):
         self.key = request_key(request)
         self.vocab: tuple[int, ...] = ()
         self.imported: dict[int, int] = {}  # block -> digest written into it (KV import)
+        self.guide: Guide | None = None  # structured outputs: the request's grammar (guided.py)
 
 
 def limits_of(options: MockerOptions) -> SchedulerLimits:
@@ -110,6 +113,7 @@ class Scheduler:
         self.core: BatchScheduler[MockSeq] = BatchScheduler(limits_of(options), publisher)
         self.blocks = self.core.blocks
         self._eos_threshold = eos_threshold(options.eos_rate)
+        self.guided: GuidedTokenizer | None = None  # set by the engine on the first guided request
 
     # ------------------------------------------------------------------ queries
 
@@ -151,6 +155,8 @@ class Scheduler:
         room = opts.context_length - len(request.token_ids)
         max_tokens = request.stop.max_tokens
         seq = MockSeq(request, room if max_tokens is None else min(max_tokens, room))
+        if request.guided is not None and self.guided is not None:
+            seq.guide = self.guided.guide(request.guided, request.token_ids[seq.origin_len :])
         problem = self._admission_problem(len(request.token_ids), max_tokens)
         if problem is None:
             excluded = excluded_ids(opts.eos_token_ids, request.eos_token_ids, opts.special_token_ids)
@@ -250,6 +256,10 @@ class Scheduler:
         """The oracle's token at the sequence's next position (:data:`EOS`: it ends)."""
         h = position_hash(seq.key, len(seq.tokens))
         eos_allowed = not seq.ignore_eos and seq.num_output >= seq.min_tokens and len(seq.tokens) > seq.origin_len
+        if seq.guide is not None:
+            eos_drawn = eos_allowed and (h >> 32) < self._eos_threshold
+            token = guided_token(seq.guide, h, seq.vocab, seq.max_tokens - seq.num_output, eos_drawn)
+            return EOS if token is None else token
         if eos_allowed and (h >> 32) < self._eos_threshold:
             return EOS
         return token_at(h, seq.vocab)

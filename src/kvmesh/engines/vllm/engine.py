@@ -46,8 +46,8 @@ from typing import Any
 
 from kvmesh.engines.base import Engine
 from kvmesh.engines.vllm.events import VllmKvEventBridge
-from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs
-from kvmesh.engines.vllm.options import VllmOptions
+from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs, structured_outputs_kwargs
+from kvmesh.engines.vllm.options import VllmOptions, default_kv_cache_gb, mem_available_bytes
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted, Unknown
 from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
@@ -67,6 +67,8 @@ VLLM_INSTALL_HINT = (
 
 class VllmEngine(Engine):
     """vLLM behind the kvmesh Engine contract (module docstring)."""
+
+    supports_guided = True  # through vLLM's structured outputs (mapping.structured_outputs_kwargs)
 
     def __init__(self, options: VllmOptions, publisher: EventPublisher | None = None) -> None:
         self.options = options
@@ -92,6 +94,10 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         if opts.kv_cache_gb is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{opts.kv_cache_gb:g}"
+        elif "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # sized from the memory really available
+            gb = default_kv_cache_gb(mem_available_bytes())
+            if gb is not None:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{gb:g}"
         bridge = None
         if opts.kv_events:
             bridge = self._bridge = VllmKvEventBridge(opts.worker_id, opts.block_size, self._publisher)
@@ -203,6 +209,8 @@ class VllmEngine(Engine):
 
     def _sampling_params(self, vllm: Any, request: PreprocessedRequest) -> Any:
         kw = sampling_kwargs(request, self._vllm_eos)
+        if request.guided is not None:
+            kw["structured_outputs"] = vllm.StructuredOutputsParams(**structured_outputs_kwargs(request.guided))
         try:
             return vllm.SamplingParams(output_kind=vllm.RequestOutputKind.DELTA, **kw)
         except (ValueError, TypeError) as exc:
@@ -296,7 +304,7 @@ class _Vllm:
             def prompt(ids: list[int]) -> Any:
                 return TokensPrompt(prompt_token_ids=ids)
 
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -307,6 +315,7 @@ class _Vllm:
         self.AsyncLLM = AsyncLLM
         self.prompt = prompt
         self.SamplingParams = SamplingParams
+        self.StructuredOutputsParams = StructuredOutputsParams
         self.RequestOutputKind = RequestOutputKind
         self.StatLoggerBase = StatLoggerBase
         self.EngineDeadError = EngineDeadError

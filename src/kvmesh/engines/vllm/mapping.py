@@ -15,7 +15,13 @@ Request (``PreprocessedRequest`` → ``SamplingParams`` kwargs):
 * stop *strings* are not passed: the frontend matches them on detokenized text, and
   vLLM runs with ``detokenize=False`` (kvmesh detokenizes once, at the frontend);
 * ``output.logprobs`` N → vLLM ``logprobs=N`` (the chosen token's logprob and the top N);
-* outputs are requested as deltas (``RequestOutputKind.DELTA``).
+* outputs are requested as deltas (``RequestOutputKind.DELTA``);
+* ``guided`` (structured outputs) → :func:`structured_outputs_kwargs`, the fields of
+  vLLM's ``StructuredOutputsParams`` (``json``, ``json_object``, ``regex``, ``choice``,
+  ``grammar``), which the engine wraps and passes as ``SamplingParams(structured_outputs=…)``
+  (vLLM's documented API since the ``guided_*`` fields went away in 0.12). A Lark
+  grammar is passed as is: vLLM's ``guidance`` backend reads llguidance's Lark, as the
+  hf engine does.
 
 Output (vLLM deltas → ``OutputChunk``), following the Engine contract's finish rules:
 
@@ -34,9 +40,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvmesh.protocol import OutputChunk, PreprocessedRequest, TokenLogprob, Usage
+import msgspec
 
-__all__ = ["sampling_kwargs", "OutputMapper"]
+from kvmesh.errors import InvalidArgument
+from kvmesh.protocol import GuidedDecoding, OutputChunk, PreprocessedRequest, TokenLogprob, Usage
+
+__all__ = ["sampling_kwargs", "structured_outputs_kwargs", "OutputMapper"]
 
 # kvmesh SamplingOptions field -> vLLM SamplingParams field (same meaning, same units)
 _SAMPLING_FIELDS = (
@@ -74,6 +83,23 @@ def sampling_kwargs(request: PreprocessedRequest, vllm_eos: Iterable[int] = ()) 
     if request.output.logprobs is not None:
         kw["logprobs"] = request.output.logprobs
     return kw
+
+
+def structured_outputs_kwargs(guided: GuidedDecoding) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.sampling_params.StructuredOutputsParams`` for a constraint."""
+    if guided.kind == "json_schema":
+        try:
+            schema = msgspec.json.decode(guided.spec)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"the JSON schema is not valid JSON: {exc}") from None
+        return {"json": schema}
+    if guided.kind == "json_object":
+        return {"json_object": True}
+    if guided.kind == "regex":
+        return {"regex": guided.spec}
+    if guided.kind == "choice":
+        return {"choice": list(guided.choices)}
+    return {"grammar": guided.spec}
 
 
 class OutputMapper:

@@ -3,13 +3,58 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engines.settings import VllmSettings
 
-__all__ = ["VllmOptions", "ENV_PREFIX"]
+__all__ = ["VllmOptions", "ENV_PREFIX", "default_kv_cache_gb", "model_dtype", "mem_available_bytes"]
+
+# CPU defaults (issue 18): with no KVMESH_VLLM_KV_CACHE_GB, vLLM's CPU KV cache gets this
+# share of the memory really available now (MemAvailable), within these bounds, instead
+# of vLLM's own default, which wants most of the NUMA node and refuses to start on a
+# shared host.
+KV_CACHE_SHARE = 0.25
+KV_CACHE_MIN_GB = 0.25
+KV_CACHE_MAX_GB = 16.0
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available for new work (None where unknown)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_kv_cache_gb(available: int | None) -> float | None:
+    """vLLM's CPU KV cache size (GiB) for a host with ``available`` bytes free, rounded
+    down to 0.05 GiB; None when unknown (vLLM's own default then)."""
+    if available is None:
+        return None
+    gb = available * KV_CACHE_SHARE / (1 << 30)
+    gb = min(max(gb, KV_CACHE_MIN_GB), KV_CACHE_MAX_GB)
+    return int(gb * 20) / 20
+
+
+def model_dtype(folder: str) -> str | None:
+    """The dtype a model folder's config.json declares (``torch_dtype`` or ``dtype``),
+    e.g. ``"float32"``; None when it says nothing. vLLM's ``auto`` would downcast a
+    float32 model to bfloat16 on a CPU (SmolLM2 then answers nonsense)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    return value if isinstance(value, str) and value in ("float32", "float16", "bfloat16") else None
 
 ENV_PREFIX = "KVMESH_VLLM_"  # the variables are declared in kvmesh.engines.settings.VllmSettings
 
@@ -21,7 +66,9 @@ class VllmOptions:
     ``block_size`` is also the KV router's block size for this worker (vLLM's CPU
     attention needs a multiple of 32; GPUs take 16). ``kv_cache_gb`` sets vLLM's CPU
     KV cache (``VLLM_CPU_KVCACHE_SPACE``; ignored on GPUs, where
-    ``gpu_memory_utilization`` rules). ``kv_transfer_config`` is vLLM's
+    ``gpu_memory_utilization`` rules); unset, it is :func:`default_kv_cache_gb` of the
+    memory available when the engine starts. ``dtype`` ``auto`` means the model's own
+    (:func:`model_dtype`), not vLLM's ``auto``. ``kv_transfer_config`` is vLLM's
     ``KVTransferConfig`` as a mapping (``kv_connector``, ``kv_role``,
     ``kv_connector_extra_config``): disaggregation through vLLM's KV connectors.
     ``engine_args`` are any further ``AsyncEngineArgs`` fields, passed unchanged.
@@ -86,7 +133,7 @@ class VllmOptions:
             "served_model_name": self.served_model_name or None,
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
-            "dtype": self.dtype,
+            "dtype": self.dtype if self.dtype != "auto" else (model_dtype(self.model) or "auto"),
             "seed": self.seed,
             "enforce_eager": self.enforce_eager,
             "enable_prefix_caching": self.enable_prefix_caching,

@@ -364,10 +364,16 @@ async def handshake_streams(
 
 class ProtocolHandshake:
     """Runs a :class:`Handshake` inside an ``asyncio.Protocol``: create it in
-    ``connection_made``, pass every ``data_received`` through :meth:`feed` until it
-    returns the bytes that followed the handshake, call :meth:`lost` from
-    ``connection_lost``. ``ready`` resolves when the peer has proven itself (or fails
-    with :class:`AuthError`). A failure, a stall past ``timeout`` or a close mid-way
+    ``connection_made``, pass every ``data_received`` through :meth:`admit` until it
+    opens (the gate below), call :meth:`lost` from ``connection_lost``::
+
+        if self.auth is not None:
+            data, self.auth = self.auth.admit(data)
+            if not data:
+                return
+
+    ``ready`` resolves when the peer has proven itself (or fails with
+    :class:`AuthError`). A failure, a stall past ``timeout`` or a close mid-way
     logs one line and closes the transport."""
 
     __slots__ = ("_hs", "_transport", "ready", "_timer")
@@ -382,6 +388,16 @@ class ProtocolHandshake:
         if first:
             self._transport.write(first)
         self._timer: asyncio.TimerHandle | None = loop.call_later(timeout, self._timed_out, timeout)
+
+    def admit(self, data: bytes) -> tuple[bytes, ProtocolHandshake | None]:
+        """The gate of a protocol's ``data_received``: ``data`` from the peer → (the bytes
+        that may pass, the gate still to go through). While the handshake runs, or after
+        it failed: (b"", self). The read that completes it: (the bytes after the
+        handshake, possibly b"", None); the caller drops the gate and reads frames."""
+        rest = self.feed(data)
+        if rest is None:
+            return b"", self
+        return rest, None
 
     def feed(self, data: bytes) -> bytes | None:
         if self.ready.done():

@@ -576,13 +576,9 @@ class _HomeConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.auth is not None:
-            rest = self.auth.feed(data)
-            if rest is None:
+            data, self.auth = self.auth.admit(data)
+            if not data:
                 return
-            self.auth = None
-            if not rest:
-                return
-            data = rest
         try:
             frames = self._reader.feed(data)
         except InvalidArgument as exc:

@@ -105,6 +105,7 @@ __all__ = [
     "plane_settling",
     "PLANE_WAIT_S",
     "request_mac",
+    "reply_mac",
     "nats_tls_context",
 ]
 
@@ -136,6 +137,13 @@ class NatsReply(msgspec.Struct, array_like=True, omit_defaults=True):
 
     kind: str = ""
     message: str = ""
+    mac: bytes = b""  # with a cluster secret: reply_mac, bound to the request's reply inbox
+
+
+def reply_mac(secret: ClusterSecret, inbox: str, kind: str, message: str) -> bytes:
+    """A reply's MAC: a caller with a secret ignores a reply without a valid one (a
+    forged error cannot end a stream; the stream's own timeouts still bound it)."""
+    return secret.sign("nats-reply", inbox.encode(), kind.encode(), message.encode())
 
 
 _ACCEPTED = msgspec.msgpack.encode(NatsReply())
@@ -413,6 +421,9 @@ class NatsRequestServer:
 
     async def _reply(self, msg: Msg, reply: NatsReply | None) -> bool:
         try:
+            if self.secret is not None:
+                reply = reply or NatsReply()
+                reply.mac = reply_mac(self.secret, msg.reply, reply.kind, reply.message)
             await msg.respond(_ACCEPTED if reply is None else msgspec.msgpack.encode(reply))
         except nats.errors.Error as exc:
             log.warning("cannot answer a request on %s: %s", msg.subject, exc or type(exc).__name__)
@@ -841,7 +852,7 @@ class NatsRequestClient:
             if not box.ended:
                 home._abandon(stream)
 
-    def _replied(self, request: asyncio.Task[None], stream: _Stream, subject: str) -> None:
+    def _replied(self, request: asyncio.Task[str | None], stream: _Stream, subject: str) -> None:
         if request.cancelled():
             return
         error = request.exception()  # retrieved in every case
@@ -851,9 +862,9 @@ class NatsRequestClient:
             self.callhome._abandon(stream, error)
         else:
             loop = asyncio.get_running_loop()
-            stream.ack_timer = loop.call_later(self.connect_timeout, self._no_call_home, stream, subject)
+            stream.ack_timer = loop.call_later(self.connect_timeout, self._no_call_home, stream, subject, request.result())
 
-    async def _request(self, subject: str, stream: _Stream, payload: bytes) -> None:
+    async def _request(self, subject: str, stream: _Stream, payload: bytes) -> str | None:
         """The NATS hop, sent again while the plane itself is down or settling (see the
         class docstring); any other failure, or one past ``plane_wait_s``, is raised."""
         loop = asyncio.get_running_loop()
@@ -861,8 +872,7 @@ class NatsRequestClient:
         delay = 0.05
         while True:
             try:
-                await self._request_once(subject, stream, payload)
-                return
+                return await self._request_once(subject, stream, payload)
             except (CannotConnect, ConnectionTimeout) as exc:
                 if not plane_settling(self.nc, self.plane_wait_s):
                     raise
@@ -874,7 +884,7 @@ class NatsRequestClient:
             await asyncio.sleep(delay)  # let the worker's subscription come back too
             delay = min(delay * 2, 0.5)
             if stream.conn is not None or stream.box.ended:
-                return  # answered after all (a late reply), or abandoned meanwhile
+                return None  # answered after all (a late reply), or abandoned meanwhile
             self.callhome._rekey(stream)
 
     async def _plane_back(self, deadline: float) -> None:
@@ -882,7 +892,9 @@ class NatsRequestClient:
         while not self.nc.is_connected and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _request_once(self, subject: str, stream: _Stream, payload: bytes) -> None:
+    async def _request_once(self, subject: str, stream: _Stream, payload: bytes) -> str | None:
+        """Send the request; raise the worker's typed error. Returns None, or with a
+        cluster secret the text of a reply that was ignored for want of a valid MAC."""
         home = self.callhome.address
         secret = self.callhome.secret
         mac = request_mac(secret, subject, stream.sid, home, payload) if secret is not None else b""
@@ -899,8 +911,13 @@ class NatsRequestClient:
             reply = self._decode_reply(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise Disconnected(f"malformed reply on {subject}: {exc}") from None
+        if secret is not None and not hmac.compare_digest(reply.mac, reply_mac(secret, msg.subject, reply.kind, reply.message)):
+            log.warning("ignoring a reply on %s not signed with this fleet's cluster secret", subject)
+            # no verdict: the stream waits for the worker's call-home, within its timeouts
+            return f"a reply not signed with this fleet's cluster secret was ignored ({reply.kind or 'accepted'}: {reply.message})"
         if reply.kind:
             raise from_wire(reply.kind, reply.message)
+        return None
 
     def _timed_out(self, stream: _Stream, subject: str) -> None:
         stream.box.timer = None
@@ -909,10 +926,12 @@ class NatsRequestClient:
         message = f"the worker on {subject} sent no response within {self.response_timeout} s"
         self.callhome._abandon(stream, ResponseTimeout(message))
 
-    def _no_call_home(self, stream: _Stream, subject: str) -> None:
+    def _no_call_home(self, stream: _Stream, subject: str, note: str | None = None) -> None:
         stream.ack_timer = None
         if stream.conn is None:
             message = f"the worker on {subject} accepted but did not call home within {self.connect_timeout} s"
+            if note is not None:
+                message = f"no worker on {subject} called home within {self.connect_timeout} s; {note}"
             self.callhome._abandon(stream, ResponseTimeout(message))
 
     async def close(self) -> None:

@@ -359,8 +359,8 @@ async def _bench(a: argparse.Namespace, nats_url: str | None) -> list[dict[str, 
     names = ["raw", *[p for p in a.planes if p != "raw"]]
     best: dict[str, dict[str, Any]] = {}
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for _ in range(a.rounds):  # alternating rounds: load on the machine hits every arm alike
-        for name in names:
+    for rnd in range(a.rounds):  # alternating rounds (order reversed every other one): load hits every arm alike
+        for name in names if rnd % 2 == 0 else names[::-1]:
             async with AsyncExitStack() as stack:
                 r = await _measure(name, await _open_plane(name, stack, nats_url), a)
             rounds[name].append(dict(r))
@@ -384,6 +384,10 @@ async def _bench(a: argparse.Namespace, nats_url: str | None) -> list[dict[str, 
                 mine = statistics.median(x[key] for x in rounds[r["plane"]])
                 theirs = statistics.median(x[key] for x in rounds["tcp-before"])
                 r[f"{key.split('_')[0]}_vs_before_median"] = mine / theirs
+                # the two arms ran in the same round, close in time: slow drifts of the machine cancel
+                paired = [x[key] / y[key] for x, y in zip(rounds[r["plane"]], rounds["tcp-before"])]
+                r[f"{key.split('_')[0]}_vs_before_paired"] = statistics.median(paired)
+                r[f"{key.split('_')[0]}_vs_before_spread"] = (min(paired), max(paired))
     return results
 
 
@@ -450,6 +454,10 @@ def format_table(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
             if "single_vs_before_median" in r and r["plane"] != "raw":
                 lines.append(f"  {r['plane']:>11} / tcp-before, medians over the rounds: 1 stream {r['single_vs_before_median']:.3f},"
                              f" {a.streams} streams {r['concurrent_vs_before_median']:.3f}")  # fmt: skip
+                (s_lo, s_hi), (c_lo, c_hi) = r["single_vs_before_spread"], r["concurrent_vs_before_spread"]
+                lines.append(f"  {r['plane']:>11} / tcp-before, median of per-round ratios: 1 stream {r['single_vs_before_paired']:.3f}"
+                             f" [{s_lo:.3f}-{s_hi:.3f}], {a.streams} streams {r['concurrent_vs_before_paired']:.3f}"
+                             f" [{c_lo:.3f}-{c_hi:.3f}]")  # fmt: skip
     lines.append(
         f"(1 stream = {a.chunks} chunks; {a.streams} streams x {a.stream_chunks} chunks; best of {a.repeats} x {a.rounds}"
         f" alternating rounds; latency over {results[0]['latency_requests']} sequential requests; loop={a.loop})"

@@ -142,6 +142,8 @@ async def test_a_caller_with_another_secret_is_refused(nats, caplog):
     home = CallHomeServer(secret=ClusterSecret(b"z" * 32))
     client = NatsRequestClient(caller_nc, home, "ns", "worker", LEASE, connect_timeout=2.0)
     try:
+        # the worker's refusal is signed with the worker's secret: this caller ignores it and
+        # ends the stream when no call-home came, naming the cluster secret
         with pytest.raises(Exception, match="cluster secret"):
             [x async for x in client.stream("count", enc(3), Context("t"), decode=dec)]
         assert eps.calls == []
@@ -175,4 +177,29 @@ async def test_prefill_jobs_not_signed_with_the_secret_are_dropped(nats, caplog)
         await real.close()
         await rogue.close()
         await nc.close()
+        await rogue_nc.close()
+
+
+@pytest.mark.parametrize("fleet", [SECRET], indirect=True)
+async def test_a_forged_reply_cannot_end_a_stream(fleet, nats, caplog):
+    from kvmesh.errors import ResponseTimeout
+    from kvmesh.runtime.nats import NatsReply
+
+    server, client, home, eps, caller_nc = fleet
+    # a rogue on NATS answers every request for another worker with an unsigned error
+    rogue_nc = await connect_nats(nats.url)
+    victim = NatsRequestClient(caller_nc, home, "ns", "worker", 0xBAD, connect_timeout=1.0, response_timeout=5.0)
+    async def forge(msg):
+        await msg.respond(enc(NatsReply("engine_shutdown", "forged")))
+
+    sub = await rogue_nc.subscribe(victim.subject("count"), cb=forge)
+    try:
+        with pytest.raises(ResponseTimeout):  # not the forged EngineShutdown: the reply was ignored
+            async for _ in victim.stream("count", enc(3), Context("victim"), decode=dec):
+                pass
+        assert "not signed with this fleet's cluster secret" in caplog.text
+        # signed replies still count: the real worker's stream is served
+        assert [x async for x in client.stream("count", enc(3), Context("ok"), decode=dec)] == [0, 1, 2]
+    finally:
+        await sub.unsubscribe()
         await rogue_nc.close()

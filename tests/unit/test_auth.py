@@ -102,3 +102,41 @@ def test_the_process_secret_comes_from_a_file_or_the_environment(tmp_path, monke
     with pytest.raises(ValueError, match="cannot read"):
         auth.process_secret()
     assert "x" * 20 not in repr(ClusterSecret(b"x" * 20))
+
+
+class _Transport:
+    """Enough of an asyncio transport for ProtocolHandshake: records writes and close."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_the_protocol_gate_passes_nothing_before_the_proof_and_everything_after():
+    client = Handshake(A, "request", client=True)
+    gate = auth.ProtocolHandshake(Handshake(A, "request", client=False), _Transport())  # type: ignore[arg-type]
+    hello = client.start()
+    assert gate.admit(hello[:5]) == (b"", gate)  # a partial hello: nothing passes, the gate stays
+    assert gate.admit(hello[5:]) == (b"", gate)
+    proof, _ = client.feed(gate._transport.written)
+    passed, rest_gate = gate.admit(proof + b"first frame")
+    assert (passed, rest_gate) == (b"first frame", None)  # the read that opens it: the bytes after
+    assert gate.ready.done() and gate.ready.exception() is None
+
+
+async def test_the_protocol_gate_stays_shut_after_a_wrong_proof():
+    client = Handshake(B, "request", client=True)
+    transport = _Transport()
+    gate = auth.ProtocolHandshake(Handshake(A, "request", client=False), transport)  # type: ignore[arg-type]
+    gate.admit(client.start())
+    with pytest.raises(AuthError):
+        client.feed(transport.written)
+    assert gate.admit(client.to_send_on_error + b"frame") == (b"", gate)
+    assert gate.admit(b"more frames") == (b"", gate)  # nothing passes, ever
+    assert transport.closed and isinstance(gate.ready.exception(), AuthError)

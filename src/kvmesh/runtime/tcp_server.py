@@ -112,13 +112,9 @@ class _Conn(asyncio.Protocol):
                 self._send(Err(0, InvalidArgument.kind, "this worker requires the fleet's cluster secret (--cluster-secret-file)"))
                 self._writer.flush()
             self._first = False
-            rest = self.auth.feed(data)
-            if rest is None:
+            data, self.auth = self.auth.admit(data)
+            if not data:
                 return
-            self.auth = None
-            if not rest:
-                return
-            data = rest
         elif self._first:
             self._first = False
             if self._refuse_unexpected(data):

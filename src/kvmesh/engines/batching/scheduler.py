@@ -263,11 +263,15 @@ class Plan(Generic[S]):
         return sum(n for _, n in self.entries)
 
     def add(self, seq: S, n: int) -> None:
+        self.add_to(seq, n, seq.target)
+
+    def add_to(self, seq: S, n: int, target: int) -> None:
+        """:meth:`add` for a caller that has ``seq.target`` at hand (the step's hot path)."""
         self.entries.append((seq, n))
         self.budget -= n
         # one token that completes the sequence costs a decode: a decode proper, or the
         # last prompt token after a remote prefill (or a prefix hit of all but one token)
-        if n == 1 and seq.num_computed == seq.target - 1:
+        if n == 1 and seq.num_computed == target - 1:
             self.decode_seqs += 1
         else:
             self.prefill_tokens += n
@@ -553,19 +557,32 @@ class Scheduler(Generic[S]):
         order: list[S] = []
         prefills: list[S] = []
         for s in self._running:  # one pass: decodes first, then prefills
-            (order if s.is_decode else prefills).append(s)
+            # Seq.is_decode, inlined (the hot path: once per running sequence per pass)
+            c = s.num_computed
+            upto = s.prefill_upto
+            if c == (len(s.tokens) if upto is None else upto) - 1 and c >= s.prompt_len:
+                order.append(s)
+            else:
+                prefills.append(s)
         order.extend(prefills)
         too_big: list[S] = []
+        running = State.RUNNING
+        allocate = self.blocks.allocate
         for i, seq in enumerate(order):
-            if plan.budget <= 0:
+            budget = plan.budget
+            if budget <= 0:
                 break
-            if seq.state is not State.RUNNING:  # preempted earlier in this pass
+            if seq.state is not running:  # preempted earlier in this pass
                 continue
-            if not seq.is_decode and self._prefill_slots_full(plan):
+            upto = seq.prefill_upto
+            target = len(seq.tokens) if upto is None else upto  # Seq.target, inlined
+            c = seq.num_computed
+            if not (c == target - 1 and c >= seq.prompt_len) and self._prefill_slots_full(plan):  # a prefill
                 continue
-            n = self._chunk(seq.target - seq.num_computed, plan.budget)
-            if self._make_room(seq, n, order, i, plan, too_big):
-                plan.add(seq, n)
+            n = self._chunk(target - c, budget)
+            # the common case (the blocks grow, or need not) without _make_room's frame
+            if allocate(seq.id, c + n) or self._make_room(seq, n, order, i, plan, too_big):
+                plan.add_to(seq, n, target)
         return too_big
 
     def _chunk(self, left: int, budget: int) -> int:
@@ -707,24 +724,29 @@ class Scheduler(Generic[S]):
         finished: list[Finished] = []
         emitted: list[int] = []
         bs = self.limits.block_size
+        running = State.RUNNING
+        get = sampled.get
+        append = self._append
         for seq, n in plan.entries:
-            if seq.state is not State.RUNNING:
+            if seq.state is not running:
                 continue
-            seq.num_computed += n
+            computed = seq.num_computed = seq.num_computed + n
             if seq.prefill_upto is not None:
-                if seq.num_computed >= seq.prefill_upto:
+                if computed >= seq.prefill_upto:
                     finished.append(self._hold(seq))
                 continue
-            if n > 1 or seq.num_computed % bs == 0:
+            if n > 1 or computed % bs == 0:
                 self._commit(seq)
-            token = sampled.get(seq.id)
+            token = get(seq.id)
             if token is None:
                 continue
-            reason = self._append(seq, token)
+            reason = append(seq, token)
+            if reason is None:
+                emitted.append(seq.id)
+                continue
             if reason != "eos":
                 emitted.append(seq.id)
-            if reason is not None:
-                finished.append(self._end(seq, "stop" if reason == "eos" else reason))
+            finished.append(self._end(seq, "stop" if reason == "eos" else reason))
         if finished:
             self._running = [s for s in self._running if s.state is State.RUNNING]
         self._in_flight = set()
@@ -742,15 +764,18 @@ class Scheduler(Generic[S]):
         """Add a drawn token (not an ending EOS: ``"eos"``); the finish reason, if any."""
         if token == EOS or (token in seq.eos_ids and not seq.ignore_eos):
             return "eos"
-        seq.tokens.append(token)
+        tokens = seq.tokens
+        tokens.append(token)
+        length = len(tokens)
+        output = length - seq.prompt_len  # Seq.num_output, inlined (once per token)
         bs = self.limits.block_size
-        if self._caching and len(seq.tokens) % bs == 0:
-            local = local_block_hashes(seq.tokens[-bs:], bs)[0]
+        if self._caching and length % bs == 0:
+            local = local_block_hashes(tokens[-bs:], bs)[0]
             seq.local_hashes.append(local)
             seq.seq_hashes.append(chain_one(seq.seq_hashes[-1] if seq.seq_hashes else None, local))
-        if token in seq.stop_ids and seq.num_output >= seq.min_tokens:
+        if token in seq.stop_ids and output >= seq.min_tokens:
             return "stop"
-        if seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.limits.context_length:
+        if output >= seq.max_tokens or length >= self.limits.context_length:
             return "length"
         return None
 

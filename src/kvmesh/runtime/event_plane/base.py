@@ -25,9 +25,11 @@ Contract:
 Trust: an envelope is data from the network. Subscribers drop (and count in
 ``malformed``) every message that does not decode, including an invalid UTF-8 topic,
 and never stop reading; zmq subscribers refuse messages over ``MAX_EVENT_BYTES``.
-With a cluster secret (:mod:`kvmesh.runtime.auth`) publishers seal each envelope with
-an HMAC over (publisher, seq, topic, payload) and subscribers drop envelopes without a
-valid one (counted in ``unsigned``).
+With a cluster secret (:mod:`kvmesh.runtime.auth`), where a broker relays envelopes
+(nats), publishers seal each envelope with an HMAC over (publisher, seq, topic,
+payload) and subscribers drop envelopes without a valid one (counted in ``unsigned``);
+zmq connections are CURVE-authenticated with keys derived from the secret instead (a MAC
+per envelope would prove nothing more: see :mod:`~kvmesh.runtime.event_plane.zmq`).
 """
 
 from __future__ import annotations

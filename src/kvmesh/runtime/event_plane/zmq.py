@@ -8,7 +8,10 @@ With a cluster secret, every PUB and SUB socket speaks zmq's CURVE security: the
 publishers' key pair and the subscribers' key pair are derived from the secret, so a
 subscriber completes the CURVE handshake only with a publisher that knows the secret,
 and a publisher only with such a subscriber (nothing is read from, or sent to, a peer
-without it); envelopes are also signed (see :mod:`~kvmesh.runtime.event_plane.base`).
+without it). CURVE authenticates (and encrypts) every message on such a connection with
+keys only holders of the secret have, which is all an envelope's MAC would prove (see
+:mod:`~kvmesh.runtime.event_plane.base`): the planes where a broker relays envelopes
+(NATS) seal them; this one does not spend a MAC per envelope on top of CURVE.
 
 Publishing never blocks: the PUB socket sends with ``NOBLOCK`` and zmq drops a message
 for a subscriber whose queue is at the high-water mark (``hwm``); a dropped message
@@ -207,7 +210,7 @@ class ZmqEventPlane(EventPlane):
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise ValueError(f"cannot bind a publisher on {self.host!r}: {exc}") from None
-        pub = ZmqPublisher(sock, topic, publisher_id, self.secret)
+        pub = ZmqPublisher(sock, topic, publisher_id, None)  # CURVE authenticates: no MAC (module docstring)
         self._publishers.append(pub)
         return pub
 
@@ -221,7 +224,7 @@ class ZmqEventPlane(EventPlane):
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         if self._curve is not None:
             self._curve.subscriber(sock)
-        sub = ZmqSubscription(sock, topic, self.inbox_capacity, self.secret)
+        sub = ZmqSubscription(sock, topic, self.inbox_capacity, None)  # CURVE authenticates (module docstring)
         self._subscriptions.append(sub)
         return sub
 

@@ -51,7 +51,7 @@ from kvmesh.runtime.nats.callhome import CallHomeServer
 from kvmesh.runtime.nats.client import PLANE_WAIT_S, NatsRequestClient
 from kvmesh.runtime.nats.connect import connect_nats, nats_tls_context, plane_settling, sync_with_server
 from kvmesh.runtime.nats.server import NatsRequestServer
-from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, request_mac, request_subject
+from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, reply_mac, request_mac, request_subject
 
 __all__ = [
     "NatsRequest",
@@ -65,5 +65,6 @@ __all__ = [
     "plane_settling",
     "PLANE_WAIT_S",
     "request_mac",
+    "reply_mac",
     "nats_tls_context",
 ]

@@ -75,13 +75,9 @@ class _HomeConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.auth is not None:
-            rest = self.auth.feed(data)
-            if rest is None:
+            data, self.auth = self.auth.admit(data)
+            if not data:
                 return
-            self.auth = None
-            if not rest:
-                return
-            data = rest
         try:
             # Any: dispatched on `kind = type(frame)` below, which mypy does not follow
             frames: list[Any] = self._reader.feed(data)

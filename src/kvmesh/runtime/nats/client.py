@@ -4,6 +4,7 @@ over the call-home connection (:mod:`kvmesh.runtime.nats.callhome`)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -17,7 +18,7 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP
 from kvmesh.runtime.nats.callhome import CallHomeServer, CallHomeStream
 from kvmesh.runtime.nats.connect import plane_settling
-from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, request_mac, request_subject
+from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, reply_mac, request_mac, request_subject
 from kvmesh.runtime.stream import END, Decode, Mailbox, Merge
 
 __all__ = ["NatsRequestClient", "PLANE_WAIT_S"]
@@ -113,7 +114,7 @@ class NatsRequestClient:
             if not box.ended:
                 home.abandon(stream)
 
-    def _replied(self, request: asyncio.Task[None], stream: CallHomeStream, subject: str) -> None:
+    def _replied(self, request: asyncio.Task[str | None], stream: CallHomeStream, subject: str) -> None:
         if request.cancelled():
             return
         error = request.exception()  # retrieved in every case
@@ -123,9 +124,9 @@ class NatsRequestClient:
             self.callhome.abandon(stream, error)
         else:
             loop = asyncio.get_running_loop()
-            stream.ack_timer = loop.call_later(self.connect_timeout, self._no_call_home, stream, subject)
+            stream.ack_timer = loop.call_later(self.connect_timeout, self._no_call_home, stream, subject, request.result())
 
-    async def _request(self, subject: str, stream: CallHomeStream, payload: bytes) -> None:
+    async def _request(self, subject: str, stream: CallHomeStream, payload: bytes) -> str | None:
         """The NATS hop, sent again while the plane itself is down or settling (see the
         class docstring); any other failure, or one past ``plane_wait_s``, is raised."""
         loop = asyncio.get_running_loop()
@@ -133,8 +134,7 @@ class NatsRequestClient:
         delay = 0.05
         while True:
             try:
-                await self._request_once(subject, stream, payload)
-                return
+                return await self._request_once(subject, stream, payload)
             except (CannotConnect, ConnectionTimeout) as exc:
                 if not plane_settling(self.nc, self.plane_wait_s):
                     raise
@@ -146,7 +146,7 @@ class NatsRequestClient:
             await asyncio.sleep(delay)  # let the worker's subscription come back too
             delay = min(delay * 2, 0.5)
             if stream.conn is not None or stream.box.ended:
-                return  # answered after all (a late reply), or abandoned meanwhile
+                return None  # answered after all (a late reply), or abandoned meanwhile
             self.callhome.rekey(stream)
 
     async def _plane_back(self, deadline: float) -> None:
@@ -154,7 +154,9 @@ class NatsRequestClient:
         while not self.nc.is_connected and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _request_once(self, subject: str, stream: CallHomeStream, payload: bytes) -> None:
+    async def _request_once(self, subject: str, stream: CallHomeStream, payload: bytes) -> str | None:
+        """Send the request; raise the worker's typed error. Returns None, or with a
+        cluster secret the text of a reply that was ignored for want of a valid MAC."""
         home = self.callhome.address
         secret = self.callhome.secret
         mac = request_mac(secret, subject, stream.sid, home, payload) if secret is not None else b""
@@ -171,8 +173,13 @@ class NatsRequestClient:
             reply = self._decode_reply(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise Disconnected(f"malformed reply on {subject}: {exc}") from None
+        if secret is not None and not hmac.compare_digest(reply.mac, reply_mac(secret, msg.subject, reply.kind, reply.message)):
+            log.warning("ignoring a reply on %s not signed with this fleet's cluster secret", subject)
+            # no verdict: the stream waits for the worker's call-home, within its timeouts
+            return f"a reply not signed with this fleet's cluster secret was ignored ({reply.kind or 'accepted'}: {reply.message})"
         if reply.kind:
             raise from_wire(reply.kind, reply.message)
+        return None
 
     def _timed_out(self, stream: CallHomeStream, subject: str) -> None:
         stream.box.timer = None
@@ -181,10 +188,12 @@ class NatsRequestClient:
         message = f"the worker on {subject} sent no response within {self.response_timeout} s"
         self.callhome.abandon(stream, ResponseTimeout(message))
 
-    def _no_call_home(self, stream: CallHomeStream, subject: str) -> None:
+    def _no_call_home(self, stream: CallHomeStream, subject: str, note: str | None = None) -> None:
         stream.ack_timer = None
         if stream.conn is None:
             message = f"the worker on {subject} accepted but did not call home within {self.connect_timeout} s"
+            if note is not None:
+                message = f"no worker on {subject} called home within {self.connect_timeout} s; {note}"
             self.callhome.abandon(stream, ResponseTimeout(message))
 
     async def close(self) -> None:

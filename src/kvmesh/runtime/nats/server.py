@@ -25,7 +25,9 @@ from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, TlsContexts
 from kvmesh.runtime.frames import MAX_REQUEST_FRAME, MAX_STREAMS, Req
 from kvmesh.runtime.nats.connect import sync_with_server
-from kvmesh.runtime.nats.wire import ACCEPTED, NatsReply, NatsRequest, request_mac, request_subject, split_address
+from kvmesh.runtime.nats.wire import (
+    ACCEPTED, NatsReply, NatsRequest, reply_mac, request_mac, request_subject, split_address,
+)  # fmt: skip
 from kvmesh.runtime.stream import Handler
 from kvmesh.runtime.tcp_server import ServerConnection
 
@@ -175,6 +177,9 @@ class NatsRequestServer:
 
     async def _reply(self, msg: Msg, reply: NatsReply | None) -> bool:
         try:
+            if self.secret is not None:
+                reply = reply or NatsReply()
+                reply.mac = reply_mac(self.secret, msg.reply, reply.kind, reply.message)
             await msg.respond(ACCEPTED if reply is None else msgspec.msgpack.encode(reply))
         except nats.errors.Error as exc:
             log.warning("cannot answer a request on %s: %s", msg.subject, exc or type(exc).__name__)

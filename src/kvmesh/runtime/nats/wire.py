@@ -7,7 +7,7 @@ import msgspec
 from kvmesh.errors import InvalidArgument
 from kvmesh.runtime.auth import ClusterSecret
 
-__all__ = ["NatsRequest", "NatsReply", "ACCEPTED", "request_mac", "request_subject", "split_address"]
+__all__ = ["NatsRequest", "NatsReply", "ACCEPTED", "request_mac", "reply_mac", "request_subject", "split_address"]
 
 _BAD_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 
@@ -31,6 +31,13 @@ class NatsReply(msgspec.Struct, array_like=True, omit_defaults=True):
 
     kind: str = ""
     message: str = ""
+    mac: bytes = b""  # with a cluster secret: reply_mac, bound to the request's reply inbox
+
+
+def reply_mac(secret: ClusterSecret, inbox: str, kind: str, message: str) -> bytes:
+    """A reply's MAC: a caller with a secret ignores a reply without a valid one (a
+    forged error cannot end a stream; the stream's own timeouts still bound it)."""
+    return secret.sign("nats-reply", inbox.encode(), kind.encode(), message.encode())
 
 
 ACCEPTED = msgspec.msgpack.encode(NatsReply())

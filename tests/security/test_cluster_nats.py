@@ -188,11 +188,12 @@ async def test_a_forged_reply_cannot_end_a_stream(fleet, nats, caplog):
     server, client, home, eps, caller_nc = fleet
     # a rogue on NATS answers every request for another worker with an unsigned error
     rogue_nc = await connect_nats(nats.url)
-    victim = NatsRequestClient(caller_nc, home, "ns", "worker", 0xBAD, connect_timeout=1.0, response_timeout=5.0)
+    victim = NatsRequestClient(caller_nc, home, "ns", "worker", 0xBAD, connect_timeout=5.0, response_timeout=5.0)
     async def forge(msg):
         await msg.respond(enc(NatsReply("engine_shutdown", "forged")))
 
     sub = await rogue_nc.subscribe(victim.subject("count"), cb=forge)
+    await rogue_nc.flush()  # the server holds the rogue's subscription before the victim's request
     try:
         with pytest.raises(ResponseTimeout):  # not the forged EngineShutdown: the reply was ignored
             async for _ in victim.stream("count", enc(3), Context("victim"), decode=dec):

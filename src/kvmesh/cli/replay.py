@@ -81,6 +81,9 @@ def _config(ns: argparse.Namespace) -> ReplayConfig:
         max_num_batched_tokens=m.max_num_batched_tokens,
         speedup=m.speedup,
         eos_rate=m.eos_probability,
+        long_prefill_token_threshold=m.long_prefill_token_threshold,
+        max_long_partial_prefills=m.max_long_partial_prefills,
+        max_num_partial_prefills=m.max_num_partial_prefills,
     )
     policies = tuple(p.strip() for p in ns.policy.split(",") if p.strip())
     return ReplayConfig(

@@ -111,6 +111,9 @@ def _mocker(settings: MockerSettings, spec: EngineSpec, publisher: EventPublishe
         served_model_name=spec.served_model_name,
         fault=fault,
         eos_rate=settings.eos_probability,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        max_long_partial_prefills=settings.max_long_partial_prefills,
+        max_num_partial_prefills=settings.max_num_partial_prefills,
     )
     return MockerEngine(options, publisher)
 

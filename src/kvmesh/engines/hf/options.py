@@ -38,6 +38,10 @@ class HfOptions:
     enable_prefix_caching: bool = True
     event_ring_capacity: int = 1024
     seed: int | None = None
+    # chunked prefill beside short prompts (the batching core's SchedulerLimits; 0: off)
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
+    max_num_partial_prefills: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -48,6 +52,10 @@ class HfOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.long_prefill_token_threshold < 0 or self.max_num_partial_prefills < 0:
+            raise ValueError("long_prefill_token_threshold and max_num_partial_prefills must be >= 0")
+        if self.max_long_partial_prefills < 1:
+            raise ValueError(f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.worker_id < 0:

@@ -37,6 +37,14 @@ One pass (:meth:`Scheduler.schedule`):
    ``max_long_partial_prefills`` long prefills are under way, so shorter requests
    behind it are admitted; ``max_num_partial_prefills`` (0: no cap) bounds the
    prefills of one pass (vLLM's knobs of the same names).
+3. **top-up and hand-over**: in a pass where every prefill is long, the budget left
+   goes to them; when that ends a long prefill in a pass that carries decodes, the rest
+   of the budget admits the next waiting requests (a long one may start now: its slot
+   is free), and so on while budget is left. Every pass that carries prefill work
+   costs each decode in it the step's fixed prefill cost, so fewer, fuller prefill
+   passes keep ITL down; a pass without decodes stays small, which lets arrivals in
+   sooner (``kvmesh replay``, conversation trace, 1,000 requests: ITL p99 52 → 33 ms
+   with kv routing, short-prompt TTFT unchanged, overall TTFT p50 +16%).
 
 Stop rules (:meth:`Scheduler.complete`, over the token the engine drew for each
 sequence that completed its tokens): :data:`EOS` (or an ``eos_ids`` token, unless

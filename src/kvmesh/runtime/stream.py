@@ -14,7 +14,10 @@ Seams (``typing.Protocol``; :class:`~kvmesh.runtime.tcp_client.TcpClient` and
   server it serves for (the TCP server, or the NATS server's call-home dialler).
 
 Transport: :class:`Mailbox`, a stream's slot between the connection's reader and
-the consumer (bounded by ``merge``), and :data:`END`, what it yields at the end.
+the consumer (bounded by ``merge``), and :data:`END`, what it yields at the end;
+:class:`FramedConnection`, what every request-plane connection (the worker's, the
+caller's, the call-home listener's) does alike: socket options, the handshake while it
+runs, frames in and out.
 """
 
 from __future__ import annotations
@@ -22,14 +25,17 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, Protocol, TypeVar, cast, overload
 
 import msgspec
 
-from kvmesh.runtime.auth import ClusterSecret, TlsContexts
+from kvmesh.errors import InvalidArgument
+from kvmesh.runtime.auth import ClusterSecret, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter
+from kvmesh.runtime.sockets import tune_stream_socket
 
-__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge"]
+__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection"]
 
 T = TypeVar("T")
 
@@ -158,3 +164,45 @@ class Mailbox:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
             self.waiter = None
+
+
+class FramedConnection(asyncio.Protocol):
+    """An ``asyncio.Protocol`` carrying request-plane frames (:mod:`kvmesh.runtime.frames`).
+
+    A subclass starts its handshake in ``connection_made`` (setting ``auth``, after
+    calling this class's), ends its streams in ``connection_lost`` (likewise), and reads
+    ``data_received`` through :meth:`admitted_frames`."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES, *, coalesce: bool = False) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
+        self._reader = FrameReader(max_frame_bytes)
+        self._writer = FrameWriter(coalesce=coalesce)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
+        self._writer.transport = self.transport
+        tune_stream_socket(transport.get_extra_info("socket"))
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer = f"{peer[0]}:{peer[1]}"
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.auth is not None:
+            self.auth.lost()
+        self.transport = None
+        self._writer.transport = None
+
+    def admitted_frames(self, data: bytes) -> list[Any] | InvalidArgument:
+        """The frames ``data`` completes once past the handshake (none while it runs),
+        or the error of bytes that break the protocol (the caller closes the connection).
+        Any: the caller dispatches on ``type(frame)``, which mypy does not follow."""
+        if self.auth is not None:
+            data, self.auth = self.auth.admit(data)
+            if not data:
+                return []
+        try:
+            return self._reader.feed(data)
+        except InvalidArgument as exc:
+            return exc

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Coroutine
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -41,42 +41,31 @@ from kvmesh.runtime.frames import (
     Ctl,
     End,
     Err,
-    FrameReader,
-    FrameWriter,
     OutItem,
     Req,
 )
-from kvmesh.runtime.sockets import tune_stream_socket
-from kvmesh.runtime.stream import Handler, StreamHost
+from kvmesh.runtime.stream import FramedConnection, Handler, StreamHost
 
 __all__ = ["Handler", "TcpServer", "ServerConnection"]
 
 log = logging.getLogger(__name__)
 
-class _Conn(asyncio.Protocol):
+class _Conn(FramedConnection):
     """One caller's connection (accepted, or dialled out by the NATS plane's call-home:
     ``client=True`` then plays the client side of the handshake)."""
 
     def __init__(self, server: StreamHost, client: bool = False) -> None:
+        super().__init__(server.max_frame_bytes, coalesce=True)
         self._server = server
-        self._reader = FrameReader(server.max_frame_bytes)
-        self._writer = FrameWriter(coalesce=True)
-        self._transport: asyncio.Transport | None = None
         self._streams: dict[int, Context] = {}
         self._paused: asyncio.Future[None] | None = None
         self._client = client
         self._first = True  # nothing received yet
-        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
         self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
-        self.peer = "?"
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # a stream connection's transport
-        self._writer.transport = self._transport
-        tune_stream_socket(transport.get_extra_info("socket"))
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        super().connection_made(transport)
         self._server._conns.add(self)
         secret: ClusterSecret | None = self._server.secret
         if secret is not None:
@@ -85,11 +74,8 @@ class _Conn(asyncio.Protocol):
             self.auth = self.gate = ProtocolHandshake(hs, transport, self._server.handshake_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.auth is not None:
-            self.auth.lost()
+        super().connection_lost(exc)
         self._server._conns.discard(self)
-        self._transport = None
-        self._writer.transport = None
         for ctx in list(self._streams.values()):
             ctx.kill()
         if self._paused is not None and not self._paused.done():
@@ -106,27 +92,22 @@ class _Conn(asyncio.Protocol):
             self._paused = None
 
     def data_received(self, data: bytes) -> None:
-        if self.auth is not None:
-            if self._first and not self._client and not auth.looks_like_handshake(data):
+        if self._first:
+            self._first = False
+            if self.auth is None:
+                if self._refuse_unexpected(data):
+                    return
+            elif not self._client and not auth.looks_like_handshake(data):
                 # A caller without the secret reads frames: tell it why, in one it understands.
                 self._send(Err(0, InvalidArgument.kind, "this worker requires the fleet's cluster secret (--cluster-secret-file)"))
                 self._writer.flush()
-            self._first = False
-            data, self.auth = self.auth.admit(data)
-            if not data:
-                return
-        elif self._first:
-            self._first = False
-            if self._refuse_unexpected(data):
-                return
-        try:
-            frames = self._reader.feed(data)
-        except InvalidArgument as exc:
-            log.warning("closing connection from %s: %s", self.peer, exc.message)
-            self._send(Err(0, exc.kind, exc.message))
+        frames = self.admitted_frames(data)
+        if isinstance(frames, InvalidArgument):
+            log.warning("closing connection from %s: %s", self.peer, frames.message)
+            self._send(Err(0, frames.kind, frames.message))
             self._writer.flush()
-            if self._transport is not None:
-                self._transport.close()
+            if self.transport is not None:
+                self.transport.close()
             return
         for frame in frames:
             if type(frame) is Req:
@@ -147,8 +128,8 @@ class _Conn(asyncio.Protocol):
         else:
             return False
         log.warning("refusing connection from %s: %s", self.peer, why)
-        if self._transport is not None:
-            self._transport.close()
+        if self.transport is not None:
+            self.transport.close()
         return True
 
     # -- streams
@@ -188,7 +169,7 @@ class _Conn(asyncio.Protocol):
         first = True  # a stream's first item goes out without waiting for company
         try:
             async for item in stream:
-                if self._transport is None:
+                if self.transport is None:
                     break
                 self._writer.send(OutItem(sid, item), first)
                 first = False
@@ -209,14 +190,14 @@ class _Conn(asyncio.Protocol):
 
     # -- writing
     def _send(self, frame: Any) -> None:
-        if self._transport is not None:
+        if self.transport is not None:
             self._writer.send(frame)
 
     def close(self) -> None:
         """Close after writing every frame already queued (a last ``End`` or ``Err``)."""
-        if self._transport is not None:
+        if self.transport is not None:
             self._writer.flush()
-            self._transport.close()
+            self.transport.close()
 
     @property
     def open_streams(self) -> int:
@@ -225,11 +206,11 @@ class _Conn(asyncio.Protocol):
     # -- for the NATS plane's call-home (runtime/nats/server.py)
     @property
     def alive(self) -> bool:
-        return self._transport is not None and not self._transport.is_closing()
+        return self.transport is not None and not self.transport.is_closing()
 
     @property
     def gone(self) -> bool:
-        return self._transport is None
+        return self.transport is None
 
     def serve(self, req: Req) -> None:
         """Open the stream ``req`` asks for (Ack, then its handler in a task)."""

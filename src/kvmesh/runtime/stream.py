@@ -35,7 +35,7 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter
 from kvmesh.runtime.sockets import tune_stream_socket
 
-__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection"]
+__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks"]
 
 T = TypeVar("T")
 
@@ -90,8 +90,7 @@ class StreamHost(Protocol):
     foreign_frames: int
     draining: bool
     _conns: set[Any]  # the server's open connections (kept by the connections themselves)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+    tasks: StreamTasks  # the tasks serving its streams
 
 
 class _End:
@@ -206,3 +205,37 @@ class FramedConnection(asyncio.Protocol):
             return self._reader.feed(data)
         except InvalidArgument as exc:
             return exc
+
+
+class StreamTasks:
+    """The tasks serving a request server's streams: owned (a strong reference each),
+    counted (``len``: the streams in flight), waited for when draining."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no stream is in flight; False if the timeout passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._tasks:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            await asyncio.wait(set(self._tasks), timeout=remaining)
+        return True
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -44,7 +43,7 @@ from kvmesh.runtime.frames import (
     OutItem,
     Req,
 )
-from kvmesh.runtime.stream import FramedConnection, Handler, StreamHost
+from kvmesh.runtime.stream import FramedConnection, Handler, StreamHost, StreamTasks
 
 __all__ = ["Handler", "TcpServer", "ServerConnection"]
 
@@ -150,7 +149,7 @@ class _Conn(FramedConnection):
             return
         ctx = Context(f"{id(self):x}-{req.sid}")
         self._streams[req.sid] = ctx
-        self._server._spawn(self._serve(req.sid, handler, req.payload, ctx))
+        self._server.tasks.spawn(self._serve(req.sid, handler, req.payload, ctx))
 
     def _control(self, ctl: Ctl) -> None:
         ctx = self._streams.get(ctl.sid)
@@ -246,7 +245,7 @@ class TcpServer:
         self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.tasks = StreamTasks()
         self.started = False
         self.draining = False
 
@@ -270,12 +269,7 @@ class TcpServer:
 
     @property
     def in_flight(self) -> int:
-        return len(self._tasks)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return len(self.tasks)
 
     async def stop_accepting(self) -> None:
         """Drain: close the listening socket and refuse new streams (``EngineShutdown``,
@@ -286,20 +280,11 @@ class TcpServer:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no stream is in flight; False if the timeout passed first."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self._tasks:
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                return False
-            await asyncio.wait(set(self._tasks), timeout=remaining)
-        return True
+        return await self.tasks.wait_idle(timeout)
 
     async def close(self) -> None:
         await self.stop_accepting()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tasks.cancel_all()
         for conn in list(self._conns):
             conn.close()
         if self._server is not None:

@@ -35,7 +35,7 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter
 from kvmesh.runtime.sockets import tune_stream_socket
 
-__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks"]
+__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks", "StreamServer"]
 
 T = TypeVar("T")
 
@@ -239,3 +239,18 @@ class StreamTasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StreamServer:
+    """What both request servers (TCP, NATS) keep alike: the tasks of their streams."""
+
+    def __init__(self) -> None:
+        self.tasks = StreamTasks()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.tasks)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no stream is in flight; False if the timeout passed first."""
+        return await self.tasks.wait_idle(timeout)

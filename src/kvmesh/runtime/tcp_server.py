@@ -43,7 +43,7 @@ from kvmesh.runtime.frames import (
     OutItem,
     Req,
 )
-from kvmesh.runtime.stream import FramedConnection, Handler, StreamHost, StreamTasks
+from kvmesh.runtime.stream import FramedConnection, Handler, StreamHost, StreamServer
 
 __all__ = ["Handler", "TcpServer", "ServerConnection"]
 
@@ -220,7 +220,7 @@ class _Conn(FramedConnection):
 ServerConnection = _Conn
 
 
-class TcpServer:
+class TcpServer(StreamServer):
     """Listens on ``host:port`` (0 = any free port) and serves registered endpoints."""
 
     channel = "request"  # what the handshake binds a connection to
@@ -234,6 +234,7 @@ class TcpServer:
         max_streams: int = MAX_STREAMS,
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
+        super().__init__()
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
@@ -245,7 +246,6 @@ class TcpServer:
         self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
-        self.tasks = StreamTasks()
         self.started = False
         self.draining = False
 
@@ -267,20 +267,12 @@ class TcpServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    @property
-    def in_flight(self) -> int:
-        return len(self.tasks)
-
     async def stop_accepting(self) -> None:
         """Drain: close the listening socket and refuse new streams (``EngineShutdown``,
         which callers retry elsewhere); streams already open keep going."""
         self.draining = True
         if self._server is not None:
             self._server.close()
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no stream is in flight; False if the timeout passed first."""
-        return await self.tasks.wait_idle(timeout)
 
     async def close(self) -> None:
         await self.stop_accepting()

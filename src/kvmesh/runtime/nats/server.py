@@ -26,7 +26,7 @@ from kvmesh.runtime.nats.connect import sync_with_server
 from kvmesh.runtime.nats.wire import (
     ACCEPTED, NatsReply, NatsRequest, reply_mac, request_mac, request_subject, split_address,
 )  # fmt: skip
-from kvmesh.runtime.stream import Handler, StreamTasks
+from kvmesh.runtime.stream import Handler, StreamServer
 from kvmesh.runtime.tcp_server import ServerConnection
 
 __all__ = ["NatsRequestServer"]
@@ -34,7 +34,7 @@ __all__ = ["NatsRequestServer"]
 log = logging.getLogger("kvmesh.runtime.nats")
 
 
-class NatsRequestServer:
+class NatsRequestServer(StreamServer):
     """Serves registered endpoints on NATS subjects of one instance (``lease_id``).
 
     Same surface as :class:`~kvmesh.runtime.tcp_server.TcpServer`. Lifecycle:
@@ -62,6 +62,7 @@ class NatsRequestServer:
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
+        super().__init__()
         self.tls = auth.resolve_tls(tls)
         self.nc = nc
         self.namespace = namespace
@@ -87,7 +88,6 @@ class NatsRequestServer:
         self._homes: dict[str, ServerConnection] = {}
         self._dialing: dict[str, asyncio.Task[ServerConnection]] = {}
         self._conns: set[ServerConnection] = set()
-        self.tasks = StreamTasks()
 
     def subject(self, endpoint: str) -> str:
         return request_subject(self.namespace, self.component, endpoint, self.lease_id)
@@ -96,10 +96,6 @@ class NatsRequestServer:
     def transport(self) -> str:
         """What discovery records: ``nats:`` + the subject, ``{endpoint}`` left as a placeholder."""
         return f"nats:{self.namespace}.{self.component}.{{endpoint}}-{self.lease_id:x}"
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.tasks)
 
     def register(self, endpoint: str, handler: Handler) -> None:
         """Serve ``endpoint``; ValueError for a name NATS cannot carry. After :meth:`start`
@@ -263,10 +259,6 @@ class NatsRequestServer:
             except (nats.errors.Error, TimeoutError) as exc:
                 # closed: nothing is subscribed any more; timed out: UNSUB was sent already
                 log.debug("unsubscribing from %s: %s", sub.subject, exc or type(exc).__name__)
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no stream is in flight; False if the timeout passed first."""
-        return await self.tasks.wait_idle(timeout)
 
     async def close(self) -> None:
         await self.stop_accepting()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.engines.batching.options import BatchingOptions, check_positive_ints
 from kvmesh.engines.settings import HfSettings
+from kvmesh.settings import non_negative, positive, require
 
 __all__ = ["HfOptions", "ENV_PREFIX"]
 
@@ -40,7 +41,6 @@ class HfOptions(BatchingOptions):
         if not self.model_path:
             raise ValueError("model_path must name a model folder")
         check_positive_ints(self, "kv_cache_mb")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.num_blocks is not None:
+            require("num_blocks", self.num_blocks, positive)
+        require("threads", self.threads, non_negative)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.engines.batching.options import BatchingOptions, check_positive_ints
 from kvmesh.engines.mocker.fault_spec import FaultSpec
 from kvmesh.engines.settings import MockerSettings, options_from
+from kvmesh.settings import positive, require, within
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -75,14 +76,11 @@ class MockerOptions(BatchingOptions):
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_long_partial_prefills < 1 or self.max_num_partial_prefills < 0:
             raise ValueError("max_long_partial_prefills must be >= 1 and max_num_partial_prefills >= 0")
-        if not (math.isfinite(self.kv_bandwidth) and self.kv_bandwidth > 0):
-            raise ValueError(f"kv_bandwidth must be a positive finite number, got {self.kv_bandwidth}")
+        require("kv_bandwidth", self.kv_bandwidth, positive)
         if not self.model:
             raise ValueError("model must be a non-empty string")
-        if not (math.isfinite(self.speedup) and self.speedup > 0):
-            raise ValueError(f"speedup must be a positive finite number, got {self.speedup}")
-        if not (0.0 <= self.eos_rate <= 1.0):
-            raise ValueError(f"eos_rate (--eos-probability) must be within [0, 1], got {self.eos_rate}")
+        require("speedup", self.speedup, positive)
+        require("eos_rate (--eos-probability)", self.eos_rate, within(0.0, 1.0))
         for name in ("prefill_coeffs", "decode_coeffs"):
             coeffs = getattr(self, name)
             if len(coeffs) != 3 or not all(math.isfinite(c) for c in coeffs):

@@ -26,6 +26,9 @@ class FaultSpec:
     after_tokens: int = 0
     probability: float = 1.0
     seed: int = 0
+    # corrupt only: 1 leaves the tokens alone and shifts only their log-probabilities
+    # (subtle silent corruption: the argmax survives, the distribution does not)
+    subtle: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -36,6 +39,8 @@ class FaultSpec:
             raise ValueError(f"fault after_tokens must be >= 0, got {self.after_tokens}")
         if not (0.0 <= self.probability <= 1.0):
             raise ValueError(f"fault probability must be within [0, 1], got {self.probability}")
+        if self.subtle not in (0, 1):
+            raise ValueError(f"fault subtle must be 0 or 1, got {self.subtle}")
 
     @property
     def active(self) -> bool:
@@ -48,7 +53,7 @@ class FaultSpec:
         fields: dict[str, float | int] = {}
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, sep, value = item.partition("=")
-            if not sep or key not in ("factor", "after_tokens", "probability", "seed"):
+            if not sep or key not in ("factor", "after_tokens", "probability", "seed", "subtle"):
                 raise ValueError(f"bad fault option {item!r} in {text!r}")
-            fields[key] = int(value) if key in ("after_tokens", "seed") else float(value)
+            fields[key] = int(value) if key in ("after_tokens", "seed", "subtle") else float(value)
         return cls(kind, **fields)  # type: ignore[arg-type]  # kind is checked in __post_init__

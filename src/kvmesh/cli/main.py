@@ -18,6 +18,7 @@ from kvmesh.config import (
     ClusterCredentials,
     FrontendConfig,
     HttpLimits,
+    PlannerConfig,
     RunConfig,
     RuntimeConfig,
     SecurityConfig,
@@ -38,7 +39,7 @@ _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "remote_
 _WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue")
 # the config classes whose settings each command takes (its flags and its --config keys)
 _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
-RUN_CLASSES = (RunConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
+RUN_CLASSES = (RunConfig, PlannerConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
 FRONTEND_CLASSES = (FrontendConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials)
 WORKER_CLASSES = (WorkerConfig, RuntimeConfig, ClusterCredentials, *_ENGINE_SETTINGS)
 _EXTRA_FILE_KEYS = {"model", "model-path", "log-level", "log_level", "static-workers", "static_workers", "static"}
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="serve a model: frontend + N worker processes on this host, no external services")
     _add_config_arg(run)
     add_flags(run, RunConfig, title="worker processes")
+    add_flags(run, PlannerConfig, title="planner")
     _add_frontend_args(run)
     _add_engine_args(run)
     _add_secret_arg(run)
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "run":
             file = _file(ns, *RUN_CLASSES)
             _apply_cluster_secret(ns, file)
-            parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file)}
+            parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file),
+                     "planner": resolve(PlannerConfig, ns, file=file)}  # fmt: skip
             cfg = resolve(RunConfig, ns, file=file, given=parts)
             from kvmesh.cli.run import run_embedded
 

@@ -372,6 +372,33 @@ class HealthMonitor:
         log.info("recorded %d canaries for %s from %d agreeing workers", len(outputs), model, len(votes.votes))
         return canary_set
 
+    async def vet(self, instance: Instance) -> CheckResult:
+        """A canary check of a worker not in routing (a hot spare): every canary of
+        its model's set against it, the first failure or OK; nothing is recorded in the
+        fleet's health. Before the fleet has agreed on a set, a spare passes when it
+        answers a greedy canary prompt at all."""
+        model = instance.info.engine.served_model_name
+        canary_set = self._canaries.get(model)
+        start = time.monotonic()
+        if canary_set is None:
+            prompt = self.view.canary_prompt(model, DEFAULT_CANARY_PROMPTS[0]) or [1, 2, 3]
+            try:
+                tokens, _ = await asyncio.wait_for(self._generate(instance, prompt, 1), self.timeout_s)
+            except TimeoutError:
+                return CheckResult(CheckKind.TIMEOUT, self.timeout_s, "no answer")
+            except KvmeshError as exc:
+                return CheckResult(CheckKind.ERROR, time.monotonic() - start, exc.message)
+            ok = len(tokens) == 1
+            return CheckResult(CheckKind.OK if ok else CheckKind.WRONG_TOKENS, time.monotonic() - start)
+        try:
+            for canary in canary_set.canaries:
+                result, _ = await self._probe(instance, canary)
+                if not result.ok:
+                    return result
+        finally:
+            self._loads.pop(instance.worker_id, None)
+        return CheckResult(CheckKind.OK, time.monotonic() - start)
+
     # ------------------------------------------------------------------ outcomes
     def _after(self, worker_id: int, transition: Transition | None) -> None:
         tracker = self.trackers.get(worker_id)

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvmesh.config import RunConfig
 from kvmesh.errors import KvmeshError
@@ -41,17 +42,28 @@ from kvmesh.protocol import InstanceInfo, LoadReport
 from kvmesh.runtime.distributed import DistributedRuntime, call
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import LOAD
-from kvmesh.worker.supervisor import Supervisor
 
 import msgspec
 
-__all__ = ["EmbeddedFleet", "planner_config", "start_embedded_planner"]
+__all__ = ["EmbeddedFleet", "Launcher", "planner_config", "start_embedded_planner"]
 
 log = logging.getLogger("kvmesh.planner")
 
 _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
 _LOAD_TIMEOUT_S = 0.5
 _ROUTABLE_POLL_S = 0.002
+
+
+class Launcher(Protocol):
+    """What the fleet needs of a :class:`~kvmesh.worker.supervisor.Supervisor`."""
+
+    def launch(self) -> int:
+        """Start a worker from the supervisor's template; its new id."""
+        ...
+
+    def terminate(self, worker_id: int) -> bool:
+        """SIGTERM ``worker_id`` (it drains); False if it is not running."""
+        ...
 
 
 def planner_config(cfg: RunConfig) -> PlannerConfig:
@@ -94,13 +106,15 @@ class EmbeddedFleet:
         unpublish: Callable[[int], Awaitable[None]],
         roles: dict[int, Role],
         clock: Callable[[], float] = time.monotonic,
+        vet: Callable[[InstanceInfo], Awaitable[tuple[bool, str]]] | None = None,
     ) -> None:
         self.publish_record = publish
         self.unpublish_record = unpublish
         self.clock = clock
+        self.vet_spare = vet if vet is not None else self._canary_check
         self.members: dict[int, _Member] = {wid: _Member(role) for wid, role in roles.items()}
-        self.main: Supervisor | None = None  # aggregated (or decode) workers, and the spares
-        self.prefill: Supervisor | None = None  # disaggregated runs: prefill workers
+        self.main: Launcher | None = None  # aggregated (or decode) workers, and the spares
+        self.prefill: Launcher | None = None  # disaggregated runs: prefill workers
         self.frontend: Frontend | None = None
         self.runtime: DistributedRuntime | None = None
         self.service: PlannerService | None = None
@@ -187,7 +201,7 @@ class EmbeddedFleet:
         self._moves[new] = worker_id
 
     # ------------------------------------------------------------ steps
-    def _supervisor(self, role: Role) -> Supervisor:
+    def _supervisor(self, role: Role) -> Launcher:
         supervisor = self.prefill if role is Role.PREFILL else self.main
         if supervisor is None:
             raise KvmeshError(f"this run has no {role.value} workers to start")
@@ -235,22 +249,9 @@ class EmbeddedFleet:
         """Canary-check a spare before it counts as ready; a failing spare is stopped
         (the planner starts another)."""
         member = self.members.get(worker_id)
-        if member is None or member.info is None or self.runtime is None or self.frontend is None:
+        if member is None or member.info is None:
             return
-        client = await self.runtime.client_for(member.info)
-        try:
-            health = self.frontend.registry.health
-            instance = Instance(member.info, client)
-            if health is not None:
-                result = await health.vet(instance)
-                ok, detail = result.ok, f"{result.kind.value} {result.detail}"
-            else:
-                report = await asyncio.wait_for(call(client, LOAD, decode=_decode_load), 10.0)
-                ok, detail = report is not None, "load report"
-        except (KvmeshError, TimeoutError, OSError) as exc:
-            ok, detail = False, f"{CheckKind.ERROR.value} {exc}"
-        finally:
-            await client.close()
+        ok, detail = await self.vet_spare(member.info)
         if ok:
             member.vetted = True
             log.info("planner: hot spare %x passed its canary check", worker_id)
@@ -259,6 +260,23 @@ class EmbeddedFleet:
         else:
             log.warning("planner: hot spare %x failed its canary check (%s); stopping it", worker_id, detail)
             await self.stop(worker_id)
+
+    async def _canary_check(self, info: InstanceInfo) -> tuple[bool, str]:
+        """The frontend's canaries against a worker it does not route to."""
+        if self.runtime is None or self.frontend is None:
+            return False, "no frontend yet"
+        client = await self.runtime.client_for(info)
+        try:
+            health = self.frontend.registry.health
+            if health is not None:
+                result = await health.vet(Instance(info, client))
+                return result.ok, f"{result.kind.value} {result.detail}"
+            report = await asyncio.wait_for(call(client, LOAD, decode=_decode_load), 10.0)
+            return report is not None, "load report"
+        except (KvmeshError, TimeoutError, OSError) as exc:
+            return False, f"{CheckKind.ERROR.value} {exc}"
+        finally:
+            await client.close()
 
     async def _drain(self, worker_id: int, member: _Member) -> None:
         """Out of routing first (no new requests), then SIGTERM: the worker drains."""

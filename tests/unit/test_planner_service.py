@@ -84,7 +84,8 @@ async def test_a_loss_promotes_the_spare_and_starts_a_new_one_all_logged_and_cou
     assert all(d.ok and "decode_pressure" in d.action.inputs for d in service.history)
     assert metric(metrics, "kvmesh_planner_decisions_total", {"action": "promote", "role": "aggregated"}) == 1
     assert metric(metrics, "kvmesh_planner_decisions_total", {"action": "start", "role": "spare"}) == 1
-    assert metric(metrics, "kvmesh_planner_workers", {"role": "spare"}) == 1
+    assert metric(metrics, "kvmesh_planner_workers", {"role": "spare"}) == 0  # promoted: none ready until the new one
+    assert metric(metrics, "kvmesh_planner_workers", {"role": "aggregated"}) == 2
 
 
 async def test_a_failing_action_is_counted_and_planning_goes_on() -> None:

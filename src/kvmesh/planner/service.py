@@ -157,8 +157,11 @@ class PlannerService:
         }  # fmt: skip
         for name, value in signals.items():
             m.inputs.labels(name).set(value)
+        # the fleet as this plan leaves it: a promoted spare counts in its new role
+        promoted = {a.worker_id: a.role for a in plan.actions if a.kind is ActionKind.PROMOTE}
         for role in (*SERVING, Role.SPARE):
-            m.workers.labels(role.value).set(sum(1 for w in obs.workers if w.role is role and w.routable))
+            count = sum(1 for w in obs.workers if promoted.get(w.worker_id, w.role) is role and w.routable)
+            m.workers.labels(role.value).set(count)
 
 
 def _describe(action: Action) -> str:

@@ -66,6 +66,9 @@ class WorkerConfig:
         "", "distributed: JetStream on --nats-url (default); embedded: tcp://host:port of kvmesh run's queue",
         check=lambda v: None if v in ("", "nats") or str(v).startswith("tcp://") else "must be 'nats' or tcp://host:port",
     )  # fmt: skip
+    # issue 16: a hot spare of a distributed fleet (kvmesh planner promotes or stops it by signed order)
+    standby: bool = setting(False, "distributed: start and offer this worker as a standby; serve only when "
+                            "kvmesh planner orders it (a signed order in discovery)")  # fmt: skip
     max_local_prefill_length: int = setting(
         1000, "decode workers prefill remotely only prompts with more uncached tokens than this",
         check=non_negative, group=_DISAGG,
@@ -239,6 +242,9 @@ class PlannerConfig:
                                         check=non_negative, group=_PLAN)  # fmt: skip
     planner_hold_rounds: int = setting(3, "rounds a signal must hold before the planner reshapes", check=positive,
                                        group=_PLAN)  # fmt: skip
+    # kvmesh planner only: its /metrics (kvmesh run serves them on the frontend's)
+    planner_metrics_port: int | None = setting(None, "serve the planner's Prometheus metrics on this port",
+                                               check=a_port, group=_PLAN)  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)

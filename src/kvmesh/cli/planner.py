@@ -1,4 +1,6 @@
-"""``kvmesh run --planner``: the planner acting on the run's own worker supervisor.
+"""The planner's fleets: ``kvmesh run --planner`` (the run's own worker supervisor)
+and ``kvmesh planner`` (distributed: signed orders in discovery, :class:`DiscoveryFleet`;
+see :mod:`kvmesh.planner.orders` for the keys, the orders and the standby workers).
 
 :class:`EmbeddedFleet` is the :class:`~kvmesh.planner.service.Fleet` of the embedded
 mode. It sits between the supervisor and discovery (in-process): a worker that gets
@@ -28,28 +30,40 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from kvmesh.config import RunConfig
+from kvmesh.config import PlannerConfig as PlannerSettings
+from kvmesh.config import RunConfig, RuntimeConfig
 from kvmesh.errors import KvmeshError
-from kvmesh.frontend.app import Frontend
+from kvmesh.health.canary import CanaryOutput, agree
+from kvmesh.health.monitor import generate_greedy
 from kvmesh.health.state import CheckKind
 from kvmesh.observability.metrics import PlannerMetrics
 from kvmesh.planner.core import SERVING, Observation, Planner, PlannerConfig, Role, WorkerView
+from kvmesh.planner.orders import Order, order_key, planner_prefix, sign_order
 from kvmesh.planner.service import PlannerService
 from kvmesh.planner.signals import Buckets, histogram_buckets, window_quantile
 from kvmesh.protocol import InstanceInfo, LoadReport
-from kvmesh.runtime.distributed import DistributedRuntime, call
+from kvmesh.runtime.auth import ClusterSecret
+from kvmesh.runtime.distributed import DistributedRuntime, call, endpoint_prefix, record_is_signed
 from kvmesh.runtime.instances import Instance
-from kvmesh.runtime.names import LOAD
+from kvmesh.runtime.names import COMPONENT, GENERATE, LOAD, PREFILL_COMPONENT
 
 import msgspec
 
-__all__ = ["EmbeddedFleet", "Launcher", "planner_config", "start_embedded_planner"]
+if TYPE_CHECKING:
+    from kvmesh.frontend.app import Frontend
+
+__all__ = ["EmbeddedFleet", "DiscoveryFleet", "Launcher", "planner_config", "start_embedded_planner", "run_planner"]
 
 log = logging.getLogger("kvmesh.planner")
 
 _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
+_decode_info = msgspec.json.Decoder(InstanceInfo).decode
+_encode = msgspec.json.encode
+_VET_PROMPT = list(range(1, 17))
+_VET_TOKENS = 4
+_LOGPROB_TOLERANCE = 0.5
 _LOAD_TIMEOUT_S = 0.5
 _ROUTABLE_POLL_S = 0.002
 
@@ -346,6 +360,146 @@ class EmbeddedFleet:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+class DiscoveryFleet:
+    """The planner's fleet through discovery (see the module docstring)."""
+
+    def __init__(
+        self, runtime: DistributedRuntime, min_serving: int = 1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.runtime = runtime
+        self.ns = runtime.config.namespace
+        self.min_serving = min_serving
+        self.clock = clock
+        self.vetted: dict[int, bool] = {}  # standby -> its canary agreed with a serving worker
+        self.promoting: dict[int, Role] = {}  # standby ordered to serve, not registered yet
+        self.loads: dict[int, LoadReport | None] = {}
+        self._serving: dict[int, tuple[Role, InstanceInfo]] = {}
+        self._standby: dict[int, InstanceInfo] = {}
+
+    async def watch_losses(self, service: PlannerService) -> None:
+        """Wake the planner when a serving instance's record goes (a lost worker)."""
+        prefix = endpoint_prefix(self.ns, COMPONENT, GENERATE)
+        async for event in self.runtime.discovery.watch_prefix(prefix):
+            if event.kind == "delete":
+                service.wake()
+
+    async def settled(self) -> None:
+        """Wait until ``min_serving`` serving workers are registered (the plan's sizes)."""
+        while True:
+            await self._scan()
+            if len(self._serving) >= self.min_serving:
+                return
+            await asyncio.sleep(0.2)
+
+    async def observe(self) -> Observation:
+        await self._scan()
+        await self._poll()
+        views = [self._view(w, role) for w, (role, _) in sorted(self._serving.items())]
+        views += [WorkerView(w, Role.SPARE, self.vetted.get(w, False)) for w in sorted(self._standby) if w not in self.promoting]
+        starting = tuple(self.promoting.values())
+        return Observation(self.clock(), tuple(views), starting)
+
+    async def promote(self, worker_id: int, role: Role) -> None:
+        if worker_id not in self._standby or not self.vetted.get(worker_id):
+            raise KvmeshError(f"worker {worker_id:x} is not a vetted standby")
+        await self._order(worker_id, "serve", f"promoted to {role.value}")
+        self.promoting[worker_id] = role
+
+    async def start(self, role: Role) -> None:
+        ready = [w for w in sorted(self._standby) if self.vetted.get(w) and w not in self.promoting]
+        if role is Role.SPARE or not ready:
+            raise KvmeshError(f"no standby to start a {role.value} worker from: start `kvmesh worker --standby` processes")
+        await self.promote(ready[0], role)
+
+    async def stop(self, worker_id: int) -> None:
+        await self._order(worker_id, "stop", "planner: scale down")
+
+    async def move(self, worker_id: int, role: Role) -> None:
+        raise KvmeshError("a worker's role is fixed by its flags in distributed mode; start standbys of each role")
+
+    # ------------------------------------------------------------ steps
+    async def _order(self, worker_id: int, action: Literal["serve", "stop"], reason: str) -> None:
+        rt = self.runtime
+        key = order_key(self.ns, worker_id)
+        order = sign_order(rt.secret, key, Order(worker_id, action, time.time_ns(), reason))
+        await rt.put_leased(key, _encode(order))
+
+    async def _scan(self) -> None:
+        """Serving instances and standby workers with a valid record."""
+        secret = self.runtime.secret
+        serving: dict[int, tuple[Role, InstanceInfo]] = {}
+        for component, role in ((COMPONENT, Role.AGGREGATED), (PREFILL_COMPONENT, Role.PREFILL)):
+            for key, value in (await self.runtime.discovery.get_prefix(endpoint_prefix(self.ns, component, GENERATE))).items():
+                info = self._valid(secret, key, value)
+                if info is not None:
+                    serving[info.worker_id] = (role, info)
+        if any(r is Role.PREFILL for r, _ in serving.values()):  # a disaggregated fleet: the others decode
+            serving = {w: (Role.DECODE if r is Role.AGGREGATED else r, i) for w, (r, i) in serving.items()}
+        standby: dict[int, InstanceInfo] = {}
+        for key, value in (await self.runtime.discovery.get_prefix(f"{planner_prefix(self.ns)}standby/")).items():
+            info = self._valid(secret, key, value)
+            if info is not None and info.worker_id not in serving:
+                standby[info.worker_id] = info
+        for w in [w for w in self.promoting if w in serving or w not in standby]:
+            del self.promoting[w]  # registered (or gone)
+        self._serving, self._standby = serving, standby
+        for w in [w for w in self.vetted if w not in standby]:
+            del self.vetted[w]
+
+    @staticmethod
+    def _valid(secret: ClusterSecret | None, key: str, value: bytes) -> InstanceInfo | None:
+        try:
+            info = _decode_info(value)
+        except msgspec.DecodeError:
+            return None
+        return info if record_is_signed(secret, key, info) else None
+
+    async def _poll(self) -> None:
+        """Load reports of the serving workers; a canary for each standby not vetted yet."""
+        async def load(worker_id: int, info: InstanceInfo) -> None:
+            self.loads[worker_id] = await self._call_load(info)
+
+        await asyncio.gather(*(load(w, i) for w, (_, i) in self._serving.items()))
+        reference = next((i for _, i in self._serving.values()), None)
+        pending = [i for w, i in self._standby.items() if not self.vetted.get(w)]
+        if reference is not None and pending:
+            await asyncio.gather(*(self._vet(i, reference) for i in pending))
+
+    async def _call_load(self, info: InstanceInfo) -> LoadReport | None:
+        client = await self.runtime.client_for(info, 2.0, 2.0)
+        try:
+            return await asyncio.wait_for(call(client, LOAD, decode=_decode_load), 2.0)
+        except (KvmeshError, TimeoutError, OSError):
+            return None
+        finally:
+            await client.close()
+
+    async def _vet(self, standby: InstanceInfo, reference: InstanceInfo) -> None:
+        answers = await asyncio.gather(self._greedy(standby), self._greedy(reference))
+        if answers[0] is None or answers[1] is None:
+            return
+        ok = agree([answers[0]], [answers[1]], _LOGPROB_TOLERANCE)
+        self.vetted[standby.worker_id] = ok
+        if not ok:
+            log.warning("standby %x answers the canary unlike serving worker %x", standby.worker_id, reference.worker_id)
+
+    async def _greedy(self, info: InstanceInfo) -> CanaryOutput | None:
+        client = await self.runtime.client_for(info, 2.0, 10.0)
+        try:
+            model = info.engine.served_model_name
+            tokens, top = await asyncio.wait_for(generate_greedy(client, model, _VET_PROMPT, _VET_TOKENS), 10.0)
+        except (KvmeshError, TimeoutError, OSError):
+            return None
+        finally:
+            await client.close()
+        return CanaryOutput(_VET_PROMPT, tokens, top)
+
+    def _view(self, worker_id: int, role: Role) -> WorkerView:
+        r = self.loads.get(worker_id)
+        kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
+        return WorkerView(worker_id, role, True, kv, r.num_running if r else 0, r.num_waiting if r else 0)
+
+
 def _align(before: Buckets, now: Buckets) -> tuple[float, ...]:
     """``before``'s counts on ``now``'s bounds (a label set that appeared since: 0)."""
     counts = dict(zip(*before))
@@ -363,3 +517,48 @@ def start_embedded_planner(
     fleet.service = service
     service.start()
     return service
+
+
+def run_planner(settings: PlannerSettings, runtime_cfg: RuntimeConfig, log_level: str = "warning") -> int:
+    """``kvmesh planner``: plan a distributed fleet until SIGTERM/SIGINT."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvmesh.cli.worker import event_loop_runner
+
+    return event_loop_runner()(_plan_distributed(settings, runtime_cfg))
+
+
+async def _plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfig) -> int:
+    import signal
+
+    min_workers = settings.min_workers or 1
+    config = PlannerConfig(
+        min_workers=min_workers,
+        max_workers=max(settings.max_workers or 1024, min_workers),
+        hot_spares=settings.hot_spares,
+        hold_rounds=settings.planner_hold_rounds,
+        cooldown_s=settings.planner_cooldown_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runtime = DistributedRuntime(runtime_cfg)
+    await runtime.start()
+    metrics = PlannerMetrics()
+    if settings.planner_metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.planner_metrics_port, addr=runtime_cfg.host, registry=metrics.registry)
+    fleet = DiscoveryFleet(runtime, min_serving=min_workers)
+    service = PlannerService(Planner(config), fleet, settings.planner_interval_s, metrics)
+    watch = loop.create_task(fleet.watch_losses(service))
+    service.start()
+    print(f"kvmesh planner: planning namespace {runtime_cfg.namespace!r} ({settings.hot_spares} hot spares)", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await service.close()
+        await runtime.shutdown()
+    return 0

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmesh.errors import KvmeshError
 from kvmesh.observability.metrics import PlannerMetrics
 from kvmesh.planner.core import SERVING, Action, ActionKind, Observation, Plan, Planner, Role
 
@@ -134,14 +135,18 @@ class PlannerService:
                 await fleet.stop(action.worker_id)
             elif action.kind is ActionKind.MOVE and action.worker_id is not None:
                 await fleet.move(action.worker_id, action.role)
+        except KvmeshError as exc:  # the fleet cannot do it (no standby, a fixed role): said, counted
+            ok = False
+            log.warning("planner: %s not done: %s", _describe(action), exc.message)
         except Exception:  # noqa: BLE001 - logged and counted; the next round sees the fleet as it is
             ok = False
             log.exception("planner: %s failed", _describe(action))
             if self.metrics is not None:
                 self.metrics.failed.labels(action.kind.value).inc()
         self.history.append(Decision(self.clock(), action, ok))
-        log.warning("planner: %s", _describe(action))
-        if self.metrics is not None:
+        if ok:
+            log.warning("planner: %s", _describe(action))
+        if self.metrics is not None and ok:
             self.metrics.decisions.labels(action.kind.value, action.role.value).inc()
 
     def _export(self, obs: Observation, plan: Plan) -> None:

@@ -32,6 +32,7 @@ from kvmesh.worker.service import WorkerService
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
 
+    from kvmesh.planner.orders import StandbyLink
     from kvmesh.worker.disagg import Roles
 
 __all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher"]
@@ -197,13 +198,24 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
         info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles, service, default_port=0))
         service.info = info
+        link = None
+        if cfg.standby:  # a hot spare: offered, checked, routed to only once the planner orders it
+            _announce(info, ready_out)
+            link = await _stand_by(runtime, info, stop)
+            if link is None:
+                return
         await endpoint.register(info)
+        if link is not None:
+            await link.withdraw()  # after registering: the planner never sees it in neither place
+            obey = asyncio.ensure_future(_obey_stop(link, stop))
+            runtime.add_closer(functools.partial(_close_link, link, obey))
         watch = start_watch(runtime.discovery, rc.namespace, roles)
         if watch is not None:
             runtime.add_closer(lambda: _cancel(watch))
         if roles.prefill is not None:
             roles.prefill.start()
-        _announce(info, ready_out)
+        if link is None:
+            _announce(info, ready_out)
         lost = asyncio.ensure_future(runtime.lease_lost.wait())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([lost, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -222,6 +234,43 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         if roles is not None:
             await _close_roles(roles)
         await runtime.shutdown()
+
+
+async def _stand_by(runtime: DistributedRuntime, info: InstanceInfo, stop: asyncio.Event) -> StandbyLink | None:
+    """Offer this worker as a standby until the planner orders it to serve (the link,
+    which keeps delivering orders) or it is stopped: an order, a signal, its lease (None)."""
+    from kvmesh.planner.orders import StandbyLink
+
+    link = StandbyLink(runtime, info)
+    await link.offer()
+    log.info("worker %x standing by", info.worker_id)
+    while True:
+        waits = [asyncio.ensure_future(w) for w in (link.next_order(), stop.wait(), runtime.lease_lost.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        order = waits[0]
+        if order.cancelled() or not order.done() or order.exception() is not None:
+            await link.close()
+            return None
+        if order.result().action == "serve":
+            log.warning("worker %x promoted by the planner", info.worker_id)
+            return link
+        await link.close()  # "stop": never served, nothing to drain
+        return None
+
+
+async def _obey_stop(link: StandbyLink, stop: asyncio.Event) -> None:
+    """A serving worker that came from standby drains when the planner says stop."""
+    while (await link.next_order()).action != "stop":
+        pass
+    stop.set()
+
+
+async def _close_link(link: StandbyLink, obey: asyncio.Future[None]) -> None:
+    obey.cancel()
+    await asyncio.gather(obey, return_exceptions=True)
+    await link.close()
 
 
 async def _unregister(endpoint: Endpoint) -> None:

@@ -614,7 +614,42 @@ async def bench(cfg: BenchConfig) -> dict[str, object]:
             results.append(await run_arm(fleet, arrivals, cfg))
         rounds.append(results)
         print(f"\nround {n + 1}/{cfg.repeat}\n{format_round(results)}", flush=True)
-    return report(cfg, rounds)
+    out = report(cfg, rounds)
+    out["virtual"] = virtual_check(cfg, arrivals, options, rounds)
+    return out
+
+
+def virtual_check(
+    cfg: BenchConfig,
+    arrivals: Sequence[tuple[float, PreprocessedRequest]],
+    options: MockerOptions,
+    rounds: Sequence[Sequence[ArmResult]],
+) -> dict[str, object]:
+    """The same slice, arms and settings replayed by ``kvmesh replay --arms`` on the
+    virtual clock (model time: speedup 1): its goodput next to this run's median, and
+    whether the two order the arms alike (issue 16: within 15 %, same order)."""
+    from kvmesh.replay.arms import Arm, DisaggModel, run_arm as run_virtual
+    from kvmesh.replay.goodput import Slo, summarize_arm
+
+    virtual_options = replace(options, speedup=1.0)
+    arms = [Arm("aggregated")] + [Arm(f"disagg {d}+{p}", prefill=p, decode=d) for d, p in cfg.splits]
+    slo = Slo(cfg.slo_ttft_ms, cfg.slo_itl_ms)
+    window = arrival_window_s(arrivals)
+    model = DisaggModel(cfg.thresholds, cfg.pipeline)
+    virtual: dict[str, float] = {}
+    for arm in arms:
+        run = run_virtual(arm, arrivals, virtual_options, cfg.workers,
+                          lambda n: make_policy(cfg.router, n, block_size=options.block_size), model)  # fmt: skip
+        virtual[arm.name] = summarize_arm(arm.name, run.records, slo, window, run.counters).goodput_rps
+    real = {a.name: statistics.median(r.goodput for rr in rounds for r in rr if r.name == a.name) for a in arms}
+    diffs = {k: (virtual[k] - real[k]) / real[k] if real[k] > 0 else math.nan for k in real}
+    same_order = sorted(real, key=lambda k: -real[k]) == sorted(virtual, key=lambda k: -virtual[k])
+    print("\nvirtual clock (kvmesh replay --arms, same slice and settings) vs this run (median goodput, req/s):")
+    for k in real:
+        print(f"  {k:<14} real {real[k]:.3f}   virtual {virtual[k]:.3f}   {diffs[k]:+.1%}")
+    worst = max(abs(d) for d in diffs.values())
+    print(f"  ordering of arms: {'same' if same_order else 'DIFFERENT'}; largest goodput difference {worst:.1%} (goal <= 15%)")
+    return {"real": real, "virtual": virtual, "same_order": same_order, "max_abs_diff": worst}
 
 
 def report(cfg: BenchConfig, rounds: Sequence[Sequence[ArmResult]]) -> dict[str, object]:

@@ -332,6 +332,11 @@ class DisaggThresholds(msgspec.Struct, frozen=True, omit_defaults=True):
         if min(self.max_local_prefill_length, self.max_prefill_queue_size, self.max_prefill_queue_tokens) < 0:
             raise ValueError("disaggregation thresholds must be >= 0")
 
+    def wants_remote(self, prompt_len: int, cached_tokens: int) -> bool:
+        """Long enough to prefill remotely (then the queue's state decides); pure, the
+        rule :mod:`kvmesh.disagg.policy` applies (here so that replays can share it)."""
+        return prompt_len - cached_tokens > self.max_local_prefill_length and prompt_len - 1 > cached_tokens
+
     def admits(self, depth: int, tokens: int) -> bool:
         """Whether a queue holding ``depth`` jobs of ``tokens`` tokens (to prefill)
         takes one more job: the work ahead of it is what it would wait for."""

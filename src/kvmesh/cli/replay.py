@@ -118,7 +118,11 @@ def run_replay(ns: argparse.Namespace) -> int:
     if getattr(ns, "arms", None):
         from kvmesh.cli.replay_arms import run_arms
 
-        return run_arms(ns)
+        try:
+            base = _config(ns)
+        except ValueError as exc:
+            return _fail(str(exc), 2)
+        return run_arms(ns, base)
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_ttft_cdf
     from kvmesh.replay.report import format_table, summarize
     from kvmesh.replay.runner import replay_policy

@@ -13,6 +13,17 @@ import json
 import sys
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvmesh.replay.arms import Arm, DisaggModel, PlannerSettings
+    from kvmesh.replay.goodput import ArmResult, Slo
+    from kvmesh.replay.runner import ReplayConfig
+    from kvmesh.replay.trace import TraceRequest
+
+    _Setup = tuple[ReplayConfig, DisaggModel, PlannerSettings, Slo]
 
 __all__ = ["run_arms"]
 
@@ -24,12 +35,13 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-def run_arms(ns: argparse.Namespace) -> int:
+def run_arms(ns: argparse.Namespace, base: ReplayConfig) -> int:
+    """``base``: the replay's config (workers, speed, mocker options) from ``kvmesh replay``'s flags."""
     from kvmesh.replay.arms import parse_arms
     from kvmesh.replay.trace import TraceError, load_trace
 
     try:
-        setup = _setup(ns)
+        setup = _setup(ns, base)
         arms = parse_arms(ns.arms, ns.workers)
     except ValueError as exc:
         return _fail(str(exc), 2)
@@ -56,14 +68,12 @@ def run_arms(ns: argparse.Namespace) -> int:
     return _output(ns, results, setup[3], len(trace))
 
 
-def _setup(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from kvmesh.cli.replay import _config
+def _setup(ns: argparse.Namespace, config: ReplayConfig) -> _Setup:
     from kvmesh.planner.core import PlannerConfig
     from kvmesh.protocol import DisaggThresholds
     from kvmesh.replay.arms import DisaggModel, PlannerSettings
     from kvmesh.replay.goodput import Slo
 
-    config = _config(ns)
     mocker = replace(config.mocker, kv_bytes_per_token=ns.kv_bytes_per_token, kv_bandwidth=ns.kv_bandwidth)
     thresholds = DisaggThresholds(ns.max_local_prefill_length, ns.max_prefill_queue_size, ns.max_prefill_queue_tokens)
     model = DisaggModel(thresholds, pipeline=not ns.no_pipeline)
@@ -75,7 +85,7 @@ def _setup(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     return replace(config, mocker=mocker), model, planner, slo
 
 
-def _one(arm, trace, ns, setup):  # type: ignore[no-untyped-def]
+def _one(arm: Arm, trace: Sequence[TraceRequest], ns: argparse.Namespace, setup: _Setup) -> ArmResult:
     from kvmesh.replay.arms import default_router, run_arm
     from kvmesh.replay.goodput import arrival_window_s, summarize_arm
     from kvmesh.replay.runner import fit_context
@@ -89,7 +99,7 @@ def _one(arm, trace, ns, setup):  # type: ignore[no-untyped-def]
     return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions)
 
 
-def _output(ns: argparse.Namespace, results, slo, n: int) -> int:  # type: ignore[no-untyped-def]
+def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, n: int) -> int:
     from kvmesh.replay.goodput import format_arms
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_arms
 

@@ -24,7 +24,7 @@ Placement = Literal["remote", "local", "local_queue_full"]
 
 def needs_queue_check(prompt_len: int, cached_tokens: int, t: DisaggThresholds) -> bool:
     """Whether the prompt is long enough that the queue's depth matters (saves asking)."""
-    return prompt_len - cached_tokens > t.max_local_prefill_length
+    return t.wants_remote(prompt_len, cached_tokens)
 
 
 def place_prefill(
@@ -32,7 +32,7 @@ def place_prefill(
 ) -> Placement:
     """Where to prefill a prompt of ``prompt_len`` tokens with ``cached_tokens`` already
     cached, the queue holding ``queue_depth`` jobs of ``queue_tokens`` tokens."""
-    if not needs_queue_check(prompt_len, cached_tokens, t) or prompt_len - 1 <= cached_tokens:
+    if not t.wants_remote(prompt_len, cached_tokens):
         return "local"
     if not t.admits(queue_depth, queue_tokens):
         return "local_queue_full"

@@ -8,8 +8,9 @@ aggregated, the decode workers otherwise).
 **Disaggregated** (``disagg:<P>p<D>d``, P + D = workers): what
 :class:`~kvmesh.disagg.engine.DisaggEngine` and :class:`~kvmesh.disagg.prefill.PrefillWorker`
 do, in virtual time. A request routed to a decode worker reserves its prompt's blocks
-there (prefix hits reused); :func:`~kvmesh.disagg.policy.place_prefill` decides with
-the queue's depth and tokens, and the bounded queue takes the job or refuses it
+there (prefix hits reused); the rule of :func:`~kvmesh.disagg.policy.place_prefill`
+(``DisaggThresholds.wants_remote`` / ``admits``) decides with the queue's depth and
+tokens, and the bounded queue takes the job or refuses it
 (refused, short or uncacheable: the decode worker prefills it itself). A prefill worker
 takes one job at a time, FIFO:
 
@@ -43,7 +44,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvmesh.disagg.policy import needs_queue_check, place_prefill
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker
 from kvmesh.planner.core import Action, Observation, Planner, PlannerConfig, Role, WorkerView
@@ -276,6 +276,7 @@ class _DisaggFleet:
                     assert self.planner_settings is not None
                     self._push(t + self.planner_settings.interval_s * 1000.0, "tick", None)
                 else:
+                    assert isinstance(data, tuple)
                     self._prefill_event(t, kind, data)
             elif math.isfinite(t_step):
                 for node in self.nodes:
@@ -304,13 +305,11 @@ class _DisaggFleet:
             self._local(node, request, t)
             return
         n, cached = len(request.token_ids), seq.num_computed
-        t_ = self.model.thresholds
-        placement = "local"
-        if needs_queue_check(n, cached, t_):
-            placement = place_prefill(n, cached, len(self.queue), t_, self.queue_tokens)
-        if placement != "remote":
+        t_ = self.model.thresholds  # the rule of kvmesh.disagg.policy.place_prefill
+        remote = t_.wants_remote(n, cached)
+        if not remote or not t_.admits(len(self.queue), self.queue_tokens):
             sched.release(request.request_id)
-            self.counters["local_by_queue"] += placement == "local_queue_full"
+            self.counters["local_by_queue"] += remote
             self._local(node, request, t)
             return
         job = _Job(request, t, node.index, cached, n - 1)
@@ -346,8 +345,8 @@ class _DisaggFleet:
         read = self._transfer_ms(job.cached // self.options.block_size)  # the prefix hit, from the decode worker
         return read + self.options.remote_prefill_ms(job.tokens)
 
-    def _prefill_event(self, t: float, kind: str, data: object) -> None:
-        index, job = data  # type: ignore[misc]
+    def _prefill_event(self, t: float, kind: str, data: tuple[int, _Job]) -> None:
+        index, job = data
         node = self.nodes[index]
         if kind == "computed":
             bs = self.options.block_size

@@ -76,6 +76,9 @@ class WorkerConfig:
     max_prefill_queue_size: int = setting(
         2, "... and only while the prefill queue holds fewer jobs than this", check=non_negative, group=_DISAGG
     )
+    max_prefill_queue_tokens: int = setting(
+        0, "... and fewer tokens left to prefill than this (0: no token bound)", check=non_negative, group=_DISAGG
+    )
     remote_prefill_timeout_s: float = setting(
         30.0, "seconds a decode worker waits for a remote prefill before prefilling locally", check=positive, group=_DISAGG
     )

@@ -257,7 +257,9 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> s
         return None if value is None else decode_info(value).kv
 
     w = cfg.worker
-    queue = LocalPrefillQueue(DisaggThresholds(w.max_local_prefill_length, w.max_prefill_queue_size))
+    queue = LocalPrefillQueue(
+        DisaggThresholds(w.max_local_prefill_length, w.max_prefill_queue_size, w.max_prefill_queue_tokens)
+    )
     server = TcpServer(w.host, 0)
     serve_queue(server, queue, kv_metadata)
     await server.start()

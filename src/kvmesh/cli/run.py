@@ -101,7 +101,7 @@ def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
         import kvmesh.runtime.event_plane.zmq  # noqa: F401 - the KV event subscriber, as the workers publish
 
     spares = cfg.planner.hot_spares if cfg.planner.planner else 0
-    return prefork(cfg.worker, cfg.workers + spares, close=[sock])
+    return prefork(cfg.worker, cfg.workers + spares, close=[sock], per_process=cfg.workers_per_process)
 
 
 async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked: list[ForkedWorker]) -> int:
@@ -209,8 +209,8 @@ async def _supervisors(
     restart = not cfg.planner.planner
     spares = cfg.planner.hot_spares if cfg.planner.planner else 0
     if not cfg.disaggregated:
-        return [Supervisor(cfg.worker, cfg.workers + spares, on_ready, on_exit, preforked=preforked,
-                           max_failed_starts=limit, restart=restart)]  # fmt: skip
+    spares = cfg.planner.hot_spares if cfg.planner.planner else 0
+    return prefork(cfg.worker, cfg.workers + spares, close=[sock], per_process=cfg.workers_per_process)
     address = await _serve_prefill_queue(cfg, runtime)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")
@@ -284,4 +284,6 @@ def _fleet(cfg: RunConfig) -> str:
     engine = cfg.worker.engine
     if cfg.disaggregated:
         return f"{cfg.decode_workers} decode + {cfg.prefill_workers} prefill {engine} workers"
-    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}"
+    per = cfg.workers_per_process
+    where = f" in {-(-cfg.workers // per)} processes" if per > 1 else ""
+    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}{where}"

@@ -209,8 +209,12 @@ async def _supervisors(
     restart = not cfg.planner.planner
     spares = cfg.planner.hot_spares if cfg.planner.planner else 0
     if not cfg.disaggregated:
-    spares = cfg.planner.hot_spares if cfg.planner.planner else 0
-    return prefork(cfg.worker, cfg.workers + spares, close=[sock], per_process=cfg.workers_per_process)
+        return [
+            Supervisor(
+                cfg.worker, cfg.workers + spares, on_ready, on_exit, preforked=preforked, max_failed_starts=limit,
+                restart=restart, per_process=cfg.workers_per_process,
+            )  # fmt: skip
+        ]
     address = await _serve_prefill_queue(cfg, runtime)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")

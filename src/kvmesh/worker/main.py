@@ -293,11 +293,11 @@ async def _stand_by(runtime: DistributedRuntime, info: InstanceInfo, stop: async
     await link.offer()
     log.info("worker %x standing by", info.worker_id)
     while True:
-        waits = [asyncio.ensure_future(w) for w in (link.next_order(), stop.wait(), runtime.lease_lost.wait())]
+        order = asyncio.ensure_future(link.next_order())
+        waits = [order, asyncio.ensure_future(stop.wait()), asyncio.ensure_future(runtime.lease_lost.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
-        order = waits[0]
         if order.cancelled() or not order.done() or order.exception() is not None:
             await link.close()
             return None

@@ -163,7 +163,7 @@ def test_the_three_settings_are_flags_of_the_mocker_and_the_hf_engine() -> None:
 
     from kvmesh.cli.replay import _config, add_replay_args
     from kvmesh.engines.hf.options import HfOptions
-    from kvmesh.engines.settings import HfSettings, MockerSettings
+    from kvmesh.engines.settings import HfSettings, MockerSettings, options_from
     from kvmesh.settings import add_flags, resolve
 
     p = argparse.ArgumentParser()
@@ -178,7 +178,7 @@ def test_the_three_settings_are_flags_of_the_mocker_and_the_hf_engine() -> None:
     hp = argparse.ArgumentParser()
     add_flags(hp, HfSettings)
     hf = resolve(HfSettings, hp.parse_args(["--hf-long-prefill-token-threshold", "64", "--hf-max-long-partial-prefills", "2"]))
-    options = HfOptions.from_settings(hf, "/nonexistent")
+    options = options_from(HfOptions, hf, model_path="/nonexistent")
     assert (options.long_prefill_token_threshold, options.max_long_partial_prefills) == (64, 2)
     with pytest.raises(ValueError, match="--max-long-partial-prefills"):
         MockerSettings(max_long_partial_prefills=0)

@@ -23,6 +23,8 @@ __all__ = [
     "HttpLimits",
     "SecurityConfig",
     "ClusterCredentials",
+    "FrontendCommandConfig",
+    "LOG_LEVELS",
     "RunConfig",
     "RuntimeConfig",
     "ROUTER_MODES",
@@ -38,6 +40,7 @@ WORKER_MODES = ("aggregated", "prefill", "decode")
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("tcp", "nats")
 EVENT_PLANES = ("zmq", "nats", "memory")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _DISAGG = "disaggregated prefill/decode"
 
@@ -48,6 +51,10 @@ class WorkerConfig:
     registry entry's settings class; None: that engine's defaults)."""
 
     model_path: str | None = setting(None, "Hugging Face model folder (default: the bundled tiny model)", metavar="DIR")
+    model: str | None = setting(
+        None, "a named model instead of --model-path: smollm2 (converted once into ~/.cache/kvmesh; see docs/engines.md)",
+        env="KVMESH_MODEL", metavar="NAME",
+    )  # fmt: skip
     engine: str = setting("mocker", "engine to run in each worker")
     engine_options: EngineSettings | None = None
     block_size: int = setting(16, "KV block size in tokens (mocker and hf; vLLM: --vllm-block-size)", check=positive)
@@ -320,6 +327,25 @@ class ClusterCredentials:
     tls_ca: str = setting(
         "", "the fleet's CA: peers must present a certificate it signed", env="KVMESH_TLS_CA", metavar="PEM", group=_CLUSTER
     )
+
+
+@dataclass(frozen=True)
+class FrontendCommandConfig:
+    """What ``kvmesh frontend`` reads besides its config objects (``kvmesh run`` reads
+    ``log_level`` too): how it logs, where its workers are without discovery, a model
+    folder to load at once."""
+
+    log_level: str = setting("warning", "logging level", env="KVMESH_LOG_LEVEL", choices=LOG_LEVELS)
+    static_workers: tuple[str, ...] = setting(
+        (), "comma-separated host:port of static workers: no discovery at all", env="KVMESH_STATIC_WORKERS",
+        parse=split_commas, metavar="HOST:PORT,...",
+    )  # fmt: skip
+    model_path: str | None = setting(
+        None, "load this model folder now (optional: models come from workers)", metavar="DIR"
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def _env_vars() -> dict[str, str]:

@@ -157,10 +157,6 @@ class SecurityConfig:
         return f"SecurityConfig(keys={len(self.api_keys)}, admin={self.admin})"
 
     @property
-    def keys_required(self) -> bool:
-        return bool(self.api_keys)
-
-    @property
     def metrics_open(self) -> bool:
         """/metrics without a key even when keys are configured."""
         return not self.metrics_auth

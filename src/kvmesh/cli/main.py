@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any
 
 from kvmesh.config import (
     ClusterCredentials,

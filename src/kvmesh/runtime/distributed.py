@@ -420,6 +420,7 @@ class Endpoint:
         return Client(self.runtime, self.prefix, on_added, on_removed, connect_timeout, response_timeout, record_timeout_s)
 
 
+@dataclass(eq=False, repr=False)
 class Client:
     """Watches an endpoint's prefix and reports instances as they come and go.
 
@@ -427,27 +428,17 @@ class Client:
     the instance set stays as it was last seen.
     """
 
-    def __init__(
-        self,
-        runtime: DistributedRuntime,
-        prefix: str,
-        on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]],
-        on_removed: Callable[[int], Awaitable[None]],
-        connect_timeout: float = 5.0,
-        response_timeout: float | None = None,
-        record_timeout_s: float = 30.0,
-    ) -> None:
-        self.runtime = runtime
-        self.prefix = prefix
-        self.connect_timeout = connect_timeout
-        self.response_timeout = response_timeout
-        self.record_timeout_s = record_timeout_s
-        self.on_added = on_added
-        self.on_removed = on_removed
-        self.known: dict[int, InstanceInfo] = {}
-        self.skipped = 0  # records refused (unsigned, undecodable) or not processed in time
-        self._task: asyncio.Task[None] | None = None
-        self._adding: dict[int, asyncio.Task[None]] = {}  # owned: one per instance being added
+    runtime: DistributedRuntime
+    prefix: str
+    on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]]
+    on_removed: Callable[[int], Awaitable[None]]
+    connect_timeout: float = 5.0
+    response_timeout: float | None = None
+    record_timeout_s: float = 30.0
+    known: dict[int, InstanceInfo] = field(default_factory=dict, init=False)
+    skipped: int = field(default=0, init=False)  # records refused (unsigned, undecodable) or not processed in time
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _adding: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)  # owned: one per instance being added
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch())

@@ -123,7 +123,7 @@ class _Loaded:
     name: str
 
 
-class HfEngine(StepLoopEngine[_Mailbox]):
+class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
     """A real model on the CPU with continuous batching; see the module docstring."""
 
     engine_name = "hf"
@@ -198,7 +198,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     @property
     def config(self) -> EngineConfig:
-        return self._sched().limits.engine_config(self.options.model_path, self._require().name)
+        return self._started_core().limits.engine_config(self.options.model_path, self._require().name)
 
     async def cleanup(self) -> None:
         await self._stop_loop()
@@ -218,16 +218,11 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     def _core(self) -> Scheduler | None:
         return self._scheduler
 
-    def _sched(self) -> Scheduler:
-        if self._scheduler is None:
-            raise EngineShutdown("hf engine is not started")
-        return self._scheduler
-
     # ------------------------------------------------------------------ introspection
 
     @property
     def scheduler(self) -> Scheduler:
-        return self._sched()
+        return self._started_core()
 
     # ------------------------------------------------------------------ requests
 
@@ -270,7 +265,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     def _enqueue(self, request: PreprocessedRequest) -> Seq:
         """The request's sequence queued: its reservation if it holds one, else new."""
-        sched = self._sched()
+        sched = self._started_core()
         held = sched.reservation(request.request_id)
         if held is not None and held.tokens != list(request.token_ids):
             sched.release(request.request_id)
@@ -290,7 +285,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         return self._enqueue(request).id
 
     def _new_box(self, seq_id: int) -> _Mailbox:
-        return _Mailbox(self._sched().get(seq_id))
+        return _Mailbox(self._started_core().get(seq_id))
 
     def _chunk(self, box: _Mailbox, first: bool) -> OutputChunk:
         return box.chunk(cached_tokens=box.seq.cached_tokens if first and box.seq is not None else None)
@@ -298,7 +293,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     # ------------------------------------------------------------------ step loop
 
     async def _loop(self, wake: asyncio.Event) -> None:
-        sched = self._sched()
+        sched = self._started_core()
         while True:
             if await self._idle(sched, wake):
                 continue
@@ -380,7 +375,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         )
 
     def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
-        sched = self._sched()
+        sched = self._started_core()
         if sched.reservation(request.request_id) is not None:
             raise InvalidArgument(f"request {request.request_id!r} already holds a KV reservation")
         seq = self._new_seq(request)
@@ -404,7 +399,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     def _writable_blocks(self) -> set[int]:
         """Blocks a KV import may overwrite: reservations' blocks past their valid prefix."""
-        sched = self._sched()
+        sched = self._started_core()
         bs = self.options.block_size
         out: set[int] = set()
         for seq in sched.reservations():
@@ -412,7 +407,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         return out
 
     def kv_commit(self, request_id: str, computed_tokens: int) -> None:
-        sched = self._sched()
+        sched = self._started_core()
         if sched.reservation(request_id) is None:
             raise InvalidArgument(f"no KV reservation for request {request_id!r}")
         try:
@@ -436,7 +431,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     async def prefill_remote(
         self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
     ) -> bytes:
-        loaded, sched = self._require(), self._sched()
+        loaded, sched = self._require(), self._started_core()
         bs = self.options.block_size
         if cached_tokens % bs or not 0 <= cached_tokens < upto <= len(request.token_ids):
             raise InvalidArgument(

@@ -66,7 +66,7 @@ class _Mailbox(Mailbox):
         self._wake()
 
 
-class MockerEngine(StepLoopEngine[_Mailbox]):
+class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
     """A simulated vLLM-style engine; see the module docstring."""
 
     engine_name = "mocker"

@@ -18,6 +18,8 @@ from kvmesh.config import (
     FrontendCommandConfig,
     FrontendConfig,
     HttpLimits,
+    LogConfig,
+    PlannerConfig,
     RunConfig,
     RuntimeConfig,
     SecurityConfig,
@@ -33,15 +35,23 @@ __all__ = ["main", "build_parser"]
 # kvmesh.engines.settings, except the few that are no setting of a config object
 # (--static, --config).
 _ENGINE_FIELDS = ("model", "model_path", "engine", "block_size", "validate_streams")
-_DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "remote_prefill_timeout_s", "drain_migrate",
-                  "metrics_port")  # fmt: skip
-_WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue")
+_DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
+                  "remote_prefill_timeout_s", "drain_migrate", "metrics_port")  # fmt: skip
+_WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")
 # the config classes whose settings each command takes (its flags and its --config keys)
 _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
-RUN_CLASSES = (RunConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
-FRONTEND_CLASSES = (FrontendConfig, FrontendCommandConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials)
+RUN_CLASSES = (
+    RunConfig, PlannerConfig, FrontendConfig, LogConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials,
+    *_ENGINE_SETTINGS,
+)  # fmt: skip
+FRONTEND_CLASSES = (
+    FrontendConfig, FrontendCommandConfig, LogConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials
+)
+PLANNER_CLASSES = (PlannerConfig, LogConfig, RuntimeConfig, ClusterCredentials)
 WORKER_CLASSES = (WorkerConfig, RuntimeConfig, ClusterCredentials, *_ENGINE_SETTINGS)
-_EXTRA_FILE_KEYS = {"log-level", "log_level", "static"}  # kvmesh run's log level (FrontendCommandConfig's), --static
+# accepted in any command's file (one file may serve several commands): --static, and keys
+# of commands that have them
+_EXTRA_FILE_KEYS = {"model", "model-path", "log-level", "log_level", "static-workers", "static_workers", "static"}
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +63,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, FrontendConfig)
-    add_flags(p, FrontendCommandConfig, only=("log_level",))
+    add_flags(p, LogConfig)
     add_flags(p, HttpLimits)
     add_flags(p, SecurityConfig)
 
@@ -117,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="serve a model: frontend + N worker processes on this host, no external services")
     _add_config_arg(run)
     add_flags(run, RunConfig, title="worker processes")
+    add_flags(run, PlannerConfig, title="planner", exclude=("planner_metrics_port",))
     _add_frontend_args(run)
     _add_engine_args(run)
     _add_secret_arg(run)
@@ -125,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arg(frontend)
     _add_frontend_args(frontend)
     _add_runtime_args(frontend)
-    add_flags(frontend, FrontendCommandConfig, exclude=("log_level",))
+    add_flags(frontend, FrontendCommandConfig)
     _add_secret_arg(frontend)
 
     from kvmesh.cli.canary import add_canary_args
@@ -136,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="replay a Mooncake-format trace against mocker workers and compare routing policies")
     add_replay_args(replay)
+
+    planner = sub.add_parser("planner", help="the planner for a distributed fleet: signed orders to --standby workers")
+    _add_config_arg(planner)
+    add_flags(planner, PlannerConfig, title="planner", exclude=("planner",))
+    add_flags(planner, LogConfig)
+    _add_runtime_args(planner)
+    _add_secret_arg(planner)
 
     worker = sub.add_parser("worker", help="run one worker process")
     _add_config_arg(worker)
@@ -198,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "run":
             file = _file(ns, *RUN_CLASSES)
             _apply_cluster_secret(ns, file)
-            parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file)}
+            parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file),
+                     "planner": resolve(PlannerConfig, ns, file=file)}  # fmt: skip
             cfg = resolve(RunConfig, ns, file=file, given=parts)
             from kvmesh.cli.run import run_embedded
 
-            return run_embedded(cfg, resolve(FrontendCommandConfig, ns, file=file).log_level)
+            return run_embedded(cfg, _log_level(ns, file))
         if ns.command == "frontend":
             file = _file(ns, *FRONTEND_CLASSES)
             _apply_cluster_secret(ns, file)
@@ -211,8 +230,14 @@ def main(argv: list[str] | None = None) -> int:
             command = resolve(FrontendCommandConfig, ns, file=file)
             return run_frontend(
                 _frontend_config(ns, file), _runtime_config(ns, file), list(command.static_workers),
-                command.model_path, command.log_level,
+                command.model_path, _log_level(ns, file),
             )  # fmt: skip
+        if ns.command == "planner":
+            file = _file(ns, *PLANNER_CLASSES)
+            _apply_cluster_secret(ns, file)
+            from kvmesh.cli.planner import run_planner
+
+            return run_planner(resolve(PlannerConfig, ns, file=file), _runtime_config(ns, file), _log_level(ns, file))
         if ns.command == "canary":
             from kvmesh.cli.canary import run_canary
 
@@ -237,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error(f"unknown command {ns.command}")
     return 2
+
+
+def _log_level(ns: argparse.Namespace, file: dict[str, object]) -> str:
+    return resolve(LogConfig, ns, file=file).log_level
 
 
 if __name__ == "__main__":

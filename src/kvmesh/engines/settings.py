@@ -102,7 +102,7 @@ class HfSettings(EngineSettings):
         512, "tokens per forward pass (long prompts prefill in chunks of it)", flag="--hf-max-num-batched-tokens",
         env="KVMESH_HF_MAX_NUM_BATCHED_TOKENS", check=positive, group=_HF,
     )  # fmt: skip
-    threads: int = setting(0, "torch threads (0: torch's choice)", flag="--hf-threads", env="KVMESH_HF_THREADS",
+    threads: int = setting(0, "torch threads (0: the CPUs this process may use: affinity and cgroup quota)", flag="--hf-threads", env="KVMESH_HF_THREADS",
                            check=non_negative, group=_HF)  # fmt: skip
     seed: int | None = setting(None, "sampler seed of requests without one", flag="--hf-seed", env="KVMESH_HF_SEED", group=_HF)
 

@@ -24,7 +24,7 @@ class HfOptions(BatchingOptions):
     ``num_blocks`` None: as many ``block_size``-token KV blocks as fit in
     ``kv_cache_mb`` MiB (at most enough for ``max_num_seqs`` full contexts).
     ``max_num_batched_tokens`` bounds the tokens of one forward pass (long prompts are
-    prefilled in chunks of it). ``threads`` 0: torch's own choice (one per core).
+    prefilled in chunks of it). ``threads`` 0: one per CPU this process may use (:func:`~kvmesh.engines.hf.cpus.auto_threads`).
     ``seed`` seeds the sampler of requests that bring no seed of their own.
     """
 

@@ -27,12 +27,16 @@ class FaultSpec:
     after_tokens: int = 0
     probability: float = 1.0
     seed: int = 0
+    # corrupt only: 1 leaves the tokens alone and shifts only their log-probabilities
+    # (subtle silent corruption: the argmax survives, the distribution does not)
+    subtle: int = 0
 
     def __post_init__(self) -> None:
         require("fault kind", self.kind, one_of(*_KINDS))
         require("fault factor", self.factor, positive)
         require("fault after_tokens", self.after_tokens, non_negative)
         require("fault probability", self.probability, within(0.0, 1.0))
+        require("fault subtle", self.subtle, within(0, 1))
 
     @property
     def active(self) -> bool:
@@ -46,7 +50,7 @@ class FaultSpec:
         fields: dict[str, float | int] = {}
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, sep, value = item.partition("=")
-            if not sep or key not in ("factor", "after_tokens", "probability", "seed"):
+            if not sep or key not in ("factor", "after_tokens", "probability", "seed", "subtle"):
                 raise ValueError(f"bad fault option {item!r} in {text!r}")
-            fields[key] = int(value) if key in ("after_tokens", "seed") else float(value)
+            fields[key] = int(value) if key in ("after_tokens", "seed", "subtle") else float(value)
         return cls(cast(FaultKind, kind), **fields)  # type: ignore[arg-type]  # each key gets its own type above

@@ -58,7 +58,7 @@ from kvmesh.engines.batching.scheduler import priority_rank
 from kvmesh.engines.hf.scheduler import Plan, Scheduler, SchedulerLimits, Seq
 from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
 from kvmesh.preprocess.guided import GuidedTokenizer
-from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest, TokenLogprob
+from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["HfEngine", "EngineStats"]
@@ -85,11 +85,10 @@ class _Mailbox(Mailbox):
     """The hf engine's slot: tokens, their logprobs, and the sequence (its cached tokens
     go with the first chunk)."""
 
-    __slots__ = ("logprobs", "seq")
+    __slots__ = ("seq",)
 
     def __init__(self, seq: Seq | None = None) -> None:
         super().__init__()
-        self.logprobs: list[TokenLogprob] = []
         self.seq = seq
 
     def push(self, s: Sampled) -> None:
@@ -97,20 +96,6 @@ class _Mailbox(Mailbox):
         if s.logprob is not None:
             self.logprobs.append(s.logprob)
         self._wake()
-
-    def _take_logprobs(self) -> list[TokenLogprob] | None:
-        logprobs, self.logprobs = self.logprobs, []
-        return logprobs or None
-
-    def chunk(self, cached_tokens: int | None = None) -> OutputChunk:
-        logprobs = self._take_logprobs()
-        return OutputChunk(token_ids=self.take(), logprobs=logprobs, cached_tokens=cached_tokens)
-
-    def terminal(self) -> OutputChunk:
-        fin, logprobs = self.finished, self._take_logprobs()
-        return OutputChunk(
-            token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error
-        )
 
 
 @dataclass(frozen=True, slots=True)

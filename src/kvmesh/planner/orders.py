@@ -28,7 +28,6 @@ role is fixed by its flags, so ``move`` is refused (counted as a failed action).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Literal
 
@@ -36,7 +35,7 @@ import msgspec
 
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.auth import ClusterSecret
-from kvmesh.runtime.distributed import DistributedRuntime, sign_record
+from kvmesh.runtime.distributed import DistributedRuntime, sign_record, sign_struct, struct_is_signed
 
 __all__ = [
     "Order",
@@ -75,16 +74,12 @@ def order_key(namespace: str, worker_id: int) -> str:
     return f"{planner_prefix(namespace)}orders/{worker_id:x}"
 
 
-def _order_mac(secret: ClusterSecret, key: str, order: Order) -> str:
-    return secret.sign("planner", key.encode(), _encode(msgspec.structs.replace(order, mac=""))).hex()
-
-
 def sign_order(secret: ClusterSecret | None, key: str, order: Order) -> Order:
-    return order if secret is None else msgspec.structs.replace(order, mac=_order_mac(secret, key, order))
+    return sign_struct(secret, "planner", key, order)
 
 
 def order_is_signed(secret: ClusterSecret | None, key: str, order: Order) -> bool:
-    return secret is None or hmac.compare_digest(order.mac, _order_mac(secret, key, order))
+    return struct_is_signed(secret, "planner", key, order)
 
 
 class StandbyLink:

@@ -282,10 +282,15 @@ class StreamClient:
                     return
                 yield item
         finally:
-            await done()
+            more = done()
+            if more is not None:
+                await more
 
-    async def _open(self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox) -> Callable[[], Awaitable[None]]:
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
         """Send the request, its items to go into ``box``, and stop it when ``ctx``
-        stops; returns what to run once the caller is done with the stream (at its end,
-        or when it leaves early: then the stream is killed)."""
+        stops; returns what to call once the caller is done with the stream (at its end,
+        or when it leaves early: then the stream is killed), which may return something
+        to await (no coroutine per stream unless there is something to wait for)."""
         raise NotImplementedError

@@ -187,7 +187,9 @@ class TcpClient(StreamClient):
         self._conn = conn
         return conn
 
-    async def _open(self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox) -> Callable[[], Awaitable[None]]:
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
         conn = await self._connection()
         sid = conn.open(endpoint, payload, box)
         if self.response_timeout is not None:
@@ -196,13 +198,12 @@ class TcpClient(StreamClient):
             )
         ctx.on_stop(lambda c: self._on_stop(conn, sid, box, c))
 
-        async def done() -> None:
+        def done() -> Awaitable[None] | None:
             if not box.ended:
                 box.finish()
                 if conn.streams.pop(sid, None) is not None:
                     conn.control(sid, KILL)
-            if self._close_when_idle and not conn.streams:
-                await self.close()
+            return self.close() if self._close_when_idle and not conn.streams else None
 
         return done
 

@@ -72,7 +72,9 @@ class NatsRequestClient(StreamClient):
     def subject(self, endpoint: str) -> str:
         return request_subject(self.namespace, self.component, endpoint, self.lease_id)
 
-    async def _open(self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox) -> Callable[[], Awaitable[None]]:
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
         try:
             subject = self.subject(endpoint)
         except ValueError as exc:
@@ -89,7 +91,7 @@ class NatsRequestClient(StreamClient):
         request.add_done_callback(lambda task: self._replied(task, stream, subject))
         ctx.on_stop(lambda c: home.control(stream, KILL if c.is_killed() else STOP))
 
-        async def done() -> None:
+        def done() -> None:
             if not request.done():
                 request.cancel()
             if not box.ended:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvmesh.cli.replay_output import PROG, fail, write_json
+from kvmesh.cli.replay_output import PROG, fail, read_trace, write_json
 
 if TYPE_CHECKING:
     from kvmesh.replay.runner import ReplayConfig
@@ -112,16 +112,14 @@ def run_replay(ns: argparse.Namespace) -> int:
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_ttft_cdf
     from kvmesh.replay.report import format_table, summarize
     from kvmesh.replay.runner import replay_policy
-    from kvmesh.replay.trace import TraceError, load_trace
 
     try:
         config = _config(ns)
     except ValueError as exc:
         return fail(str(exc), 2)
-    try:
-        trace = load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
-    except TraceError as exc:
-        return fail(str(exc), 1)
+    trace = read_trace(ns)
+    if isinstance(trace, int):
+        return trace
     plot = ns.plot
     if plot is not None and not have_matplotlib():
         print(f"{PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)

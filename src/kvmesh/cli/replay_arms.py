@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvmesh.cli.replay_output import PROG, fail, write_json
+from kvmesh.cli.replay_output import PROG, fail, read_trace, write_json
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -32,17 +32,15 @@ __all__ = ["run_arms"]
 def run_arms(ns: argparse.Namespace, base: ReplayConfig) -> int:
     """``base``: the replay's config (workers, speed, mocker options) from ``kvmesh replay``'s flags."""
     from kvmesh.replay.arms import parse_arms
-    from kvmesh.replay.trace import TraceError, load_trace
 
     try:
         setup = _setup(ns, base)
         arms = parse_arms(ns.arms, ns.workers)
     except ValueError as exc:
         return fail(str(exc), 2)
-    try:
-        trace = load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
-    except TraceError as exc:
-        return fail(str(exc), 1)
+    trace = read_trace(ns)
+    if isinstance(trace, int):
+        return trace
     span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 / ns.speed
     print(
         f"replaying {len(trace)} requests ({span_s:.1f} s of arrivals at speed {ns.speed:g}) on {ns.workers} mocker "

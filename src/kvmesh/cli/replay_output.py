@@ -1,14 +1,18 @@
-"""What ``kvmesh replay`` (policies) and ``kvmesh replay --arms`` report alike: a
-one-line failure and the per-result JSON file."""
+"""What ``kvmesh replay`` (policies) and ``kvmesh replay --arms`` do alike: read the
+trace window the flags name, report a one-line failure, write the per-result JSON file."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["PROG", "fail", "write_json"]
+if TYPE_CHECKING:
+    from kvmesh.replay.trace import TraceRequest
+
+__all__ = ["PROG", "fail", "read_trace", "write_json"]
 
 PROG = "kvmesh replay"
 
@@ -21,6 +25,17 @@ def fail(message: str, status: int) -> int:
     """Print ``message`` as one line on stderr; returns ``status`` (the exit status)."""
     print(f"{PROG}: {message}", file=sys.stderr)
     return status
+
+
+def read_trace(ns: argparse.Namespace) -> list[TraceRequest] | int:
+    """The trace window of ``--trace``, ``--start-ms``, ``--duration-ms``, ``--limit``;
+    or the exit status (1) of a trace that cannot be read, its line printed."""
+    from kvmesh.replay.trace import TraceError, load_trace
+
+    try:
+        return load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
+    except TraceError as exc:
+        return fail(str(exc), 1)
 
 
 def write_json(path: str | None, results: Sequence[_Result]) -> int | None:

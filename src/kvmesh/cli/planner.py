@@ -133,6 +133,8 @@ class EmbeddedFleet:
         self.runtime: DistributedRuntime | None = None
         self.service: PlannerService | None = None
         self.metrics: PlannerMetrics | None = None
+        # the prefill queue's depth in tokens (disaggregated runs; None: not known)
+        self.queue_tokens: Callable[[], Awaitable[int]] | None = None
         self._lost: list[float] = []  # serving workers lost and not yet replaced (when)
         self._moves: dict[int, int] = {}  # new worker -> the one it takes over from
         self._tasks: set[asyncio.Task[None]] = set()
@@ -181,7 +183,8 @@ class EmbeddedFleet:
         level = 0
         if self.frontend is not None and self.frontend.registry.shedder is not None:
             level = int(self.frontend.registry.shedder.controller.level)
-        return Observation(now, tuple(views), tuple(starting), 0, ttft, itl, level, rate)
+        queued = await self.queue_tokens() if self.queue_tokens is not None else 0
+        return Observation(now, tuple(views), tuple(starting), queued, ttft, itl, level, rate)
 
     async def promote(self, worker_id: int, role: Role) -> None:
         member = self.members.get(worker_id)

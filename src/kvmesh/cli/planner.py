@@ -105,6 +105,8 @@ class _Member:
     info: InstanceInfo | None = None  # set once it is ready
     published: bool = False
     vetted: bool = False  # a spare that passed its canary check
+    vetted_at: float = 0.0
+    vetting: bool = False
     stopping: bool = False
     load: LoadReport | None = None
     replaces: list[float] = field(default_factory=list)  # loss times this worker makes good
@@ -126,6 +128,7 @@ class EmbeddedFleet:
         self.unpublish_record = unpublish
         self.clock = clock
         self.vet_spare = vet if vet is not None else self._canary_check
+        self.revet_s = 30.0  # a ready spare is canary-checked again this often (idle canaries)
         self.members: dict[int, _Member] = {wid: _Member(role) for wid, role in roles.items()}
         self.main: Launcher | None = None  # aggregated (or decode) workers, and the spares
         self.prefill: Launcher | None = None  # disaggregated runs: prefill workers
@@ -171,6 +174,9 @@ class EmbeddedFleet:
     async def observe(self) -> Observation:
         await self._poll_loads()
         now = self.clock()
+        for wid, m in self.members.items():  # idle canaries on the ready spares
+            if m.role is Role.SPARE and m.vetted and not m.vetting and now - m.vetted_at >= self.revet_s:
+                self._spawn(self._vet(wid))
         views, starting = [], []
         for wid, m in sorted(self.members.items()):
             if m.stopping:
@@ -266,9 +272,18 @@ class EmbeddedFleet:
         """Canary-check a spare before it counts as ready; a failing spare is stopped
         (the planner starts another)."""
         member = self.members.get(worker_id)
-        if member is None or member.info is None:
+        if member is None or member.info is None or member.vetting:
             return
-        ok, detail = await self.vet_spare(member.info)
+        member.vetting = True
+        try:
+            ok, detail = await self.vet_spare(member.info)
+        finally:
+            member.vetting = False
+        member.vetted_at = self.clock()
+        if member.role is not Role.SPARE:
+            return  # promoted meanwhile: the fleet's own health checks take over
+        if ok and member.vetted:
+            return
         if ok:
             member.vetted = True
             log.info("planner: hot spare %x passed its canary check", worker_id)
@@ -276,6 +291,7 @@ class EmbeddedFleet:
                 self.service.wake()  # a loss waiting for a spare can be served now
         else:
             log.warning("planner: hot spare %x failed its canary check (%s); stopping it", worker_id, detail)
+            member.vetted = False
             await self.stop(worker_id)
 
     async def _canary_check(self, info: InstanceInfo) -> tuple[bool, str]:

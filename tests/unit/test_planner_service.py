@@ -263,3 +263,16 @@ async def test_ready_spares_get_idle_canaries_and_a_failing_one_is_stopped() -> 
     await _settle()
     assert supervisor.terminated == [1]
     assert all(w.worker_id != 1 for w in (await fleet.observe()).workers)
+
+
+async def test_a_replacement_that_fails_to_start_is_forgotten_and_the_loss_kept() -> None:
+    fleet, records, supervisor = await embedded()
+    fleet.members[2].vetted = False  # no ready spare: the loss needs a cold start
+    await fleet.on_exit(0)
+    await fleet.start(Role.AGGREGATED)
+    assert supervisor.launched == [3] and fleet._lost == []
+    obs = await fleet.observe()
+    assert obs.starting == (Role.AGGREGATED,)
+    await fleet.on_failed(3, "boom")
+    assert 3 not in fleet.members and len(fleet._lost) == 1
+    assert (await fleet.observe()).starting == ()

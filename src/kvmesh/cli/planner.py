@@ -142,6 +142,7 @@ class EmbeddedFleet:
         self._moves: dict[int, int] = {}  # new worker -> the one it takes over from
         self._tasks: set[asyncio.Task[None]] = set()
         self._settled = asyncio.Event()
+        self._closing = False
         self._last: tuple[float, Buckets, Buckets] | None = None
 
     # ------------------------------------------------------------ supervisor callbacks
@@ -156,7 +157,7 @@ class EmbeddedFleet:
 
     async def on_exit(self, worker_id: int) -> None:
         member = self.members.pop(worker_id, None)
-        if member is None:
+        if member is None or self._closing:
             return
         if member.published:
             await self.unpublish_record(worker_id)
@@ -165,6 +166,16 @@ class EmbeddedFleet:
             log.warning("planner: %s worker %x lost", member.role.value, worker_id)
             if self.service is not None:
                 self.service.wake()
+
+    async def on_failed(self, worker_id: int, why: str) -> None:
+        """A worker exited before it was ready: forgotten (the planner starts another at
+        its next round, so a crash loop is paced by the planner's interval)."""
+        member = self.members.pop(worker_id, None)
+        if member is not None:
+            log.error("planner: %s worker %x failed to start: %s", member.role.value, worker_id, why)
+            if member.replaces:
+                self._lost[:0] = member.replaces  # still to be made good
+        self._check_settled()
 
     # ------------------------------------------------------------ the Fleet seam
     async def settled(self) -> None:
@@ -374,6 +385,7 @@ class EmbeddedFleet:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
+        self._closing = True  # the run is ending: its workers' exits are no losses
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -128,6 +128,8 @@ async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked:
         on_ready, on_exit = fleet.on_ready, fleet.on_exit
     supervisors = await _supervisors(cfg, runtime, on_ready, on_exit, preforked)
     if fleet is not None:
+        for one in supervisors:
+            one.on_failed = fleet.on_failed
         fleet.main = supervisors[0]
         fleet.prefill = supervisors[1] if len(supervisors) > 1 else None
     for one in supervisors:

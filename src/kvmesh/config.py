@@ -57,6 +57,11 @@ class WorkerConfig:
     port: int = setting(0, "request-plane TCP port (0: any free port)", check=a_port)
     validate_streams: bool = setting(False, "check every engine stream against the contract (also KVMESH_DEBUG=1)")
     grace_s: float = setting(30.0, "seconds in-flight requests get to finish on SIGTERM", flag="--grace", check=non_negative)
+    replicas: int = setting(
+        1, "run this many workers in this process, each a full instance (own lease, discovery record, request-plane"
+        " endpoint, KV events); they share the event loop and the etcd/NATS connections (kvmesh.worker.replicas)",
+        env="KVMESH_WORKER_REPLICAS", check=at_least(1),
+    )  # fmt: skip
     # disaggregation (kvmesh.disagg): the worker's role and the global prefill queue
     mode: str = setting(
         "aggregated", "aggregated, prefill (pulls the prefill queue) or decode (prefills long prompts remotely)",
@@ -75,6 +80,9 @@ class WorkerConfig:
     )  # fmt: skip
     max_prefill_queue_size: int = setting(
         2, "... and only while the prefill queue holds fewer jobs than this", check=non_negative, group=_DISAGG
+    )
+    max_prefill_queue_tokens: int = setting(
+        0, "... and fewer tokens left to prefill than this (0: no token bound)", check=non_negative, group=_DISAGG
     )
     remote_prefill_timeout_s: float = setting(
         30.0, "seconds a decode worker waits for a remote prefill before prefilling locally", check=positive, group=_DISAGG
@@ -258,7 +266,10 @@ class RunConfig:
 
     frontend: FrontendConfig
     worker: WorkerConfig
-    workers: int = setting(2, "number of worker processes", check=at_least(1))
+    workers: int = setting(2, "number of workers", check=at_least(1))
+    workers_per_process: int = setting(
+        1, "run up to this many of the workers in each worker process (see kvmesh worker --replicas)", check=at_least(1)
+    )
     # disaggregated: this many prefill and decode workers instead of ``workers`` aggregated ones
     prefill_workers: int = setting(0, "disaggregated: prefill worker processes", check=non_negative)
     decode_workers: int = setting(0, "disaggregated: decode worker processes", check=non_negative)
@@ -274,6 +285,10 @@ class RunConfig:
             raise ValueError("disaggregated serving needs both --prefill-workers and --decode-workers (at least 1 each)")
         if self.planner.hot_spares and not self.planner.planner:
             raise ValueError("--hot-spares needs --planner (the planner starts, checks and promotes them)")
+        if self.workers_per_process > 1 and self.disaggregated:
+            raise ValueError("--workers-per-process is for aggregated workers (--workers); not with --prefill-workers")
+        if self.workers_per_process > 1 and self.planner.planner:
+            raise ValueError("--workers-per-process is not for --planner (the planner starts and stops workers one at a time)")
 
     @property
     def disaggregated(self) -> bool:

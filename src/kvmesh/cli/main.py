@@ -34,9 +34,9 @@ __all__ = ["main", "build_parser"]
 # kvmesh.engines.settings, except the few that are no setting of a config object
 # (--model, --log-level, --static-workers, --static, --config).
 _ENGINE_FIELDS = ("model_path", "engine", "block_size", "validate_streams")
-_DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "remote_prefill_timeout_s", "drain_migrate",
-                  "metrics_port")  # fmt: skip
-_WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby")
+_DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
+                  "remote_prefill_timeout_s", "drain_migrate", "metrics_port")  # fmt: skip
+_WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")
 # the config classes whose settings each command takes (its flags and its --config keys)
 _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
 RUN_CLASSES = (RunConfig, PlannerConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)

@@ -101,7 +101,7 @@ def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
         import kvmesh.runtime.event_plane.zmq  # noqa: F401 - the KV event subscriber, as the workers publish
 
     spares = cfg.planner.hot_spares if cfg.planner.planner else 0
-    return prefork(cfg.worker, cfg.workers + spares, close=[sock])
+    return prefork(cfg.worker, cfg.workers + spares, close=[sock], per_process=cfg.workers_per_process)
 
 
 async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked: list[ForkedWorker]) -> int:
@@ -211,8 +211,12 @@ async def _supervisors(
     restart = not cfg.planner.planner
     spares = cfg.planner.hot_spares if cfg.planner.planner else 0
     if not cfg.disaggregated:
-        return [Supervisor(cfg.worker, cfg.workers + spares, on_ready, on_exit, preforked=preforked,
-                           max_failed_starts=limit, restart=restart)]  # fmt: skip
+        return [
+            Supervisor(
+                cfg.worker, cfg.workers + spares, on_ready, on_exit, preforked=preforked, max_failed_starts=limit,
+                restart=restart, per_process=cfg.workers_per_process,
+            )  # fmt: skip
+        ]
     address = await _serve_prefill_queue(cfg, runtime)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")
@@ -259,7 +263,9 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> s
         return None if value is None else decode_info(value).kv
 
     w = cfg.worker
-    queue = LocalPrefillQueue(DisaggThresholds(w.max_local_prefill_length, w.max_prefill_queue_size))
+    queue = LocalPrefillQueue(
+        DisaggThresholds(w.max_local_prefill_length, w.max_prefill_queue_size, w.max_prefill_queue_tokens)
+    )
     server = TcpServer(w.host, 0)
     serve_queue(server, queue, kv_metadata)
     await server.start()
@@ -284,4 +290,6 @@ def _fleet(cfg: RunConfig) -> str:
     engine = cfg.worker.engine
     if cfg.disaggregated:
         return f"{cfg.decode_workers} decode + {cfg.prefill_workers} prefill {engine} workers"
-    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}"
+    per = cfg.workers_per_process
+    where = f" in {-(-cfg.workers // per)} processes" if per > 1 else ""
+    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}{where}"

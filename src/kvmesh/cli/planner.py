@@ -403,6 +403,7 @@ class DiscoveryFleet:
         self.clock = clock
         self.vetted: dict[int, bool] = {}  # standby -> its canary agreed with a serving worker
         self.promoting: dict[int, Role] = {}  # standby ordered to serve, not registered yet
+        self.moves: dict[int, int] = {}  # promoted standby -> the worker it takes over from
         self.loads: dict[int, LoadReport | None] = {}
         self._serving: dict[int, tuple[Role, InstanceInfo]] = {}
         self._standby: dict[int, InstanceInfo] = {}
@@ -431,22 +432,36 @@ class DiscoveryFleet:
         return Observation(self.clock(), tuple(views), starting)
 
     async def promote(self, worker_id: int, role: Role) -> None:
-        if worker_id not in self._standby or not self.vetted.get(worker_id):
-            raise KvmeshError(f"worker {worker_id:x} is not a vetted standby")
-        await self._order(worker_id, "serve", f"promoted to {role.value}")
-        self.promoting[worker_id] = role
+        """Order a vetted standby of ``role``'s kind to serve: ``worker_id`` if it fits
+        (a prefill standby for the prefill role, another for the rest), else another."""
+        fits = self._ready_standbys(role)
+        if not fits:
+            raise KvmeshError(f"no vetted {role.value} standby to promote")
+        chosen = worker_id if worker_id in fits else fits[0]
+        await self._order(chosen, "serve", f"promoted to {role.value}")
+        self.promoting[chosen] = role
 
     async def start(self, role: Role) -> None:
-        ready = [w for w in sorted(self._standby) if self.vetted.get(w) and w not in self.promoting]
-        if role is Role.SPARE or not ready:
+        """The planner cannot start processes here: a start promotes a ready standby."""
+        if role is Role.SPARE or not self._ready_standbys(role):
             raise KvmeshError(f"no standby to start a {role.value} worker from: start `kvmesh worker --standby` processes")
-        await self.promote(ready[0], role)
+        await self.promote(self._ready_standbys(role)[0], role)
 
     async def stop(self, worker_id: int) -> None:
         await self._order(worker_id, "stop", "planner: scale down")
 
     async def move(self, worker_id: int, role: Role) -> None:
-        raise KvmeshError("a worker's role is fixed by its flags in distributed mode; start standbys of each role")
+        """A worker's role is fixed by its flags here: a standby of the new role is
+        promoted, and ``worker_id`` is ordered to drain once that one is registered."""
+        await self.start(role)
+        self.moves[next(w for w, r in self.promoting.items() if r is role)] = worker_id
+
+    def _ready_standbys(self, role: Role) -> list[int]:
+        component = PREFILL_COMPONENT if role is Role.PREFILL else COMPONENT
+        return [
+            w for w, info in sorted(self._standby.items())
+            if self.vetted.get(w) and w not in self.promoting and (info.component or COMPONENT) == component
+        ]  # fmt: skip
 
     # ------------------------------------------------------------ steps
     async def _order(self, worker_id: int, action: Literal["serve", "stop"], reason: str) -> None:
@@ -473,6 +488,9 @@ class DiscoveryFleet:
                 standby[info.worker_id] = info
         for w in [w for w in self.promoting if w in serving or w not in standby]:
             del self.promoting[w]  # registered (or gone)
+            old = self.moves.pop(w, None)
+            if old is not None and w in serving:  # the move's new worker serves: the old one drains
+                await self._order(old, "stop", f"moved to worker {w:x}")
         self._serving, self._standby = serving, standby
         for w in [w for w in self.vetted if w not in standby]:
             del self.vetted[w]

@@ -143,6 +143,7 @@ class EmbeddedFleet:
         self._tasks: set[asyncio.Task[None]] = set()
         self._settled = asyncio.Event()
         self._closing = False
+        self._wired = asyncio.Event()  # set once the frontend and runtime are known
         self._last: tuple[float, Buckets, Buckets] | None = None
 
     # ------------------------------------------------------------ supervisor callbacks
@@ -307,8 +308,9 @@ class EmbeddedFleet:
 
     async def _canary_check(self, info: InstanceInfo) -> tuple[bool, str]:
         """The frontend's canaries against a worker it does not route to."""
+        await self._wired.wait()  # a spare may be ready before the frontend is built
         if self.runtime is None or self.frontend is None:
-            return False, "no frontend yet"
+            return False, "no frontend"
         client = await self.runtime.client_for(info)
         try:
             health = self.frontend.registry.health
@@ -383,6 +385,10 @@ class EmbeddedFleet:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def wired(self) -> None:
+        """The frontend and runtime are set: spares can be canary-checked."""
+        self._wired.set()
 
     async def close(self) -> None:
         self._closing = True  # the run is ending: its workers' exits are no losses
@@ -561,6 +567,7 @@ def start_embedded_planner(
     """Wire the fleet to the running frontend and start planning."""
     fleet.frontend = frontend
     fleet.runtime = runtime
+    fleet.wired()
     fleet.metrics = PlannerMetrics(frontend.metrics.registry)
     service = PlannerService(Planner(planner_config(cfg)), fleet, cfg.planner.planner_interval_s, fleet.metrics)
     fleet.service = service

@@ -386,6 +386,12 @@ class EmbeddedFleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def info_of(self, worker_id: int) -> InstanceInfo | None:
+        """A running worker's card, routed to or not (a spare's KV endpoint, for the
+        prefill queue: its canaries may prefill remotely)."""
+        member = self.members.get(worker_id)
+        return None if member is None else member.info
+
     def wired(self) -> None:
         """The frontend and runtime are set: spares can be canary-checked."""
         self._wired.set()

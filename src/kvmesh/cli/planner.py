@@ -143,6 +143,7 @@ class EmbeddedFleet:
         self._tasks: set[asyncio.Task[None]] = set()
         self._settled = asyncio.Event()
         self._closing = False
+        self._polling = False
         self._wired = asyncio.Event()  # set once the frontend and runtime are known
         self._last: tuple[float, Buckets, Buckets] | None = None
 
@@ -184,7 +185,11 @@ class EmbeddedFleet:
         await self._settled.wait()
 
     async def observe(self) -> Observation:
-        await self._poll_loads()
+        # load reports from the last poll (at most a round old), refreshed in the
+        # background: a round woken by a loss must not wait on a slow worker's answer
+        if not self._polling:
+            self._polling = True
+            self._spawn(self._poll_loads())
         now = self.clock()
         for wid, m in self.members.items():  # idle canaries on the ready spares
             if m.role is Role.SPARE and m.vetted and not m.vetting and now - m.vetted_at >= self.revet_s:
@@ -345,6 +350,12 @@ class EmbeddedFleet:
         return WorkerView(worker_id, m.role, routable, kv, r.num_running if r else 0, r.num_waiting if r else 0)
 
     async def _poll_loads(self) -> None:
+        try:
+            await self._poll_loads_once()
+        finally:
+            self._polling = False
+
+    async def _poll_loads_once(self) -> None:
         if self.frontend is None:
             return
         instances = {i.worker_id: i for i in self.frontend.registry.workers()}
@@ -417,8 +428,14 @@ class DiscoveryFleet:
         self.promoting: dict[int, Role] = {}  # standby ordered to serve, not registered yet
         self.moves: dict[int, int] = {}  # promoted standby -> the worker it takes over from
         self.loads: dict[int, LoadReport | None] = {}
+        self._poller: asyncio.Task[None] | None = None
         self._serving: dict[int, tuple[Role, InstanceInfo]] = {}
         self._standby: dict[int, InstanceInfo] = {}
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
 
     async def watch_losses(self, service: PlannerService) -> None:
         """Wake the planner when a serving instance's record goes (a lost worker)."""
@@ -437,7 +454,10 @@ class DiscoveryFleet:
 
     async def observe(self) -> Observation:
         await self._scan()
-        await self._poll()
+        # loads and standby canaries in the background (a canary may take seconds): a
+        # round uses what the last poll found
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
         views = [self._view(w, role) for w, (role, _) in sorted(self._serving.items())]
         views += [WorkerView(w, Role.SPARE, self.vetted.get(w, False)) for w in sorted(self._standby) if w not in self.promoting]
         starting = tuple(self.promoting.values())
@@ -622,5 +642,6 @@ async def _plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfi
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
         await service.close()
+        await fleet.close()
         await runtime.shutdown()
     return 0

@@ -21,8 +21,10 @@ worker, nor replay an old order.
 standby workers and their load reports; a standby is vetted by a greedy canary whose
 answer must agree with a serving worker's (tokens and top log-probability). It cannot
 start processes: ``start`` promotes a vetted standby when there is one (keeping the
-standby pool full is the process manager's job: Kubernetes, systemd), and a worker's
-role is fixed by its flags, so ``move`` is refused (counted as a failed action).
+standby pool full is the process manager's job: Kubernetes, systemd); a worker's role
+is fixed by its flags (a prefill standby is one started with ``--mode prefill``), so a
+``move`` promotes a standby of the new role and orders the old worker to drain once
+the new one is registered.
 """
 
 from __future__ import annotations

@@ -292,20 +292,19 @@ async def _stand_by(runtime: DistributedRuntime, info: InstanceInfo, stop: async
     link = StandbyLink(runtime, info)
     await link.offer()
     log.info("worker %x standing by", info.worker_id)
-    while True:
-        order = asyncio.ensure_future(link.next_order())
-        waits = [order, asyncio.ensure_future(stop.wait()), asyncio.ensure_future(runtime.lease_lost.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        if order.cancelled() or not order.done() or order.exception() is not None:
-            await link.close()
-            return None
-        if order.result().action == "serve":
-            log.warning("worker %x promoted by the planner", info.worker_id)
-            return link
-        await link.close()  # "stop": never served, nothing to drain
+    order = asyncio.ensure_future(link.next_order())
+    others = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(runtime.lease_lost.wait())]
+    await asyncio.wait([order, *others], return_when=asyncio.FIRST_COMPLETED)
+    for w in (order, *others):
+        w.cancel()
+    if order.cancelled() or not order.done() or order.exception() is not None:
+        await link.close()
         return None
+    if order.result().action == "serve":
+        log.warning("worker %x promoted by the planner", info.worker_id)
+        return link
+    await link.close()  # "stop": never served, nothing to drain
+    return None
 
 
 async def _obey_stop(link: StandbyLink, stop: asyncio.Event) -> None:

@@ -312,6 +312,81 @@ class WireStream:
                 apply(ev)
 
 
+def _zmq_producer(addresses_out, wire_chunk: list[bytes], publishers: int, go, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    """Forked: ``publishers`` zmq PUB sockets (as many workers would have) sending the
+    prepared envelopes round-robin, as fast as they go, for ``seconds``."""
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(publishers):
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.bind("tcp://127.0.0.1:*")
+        socks.append(sock)
+    addresses_out.send([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks])
+    go.wait()
+    deadline = time.perf_counter() + seconds
+    i = 0
+    n = len(wire_chunk)
+    while time.perf_counter() < deadline:
+        for sock in socks:
+            for _ in range(16):
+                try:
+                    sock.send(wire_chunk[i % n], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                i += 1
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def zmq_ingest(stream: list[bytes], shape: Shape, publishers: int, seconds: float) -> dict[str, float]:
+    """The live path's own cost per KV event before decoding: a real
+    :class:`~kvmesh.runtime.event_plane.zmq.ZmqSubscription` (SUB socket, asyncio reader,
+    inbox) connected to ``publishers`` PUB sockets of a forked producer that sends as fast
+    as it can; CPU time of this thread per envelope taken out of the inbox."""
+    import multiprocessing as mp
+
+    from kvmesh.runtime.event_plane.zmq import ZmqEventPlane
+
+    wire = WireStream(stream, list(range(1, 101)), shape).chunk(20_000)
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_zmq_producer, args=(child, wire, publishers, go, seconds + 1.0), daemon=True)
+    proc.start()
+    try:
+        addresses = parent.recv()
+
+        async def consume() -> tuple[int, float]:
+            plane = ZmqEventPlane("127.0.0.1", secret=None)
+            sub = await plane.subscribe("kv_events")
+            for address in addresses:
+                sub.connect(address)
+            await asyncio.sleep(0.5)  # zmq's connections and subscriptions settle before the clock starts
+            go.set()
+            got = 0
+            c0 = time.thread_time()
+            deadline = time.perf_counter() + seconds
+            async for _ in sub:
+                got += 1
+                if got & 1023 == 0 and time.perf_counter() > deadline:
+                    break
+            cpu = time.thread_time() - c0
+            dropped = sub.inbox.dropped
+            await plane.close()
+            return got, cpu, dropped
+
+        got, cpu, dropped = asyncio.run(consume())
+    finally:
+        proc.join(seconds + 5)
+        if proc.is_alive():
+            proc.kill()
+    return {"envelopes": got, "envelopes_per_cpu_s": got / cpu if cpu else 0.0, "inbox_dropped": dropped}
+
+
 def router_capacity(stream: list[bytes], workers: int, max_seconds: float, shape: Shape) -> dict[str, float]:
     """One router's ingest rate on this core (CPU time): ``workers`` workers' envelopes
     (:class:`WireStream`) through the subscription's decode and the service's checks
@@ -772,6 +847,8 @@ def main() -> int:
     need = busy["kv_events_per_s"] * BUSY_WORKERS
     log(f"router ingest capacity: {BUSY_WORKERS} workers' streams through one router")
     cap = router_capacity(stream, BUSY_WORKERS, args.capacity_seconds, shape)
+    log("the zmq subscription alone (a SUB socket on 100 publishers)")
+    zq = zmq_ingest(stream, shape, 100, 3.0)
     sharded = []
     for n_shards in (int(x) for x in args.shards.split(",") if x.strip()):
         log(f"index sharded by worker over {n_shards} processes")
@@ -801,13 +878,19 @@ def main() -> int:
         f" {busy['kv_events_per_s']:.0f} KV events/s, {busy['requests_per_s']:.1f} req/s per worker"
         f" -> {BUSY_WORKERS:,} busy workers produce {need:,.0f} KV events/s"
     )
-    per_core = cap["events_per_cpu_s"]
+    apply_rate, zmq_rate = cap["events_per_cpu_s"], zq["envelopes_per_cpu_s"]
+    per_core = 1 / (1 / apply_rate + 1 / zmq_rate) if apply_rate and zmq_rate else 0.0
     print(
-        f"one router, {BUSY_WORKERS:,} workers' streams (every worker holds the {shape.groups} shared prefixes): ingests"
-        f" {per_core:,.0f} events per CPU-second ({cap['events']:,} applied); decision p50/p99 wall"
-        f" {cap['decision_p50_us']:.0f}/{cap['decision_p99_us']:.0f} us, CPU {cap['decision_cpu_p50_us']:.0f}/"
-        f"{cap['decision_cpu_p99_us']:.0f} us -> cores (index shards) the busy rate needs:"
-        f" {math.ceil(need / per_core) if per_core else '?'}"
+        f"one router, {BUSY_WORKERS:,} workers' streams (every worker holds the {shape.groups} shared prefixes): decodes, checks"
+        f" and applies {apply_rate:,.0f} events per CPU-second ({cap['events']:,} applied); its zmq subscription takes"
+        f" {zmq_rate:,.0f} envelopes per CPU-second ({zq['envelopes']:,} in, {zq['inbox_dropped']} dropped at the inbox)"
+        f" -> {per_core:,.0f} events per core; decision on that index p50/p99 wall {cap['decision_p50_us']:.0f}/"
+        f"{cap['decision_p99_us']:.0f} us, CPU {cap['decision_cpu_p50_us']:.0f}/{cap['decision_cpu_p99_us']:.0f} us"
+    )
+    print(
+        f"-> {BUSY_WORKERS:,} busy workers need {need / per_core if per_core else math.nan:.1f} cores of event ingest:"
+        f" one router process cannot keep up; the index sharded by worker over"
+        f" {math.ceil(need / per_core) if per_core else '?'} processes (one core each) can:"
     )
     if sharded:
         print(f"\nthe index sharded by worker ({BUSY_WORKERS:,} workers, {args.shard_envelopes:,} envelopes in all, ingested at once;"

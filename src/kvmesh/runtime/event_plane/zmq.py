@@ -208,6 +208,9 @@ class ZmqEventPlane(EventPlane):
         self._curve = CurveKeys(self.secret) if self.secret is not None else None
         self.max_message_bytes = max_message_bytes
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
+        # zmq's default is 1,024 sockets per context: the workers of one process (--replicas)
+        # share this plane, two publishers each; the process's file limit is the real bound
+        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         self._publishers: list[ZmqPublisher] = []
         self._subscriptions: list[ZmqSubscription] = []
 

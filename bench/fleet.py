@@ -463,7 +463,7 @@ def shard_scaling(stream: list[bytes], workers: int, shards: int, envelopes: int
     import multiprocessing as mp
 
     from kvmesh.kv.hashing import block_hashes
-    from kvmesh.router.cost import select_greedy
+    from kvmesh.router.cost import CostInputs, select_greedy
 
     ctx = mp.get_context("fork")
     go = ctx.Event()
@@ -501,7 +501,7 @@ def shard_scaling(stream: list[bytes], workers: int, shards: int, envelopes: int
                     done[i] = reply[1:]
                     reply = pipe.recv()
                 merged.update(reply)
-            select_greedy(everyone, merged, len(hashes) * 16, {}, {}, 16, 1.0, None, rng)
+            select_greedy(everyone, CostInputs(merged, len(hashes) * 16, {}, {}, 16, 1.0), None, rng)
             times.append(time.perf_counter() - start)
 
         while len(done) < shards:

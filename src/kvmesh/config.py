@@ -24,6 +24,7 @@ __all__ = [
     "SecurityConfig",
     "ClusterCredentials",
     "RunConfig",
+    "PlannerConfig",
     "RuntimeConfig",
     "ROUTER_MODES",
     "WORKER_MODES",
@@ -70,12 +71,18 @@ class WorkerConfig:
         "", "distributed: JetStream on --nats-url (default); embedded: tcp://host:port of kvmesh run's queue",
         check=lambda v: None if v in ("", "nats") or str(v).startswith("tcp://") else "must be 'nats' or tcp://host:port",
     )  # fmt: skip
+    # issue 16: a hot spare of a distributed fleet (kvmesh planner promotes or stops it by signed order)
+    standby: bool = setting(False, "distributed: start and offer this worker as a standby; serve only when "
+                            "kvmesh planner orders it (a signed order in discovery)")  # fmt: skip
     max_local_prefill_length: int = setting(
         1000, "decode workers prefill remotely only prompts with more uncached tokens than this",
         check=non_negative, group=_DISAGG,
     )  # fmt: skip
     max_prefill_queue_size: int = setting(
         2, "... and only while the prefill queue holds fewer jobs than this", check=non_negative, group=_DISAGG
+    )
+    max_prefill_queue_tokens: int = setting(
+        0, "... and fewer tokens left to prefill than this (0: no token bound)", check=non_negative, group=_DISAGG
     )
     remote_prefill_timeout_s: float = setting(
         30.0, "seconds a decode worker waits for a remote prefill before prefilling locally", check=positive, group=_DISAGG
@@ -217,6 +224,42 @@ class FrontendConfig:
         return self.router_mode in ("kv", "kv-approx")
 
 
+_PLAN = "planner (issue 16)"
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner: ``--planner`` in ``kvmesh run`` (it acts on the run's worker
+    supervisor), or the ``kvmesh planner`` process (it acts through discovery)."""
+
+    planner: bool = setting(False, "run the planner: keep hot spares, replace lost workers, scale and reshape the fleet",
+                            env="KVMESH_PLANNER", group=_PLAN)  # fmt: skip
+    hot_spares: int = setting(0, "workers kept started and canary-checked but not routed to, promoted when one fails",
+                              env="KVMESH_HOT_SPARES", check=non_negative, group=_PLAN)  # fmt: skip
+    min_workers: int | None = setting(
+        None, "the planner never goes below this many serving workers (default: the start size; kvmesh planner: 1)",
+        check=positive, group=_PLAN,
+    )  # fmt: skip
+    max_workers: int | None = setting(
+        None, "the planner never runs more workers than this, spares included (default: the start size + spares)",
+        check=positive, group=_PLAN,
+    )  # fmt: skip
+    planner_interval_s: float = setting(2.0, "seconds between planner rounds (a lost worker is handled at once)",
+                                        check=positive, group=_PLAN)  # fmt: skip
+    planner_cooldown_s: float = setting(30.0, "seconds between two reshaping actions (scale, role moves)",
+                                        check=non_negative, group=_PLAN)  # fmt: skip
+    planner_hold_rounds: int = setting(3, "rounds a signal must hold before the planner reshapes", check=positive,
+                                       group=_PLAN)  # fmt: skip
+    # kvmesh planner only: its /metrics (kvmesh run serves them on the frontend's)
+    planner_metrics_port: int | None = setting(None, "serve the planner's Prometheus metrics on this port",
+                                               check=a_port, group=_PLAN)  # fmt: skip
+
+    def __post_init__(self) -> None:
+        check(self)
+        if self.max_workers is not None and self.min_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"--max-workers ({self.max_workers}) must be at least --min-workers ({self.min_workers})")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """``kvmesh run``: one frontend supervising ``workers`` worker processes."""
@@ -234,13 +277,18 @@ class RunConfig:
         5, "give up (exit 1 with the worker's error) after this many worker starts in a row fail",
         check=positive,
     )  # fmt: skip
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         check(self)
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ValueError("disaggregated serving needs both --prefill-workers and --decode-workers (at least 1 each)")
+        if self.planner.hot_spares and not self.planner.planner:
+            raise ValueError("--hot-spares needs --planner (the planner starts, checks and promotes them)")
         if self.workers_per_process > 1 and self.disaggregated:
             raise ValueError("--workers-per-process is for aggregated workers (--workers); not with --prefill-workers")
+        if self.workers_per_process > 1 and self.planner.planner:
+            raise ValueError("--workers-per-process is not for --planner (the planner starts and stops workers one at a time)")
 
     @property
     def disaggregated(self) -> bool:

@@ -12,7 +12,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client; no *_created series
 
-__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -201,6 +201,35 @@ class FrontendMetrics:
         if m is None:
             m = self._models[name] = ModelMetrics(self, name)
         return m
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_REPLACE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class PlannerMetrics:
+    """The planner's decisions and their inputs (``kvmesh run --planner``: in the
+    frontend's registry, at its ``/metrics``; ``kvmesh planner``: its own)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.decisions = Counter(
+            "kvmesh_planner_decisions", "Planner decisions by action and role", ["action", "role"], registry=r
+        )
+        self.pressure = Gauge("kvmesh_planner_pressure", "The planner's last prefill / decode pressure (1: at the SLO)",
+                              ["side"], registry=r)  # fmt: skip
+        self.inputs = Gauge("kvmesh_planner_input", "What the planner's last round saw", ["signal"], registry=r)
+        self.workers = Gauge("kvmesh_planner_workers", "Workers by role as the planner saw them (spare: ready)",
+                             ["role"], registry=r)  # fmt: skip
+        self.replacement = Histogram(
+            "kvmesh_planner_replacement_seconds",
+            "From a serving worker's loss to its replacement being routable (promote: a hot spare; cold: a new start)",
+            ["how"], buckets=_REPLACE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.failed = Counter("kvmesh_planner_actions_failed", "Planner actions that could not be carried out",
+                              ["action"], registry=r)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

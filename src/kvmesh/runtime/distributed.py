@@ -45,6 +45,7 @@ import hmac
 import logging
 import os
 import socket
+from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
@@ -385,29 +386,29 @@ class SharedClients:
         await self.discovery.close()
 
 
+@dataclass(frozen=True, eq=False)
 class Namespace:
-    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
-        self.runtime = runtime
-        self.name = name
+    runtime: DistributedRuntime
+    name: str
 
     def component(self, name: str) -> Component:
         return Component(self, name)
 
 
+@dataclass(frozen=True, eq=False)
 class Component:
-    def __init__(self, namespace: Namespace, name: str) -> None:
-        self.namespace = namespace
-        self.name = name
+    namespace: Namespace
+    name: str
 
     def endpoint(self, name: str) -> Endpoint:
         return Endpoint(self, name)
 
 
+@dataclass(eq=False)
 class Endpoint:
-    def __init__(self, component: Component, name: str) -> None:
-        self.component = component
-        self.name = name
-        self._key: str | None = None
+    component: Component
+    name: str
+    _key: str | None = field(default=None, init=False)  # set while registered
 
     @property
     def runtime(self) -> DistributedRuntime:

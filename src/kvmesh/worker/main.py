@@ -32,6 +32,7 @@ from kvmesh.worker.service import WorkerService
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
 
+    from kvmesh.planner.orders import StandbyLink
     from kvmesh.worker.disagg import Roles
 
 __all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher", "Shared", "serve_one", "stop_on_signals"]
@@ -252,7 +253,19 @@ async def _serve_distributed(
         metrics = shared.metrics_address if shared is not None else _metrics(cfg, roles, service, default_port=0)
         info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=metrics)
         service.info = info
+        link = None
+        if cfg.standby:  # a hot spare: offered, checked, routed to only once the planner orders it
+            _announce(info, ready_out)
+            if on_ready is not None:
+                on_ready()  # started: waiting for the planner is no part of a replica's start
+            link = await _stand_by(runtime, info, stop)
+            if link is None:
+                return
         await endpoint.register(info)
+        if link is not None:
+            await link.withdraw()  # after registering: the planner never sees it in neither place
+            obey = asyncio.ensure_future(_obey_stop(link, stop))
+            runtime.add_closer(functools.partial(_close_link, link, obey))
         if shared is not None:
             shared.services.append(service)
         watch = start_watch(runtime.discovery, rc.namespace, roles)
@@ -260,7 +273,8 @@ async def _serve_distributed(
             runtime.add_closer(lambda: _cancel(watch))
         if roles.prefill is not None:
             roles.prefill.start()
-        _announce(info, ready_out)
+        if link is None:
+            _announce(info, ready_out)
         if on_ready is not None:
             on_ready()
         lost = asyncio.ensure_future(runtime.lease_lost.wait())
@@ -283,6 +297,43 @@ async def _serve_distributed(
         if roles is not None:
             await _close_roles(roles)
         await runtime.shutdown()
+
+
+async def _stand_by(runtime: DistributedRuntime, info: InstanceInfo, stop: asyncio.Event) -> StandbyLink | None:
+    """Offer this worker as a standby until the planner orders it to serve (the link,
+    which keeps delivering orders) or it is stopped: an order, a signal, its lease (None)."""
+    from kvmesh.planner.orders import StandbyLink
+
+    link = StandbyLink(runtime, info)
+    await link.offer()
+    log.info("worker %x standing by", info.worker_id)
+    while True:
+        order = asyncio.ensure_future(link.next_order())
+        waits = [order, asyncio.ensure_future(stop.wait()), asyncio.ensure_future(runtime.lease_lost.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if order.cancelled() or not order.done() or order.exception() is not None:
+            await link.close()
+            return None
+        if order.result().action == "serve":
+            log.warning("worker %x promoted by the planner", info.worker_id)
+            return link
+        await link.close()  # "stop": never served, nothing to drain
+        return None
+
+
+async def _obey_stop(link: StandbyLink, stop: asyncio.Event) -> None:
+    """A serving worker that came from standby drains when the planner says stop."""
+    while (await link.next_order()).action != "stop":
+        pass
+    stop.set()
+
+
+async def _close_link(link: StandbyLink, obey: asyncio.Future[None]) -> None:
+    obey.cancel()
+    await asyncio.gather(obey, return_exceptions=True)
+    await link.close()
 
 
 async def _unregister(endpoint: Endpoint) -> None:

@@ -230,6 +230,33 @@ class Supervisor:
         for slot in range(processes(self.count, self.per_process)):
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep(slot)))
 
+    def launch(self, template: WorkerConfig | None = None) -> int:
+        """Start one more worker (a fresh id, from ``template`` or the supervisor's),
+        not restarted when it exits: the planner decides what replaces it. Its ready
+        and exit are reported through ``on_ready`` / ``on_exit`` like any other."""
+        worker_id = self._next_id
+        self._next_id += 1
+        cfg = replace(template or self.template, worker_id=worker_id)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._run_one(cfg)))
+        return worker_id
+
+    async def _run_one(self, cfg: WorkerConfig) -> None:
+        try:
+            ready, why = await self._run_once(cfg)
+        except Exception:  # noqa: BLE001 - keep supervising the others
+            log.exception("worker %d failed to run", cfg.worker_id)
+            return
+        if not ready and not self._stopping:
+            log.warning("worker %d did not start: %s", cfg.worker_id, why)
+
+    def terminate(self, worker_id: int) -> bool:
+        """SIGTERM ``worker_id`` (it drains, then exits); False if it is not running."""
+        proc = self.procs.get(worker_id)
+        if proc is None:
+            return False
+        _signal(proc, signal.SIGTERM)
+        return True
+
     async def _keep(self, slot: int) -> None:
         first = slot_config(self.template, slot, self.count, self.per_process, self.first_id)
         worker_id = first.worker_id

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvmesh.router.cost import _TIE_RTOL, score_all, select_greedy
+from kvmesh.router.cost import _TIE_RTOL, CostInputs, score_all, select_greedy
 
 
 def _fleet(rng: random.Random) -> tuple[dict[int, None], dict[int, int], dict[int, int], dict[int, int], int]:
@@ -23,7 +23,7 @@ def _fleet(rng: random.Random) -> tuple[dict[int, None], dict[int, int], dict[in
 
 
 def _allowed(workers, overlaps, prompt, prefill, active, ow) -> set[int]:  # type: ignore[no-untyped-def]
-    scores = score_all(workers, overlaps, prompt, prefill, active, 16, ow, None)
+    scores = score_all(workers, CostInputs(overlaps, prompt, prefill, active, 16, ow), None)
     best = min(s.cost for s in scores)
     ties = [s for s in scores if s.cost <= best + _TIE_RTOL * max(1.0, abs(best))]
     fewest = min(s.overlap_blocks for s in ties)
@@ -36,14 +36,14 @@ def test_the_pick_is_one_select_could_make(seed: int) -> None:
     workers, overlaps, prefill, active, prompt = _fleet(rng)
     ow = rng.choice([0.0, 1.0, 2.5])
     allowed = _allowed(workers, overlaps, prompt, prefill, active, ow)
-    chosen, shown = select_greedy(workers, overlaps, prompt, prefill, active, 16, ow, None, random.Random(seed))
+    chosen, shown = select_greedy(workers, CostInputs(overlaps, prompt, prefill, active, 16, ow), None, random.Random(seed))
     assert chosen.worker_id in allowed
     assert chosen in shown
-    costs = sorted(s.cost for s in score_all(workers, overlaps, prompt, prefill, active, 16, ow, None))
+    costs = sorted(s.cost for s in score_all(workers, CostInputs(overlaps, prompt, prefill, active, 16, ow), None))
     listed = sorted(s.cost for s in shown if s != chosen or len(shown) <= 8)[:8]
     busy = {w for w in {*overlaps, *prefill, *active} if w in workers}
     if len(busy) >= 8:  # the explanations are the cheapest of the matched or loaded workers
-        cheapest_busy = sorted(s.cost for s in score_all(list(busy), overlaps, prompt, prefill, active, 16, ow, None))[:8]
+        cheapest_busy = sorted(s.cost for s in score_all(list(busy), CostInputs(overlaps, prompt, prefill, active, 16, ow), None))[:8]
         assert listed == pytest.approx(cheapest_busy)
     assert chosen.cost == pytest.approx(costs[0])
 
@@ -52,5 +52,5 @@ def test_ties_are_spread_over_every_tied_worker() -> None:
     workers = dict.fromkeys(range(1, 101))
     overlaps = {w: 12 for w in workers}  # every worker holds the prompt's prefix, none is loaded
     rng = random.Random(3)
-    picks = {select_greedy(workers, overlaps, 256, {}, {}, 16, 1.0, None, rng)[0].worker_id for _ in range(2000)}
+    picks = {select_greedy(workers, CostInputs(overlaps, 256, {}, {}, 16, 1.0), None, rng)[0].worker_id for _ in range(2000)}
     assert len(picks) > 90

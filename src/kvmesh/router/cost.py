@@ -184,9 +184,9 @@ def select_greedy(
     """Temperature-0 :func:`select` for many workers, without a :class:`CandidateScore`
     per worker. The same rule; what differs is only how the work is done:
 
-    * with no weights, workers that hold nothing of the prompt and carry no load all
-      cost the same, so they are scored once as a group; only the others (matched or
-      loaded) are scored one by one;
+    * with no weights, a worker that carries no load costs what its overlap says, so
+      unloaded workers are scored once per overlap value (those holding nothing of the
+      prompt are one group); only loaded workers are scored one by one;
     * scores are built for the tied best only (ties broken as :func:`select` does,
       a random pick among the last ties) and for the ``keep`` cheapest, which are
       returned for explanations.
@@ -195,41 +195,55 @@ def select_greedy(
         return _greedy_weighted(workers, inputs, weights, rng, keep)
     overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight = inputs
     n_blocks = -(-prompt_tokens // block_size)
-    busy = [w for w in {*overlaps, *prefill_load_tokens, *active_blocks} if w in workers]
     get_overlap, get_prefill, get_active = overlaps.get, prefill_load_tokens.get, active_blocks.get
-    by_overlap: dict[int, float] = {}  # an unloaded worker's cost depends on its overlap only
-    costs = []
-    for w in busy:
-        overlap = get_overlap(w, 0)
-        prefill = get_prefill(w, 0)
-        active = get_active(w, 0)
-        if prefill or active:
-            cost = _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
-        else:
-            cached = by_overlap.get(overlap)
-            if cached is None:
-                cached = by_overlap[overlap] = _cost(overlap, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
-            cost = cached
-        costs.append(cost)
-    idle_cost = _cost(0, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
-    has_idle = len(busy) < len(workers)
-    best = min(min(costs, default=math.inf), idle_cost if has_idle else math.inf)
+
+    def cost_of(overlap: int, prefill: int = 0, active: int = 0) -> float:
+        return _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
+
+    # loaded workers (few: in-flight requests) one by one; the matched unloaded ones (up
+    # to the whole fleet, when every worker caches a popular prefix) grouped by overlap,
+    # on which alone their cost depends; the rest (idle, nothing cached) as one group
+    loaded = [w for w in {*prefill_load_tokens, *active_blocks} if w in workers]
+    loaded_set = set(loaded)
+    groups: dict[int, list[int]] = {}
+    for w, o in overlaps.items():
+        if w in workers and w not in loaded_set:
+            group = groups.get(o)
+            if group is None:
+                groups[o] = [w]
+            else:
+                group.append(w)
+    loaded_costs = [cost_of(get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)) for w in loaded]
+    group_costs = {o: cost_of(o) for o in groups}
+    matched = sum(len(g) for g in groups.values())
+    has_idle = len(loaded) + matched < len(workers)
+    idle_cost = cost_of(0)
+    best = min(min(loaded_costs, default=math.inf), min(group_costs.values(), default=math.inf), idle_cost if has_idle else math.inf)
     limit = best + _TIE_RTOL * max(1.0, abs(best))
+
+    # ties share cost and weight (1): only the fewest cached blocks, then chance, decide
+    tied_loaded = [w for w, c in zip(loaded, loaded_costs) if c <= limit]
+    tied_groups = [o for o, c in group_costs.items() if c <= limit]
+    idle_ties = has_idle and idle_cost <= limit  # idle workers hold nothing: overlap 0
+    fewest = 0 if idle_ties else min([get_overlap(w, 0) for w in tied_loaded] + tied_groups)
+    ties = [w for w in tied_loaded if get_overlap(w, 0) == fewest]
+    if fewest in tied_groups:
+        ties += groups[fewest]
+    if idle_ties:
+        ties += [w for w in workers if w not in loaded_set and w not in overlaps]
 
     def scored(w: int) -> CandidateScore:
         return score(w, get_overlap(w, 0), prompt_tokens, get_prefill(w, 0), get_active(w, 0), block_size, overlap_weight)
 
-    # ties share cost and weight (1): only the fewest cached blocks, then chance, decide
-    ties = [w for w, c in zip(busy, costs) if c <= limit]
-    idle_ties = has_idle and idle_cost <= limit  # idle workers hold nothing: overlap 0
-    fewest = 0 if idle_ties else min(get_overlap(w, 0) for w in ties)
-    ties = [w for w in ties if get_overlap(w, 0) == fewest]
-    if idle_ties:
-        busy_set = set(busy)
-        ties += [w for w in workers if w not in busy_set]
     chosen = scored(ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))])
-    order = sorted(range(len(busy)), key=costs.__getitem__)[:keep]
-    shown = [scored(busy[i]) for i in order]
+    # the ``keep`` cheapest of the loaded and matched workers, for explanations
+    cheapest = sorted(zip(loaded_costs, loaded))
+    for o in sorted(groups, key=group_costs.__getitem__):
+        if len(cheapest) >= keep and group_costs[o] >= cheapest[keep - 1][0]:
+            break
+        cheapest += [(group_costs[o], w) for w in groups[o][:keep]]
+        cheapest.sort()
+    shown = [scored(w) for _, w in cheapest[:keep]]
     if chosen not in shown:
         shown.append(chosen)
     return chosen, shown

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, run_trace
+from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, WorkerUsage, run_trace
 from kvmesh.protocol import LoadReport, PreprocessedRequest
 from kvmesh.replay.policies import ReplayPolicy
 from kvmesh.runtime.events import CallbackPublisher
@@ -34,10 +34,12 @@ def simulate(
     options: MockerOptions,
     workers: int,
     on_done: Callable[[], None] | None = None,
+    usage: list[WorkerUsage] | None = None,
 ) -> list[RequestRecord]:
     """Replay time-ordered ``arrivals`` on ``workers`` mocker workers (``options`` with
     ``worker_id`` 0 .. n-1); returns every request's record in arrival order.
-    ``on_done`` is called once per finished request (a progress bar)."""
+    ``on_done`` is called once per finished request (a progress bar); ``usage`` gets
+    each worker's :class:`WorkerUsage` at the end."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     fleet = [
@@ -46,6 +48,8 @@ def simulate(
     ]
     feedback = _Feedback(policy, on_done)
     records = run_trace(arrivals, fleet, lambda request, t, _workers: policy.route(request, t), feedback.deliver)
+    if usage is not None:
+        usage.extend(w.usage for w in fleet)
     return list(records.values())  # arrival order
 
 

@@ -18,6 +18,7 @@ from kvmesh.config import (
     ClusterCredentials,
     FrontendConfig,
     HttpLimits,
+    PlannerConfig,
     RunConfig,
     RuntimeConfig,
     SecurityConfig,
@@ -35,11 +36,12 @@ __all__ = ["main", "build_parser"]
 _ENGINE_FIELDS = ("model_path", "engine", "block_size", "validate_streams")
 _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
                   "remote_prefill_timeout_s", "drain_migrate", "metrics_port")  # fmt: skip
-_WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue")
+_WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")
 # the config classes whose settings each command takes (its flags and its --config keys)
 _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
-RUN_CLASSES = (RunConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
+RUN_CLASSES = (RunConfig, PlannerConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
 FRONTEND_CLASSES = (FrontendConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials)
+PLANNER_CLASSES = (PlannerConfig, RuntimeConfig, ClusterCredentials)
 WORKER_CLASSES = (WorkerConfig, RuntimeConfig, ClusterCredentials, *_ENGINE_SETTINGS)
 _EXTRA_FILE_KEYS = {"model", "model-path", "log-level", "log_level", "static-workers", "static_workers", "static"}
 
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="serve a model: frontend + N worker processes on this host, no external services")
     _add_config_arg(run)
     add_flags(run, RunConfig, title="worker processes")
+    add_flags(run, PlannerConfig, title="planner", exclude=("planner_metrics_port",))
     _add_frontend_args(run)
     _add_engine_args(run)
     _add_secret_arg(run)
@@ -144,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="replay a Mooncake-format trace against mocker workers and compare routing policies")
     add_replay_args(replay)
+
+    planner = sub.add_parser("planner", help="the planner for a distributed fleet: signed orders to --standby workers")
+    _add_config_arg(planner)
+    add_flags(planner, PlannerConfig, title="planner", exclude=("planner",))
+    planner.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], help="(default warning)")
+    _add_runtime_args(planner)
+    _add_secret_arg(planner)
 
     worker = sub.add_parser("worker", help="run one worker process")
     _add_config_arg(worker)
@@ -209,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "run":
             file = _file(ns, *RUN_CLASSES)
             _apply_cluster_secret(ns, file)
-            parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file)}
+            parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file),
+                     "planner": resolve(PlannerConfig, ns, file=file)}  # fmt: skip
             cfg = resolve(RunConfig, ns, file=file, given=parts)
             from kvmesh.cli.run import run_embedded
 
@@ -225,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                 _frontend_config(ns, file), _runtime_config(ns, file), static,
                 ns.model_path or _str_or_none(file.get("model-path")), _log_level(ns, file),
             )
+        if ns.command == "planner":
+            file = _file(ns, *PLANNER_CLASSES)
+            _apply_cluster_secret(ns, file)
+            from kvmesh.cli.planner import run_planner
+
+            return run_planner(resolve(PlannerConfig, ns, file=file), _runtime_config(ns, file), _log_level(ns, file))
         if ns.command == "canary":
             from kvmesh.cli.canary import run_canary
 

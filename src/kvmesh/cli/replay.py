@@ -91,15 +91,7 @@ def _config(ns: argparse.Namespace) -> ReplayConfig:
     from kvmesh.replay.runner import ReplayConfig
     from kvmesh.settings import resolve
 
-    m = resolve(MockerSettings, ns)
-    mocker = MockerOptions(
-        block_size=ns.block_size,
-        num_blocks=m.num_blocks,
-        max_num_seqs=m.max_num_seqs,
-        max_num_batched_tokens=m.max_num_batched_tokens,
-        speedup=m.speedup,
-        eos_rate=m.eos_probability,
-    )
+    mocker = MockerOptions.from_settings(resolve(MockerSettings, ns), block_size=ns.block_size)
     policies = tuple(p.strip() for p in ns.policy.split(",") if p.strip())
     return ReplayConfig(
         policies=policies,

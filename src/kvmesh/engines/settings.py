@@ -8,12 +8,36 @@ parser. :mod:`kvmesh.engines.registry` pairs each class with its engine's factor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvmesh.settings import EngineSettings, check, non_negative, positive, setting, within
 
-__all__ = ["MockerSettings", "HfSettings", "VllmSettings"]
+__all__ = ["MockerSettings", "HfSettings", "VllmSettings", "options_from"]
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+O = TypeVar("O", bound="DataclassInstance")
+
+
+def options_from(options: type[O], *sources: DataclassInstance, **given: Any) -> O:
+    """An engine's ``options`` object from dataclass ``sources`` (resolved settings, the
+    worker's :class:`~kvmesh.engines.registry.EngineSpec`): each option takes the value
+    of the same-named field of the last source that has one that is not None, ``given``
+    wins over all; an option no source names keeps its default, which for a declared
+    setting is the declaration's (the CLI's)."""
+    names = {f.name for f in dataclasses.fields(options)}
+    values: dict[str, Any] = {}
+    for source in sources:
+        for f in dataclasses.fields(source):
+            value = getattr(source, f.name)
+            if f.name in names and value is not None:
+                values[f.name] = value
+    values.update(given)
+    return options(**values)
 
 
 def _fault_ok(value: object) -> str | None:
@@ -78,7 +102,7 @@ class HfSettings(EngineSettings):
         512, "tokens per forward pass (long prompts prefill in chunks of it)", flag="--hf-max-num-batched-tokens",
         env="KVMESH_HF_MAX_NUM_BATCHED_TOKENS", check=positive, group=_HF,
     )  # fmt: skip
-    threads: int = setting(0, "torch threads (0: torch's choice)", flag="--hf-threads", env="KVMESH_HF_THREADS",
+    threads: int = setting(0, "torch threads (0: the CPUs this process may use: affinity and cgroup quota)", flag="--hf-threads", env="KVMESH_HF_THREADS",
                            check=non_negative, group=_HF)  # fmt: skip
     seed: int | None = setting(None, "sampler seed of requests without one", flag="--hf-seed", env="KVMESH_HF_SEED", group=_HF)
 

@@ -146,6 +146,9 @@ class ModelRegistry:
             self.shedder = LoadShedder(self, _capacity_config(config), metrics=metrics)
         if config.canary_interval_s > 0:
             self.health = HealthMonitor(self, _health_config(config), config.canary_timeout_s, config.canary_files, metrics)
+            shedder = self.shedder
+            if shedder is not None:  # levels 3-4 relax the canaries' latency threshold as they relax the SLOs
+                self.health.latency_multiplier = lambda: shedder.controller.actions.latency_multiplier
         self.models: dict[str, ModelEntry] = {}
         self._worker_model: dict[int, str] = {}
 

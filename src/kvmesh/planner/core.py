@@ -74,6 +74,7 @@ class Observation:
     ttft_p90_ms: float = 0.0
     itl_p90_ms: float = 0.0
     degradation_level: int = 0
+    request_rate_rps: float = 0.0  # for the record (the decision log); no rule reads it
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +146,11 @@ class Planner:
         if self._planned is None:
             self._planned = {r: sum(1 for w in obs.workers if w.role is r) for r in SERVING}
         prefill, decode = self._pressures(obs)
-        inputs = {"prefill_pressure": prefill, "decode_pressure": decode, "workers": float(len(obs.workers))}
+        inputs = {
+            "prefill_pressure": prefill, "decode_pressure": decode, "workers": float(len(obs.workers)),
+            "queue_tokens": float(obs.prefill_queue_tokens), "ttft_p90_ms": obs.ttft_p90_ms,
+            "itl_p90_ms": obs.itl_p90_ms, "level": float(obs.degradation_level), "rps": obs.request_rate_rps,
+        }  # fmt: skip
         actions = self._replace_lost(obs, inputs)
         replacing = bool(actions)
         actions += self._keep_spares(obs, actions, inputs)

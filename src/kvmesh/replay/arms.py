@@ -50,7 +50,7 @@ from kvmesh.planner.core import Action, Observation, Planner, PlannerConfig, Rol
 from kvmesh.protocol import DisaggThresholds, KvEvent, LoadReport, PreprocessedRequest
 from kvmesh.replay.policies import KvPolicy, ReplayPolicy, make_policy
 from kvmesh.replay.report import percentile
-from kvmesh.replay.sim import simulate
+from kvmesh.replay.sim import fleet_options, simulate
 from kvmesh.runtime.events import CallbackPublisher
 
 __all__ = ["Arm", "ArmRun", "DisaggModel", "PlannerSettings", "parse_arms", "run_arm"]
@@ -173,7 +173,7 @@ def run_arm(
     """Replay ``arrivals`` under one arm; ``make_router(n)`` builds the router over n workers."""
     if arm.prefill == 0:
         usage: list[WorkerUsage] = []
-        records = simulate(arrivals, make_router(workers), options, workers, on_done, usage)
+        records = simulate(arrivals, make_router(workers), fleet_options(options, workers), on_done, usage)
         return ArmRun(records, {"local_prefills": len(records)}, [], _resources(records, usage, [], []))
     fleet = _DisaggFleet(arm, options, workers, make_router, model or DisaggModel(), planner, on_done)
     return fleet.run(arrivals)

@@ -11,7 +11,7 @@ from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.sim import RequestRecord
 from kvmesh.replay.policies import POLICIES, make_policy
 from kvmesh.replay.report import PolicyResult, summarize
-from kvmesh.replay.sim import simulate
+from kvmesh.replay.sim import fleet_options, simulate
 from kvmesh.replay.trace import TokenSynth, TraceRequest, arrivals
 
 __all__ = ["CLOCKS", "ReplayConfig", "fit_context", "replay", "replay_policy"]
@@ -80,11 +80,12 @@ def replay_policy(
         seed=config.seed,
     )
     stream = arrivals(trace, TokenSynth(options.vocab_size), config.speed)
+    fleet = fleet_options(options, config.workers)
     if config.clock == "real":
         from kvmesh.replay.realtime import simulate_real
 
-        return asyncio.run(simulate_real(stream, policy, options, config.workers, on_done))
-    return simulate(stream, policy, options, config.workers, on_done)
+        return asyncio.run(simulate_real(stream, policy, fleet, on_done))
+    return simulate(stream, policy, fleet, on_done)
 
 
 def replay(trace: Sequence[TraceRequest], config: ReplayConfig) -> list[PolicyResult]:

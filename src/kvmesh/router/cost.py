@@ -32,7 +32,7 @@ import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["CandidateScore", "check_knobs", "new_blocks", "score", "score_all", "select", "select_greedy", "uncached_tokens"]
+__all__ = ["CandidateScore", "CostInputs", "check_knobs", "new_blocks", "score", "score_all", "select", "select_greedy", "uncached_tokens"]
 
 # Relative tolerance under which two effective costs count as a tie.
 _TIE_RTOL = 1e-9
@@ -50,6 +50,18 @@ class CandidateScore(NamedTuple):
     decode_blocks: float
     cost: float
     weight: float = 1.0
+
+
+class CostInputs(NamedTuple):
+    """What every worker's cost for one request is computed from (see the module
+    docstring); missing map entries are 0."""
+
+    overlaps: Mapping[int, int]  # worker → leading blocks of the prompt it holds
+    prompt_tokens: int
+    prefill_load_tokens: Mapping[int, int]  # worker → in-flight prefill tokens
+    active_blocks: Mapping[int, int]  # worker → active KV blocks
+    block_size: int
+    overlap_weight: float
 
 
 def check_knobs(overlap_weight: float, temperature: float) -> None:
@@ -87,17 +99,11 @@ def score(
 
 
 def score_all(
-    workers: Iterable[int],
-    overlaps: Mapping[int, int],
-    prompt_tokens: int,
-    prefill_load_tokens: Mapping[int, int],
-    active_blocks: Mapping[int, int],
-    block_size: int,
-    overlap_weight: float,
-    weights: Mapping[int, float] | None = None,
+    workers: Iterable[int], inputs: CostInputs, weights: Mapping[int, float] | None = None
 ) -> list[CandidateScore]:
-    """:func:`score` for each of ``workers`` (missing map entries: 0, weight 1), in
+    """:func:`score` for each of ``workers`` (weight 1 when not in ``weights``), in
     their order. The same formula, unrolled: this runs for every worker on every request."""
+    overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight = inputs
     n_blocks = -(-prompt_tokens // block_size)
     out: list[CandidateScore] = []
     append = out.append
@@ -170,12 +176,7 @@ def _sample(pool: list[CandidateScore], temperature: float, rng: random.Random, 
 
 def select_greedy(
     workers: Collection[int],
-    overlaps: Mapping[int, int],
-    prompt_tokens: int,
-    prefill_load_tokens: Mapping[int, int],
-    active_blocks: Mapping[int, int],
-    block_size: int,
-    overlap_weight: float,
+    inputs: CostInputs,
     weights: Mapping[int, float] | None,
     rng: random.Random,
     keep: int = 8,
@@ -191,7 +192,8 @@ def select_greedy(
       returned for explanations.
     """
     if weights is not None:
-        return _greedy_weighted(workers, overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight, weights, rng, keep)
+        return _greedy_weighted(workers, inputs, weights, rng, keep)
+    overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight = inputs
     n_blocks = -(-prompt_tokens // block_size)
     busy = [w for w in {*overlaps, *prefill_load_tokens, *active_blocks} if w in workers]
     get_overlap, get_prefill, get_active = overlaps.get, prefill_load_tokens.get, active_blocks.get
@@ -240,19 +242,10 @@ def _cost(overlap: int, prefill: int, active: int, prompt_tokens: int, n_blocks:
 
 
 def _greedy_weighted(
-    workers: Collection[int],
-    overlaps: Mapping[int, int],
-    prompt_tokens: int,
-    prefill_load_tokens: Mapping[int, int],
-    active_blocks: Mapping[int, int],
-    block_size: int,
-    overlap_weight: float,
-    weights: Mapping[int, float],
-    rng: random.Random,
-    keep: int,
+    workers: Collection[int], inputs: CostInputs, weights: Mapping[int, float], rng: random.Random, keep: int
 ) -> tuple[CandidateScore, list[CandidateScore]]:
     """With health weights every worker is scored (weights differ per worker)."""
-    pool = score_all(workers, overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight, weights)
+    pool = score_all(workers, inputs, weights)
     chosen = select(pool, 0.0, rng)
     shown = sorted(pool, key=lambda c: c.cost)[:keep]
     if chosen not in shown:

@@ -80,6 +80,10 @@ class KvRouterService:
     def start(self) -> None:
         if self.subscription is not None and self.settings.mode == "kv":
             self._reader = asyncio.get_running_loop().create_task(self._read())
+            inbox = getattr(self.subscription, "inbox", None)
+            if inbox is not None:  # the event backlog, read at scrape time
+                self.metrics.event_backlog.set_function(lambda: len(inbox))
+                self.metrics.events_dropped.set_function(lambda: inbox.dropped)
 
     async def close(self) -> None:
         tasks = list(self._tasks) + ([self._reader] if self._reader else [])

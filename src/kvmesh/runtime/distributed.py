@@ -45,6 +45,7 @@ import hmac
 import logging
 import os
 import socket
+from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
@@ -81,6 +82,7 @@ __all__ = [
     "NIL",
     "sign_record",
     "record_is_signed",
+    "SharedClients",
 ]
 
 log = logging.getLogger("kvmesh.runtime")
@@ -152,17 +154,24 @@ class DistributedRuntime:
         config: RuntimeConfig,
         discovery: Discovery | None = None,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        *,
+        nats: NatsClient | None = None,
+        borrowed: bool = False,
     ) -> None:
+        """``borrowed``: ``discovery`` and ``nats`` belong to the caller, who shares them
+        between several runtimes of one process (:func:`shared_clients`); shutdown then
+        revokes this runtime's lease and closes its servers, never those clients."""
         self.config = config
         self.secret = auth.resolve(secret)
         self._discovery = discovery
+        self._borrowed = borrowed
         self.lease: Lease | None = None  # the current lease (replaced if it expires)
         self._id: int | None = None  # the first lease's id: this process's identity
         self._leased: dict[str, bytes] = {}  # keys bound to the lease, put again on a new one
         self._revoked = asyncio.Event()
         self._holder: asyncio.Task[None] | None = None
         self.renewals = 0  # leases taken after one expired out of contact
-        self.nats: NatsClient | None = None
+        self.nats: NatsClient | None = nats
         self._servers: dict[str, RequestServer] = {}
         self._callhome: CallHomeServer | None = None
         self._closers: list[Callable[[], Awaitable[None]]] = []
@@ -171,13 +180,7 @@ class DistributedRuntime:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self._discovery is None:
-            from kvmesh.runtime.discovery import make_discovery
-
-            c = self.config
-            self._discovery = make_discovery(
-                c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir,
-                etcd_credentials=self._etcd_credentials(),
-            )  # fmt: skip
+            self._discovery = _make_discovery(self.config)
         await self._discovery.connect()
         self.lease = await self._discovery.grant_lease(self.config.lease_ttl_s)
         self._id = self.lease.id
@@ -185,23 +188,11 @@ class DistributedRuntime:
         if self.config.needs_nats:
             await self.connect_nats()
 
-    def _etcd_credentials(self) -> EtcdCredentials | None:
-        c = self.config
-        if c.discovery != "etcd":
-            return None
-        from kvmesh.runtime.discovery.etcd import EtcdCredentials
-
-        return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
-
     async def connect_nats(self) -> NatsClient:
         """This process's NATS client (connected on first use, closed at shutdown), with
         the configured credentials file and TLS files (if any)."""
         if self.nats is None:
-            from kvmesh.runtime.nats import connect_nats, nats_tls_context
-
-            c = self.config
-            tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
-            self.nats = await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
+            self.nats = await _connect_nats(self.config)
         return self.nats
 
     @property
@@ -300,6 +291,8 @@ class DistributedRuntime:
             await close()
         if self._callhome is not None:
             await self._callhome.close()
+        if self._borrowed:
+            return
         if self.nats is not None:
             await self.nats.close()
         if self._discovery is not None:
@@ -342,29 +335,80 @@ class DistributedRuntime:
         return TcpClient(info.address, connect_timeout, response_timeout, secret=self.secret)
 
 
+def _etcd_credentials(c: RuntimeConfig) -> EtcdCredentials | None:
+    if c.discovery != "etcd":
+        return None
+    from kvmesh.runtime.discovery.etcd import EtcdCredentials
+
+    return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
+
+
+def _make_discovery(c: RuntimeConfig) -> Discovery:
+    from kvmesh.runtime.discovery import make_discovery
+
+    return make_discovery(
+        c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir,
+        etcd_credentials=_etcd_credentials(c),
+    )  # fmt: skip
+
+
+async def _connect_nats(c: RuntimeConfig) -> NatsClient:
+    from kvmesh.runtime.nats import connect_nats, nats_tls_context
+
+    tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
+    return await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
+
+
+class SharedClients:
+    """One discovery client (one etcd channel: every backend holds many leases) and
+    one NATS connection (when the planes need it), shared by several runtimes of one
+    process: ``DistributedRuntime(config, clients.discovery, nats=clients.nats,
+    borrowed=True)``. Close it after those runtimes shut down."""
+
+    def __init__(self, discovery: Discovery, nats: NatsClient | None) -> None:
+        self.discovery = discovery
+        self.nats = nats
+
+    @classmethod
+    async def connect(cls, config: RuntimeConfig) -> SharedClients:
+        discovery = _make_discovery(config)
+        await discovery.connect()
+        try:
+            nats = await _connect_nats(config) if config.needs_nats else None
+        except BaseException:
+            await discovery.close()
+            raise
+        return cls(discovery, nats)
+
+    async def close(self) -> None:
+        if self.nats is not None:
+            await self.nats.close()
+        await self.discovery.close()
+
+
+@dataclass(frozen=True, eq=False)
 class Namespace:
-    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
-        self.runtime = runtime
-        self.name = name
+    runtime: DistributedRuntime
+    name: str
 
     def component(self, name: str) -> Component:
         return Component(self, name)
 
 
+@dataclass(frozen=True, eq=False)
 class Component:
-    def __init__(self, namespace: Namespace, name: str) -> None:
-        self.namespace = namespace
-        self.name = name
+    namespace: Namespace
+    name: str
 
     def endpoint(self, name: str) -> Endpoint:
         return Endpoint(self, name)
 
 
+@dataclass(eq=False)
 class Endpoint:
-    def __init__(self, component: Component, name: str) -> None:
-        self.component = component
-        self.name = name
-        self._key: str | None = None
+    component: Component
+    name: str
+    _key: str | None = field(default=None, init=False)  # set while registered
 
     @property
     def runtime(self) -> DistributedRuntime:

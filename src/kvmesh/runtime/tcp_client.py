@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -30,57 +30,42 @@ from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, Invali
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
-from kvmesh.runtime.sockets import tune_stream_socket
-from kvmesh.runtime.stream import END, Decode, Mailbox, Merge
+from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, Out, Req
+from kvmesh.runtime.stream import END, Decode, FramedConnection, Mailbox, Merge
 
 __all__ = ["TcpClient"]
 
 log = logging.getLogger(__name__)
 
-class _Connection(asyncio.Protocol):
+class _Connection(FramedConnection):
     def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
+        super().__init__()
         self.address = address
-        self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Mailbox] = {}
-        self._reader = FrameReader()
-        self._writer = FrameWriter()
         self._next_sid = 1
         self._secret = secret
-        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
         self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
         self.foreign_frames = 0  # frames for no stream open on this connection
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set by connection_lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
-        self._writer.transport = self.transport
-        tune_stream_socket(transport.get_extra_info("socket"))
+        super().connection_made(transport)
         if self._secret is not None:
             hs = Handshake(self._secret, "request", client=True, peer=f"worker {self.address}")
             self.auth = self.gate = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.auth is not None:
-            self.auth.lost()
+        super().connection_lost(exc)
         if not self.closed.done():
             self.closed.set_result(None)
-        self.transport = None
-        self._writer.transport = None
         streams, self.streams = self.streams, {}
         for box in streams.values():
             box.finish(Disconnected(f"connection to worker {self.address} lost"))
 
     def data_received(self, data: bytes) -> None:
-        if self.auth is not None:
-            data, self.auth = self.auth.admit(data)
-            if not data:
-                return
-        try:
-            # Any: dispatched on `kind = type(frame)` below, which mypy does not follow
-            frames: list[Any] = self._reader.feed(data)
-        except InvalidArgument as exc:
-            self._fail_all(exc)
+        frames = self.admitted_frames(data)
+        if isinstance(frames, InvalidArgument):
+            self._fail_all(frames)
             return
         streams = self.streams
         for frame in frames:

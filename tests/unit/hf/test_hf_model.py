@@ -45,6 +45,51 @@ def test_packed_pass_matches_transformers(tmp_path, overrides):
     torch.testing.assert_close(logits[1], _reference_logits(folder, b)[-1], atol=2e-5, rtol=1e-4)
 
 
+def test_every_pass_shape_matches_transformers(tmp_path):
+    """The shapes :mod:`kvmesh.engines.hf.batch` treats specially: one prompt from 0
+    (causal, no mask), a prompt continued past cached KV (mask), a decode batch with
+    equally long contexts (no mask) and with unequal ones (mask, no query gather)."""
+    folder = write_random_llama(tmp_path / "m")
+    model = LlamaModel.from_folder(folder)
+    s = model.spec
+    pool = KvPool(32, 4, s.num_layers, s.num_kv_heads, s.head_dim)
+    a = [7, 3, 99, 12, 5, 6, 41, 8, 2]
+    b = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    ta, tb = [1, 2, 3], [4, 5, 6]
+
+    def check(logits, *seqs):
+        for row, seq in zip(logits, seqs, strict=True):
+            torch.testing.assert_close(row, _reference_logits(folder, seq)[-1], atol=2e-5, rtol=1e-4)
+
+    first = make_inputs([Chunk(a[:5], 0, ta, True)], 4)
+    assert first.mask is None and first.causal and first.q_index is None
+    check(model.forward(first, pool), a[:5])
+    rest = make_inputs([Chunk(a[5:8], 5, ta, True)], 4)  # continues after 5 cached tokens
+    assert rest.mask is not None and not rest.causal
+    check(model.forward(rest, pool), a[:8])
+    model.forward(make_inputs([Chunk(b[:8], 0, tb, False)], 4), pool)
+    same = make_inputs([Chunk(a[8:9], 8, ta, True), Chunk(b[8:9], 8, tb, True)], 4)
+    assert same.mask is None and same.q_index is None and same.out_rows is None
+    check(model.forward(same, pool), a, b)
+    c = [20, 21, 22]
+    model.forward(make_inputs([Chunk(c[:2], 0, [9], False)], 4), pool)
+    unequal = make_inputs([Chunk(c[2:], 2, [9], True), Chunk([30], 9, tb, True)], 4)
+    assert unequal.mask is not None and unequal.q_index is None
+    check(model.forward(unequal, pool), c, b + [30])
+
+
+def test_rope_table_grows_past_the_configured_context(tmp_path):
+    folder = write_random_llama(tmp_path / "m")
+    model = LlamaModel.from_folder(folder)
+    n = model._cos.shape[0]
+    s = model.spec
+    pool = KvPool(n // 4 + 4, 4, s.num_layers, s.num_kv_heads, s.head_dim)
+    inp = make_inputs([Chunk([5], n + 2, list(range(n // 4 + 1)), True)], 4)
+    model.forward(inp, pool)
+    assert model._cos.shape[0] > n + 2
+    torch.testing.assert_close(model._cos[: n], LlamaModel.from_folder(folder)._cos)
+
+
 def test_spec_refuses_other_architectures():
     with pytest.raises(InvalidArgument, match="Llama-family"):
         LlamaSpec.from_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
@@ -77,7 +122,8 @@ def test_kv_pool_wire_form_round_trips_and_checks_sizes():
     assert len(data) == 2 * pool.bytes_per_block == 2 * 2 * 2 * 2 * 4 * 8 * 4
     other = KvPool(8, 4, 2, 2, 8)
     other.import_([0, 6], data)
-    assert torch.equal(other.data[0], pool.data[5]) and torch.equal(other.data[6], pool.data[1])
+    assert torch.equal(other.block(0), pool.block(5)) and torch.equal(other.block(6), pool.block(1))
+    assert other.block(0).shape == pool.block_shape == (2, 2, 2, 4, 8)
     assert other.export([0, 6]) == data
     with pytest.raises(InvalidArgument, match="1 blocks needs 1024 bytes, got 2048"):
         other.import_([0], data)

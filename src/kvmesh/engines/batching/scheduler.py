@@ -55,9 +55,10 @@ import enum
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from kvmesh.engines.batching.block_manager import BlockManager
+from kvmesh.engines.batching.options import BatchingOptions
 from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
@@ -80,23 +81,6 @@ class State(enum.Enum):
     RESERVED = "reserved"  # holds blocks outside the queues (kv_reserve, kv_detach)
     HELD = "held"  # a remote prefill that is done: blocks kept until exported
     ENDED = "ended"
-
-
-class BatchingOptions(Protocol):
-    """The options every batching engine has under these names."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def max_num_seqs(self) -> int: ...
-    @property
-    def max_num_batched_tokens(self) -> int: ...
-    @property
-    def enable_prefix_caching(self) -> bool: ...
-    @property
-    def worker_id(self) -> int: ...
-    @property
-    def event_ring_capacity(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

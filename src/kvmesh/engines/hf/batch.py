@@ -1,7 +1,13 @@
 """Turning a scheduler plan into the tensors of one packed forward pass.
 
-Runs on the event loop (cheap index arithmetic); the result is immutable and handed
-to the forward thread, which never touches scheduler state.
+Runs on the event loop (cheap index arithmetic in Python, then one ``torch.tensor``
+per field); the result is immutable and handed to the forward thread, which never
+touches scheduler state. The common shapes need no gather or mask at all:
+
+* every chunk of the same length ``Q`` (a decode batch: ``Q == 1``): queries are the
+  packed rows as they are (``q_index`` and ``out_rows`` None);
+* every sequence's context of the same length ``L`` and ``Q == 1``, or one sequence
+  prefilled from position 0: no mask (``mask`` None; ``causal`` for the prefill).
 """
 
 from __future__ import annotations
@@ -27,36 +33,72 @@ class Chunk:
     wants_logits: bool
 
 
+def _long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
 def make_inputs(chunks: Sequence[Chunk], block_size: int) -> StepInputs:
     """Packed inputs for ``chunks`` (at least one, each with at least one token)."""
     if not chunks or any(not c.tokens for c in chunks):
         raise ValueError("a forward pass needs at least one chunk, each with tokens")
+    bs = block_size
     ids: list[int] = []
     positions: list[int] = []
-    q_rows: list[list[int]] = []
+    slots: list[int] = []
     sample_rows: list[int] = []
-    for c in chunks:
-        first = len(ids)
+    lengths = [len(c.tokens) for c in chunks]
+    ends = [c.start + n for c, n in zip(chunks, lengths, strict=True)]
+    width, keys = max(lengths), max(ends)
+    key_slots: list[int] = []
+    for c, n, end in zip(chunks, lengths, ends, strict=True):
+        table = c.block_table
         ids.extend(c.tokens)
-        positions.extend(range(c.start, c.start + len(c.tokens)))
-        q_rows.append(list(range(first, len(ids))))
+        span = range(c.start, end)
+        positions.extend(span)
+        slots.extend(table[p // bs] * bs + p % bs for p in span)
+        key_slots.extend(table[p // bs] * bs + p % bs for p in range(end))
+        key_slots.extend([0] * (keys - end))  # padding, masked out
         if c.wants_logits:
             sample_rows.append(len(ids) - 1)
-    width = max(len(r) for r in q_rows)
-    nb = max(len(c.block_table) for c in chunks)
-    pos = torch.tensor(positions, dtype=torch.long)
-    tables = torch.tensor([list(c.block_table) + [0] * (nb - len(c.block_table)) for c in chunks], dtype=torch.long)
-    seq_of_row = torch.tensor([i for i, r in enumerate(q_rows) for _ in r], dtype=torch.long)
-    q_index = torch.tensor([r + [0] * (width - len(r)) for r in q_rows], dtype=torch.long)
-    q_valid = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in q_rows], dtype=torch.bool)
+    uniform = all(n == width for n in lengths)
     return StepInputs(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=pos,
-        slot_blocks=tables[seq_of_row, pos // block_size],
-        slot_offsets=pos % block_size,
-        q_index=q_index,
-        q_valid=q_valid,
-        q_positions=torch.where(q_valid, pos[q_index], 0),
-        block_table=tables,
-        sample_index=torch.tensor(sample_rows, dtype=torch.long),
+        input_ids=_long(ids),
+        positions=_long(positions),
+        slots=_long(slots),
+        key_slots=_long(key_slots),
+        batch=len(chunks),
+        width=width,
+        max_position=keys - 1,
+        q_index=None if uniform else _q_index(lengths, width),
+        out_rows=None if uniform else _out_rows(lengths, width),
+        mask=_mask(chunks, lengths, ends, width, keys),
+        causal=len(chunks) == 1 and chunks[0].start == 0 and width > 1,
+        sample_index=_long(sample_rows),
     )
+
+
+def _q_index(lengths: list[int], width: int) -> torch.Tensor:
+    """(B, Q): the packed row of each sequence's i-th new token (row 0 where padded)."""
+    rows, first = [], 0
+    for n in lengths:
+        rows.append(list(range(first, first + n)) + [0] * (width - n))
+        first += n
+    return _long([r for row in rows for r in row]).view(len(lengths), width)
+
+
+def _out_rows(lengths: list[int], width: int) -> torch.Tensor:
+    """(T,): where each packed token's output lies in the flattened (B·Q) attention output."""
+    return _long([b * width + i for b, n in enumerate(lengths) for i in range(n)])
+
+
+def _mask(chunks: Sequence[Chunk], lengths: list[int], ends: list[int], width: int, keys: int) -> torch.Tensor | None:
+    """(B, 1, Q, L) bool: the query at position p sees key positions <= p (padding keys
+    lie past every query's position); None where no query needs one."""
+    if width == 1 and all(e == keys for e in ends):
+        return None  # one decode token per sequence, every context as long: each sees all
+    if len(chunks) == 1 and chunks[0].start == 0:
+        return None  # causal from position 0: SDPA's is_causal
+    q_pos = torch.zeros((len(chunks), width), dtype=torch.long)  # padding sees key 0 (discarded)
+    for b, (c, n) in enumerate(zip(chunks, lengths, strict=True)):
+        q_pos[b, :n] = torch.arange(c.start, c.start + n)
+    return (torch.arange(keys)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)

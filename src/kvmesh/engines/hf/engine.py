@@ -49,6 +49,7 @@ import torch
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.hf.batch import Chunk, make_inputs
+from kvmesh.engines.hf.cpus import auto_threads
 from kvmesh.engines.hf.kv import KvPool
 from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs
 from kvmesh.engines.hf.options import HfOptions
@@ -144,8 +145,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     async def start(self) -> EngineConfig:
         if self._task is not None:
             return self.config
-        if self.options.threads:
-            torch.set_num_threads(self.options.threads)
+        torch.set_num_threads(self.options.threads or auto_threads())
         self._loaded = await asyncio.to_thread(self._load)
         loaded = self._loaded
         self._scheduler = Scheduler(self._limits(loaded), self._publisher)

@@ -1,10 +1,15 @@
-"""The ``hf`` engine's paged KV pool: one fp32 tensor of blocks, and its wire form.
+"""The ``hf`` engine's paged KV pool: one fp32 tensor of token slots, and its wire form.
 
-Layout: ``(num_blocks, layers, 2, kv_heads, block_size, head_dim)``; index 0 of the
-third axis is K, 1 is V. Blocks are the outer axis, so one block is one contiguous
-run of ``bytes_per_block`` bytes and :meth:`KvPool.export` is a gather and a copy.
-The wire form of ``n`` blocks is those runs back to back, little-endian fp32, in the
-order asked for.
+Storage: ``(layers, 2, num_blocks · block_size, kv_heads, head_dim)``; index 0 of the
+second axis is K, 1 is V, and token slot ``block · block_size + offset`` is one row.
+Per layer, writing a pass's new tokens is one ``index_copy_`` for K and one for V, and
+reading every sequence's context is one ``index_select`` of its slots (no block
+gather followed by a permuting copy), which the attention reads as a strided view.
+
+The wire form is block-major: one block is ``(layers, 2, kv_heads, block_size,
+head_dim)`` little-endian fp32 (:attr:`KvPool.block_shape`), ``bytes_per_block`` bytes,
+and ``n`` blocks are those runs back to back in the order asked for;
+:meth:`KvPool.export` and :meth:`KvPool.import_` permute between the two.
 
 Which blocks belong to whom is the block manager's business
 (:class:`~kvmesh.engines.batching.block_manager.BlockManager`); the pool only stores.
@@ -30,31 +35,44 @@ class KvPool:
             raise ValueError("KV pool dimensions must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(num_blocks, layers, 2, kv_heads, block_size, head_dim, dtype=torch.float32)
+        self.data = torch.zeros(layers, 2, num_blocks * block_size, kv_heads, head_dim, dtype=torch.float32)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape[1:])
+        """One block on the wire: (layers, 2, kv_heads, block_size, head_dim)."""
+        layers, _, _, kv_heads, head_dim = self.data.shape
+        return (layers, 2, kv_heads, self.block_size, head_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        return self.data[:, :, : self.block_size].numel() * self.data.element_size()
 
     @staticmethod
     def bytes_per_block_for(block_size: int, layers: int, kv_heads: int, head_dim: int) -> int:
         return block_size * layers * 2 * kv_heads * head_dim * 4
 
-    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store token ``t``'s K/V (``k[t]``: (kv_heads, head_dim)) at slot ``offsets[t]`` of ``blocks[t]``."""
-        self.data[blocks, layer, 0, :, offsets] = k
-        self.data[blocks, layer, 1, :, offsets] = v
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store token ``t``'s K/V (``k[t]``: (kv_heads, head_dim)) at token slot ``slots[t]``."""
+        kv = self.data[layer]
+        kv[0].index_copy_(0, slots, k)
+        kv[1].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every sequence's blocks, (B, kv_heads, NB·block_size, head_dim) each."""
-        kv = self.data[block_table, layer]  # (B, NB, 2, kv_heads, bs, d)
-        b, nb, _, h, bs, d = kv.shape
-        kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h, nb * bs, d)
+    def read(self, layer: int, slots: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` (``batch`` sequences' slots back to back, ``L`` each), as
+        (batch, kv_heads, L, head_dim) strided views of one gathered copy."""
+        kv = self.data[layer].index_select(1, slots)  # (2, batch·L, kv_heads, d)
+        _, n, h, d = kv.shape
+        kv = kv.view(2, batch, n // batch, h, d).transpose(2, 3)
         return kv[0], kv[1]
+
+    def _blocks(self) -> torch.Tensor:
+        """The storage as (layers, 2, num_blocks, block_size, kv_heads, head_dim) (a view)."""
+        layers, _, _, h, d = self.data.shape
+        return self.data.view(layers, 2, self.num_blocks, self.block_size, h, d)
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """One block in its wire layout (a copy)."""
+        return self._blocks()[:, :, block_id].transpose(2, 3).contiguous()
 
     def check_ids(self, block_ids: Sequence[int]) -> list[int]:
         ids = list(block_ids)
@@ -68,8 +86,8 @@ class KvPool:
         ids = self.check_ids(block_ids)
         if not ids:
             return b""
-        blocks = self.data[torch.tensor(ids, dtype=torch.long)]
-        return _le_bytes(blocks)
+        blocks = self._blocks()[:, :, torch.tensor(ids, dtype=torch.long)]  # (layers, 2, n, bs, h, d)
+        return _le_bytes(blocks.permute(2, 0, 1, 4, 3, 5))
 
     def import_(self, block_ids: Sequence[int], data: bytes) -> None:
         """Overwrite these blocks with ``data`` from :meth:`export` of a same-layout pool."""
@@ -82,7 +100,8 @@ class KvPool:
         values = torch.frombuffer(bytearray(data), dtype=torch.float32)
         if sys.byteorder == "big":  # pragma: no cover - the wire is little-endian
             values = values.view(torch.uint8).view(-1, 4).flip(1).reshape(-1).view(torch.float32)
-        self.data[torch.tensor(ids, dtype=torch.long)] = values.view(len(ids), *self.block_shape)
+        wire = values.view(len(ids), *self.block_shape)  # (n, layers, 2, h, bs, d)
+        self._blocks()[:, :, torch.tensor(ids, dtype=torch.long)] = wire.permute(1, 2, 0, 4, 3, 5)
 
 
 def _le_bytes(t: torch.Tensor) -> bytes:

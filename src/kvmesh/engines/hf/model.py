@@ -6,12 +6,19 @@ of prefill chunks and decode tokens of many sequences:
 
 * the pass's new tokens are packed into one row dimension ``T`` (sequence after
   sequence), so the projections and the MLP are one matmul each for the whole batch;
-* each new token's K and V are written into its slot of the pool first, then every
-  sequence gathers its blocks (``block_table``) and attends over them, its queries
-  padded to the longest chunk of the pass (``q_index``/``q_valid``), with a mask that
-  lets query position ``p`` see key positions ``<= p``;
+* each new token's K and V are written into its slot of the pool first (one
+  ``index_copy_`` each), then every sequence's context slots are read back in one
+  ``index_select`` and attended over, queries padded to the longest chunk of the pass
+  (``q_index``) with a mask that lets query position ``p`` see key positions ``<= p``
+  (none for a decode batch whose contexts are equally long, ``is_causal`` for one
+  prompt from position 0: :mod:`.batch`);
 * logits are computed only for the rows in ``sample_index`` (the last token of every
   sequence that samples in this pass).
+
+Per layer that is about fifteen tensor operations (fused RMSNorm, q and k rotated
+together with one ``roll`` and one ``addcmul_``, residuals added in place, cos/sin
+looked up once per pass in a table), which is what a decode step of a small model
+costs on the CPU.
 
 The maths follows transformers' ``LlamaForCausalLM`` (RMSNorm in fp32, rotate-half
 RoPE with ``rope_theta`` and the ``linear``/``llama3`` scalings, grouped-query
@@ -195,17 +202,20 @@ def _check_shapes(tensors: dict[str, torch.Tensor], spec: LlamaSpec, where: str)
 
 @dataclass(frozen=True, slots=True)
 class StepInputs:
-    """One packed forward pass (see the module docstring). ``T`` new tokens, ``B``
-    sequences, ``Q`` the longest chunk, ``NB`` the longest block table."""
+    """One packed forward pass (see the module docstring and :mod:`.batch`). ``T`` new
+    tokens, ``B`` sequences, ``Q`` the longest chunk, ``L`` the longest context."""
 
     input_ids: torch.Tensor  # (T,) long
     positions: torch.Tensor  # (T,) long, absolute position of each new token
-    slot_blocks: torch.Tensor  # (T,) long, the block each new token's KV goes to
-    slot_offsets: torch.Tensor  # (T,) long, its offset in that block
-    q_index: torch.Tensor  # (B, Q) long, row in T of each sequence's i-th new token (0 where padded)
-    q_valid: torch.Tensor  # (B, Q) bool
-    q_positions: torch.Tensor  # (B, Q) long, absolute positions (0 where padded)
-    block_table: torch.Tensor  # (B, NB) long, padded with block 0 (masked out)
+    slots: torch.Tensor  # (T,) long, the pool slot (block · block_size + offset) each new token's KV goes to
+    key_slots: torch.Tensor  # (B·L,) long, every sequence's context slots, padded with slot 0
+    batch: int  # B
+    width: int  # Q
+    max_position: int  # the largest position in the pass
+    q_index: torch.Tensor | None  # (B, Q) long, row in T of each sequence's i-th new token; None: rows as packed
+    out_rows: torch.Tensor | None  # (T,) long, row in the flattened (B·Q) attention output; None: as packed
+    mask: torch.Tensor | None  # (B, 1, Q, L) bool; None: every query sees every key (or causal)
+    causal: bool  # one sequence from position 0: SDPA's own causal mask
     sample_index: torch.Tensor  # (S,) long, rows of T whose logits are wanted
 
 
@@ -231,6 +241,7 @@ class LlamaModel:
         self.norm = weights["norm.weight"]
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
         self.inv_freq = inv_frequencies(spec)
+        self._cos, self._sin = self._rope_table(spec.max_position_embeddings)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -254,65 +265,61 @@ class LlamaModel:
         spec = LlamaSpec.from_folder(folder)
         return cls(spec, load_weights(folder, spec))
 
+    def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and *signed* sin (the first half negated: ``rotate_half(x) · sin`` is
+        ``roll(x) · signed_sin``) of positions 0..n-1, (n, head_dim) each."""
+        freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        half = self.spec.head_dim // 2
+        sin[:, :half].neg_()
+        return emb.cos(), sin
+
+    def _rope(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, head_dim) cos and signed sin of the pass's positions."""
+        if inp.max_position >= self._cos.shape[0]:  # past the config's context: grow the table
+            self._cos, self._sin = self._rope_table(2 * (inp.max_position + 1))
+        return self._cos[inp.positions].unsqueeze(1), self._sin[inp.positions].unsqueeze(1)
+
     @torch.inference_mode()
     def forward(self, inp: StepInputs, pool: KvPool) -> torch.Tensor:
         """Write the new tokens' KV into ``pool``; return logits (S, vocab) fp32."""
+        eps = self.spec.rms_norm_eps
+        hidden = (self.spec.hidden_size,)
         x = F.embedding(inp.input_ids, self.embed)
-        cos, sin = self._rope(inp.positions)
-        mask = _attention_mask(inp, pool.block_size)
+        cos, sin = self._rope(inp)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, i, _rms_norm(x, layer.norm_in, self.spec.rms_norm_eps), cos, sin, inp, mask, pool)
-            x = x + self._mlp(layer, _rms_norm(x, layer.norm_post, self.spec.rms_norm_eps))
-        last = _rms_norm(x[inp.sample_index], self.norm, self.spec.rms_norm_eps)
+            x += self._attention(layer, i, F.rms_norm(x, hidden, layer.norm_in, eps), cos, sin, inp, pool)
+            x += self._mlp(layer, F.rms_norm(x, hidden, layer.norm_post, eps))
+        last = F.rms_norm(x.index_select(0, inp.sample_index), hidden, self.norm, eps)
         return F.linear(last, self.lm_head)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[:, None, :], emb.sin()[:, None, :]
-
     def _attention(
-        self,
-        layer: _Layer,
-        index: int,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        inp: StepInputs,
-        mask: torch.Tensor,
-        pool: KvPool,
+        self, layer: _Layer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inp: StepInputs, pool: KvPool
     ) -> torch.Tensor:
         s = self.spec
-        nq, nkv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
+        heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
+        nq, nqk = heads * d, (heads + kv_heads) * d
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q = _rotate(qkv[:, :nq].view(-1, s.num_heads, d), cos, sin)
-        k = _rotate(qkv[:, nq : nq + nkv].view(-1, s.num_kv_heads, d), cos, sin)
-        v = qkv[:, nq + nkv :].view(-1, s.num_kv_heads, d)
-        pool.write(index, inp.slot_blocks, inp.slot_offsets, k, v)
-        keys, values = pool.gather(index, inp.block_table)  # (B, kv_heads, NB·bs, d)
-        queries = q[inp.q_index].transpose(1, 2)  # (B, heads, Q, d)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
-        packed = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], nq)[inp.q_valid]
+        qk = qkv[:, :nqk].view(-1, heads + kv_heads, d)
+        rotated = qk * cos  # q and k rotated together: x·cos + rotate_half(x)·sin
+        rotated.addcmul_(qk.roll(d // 2, -1), sin)
+        q, k = rotated[:, :heads], rotated[:, heads:]
+        pool.write(index, inp.slots, k, qkv[:, nqk:].view(-1, kv_heads, d))
+        keys, values = pool.read(index, inp.key_slots, inp.batch)  # (B, kv_heads, L, d)
+        b, w = inp.batch, inp.width
+        queries = (q.view(b, w, heads, d) if inp.q_index is None else q[inp.q_index]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=inp.mask, is_causal=inp.causal, enable_gqa=True
+        )  # (B, heads, Q, d)
+        packed = out.transpose(1, 2).reshape(b * w, nq)
+        if inp.out_rows is not None:
+            packed = packed.index_select(0, inp.out_rows)
         return F.linear(packed, layer.o, layer.o_bias)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _attention_mask(inp: StepInputs, block_size: int) -> torch.Tensor:
-    """(B, 1, Q, NB·bs) bool: query at position p sees key positions <= p. Keys past a
-    sequence's context (padding blocks, unwritten slots) are always beyond p."""
-    keys = torch.arange(inp.block_table.shape[1] * block_size)
-    return (keys[None, None, :] <= inp.q_positions[:, :, None]).unsqueeze(1)
+        gate_up = F.linear(x, layer.gate_up)
+        ff = gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :ff])
+        act.mul_(gate_up[:, ff:])
+        return F.linear(act, layer.down)

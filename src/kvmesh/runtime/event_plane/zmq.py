@@ -40,7 +40,6 @@ from kvmesh.runtime.event_plane.base import (
     EventPlane,
     Opener,
     Publisher,
-    close_all,
     seal,
 )
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
@@ -182,6 +181,7 @@ class ZmqEventPlane(EventPlane):
             raise ValueError("the zmq event plane needs a host to bind publishers on")
         if hwm < 1:
             raise ValueError(f"hwm must be at least 1, not {hwm}")
+        super().__init__()
         self.host = host
         self.hwm = hwm
         self.inbox_capacity = inbox_capacity
@@ -189,8 +189,6 @@ class ZmqEventPlane(EventPlane):
         self._curve = CurveKeys(self.secret) if self.secret is not None else None
         self.max_message_bytes = max_message_bytes
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
-        self._publishers: list[ZmqPublisher] = []
-        self._subscriptions: list[ZmqSubscription] = []
 
     def _context(self) -> zmq.asyncio.Context:
         if self._ctx is None:
@@ -232,7 +230,5 @@ class ZmqEventPlane(EventPlane):
         ctx, self._ctx = self._ctx, None
         if ctx is None:
             return
-        pubs, self._publishers = self._publishers, []
-        subs, self._subscriptions = self._subscriptions, []
-        await close_all(pubs, subs)
+        await self._close_owned()
         ctx.term()  # every socket is closed with linger 0: returns at once

@@ -88,7 +88,7 @@ def _one(arm: Arm, trace: Sequence[TraceRequest], ns: argparse.Namespace, setup:
     stream = arrivals(trace, TokenSynth(options.vocab_size), config.speed)
     run = run_arm(arm, stream, options, config.workers, default_router(ns.router, options, config.seed), model, planner)
     window = arrival_window_s([r.arrival_ms for r in run.records])
-    return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions)
+    return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions, run.resources)
 
 
 def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, n: int) -> int:

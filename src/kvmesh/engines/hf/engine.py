@@ -470,6 +470,7 @@ def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
     return KvReservation(seq.request_id, sched.block_table(seq), len(seq.tokens), seq.num_computed)
 
 
+@torch.inference_mode()
 def _forward_and_sample(loaded: _Loaded, inputs: StepInputs, params: list[SampleParams]) -> list[Sampled]:
     """The forward thread's whole job for one pass."""
     logits = loaded.model.forward(inputs, loaded.pool)

@@ -12,7 +12,9 @@ Shape (one event loop, one forward thread)::
   join and leave between passes. :attr:`HfEngine.stats` counts passes and tokens.
 * **Threads**: scheduler state, mailboxes and events live on the event loop only. The
   forward thread receives immutable tensors and per-row sampling parameters and
-  returns tokens; it writes the KV pool only at the slots of the pass's own new
+  returns tokens (a pass of a few tokens that last cost under 2 ms of CPU, a small
+  model's decode step, runs on the loop itself and then yields once: the hand-off
+  would cost more than the pass); it writes the KV pool only at the slots of the pass's own new
   tokens. NOTE: blocks of a sequence aborted, released or detached during a pass stay
   allocated until the pass ends (the scheduler defers their freeing), so no other
   request can be given, or import into, a block the thread is writing.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -68,6 +71,12 @@ _log = logging.getLogger(__name__)
 # With work queued but nothing schedulable (the pool is held by reservations), how
 # long the loop waits for a release before looking again.
 _IDLE_POLL_S = 0.05
+
+# A pass of at most this many tokens, when the last such pass cost the forward less than
+# this much CPU, runs on the event loop itself: for a small model's decode step the two
+# thread switches of a hand-off cost more than the pass (and far more on a loaded host).
+_INLINE_TOKENS = 16
+_INLINE_CPU_S = 0.002
 
 
 @dataclass
@@ -123,6 +132,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
         self._executor: ThreadPoolExecutor | None = None
         self._default_gen = torch.Generator()
         self._guided: GuidedTokenizer | None = None
+        self._small_cpu_s = math.inf  # CPU seconds of the last pass of <= _INLINE_TOKENS tokens
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ lifecycle
@@ -301,8 +311,15 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
         params = [self._row_params(s) for s in samplers]
         loaded = self._require()
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        sampled = await loop.run_in_executor(self._executor, _forward_and_sample, loaded, inputs, params)
+        small = plan.num_tokens <= _INLINE_TOKENS
+        inline = small and self._small_cpu_s < _INLINE_CPU_S
+        if inline:
+            sampled, cpu = _forward_and_sample(loaded, inputs, params)
+        else:
+            loop = asyncio.get_running_loop()
+            sampled, cpu = await loop.run_in_executor(self._executor, _forward_and_sample, loaded, inputs, params)
+        if small:
+            self._small_cpu_s = cpu
         self._count(plan, len(samplers), time.perf_counter() - t0)
         by_seq = {s.id: r for s, r in zip(samplers, sampled, strict=True)}
         finished, emitted = sched.complete(plan, {sid: r.token for sid, r in by_seq.items()})
@@ -311,6 +328,8 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             if box is not None:
                 box.push(by_seq[sid])
         self._deliver_finished(finished)
+        if inline:
+            await asyncio.sleep(0)  # let the streams (and the rest of the loop) run between passes
 
     def _chunks(self, sched: Scheduler, plan: Plan[Seq]) -> list[Chunk]:
         bs = self.options.block_size
@@ -450,7 +469,11 @@ def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
     return KvReservation(seq.request_id, sched.block_table(seq), len(seq.tokens), seq.num_computed)
 
 
-def _forward_and_sample(loaded: _Loaded, inputs: StepInputs, params: list[SampleParams]) -> list[Sampled]:
-    """The forward thread's whole job for one pass."""
+@torch.inference_mode()
+def _forward_and_sample(
+    loaded: _Loaded, inputs: StepInputs, params: list[SampleParams]
+) -> tuple[list[Sampled], float]:
+    """The forward thread's whole job for one pass: the tokens, and the CPU seconds it took."""
+    c0 = time.thread_time()
     logits = loaded.model.forward(inputs, loaded.pool)
-    return sample(logits, params) if params else []
+    return (sample(logits, params) if params else []), time.thread_time() - c0

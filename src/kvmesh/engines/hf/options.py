@@ -35,6 +35,10 @@ class HfOptions(BatchingOptions):
     max_num_batched_tokens: int = HfSettings.max_num_batched_tokens
     threads: int = HfSettings.threads
     seed: int | None = HfSettings.seed
+    # chunked prefill beside short prompts (the batching core's SchedulerLimits; 0: off)
+    long_prefill_token_threshold: int = HfSettings.long_prefill_token_threshold
+    max_long_partial_prefills: int = HfSettings.max_long_partial_prefills
+    max_num_partial_prefills: int = HfSettings.max_num_partial_prefills
 
     def __post_init__(self) -> None:
         BatchingOptions.__post_init__(self)  # no zero-argument super() in a slots dataclass
@@ -44,3 +48,6 @@ class HfOptions(BatchingOptions):
         if self.num_blocks is not None:
             require("num_blocks", self.num_blocks, positive)
         require("threads", self.threads, non_negative)
+        require("long_prefill_token_threshold", self.long_prefill_token_threshold, non_negative)
+        require("max_num_partial_prefills", self.max_num_partial_prefills, non_negative)
+        require("max_long_partial_prefills", self.max_long_partial_prefills, positive)

@@ -648,7 +648,8 @@ def run_arm(fleet: Fleet, n: int, procs_n: int, shape: Shape) -> ArmResult:
     url = f"http://127.0.0.1:{port}"
     frontend, flog = fleet.spawn(
         f"{ns}-frontend",
-        ["frontend", "--http-port", str(port), "--router-mode", "kv", "--canary-interval", "0", "--worker-wait", "30"],
+        ["frontend", "--http-port", str(port), "--router-mode", "kv", "--canary-interval", str(args.canary_interval),
+         "--worker-wait", "30"],
         env,
     )
     workers: list[subprocess.Popen[bytes]] = []
@@ -854,6 +855,7 @@ def main() -> int:
     ap.add_argument("--shard-envelopes", type=int, default=200_000)
     ap.add_argument("--idle-seconds", type=float, default=3.0)
     ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument("--canary-interval", type=float, default=0.0, help="the frontend's canary checks per worker, s (0: off)")
     ap.add_argument("--lease-ttl", type=float, default=10.0, help="the workers' lease TTL, s (kvmesh's default 10)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--logs", default=None, help="keep the processes' logs in this folder (default: a temporary one)")

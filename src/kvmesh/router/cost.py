@@ -184,64 +184,74 @@ def select_greedy(
     """Temperature-0 :func:`select` for many workers, without a :class:`CandidateScore`
     per worker. The same rule; what differs is only how the work is done:
 
-    * with no weights, a worker that carries no load costs what its overlap says, so
-      unloaded workers are scored once per overlap value (those holding nothing of the
-      prompt are one group); only loaded workers are scored one by one;
+    * a worker of weight 1 that carries no load costs what its overlap says, so those
+      are scored once per overlap value (those holding nothing of the prompt are one
+      group); only loaded workers and workers of another weight are scored one by one
+      (weight 0: left out, unless every worker has weight 0);
     * scores are built for the tied best only (ties broken as :func:`select` does,
       a random pick among the last ties) and for the ``keep`` cheapest, which are
       returned for explanations.
     """
-    if weights is not None:
-        return _greedy_weighted(workers, inputs, weights, rng, keep)
+    weights = weights or {}
+    zero = {w for w, v in weights.items() if v <= 0.0 and w in workers}
+    if zero and len(zero) == len(workers):
+        return _greedy_weighted(workers, inputs, weights, rng, keep)  # all weight 0: all take part
     overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight = inputs
     n_blocks = -(-prompt_tokens // block_size)
-    get_overlap, get_prefill, get_active = overlaps.get, prefill_load_tokens.get, active_blocks.get
+    get_overlap, get_prefill, get_active, get_weight = overlaps.get, prefill_load_tokens.get, active_blocks.get, weights.get
 
     def cost_of(overlap: int, prefill: int = 0, active: int = 0) -> float:
         return _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
 
-    # loaded workers (few: in-flight requests) one by one; the matched unloaded ones (up
-    # to the whole fleet, when every worker caches a popular prefix) grouped by overlap,
-    # on which alone their cost depends; the rest (idle, nothing cached) as one group
-    loaded = [w for w in {*prefill_load_tokens, *active_blocks} if w in workers]
-    loaded_set = set(loaded)
+    # one by one: loaded workers (few: in-flight requests) and those of a weight other
+    # than 1; grouped by overlap: the matched others (up to the whole fleet, when every
+    # worker caches a popular prefix); one group: the rest (weight 1, idle, nothing cached)
+    odd = [w for w, v in weights.items() if v != 1.0]  # weights may list every worker, most at 1
+    single = [w for w in {*prefill_load_tokens, *active_blocks, *odd} if w in workers and w not in zero]
+    single_set = set(single)
+    skip = single_set | zero
     groups: dict[int, list[int]] = {}
     for w, o in overlaps.items():
-        if w in workers and w not in loaded_set:
+        if w in workers and w not in skip:
             group = groups.get(o)
             if group is None:
                 groups[o] = [w]
             else:
                 group.append(w)
-    loaded_costs = [cost_of(get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)) for w in loaded]
-    group_costs = {o: cost_of(o) for o in groups}
+    # effective cost (select's rule): (cost + 1) / weight
+    single_cost = [cost_of(get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)) for w in single]
+    single_eff = [(c + 1.0) / get_weight(w, 1.0) for c, w in zip(single_cost, single)]
+    group_eff = {o: cost_of(o) + 1.0 for o in groups}
     matched = sum(len(g) for g in groups.values())
-    has_idle = len(loaded) + matched < len(workers)
-    idle_cost = cost_of(0)
-    best = min(min(loaded_costs, default=math.inf), min(group_costs.values(), default=math.inf), idle_cost if has_idle else math.inf)
+    has_idle = len(single) + matched + len(zero) < len(workers)
+    idle_eff = cost_of(0) + 1.0
+    best = min(min(single_eff, default=math.inf), min(group_eff.values(), default=math.inf), idle_eff if has_idle else math.inf)
     limit = best + _TIE_RTOL * max(1.0, abs(best))
 
-    # ties share cost and weight (1): only the fewest cached blocks, then chance, decide
-    tied_loaded = [w for w, c in zip(loaded, loaded_costs) if c <= limit]
-    tied_groups = [o for o, c in group_costs.items() if c <= limit]
-    idle_ties = has_idle and idle_cost <= limit  # idle workers hold nothing: overlap 0
-    fewest = 0 if idle_ties else min([get_overlap(w, 0) for w in tied_loaded] + tied_groups)
-    ties = [w for w in tied_loaded if get_overlap(w, 0) == fewest]
+    # ties: the highest weight, then the fewest cached blocks, then chance decide
+    tied_single = [w for w, e in zip(single, single_eff) if e <= limit]
+    tied_groups = [o for o, e in group_eff.items() if e <= limit]
+    idle_ties = has_idle and idle_eff <= limit  # idle workers hold nothing: overlap 0
+    top = 1.0 if tied_groups or idle_ties else max(get_weight(w, 1.0) for w in tied_single)
+    tied_single = [w for w in tied_single if get_weight(w, 1.0) == top]
+    fewest = 0 if idle_ties else min([get_overlap(w, 0) for w in tied_single] + tied_groups)
+    ties = [w for w in tied_single if get_overlap(w, 0) == fewest]
     if fewest in tied_groups:
         ties += groups[fewest]
     if idle_ties:
-        ties += [w for w in workers if w not in loaded_set and w not in overlaps]
+        ties += [w for w in workers if w not in skip and w not in overlaps]
 
     def scored(w: int) -> CandidateScore:
-        return score(w, get_overlap(w, 0), prompt_tokens, get_prefill(w, 0), get_active(w, 0), block_size, overlap_weight)
+        o, p, a = get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)
+        return score(w, o, prompt_tokens, p, a, block_size, overlap_weight, get_weight(w, 1.0))
 
     chosen = scored(ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))])
-    # the ``keep`` cheapest of the loaded and matched workers, for explanations
-    cheapest = sorted(zip(loaded_costs, loaded))
-    for o in sorted(groups, key=group_costs.__getitem__):
-        if len(cheapest) >= keep and group_costs[o] >= cheapest[keep - 1][0]:
+    # the ``keep`` cheapest of the scored-one-by-one and matched workers, for explanations
+    cheapest = sorted(zip(single_cost, single))[:keep]
+    for o in sorted(groups, key=group_eff.__getitem__):
+        if len(cheapest) >= keep and group_eff[o] - 1.0 >= cheapest[keep - 1][0]:
             break
-        cheapest += [(group_costs[o], w) for w in groups[o][:keep]]
+        cheapest += [(group_eff[o] - 1.0, w) for w in groups[o][:keep]]
         cheapest.sort()
     shown = [scored(w) for _, w in cheapest[:keep]]
     if chosen not in shown:

@@ -22,10 +22,16 @@ def _fleet(rng: random.Random) -> tuple[dict[int, None], dict[int, int], dict[in
     return workers, overlaps, prefill, active, rng.choice([1, 17, 64, 200])
 
 
-def _allowed(workers, overlaps, prompt, prefill, active, ow) -> set[int]:  # type: ignore[no-untyped-def]
-    scores = score_all(workers, CostInputs(overlaps, prompt, prefill, active, 16, ow), None)
-    best = min(s.cost for s in scores)
-    ties = [s for s in scores if s.cost <= best + _TIE_RTOL * max(1.0, abs(best))]
+def _allowed(workers, overlaps, prompt, prefill, active, ow, weights=None) -> set[int]:  # type: ignore[no-untyped-def]
+    """What select's rule may pick (at temperature 0): the lowest effective cost, then the
+    highest weight, then the fewest cached blocks."""
+    scores = score_all(workers, CostInputs(overlaps, prompt, prefill, active, 16, ow), weights)
+    pool = [s for s in scores if s.weight > 0] or scores
+    eff = {s.worker_id: (s.cost + 1.0) / s.weight if s.weight > 0 else s.cost for s in pool}
+    best = min(eff.values())
+    ties = [s for s in pool if eff[s.worker_id] <= best + 1e-6 * max(1.0, abs(best))]
+    top = max(s.weight for s in ties)
+    ties = [s for s in ties if s.weight == top]
     fewest = min(s.overlap_blocks for s in ties)
     return {s.worker_id for s in ties if s.overlap_blocks == fewest}
 
@@ -46,6 +52,23 @@ def test_the_pick_is_one_select_could_make(seed: int) -> None:
         cheapest_busy = sorted(s.cost for s in score_all(list(busy), CostInputs(overlaps, prompt, prefill, active, 16, ow), None))[:8]
         assert listed == pytest.approx(cheapest_busy)
     assert chosen.cost == pytest.approx(costs[0])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_with_health_weights_the_pick_is_one_select_could_make(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    workers, overlaps, prefill, active, prompt = _fleet(rng)
+    ids = list(workers)
+    weights = {w: rng.choice([0.0, 0.25, 0.5, 1.0]) for w in rng.sample(ids, rng.randrange(0, min(30, len(ids))))}
+    if seed % 3 == 1:
+        weights = {w: weights.get(w, 1.0) for w in ids}  # every worker listed (the health monitor does that)
+    if seed % 10 == 0:
+        weights = dict.fromkeys(ids, 0.0)  # all unhealthy: all take part
+    allowed = _allowed(workers, overlaps, prompt, prefill, active, 1.0, weights)
+    chosen, shown = select_greedy(workers, CostInputs(overlaps, prompt, prefill, active, 16, 1.0), weights, random.Random(seed))
+    assert chosen.worker_id in allowed
+    assert chosen in shown
+    assert chosen.weight == weights.get(chosen.worker_id, 1.0)
 
 
 def test_ties_are_spread_over_every_tied_worker() -> None:

@@ -142,6 +142,8 @@ class BenchConfig:
     kv_bandwidth: float = 25e9
     max_wall_s: float = 120.0
     repeat: int = 2
+    racy_queue: bool = False  # A/B of issue 16's fixes: the bound checked, then an unconditional put
+    pipeline: bool = True  # prefill workers overlap a job's KV write with the next job's compute
 
     def __post_init__(self) -> None:
         if not 1 <= self.limit <= MAX_REQUESTS:
@@ -225,16 +227,14 @@ def _drop_load(_report: LoadReport) -> None:
     pass
 
 
-class _DepthQueue(LocalPrefillQueue):
-    """The in-process prefill queue, remembering its largest depth."""
+class _RacyQueue(LocalPrefillQueue):
+    """``--racy-queue``: the queue as it was before the atomic bound: a decode worker
+    checks the depth it read, then puts whatever the queue holds by now."""
 
-    def __init__(self, thresholds: DisaggThresholds) -> None:
-        super().__init__(thresholds)
-        self.max_depth = 0
-
-    async def put(self, job: PrefillJob) -> None:
-        await super().put(job)
-        self.max_depth = max(self.max_depth, (await self.status()).depth)
+    async def offer(self, job: PrefillJob, limits: DisaggThresholds | None = None) -> bool:
+        await asyncio.sleep(0)  # the status → put round trip other decode workers can run in
+        await self.put(job)
+        return True
 
 
 class Fleet:
@@ -279,9 +279,13 @@ def aggregated_fleet(options: MockerOptions, workers: int, router: str) -> Fleet
 class DisaggFleet(Fleet):
     """D decode workers (routed) and P prefill workers pulling from one queue."""
 
-    def __init__(self, options: MockerOptions, decode: int, prefill: int, router: str, t: DisaggThresholds) -> None:
+    def __init__(
+        self, options: MockerOptions, decode: int, prefill: int, router: str, t: DisaggThresholds,
+        racy: bool = False, pipeline: bool = True,
+    ) -> None:  # fmt: skip
         policy = make_policy(router, decode, block_size=options.block_size)
-        self.queue = _DepthQueue(t)
+        self.queue = _RacyQueue(t) if racy else LocalPrefillQueue(t)
+        self.pipeline = pipeline
         engines = []
         for i in range(decode):
             inner = _routed_engine(options, i, policy)
@@ -306,7 +310,9 @@ class DisaggFleet(Fleet):
 
         for engine in self.prefill_engines:
             await engine.start()
-            worker = PrefillWorker(engine, self.queue, TcpKvConnector(), KvMetadataCache(lookup), poll_s=0.05)
+            worker = PrefillWorker(
+                engine, self.queue, TcpKvConnector(), KvMetadataCache(lookup), poll_s=0.05, pipeline=self.pipeline
+            )
             worker.start()
             self.prefill.append(worker)
 
@@ -578,7 +584,9 @@ def describe(cfg: BenchConfig, arrivals: Sequence[tuple[float, PreprocessedReque
         f"({options.total_tokens:,} tokens of KV per worker), max {options.max_num_batched_tokens} batched tokens, "
         f"KV {options.kv_bytes_per_token:,} B/token at {options.kv_bandwidth / 1e9:g} GB/s",
         f"router: {cfg.router}; disaggregation thresholds: max_local_prefill_length={t.max_local_prefill_length}, "
-        f"max_prefill_queue_size={t.max_prefill_queue_size}",
+        f"max_prefill_queue_size={t.max_prefill_queue_size}, max_prefill_queue_tokens={t.max_prefill_queue_tokens}; "
+        f"queue bound {'racy (check, then put)' if cfg.racy_queue else 'atomic'}; "
+        f"prefill KV writes {'pipelined' if cfg.pipeline else 'not pipelined'}",
         f"SLOs (model time): TTFT <= {cfg.slo_ttft_ms:g} ms, mean ITL <= {cfg.slo_itl_ms:g} ms",
     ])  # fmt: skip
 
@@ -586,7 +594,9 @@ def describe(cfg: BenchConfig, arrivals: Sequence[tuple[float, PreprocessedReque
 def fleets(cfg: BenchConfig, options: MockerOptions) -> list[Callable[[], Fleet]]:
     makers: list[Callable[[], Fleet]] = [lambda: aggregated_fleet(options, cfg.workers, cfg.router)]
     for d, p in cfg.splits:
-        makers.append(lambda d=d, p=p: DisaggFleet(options, d, p, cfg.router, cfg.thresholds))  # type: ignore[misc]
+        makers.append(
+            lambda d=d, p=p: DisaggFleet(options, d, p, cfg.router, cfg.thresholds, cfg.racy_queue, cfg.pipeline)  # type: ignore[misc]
+        )
     return makers
 
 
@@ -604,7 +614,42 @@ async def bench(cfg: BenchConfig) -> dict[str, object]:
             results.append(await run_arm(fleet, arrivals, cfg))
         rounds.append(results)
         print(f"\nround {n + 1}/{cfg.repeat}\n{format_round(results)}", flush=True)
-    return report(cfg, rounds)
+    out = report(cfg, rounds)
+    out["virtual"] = virtual_check(cfg, arrivals, options, rounds)
+    return out
+
+
+def virtual_check(
+    cfg: BenchConfig,
+    arrivals: Sequence[tuple[float, PreprocessedRequest]],
+    options: MockerOptions,
+    rounds: Sequence[Sequence[ArmResult]],
+) -> dict[str, object]:
+    """The same slice, arms and settings replayed by ``kvmesh replay --arms`` on the
+    virtual clock (model time: speedup 1): its goodput next to this run's median, and
+    whether the two order the arms alike (issue 16: within 15 %, same order)."""
+    from kvmesh.replay.arms import Arm, DisaggModel, run_arm as run_virtual
+    from kvmesh.replay.goodput import Slo, summarize_arm
+
+    virtual_options = replace(options, speedup=1.0)
+    arms = [Arm("aggregated")] + [Arm(f"disagg {d}+{p}", prefill=p, decode=d) for d, p in cfg.splits]
+    slo = Slo(cfg.slo_ttft_ms, cfg.slo_itl_ms)
+    window = arrival_window_s(arrivals)
+    model = DisaggModel(cfg.thresholds, cfg.pipeline)
+    virtual: dict[str, float] = {}
+    for arm in arms:
+        run = run_virtual(arm, arrivals, virtual_options, cfg.workers,
+                          lambda n: make_policy(cfg.router, n, block_size=options.block_size), model)  # fmt: skip
+        virtual[arm.name] = summarize_arm(arm.name, run.records, slo, window, run.counters).goodput_rps
+    real = {a.name: statistics.median(r.goodput for rr in rounds for r in rr if r.name == a.name) for a in arms}
+    diffs = {k: (virtual[k] - real[k]) / real[k] if real[k] > 0 else math.nan for k in real}
+    same_order = sorted(real, key=lambda k: -real[k]) == sorted(virtual, key=lambda k: -virtual[k])
+    print("\nvirtual clock (kvmesh replay --arms, same slice and settings) vs this run (median goodput, req/s):")
+    for k in real:
+        print(f"  {k:<14} real {real[k]:.3f}   virtual {virtual[k]:.3f}   {diffs[k]:+.1%}")
+    worst = max(abs(d) for d in diffs.values())
+    print(f"  ordering of arms: {'same' if same_order else 'DIFFERENT'}; largest goodput difference {worst:.1%} (goal <= 15%)")
+    return {"real": real, "virtual": virtual, "same_order": same_order, "max_abs_diff": worst}
 
 
 def report(cfg: BenchConfig, rounds: Sequence[Sequence[ArmResult]]) -> dict[str, object]:
@@ -642,7 +687,8 @@ def _config_json(cfg: BenchConfig) -> dict[str, object]:
     d = asdict(cfg)
     d["splits"] = [f"{a}+{b}" for a, b in cfg.splits]
     d["thresholds"] = {"max_local_prefill_length": cfg.thresholds.max_local_prefill_length,
-                       "max_prefill_queue_size": cfg.thresholds.max_prefill_queue_size}  # fmt: skip
+                       "max_prefill_queue_size": cfg.thresholds.max_prefill_queue_size,
+                       "max_prefill_queue_tokens": cfg.thresholds.max_prefill_queue_tokens}  # fmt: skip
     return d
 
 
@@ -662,6 +708,9 @@ def _parse_args(argv: list[str] | None) -> tuple[BenchConfig, str | None]:
     t = d.thresholds
     p.add_argument("--max-local-prefill-length", type=int, default=t.max_local_prefill_length)
     p.add_argument("--max-prefill-queue-size", type=int, default=t.max_prefill_queue_size)
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=t.max_prefill_queue_tokens, help="0: no token bound")
+    p.add_argument("--racy-queue", action="store_true", help="A/B: the queue bound checked, then an unconditional put")
+    p.add_argument("--no-pipeline", action="store_true", help="A/B: prefill workers write KV before the next job")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"mocker KV block tokens (default {d.block_size})")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help=f"mocker KV blocks per worker (default {d.num_blocks})")
     p.add_argument("--kv-bytes-per-token", type=int, default=d.kv_bytes_per_token, help="modelled KV size per token")
@@ -671,13 +720,14 @@ def _parse_args(argv: list[str] | None) -> tuple[BenchConfig, str | None]:
     p.add_argument("--json", metavar="PATH", default=None, help="write config, every arm's figures and the ratios")
     a = p.parse_args(argv)
     try:
-        thresholds = DisaggThresholds(a.max_local_prefill_length, a.max_prefill_queue_size)
+        thresholds = DisaggThresholds(a.max_local_prefill_length, a.max_prefill_queue_size, a.max_prefill_queue_tokens)
         splits = tuple(parse_split(s) for s in a.splits.split(",") if s.strip())
         cfg = BenchConfig(
             trace=a.trace, limit=a.limit, start_ms=a.start_ms, speed=a.speed, speedup=a.speedup, workers=a.workers,
             splits=splits, router=a.router, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms, thresholds=thresholds,
             block_size=a.block_size, num_blocks=a.num_blocks, kv_bytes_per_token=a.kv_bytes_per_token,
-            kv_bandwidth=a.kv_bandwidth, max_wall_s=a.max_wall_s, repeat=a.repeat,
+            kv_bandwidth=a.kv_bandwidth, max_wall_s=a.max_wall_s, repeat=a.repeat, racy_queue=a.racy_queue,
+            pipeline=not a.no_pipeline,
         )  # fmt: skip
     except ValueError as exc:
         p.error(str(exc))

@@ -5,15 +5,21 @@ A long prompt (default ~48k tokens) is encoded in a worker thread while the main
 thread counts loop iterations; the same count is taken with no encoding running.
 ``progress`` = iterations during the encode ÷ iterations in the same time alone: near
 1 means the call ran without holding the GIL (a thread pool keeps the event loop
-free); near 0 means it held it (it would need processes). Run:
+free); near 0 means it held it (it would need processes).
 
-    python bench/tokenize_gil.py [--tokens 48000] [--model-path DIR]
+Then **scaling**: k threads each encode the prompt at once, against the same k encodes
+one after another, alternated over ``--rounds``; speed-up = sequential ÷ threads wall
+(medians). Near min(k, free cores) means threads scale (no process pool needed). Run:
+
+    python bench/tokenize_gil.py [--tokens 48000] [--rounds 5] [--model-path DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import statistics
 import threading
 import time
 
@@ -61,10 +67,39 @@ def measure(call, seconds_alone: float) -> tuple[float, float]:
     return wall, (n / wall) / rate_alone
 
 
+def scaling(call, threads: int, rounds: int) -> tuple[float, float]:
+    """(median wall ms of ``threads`` concurrent calls, median speed-up over sequential)."""
+    walls, speedups = [], []
+    for r in range(rounds):
+        def concurrent() -> float:
+            ts = [threading.Thread(target=call) for _ in range(threads)]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            return time.perf_counter() - t0
+
+        def sequential() -> float:
+            t0 = time.perf_counter()
+            for _ in range(threads):
+                call()
+            return time.perf_counter() - t0
+
+        if r % 2:
+            seq, wall = sequential(), concurrent()
+        else:
+            wall, seq = concurrent(), sequential()
+        walls.append(wall)
+        speedups.append(seq / wall)
+    return statistics.median(walls) * 1000, statistics.median(speedups)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=48_000)
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     info = load_model_folder(a.model_path or str(bundled_model_path()))
     tok = Tokenizer.from_file(info.tokenizer_path)
@@ -84,6 +119,14 @@ def main() -> None:
     for name, call in cases.items():
         wall, progress = measure(call, max(0.05, single))
         print(f"{name:<48} {wall * 1000:>8.1f} {progress:>21.2f}")
+    fast = cases["encode_batch_fast([text]) (kvmesh's long path)"]
+    cores = os.cpu_count() or 1
+    print(f"\nscaling of encode_batch_fast, {cores} cores, load average {os.getloadavg()[0]:.1f} "
+          f"(medians of {a.rounds} rounds, arms alternated)")
+    print(f"{'threads':>7} {'wall ms':>8} {'speed-up vs sequential':>23}")
+    for k in sorted({1, 2, cores}):
+        wall, speedup = scaling(fast, k, a.rounds)
+        print(f"{k:>7} {wall:>8.1f} {speedup:>23.2f}")
 
 
 if __name__ == "__main__":

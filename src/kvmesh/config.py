@@ -23,7 +23,11 @@ __all__ = [
     "HttpLimits",
     "SecurityConfig",
     "ClusterCredentials",
+    "FrontendCommandConfig",
+    "LogConfig",
+    "LOG_LEVELS",
     "RunConfig",
+    "PlannerConfig",
     "RuntimeConfig",
     "ROUTER_MODES",
     "WORKER_MODES",
@@ -38,6 +42,7 @@ WORKER_MODES = ("aggregated", "prefill", "decode")
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("tcp", "nats")
 EVENT_PLANES = ("zmq", "nats", "memory")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _DISAGG = "disaggregated prefill/decode"
 
@@ -48,6 +53,10 @@ class WorkerConfig:
     registry entry's settings class; None: that engine's defaults)."""
 
     model_path: str | None = setting(None, "Hugging Face model folder (default: the bundled tiny model)", metavar="DIR")
+    model: str | None = setting(
+        None, "a named model instead of --model-path: smollm2 (converted once into ~/.cache/kvmesh; see docs/engines.md)",
+        env="KVMESH_MODEL", metavar="NAME",
+    )  # fmt: skip
     engine: str = setting("mocker", "engine to run in each worker")
     engine_options: EngineSettings | None = None
     block_size: int = setting(16, "KV block size in tokens (mocker and hf; vLLM: --vllm-block-size)", check=positive)
@@ -56,6 +65,11 @@ class WorkerConfig:
     port: int = setting(0, "request-plane TCP port (0: any free port)", check=a_port)
     validate_streams: bool = setting(False, "check every engine stream against the contract (also KVMESH_DEBUG=1)")
     grace_s: float = setting(30.0, "seconds in-flight requests get to finish on SIGTERM", flag="--grace", check=non_negative)
+    replicas: int = setting(
+        1, "run this many workers in this process, each a full instance (own lease, discovery record, request-plane"
+        " endpoint, KV events); they share the event loop and the etcd/NATS connections (kvmesh.worker.replicas)",
+        env="KVMESH_WORKER_REPLICAS", check=at_least(1),
+    )  # fmt: skip
     # disaggregation (kvmesh.disagg): the worker's role and the global prefill queue
     mode: str = setting(
         "aggregated", "aggregated, prefill (pulls the prefill queue) or decode (prefills long prompts remotely)",
@@ -65,12 +79,18 @@ class WorkerConfig:
         "", "distributed: JetStream on --nats-url (default); embedded: tcp://host:port of kvmesh run's queue",
         check=lambda v: None if v in ("", "nats") or str(v).startswith("tcp://") else "must be 'nats' or tcp://host:port",
     )  # fmt: skip
+    # issue 16: a hot spare of a distributed fleet (kvmesh planner promotes or stops it by signed order)
+    standby: bool = setting(False, "distributed: start and offer this worker as a standby; serve only when "
+                            "kvmesh planner orders it (a signed order in discovery)")  # fmt: skip
     max_local_prefill_length: int = setting(
         1000, "decode workers prefill remotely only prompts with more uncached tokens than this",
         check=non_negative, group=_DISAGG,
     )  # fmt: skip
     max_prefill_queue_size: int = setting(
         2, "... and only while the prefill queue holds fewer jobs than this", check=non_negative, group=_DISAGG
+    )
+    max_prefill_queue_tokens: int = setting(
+        0, "... and fewer tokens left to prefill than this (0: no token bound)", check=non_negative, group=_DISAGG
     )
     remote_prefill_timeout_s: float = setting(
         30.0, "seconds a decode worker waits for a remote prefill before prefilling locally", check=positive, group=_DISAGG
@@ -150,10 +170,6 @@ class SecurityConfig:
         return f"SecurityConfig(keys={len(self.api_keys)}, admin={self.admin})"
 
     @property
-    def keys_required(self) -> bool:
-        return bool(self.api_keys)
-
-    @property
     def metrics_open(self) -> bool:
         """/metrics without a key even when keys are configured."""
         return not self.metrics_auth
@@ -212,13 +228,52 @@ class FrontendConfig:
         return self.router_mode in ("kv", "kv-approx")
 
 
+_PLAN = "planner (issue 16)"
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner: ``--planner`` in ``kvmesh run`` (it acts on the run's worker
+    supervisor), or the ``kvmesh planner`` process (it acts through discovery)."""
+
+    planner: bool = setting(False, "run the planner: keep hot spares, replace lost workers, scale and reshape the fleet",
+                            env="KVMESH_PLANNER", group=_PLAN)  # fmt: skip
+    hot_spares: int = setting(0, "workers kept started and canary-checked but not routed to, promoted when one fails",
+                              env="KVMESH_HOT_SPARES", check=non_negative, group=_PLAN)  # fmt: skip
+    min_workers: int | None = setting(
+        None, "the planner never goes below this many serving workers (default: the start size; kvmesh planner: 1)",
+        check=positive, group=_PLAN,
+    )  # fmt: skip
+    max_workers: int | None = setting(
+        None, "the planner never runs more workers than this, spares included (default: the start size + spares)",
+        check=positive, group=_PLAN,
+    )  # fmt: skip
+    planner_interval_s: float = setting(2.0, "seconds between planner rounds (a lost worker is handled at once)",
+                                        check=positive, group=_PLAN)  # fmt: skip
+    planner_cooldown_s: float = setting(30.0, "seconds between two reshaping actions (scale, role moves)",
+                                        check=non_negative, group=_PLAN)  # fmt: skip
+    planner_hold_rounds: int = setting(3, "rounds a signal must hold before the planner reshapes", check=positive,
+                                       group=_PLAN)  # fmt: skip
+    # kvmesh planner only: its /metrics (kvmesh run serves them on the frontend's)
+    planner_metrics_port: int | None = setting(None, "serve the planner's Prometheus metrics on this port",
+                                               check=a_port, group=_PLAN)  # fmt: skip
+
+    def __post_init__(self) -> None:
+        check(self)
+        if self.max_workers is not None and self.min_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"--max-workers ({self.max_workers}) must be at least --min-workers ({self.min_workers})")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """``kvmesh run``: one frontend supervising ``workers`` worker processes."""
 
     frontend: FrontendConfig
     worker: WorkerConfig
-    workers: int = setting(2, "number of worker processes", check=at_least(1))
+    workers: int = setting(2, "number of workers", check=at_least(1))
+    workers_per_process: int = setting(
+        1, "run up to this many of the workers in each worker process (see kvmesh worker --replicas)", check=at_least(1)
+    )
     # disaggregated: this many prefill and decode workers instead of ``workers`` aggregated ones
     prefill_workers: int = setting(0, "disaggregated: prefill worker processes", check=non_negative)
     decode_workers: int = setting(0, "disaggregated: decode worker processes", check=non_negative)
@@ -226,11 +281,18 @@ class RunConfig:
         5, "give up (exit 1 with the worker's error) after this many worker starts in a row fail",
         check=positive,
     )  # fmt: skip
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         check(self)
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ValueError("disaggregated serving needs both --prefill-workers and --decode-workers (at least 1 each)")
+        if self.planner.hot_spares and not self.planner.planner:
+            raise ValueError("--hot-spares needs --planner (the planner starts, checks and promotes them)")
+        if self.workers_per_process > 1 and self.disaggregated:
+            raise ValueError("--workers-per-process is for aggregated workers (--workers); not with --prefill-workers")
+        if self.workers_per_process > 1 and self.planner.planner:
+            raise ValueError("--workers-per-process is not for --planner (the planner starts and stops workers one at a time)")
 
     @property
     def disaggregated(self) -> bool:
@@ -320,6 +382,33 @@ class ClusterCredentials:
     tls_ca: str = setting(
         "", "the fleet's CA: peers must present a certificate it signed", env="KVMESH_TLS_CA", metavar="PEM", group=_CLUSTER
     )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """How a command logs (``kvmesh run``, ``frontend``, ``planner``)."""
+
+    log_level: str = setting("warning", "logging level", env="KVMESH_LOG_LEVEL", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True)
+class FrontendCommandConfig:
+    """What ``kvmesh frontend`` reads besides its config objects: where its workers
+    are without discovery, a model folder to load at once."""
+
+    static_workers: tuple[str, ...] = setting(
+        (), "comma-separated host:port of static workers: no discovery at all", env="KVMESH_STATIC_WORKERS",
+        parse=split_commas, metavar="HOST:PORT,...",
+    )  # fmt: skip
+    model_path: str | None = setting(
+        None, "load this model folder now (optional: models come from workers)", metavar="DIR"
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def _env_vars() -> dict[str, str]:

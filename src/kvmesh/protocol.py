@@ -320,15 +320,29 @@ class KvEndpoint(msgspec.Struct, frozen=True):
 class DisaggThresholds(msgspec.Struct, frozen=True, omit_defaults=True):
     """Conditional disaggregation: prefill remotely only when the prompt's tokens not
     in the prefix cache exceed ``max_local_prefill_length`` and the prefill queue
-    holds fewer than ``max_prefill_queue_size`` jobs. Changeable at run time (stored in
-    discovery at ``/disagg/{namespace}/thresholds``)."""
+    holds fewer than ``max_prefill_queue_size`` jobs and (when ``max_prefill_queue_tokens``
+    is not 0) fewer than that many tokens still to prefill. Changeable at run time
+    (stored in discovery at ``/disagg/{namespace}/thresholds``)."""
 
     max_local_prefill_length: int = 1000
     max_prefill_queue_size: int = 2
+    max_prefill_queue_tokens: int = 0  # 0: no bound on the queued tokens
 
     def __post_init__(self) -> None:
-        if self.max_local_prefill_length < 0 or self.max_prefill_queue_size < 0:
+        if min(self.max_local_prefill_length, self.max_prefill_queue_size, self.max_prefill_queue_tokens) < 0:
             raise ValueError("disaggregation thresholds must be >= 0")
+
+    def wants_remote(self, prompt_len: int, cached_tokens: int) -> bool:
+        """Long enough to prefill remotely (then the queue's state decides); pure, the
+        rule :mod:`kvmesh.disagg.policy` applies (here so that replays can share it)."""
+        return prompt_len - cached_tokens > self.max_local_prefill_length and prompt_len - 1 > cached_tokens
+
+    def admits(self, depth: int, tokens: int) -> bool:
+        """Whether a queue holding ``depth`` jobs of ``tokens`` tokens (to prefill)
+        takes one more job: the work ahead of it is what it would wait for."""
+        if depth >= self.max_prefill_queue_size:
+            return False
+        return self.max_prefill_queue_tokens == 0 or tokens < self.max_prefill_queue_tokens
 
 
 class PrefillJob(msgspec.Struct, frozen=True):
@@ -347,6 +361,11 @@ class PrefillJob(msgspec.Struct, frozen=True):
     upto: int
     enqueued_at: float = 0.0
 
+    @property
+    def tokens(self) -> int:
+        """Tokens the prefill worker computes (what a token-weighted queue counts)."""
+        return max(0, self.upto - self.cached_tokens)
+
 
 class QueueStatus(msgspec.Struct, frozen=True):
     """The prefill queue as a decode worker sees it (embedded mode's queue server also
@@ -354,6 +373,7 @@ class QueueStatus(msgspec.Struct, frozen=True):
 
     depth: int
     thresholds: DisaggThresholds | None = None
+    tokens: int = 0  # tokens the queued jobs have left to prefill
 
 
 class DisaggStats(msgspec.Struct, omit_defaults=True):
@@ -373,6 +393,7 @@ class DisaggStats(msgspec.Struct, omit_defaults=True):
     kv_migrations_out: int = 0
     kv_migration_fallbacks: int = 0
     queue_depth: int = 0  # the prefill queue's depth when last asked
+    queue_tokens: int = 0  # ... and the tokens its jobs have left to prefill
     active_blocks: int = 0
 
 

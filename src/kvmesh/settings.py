@@ -155,6 +155,15 @@ def one_of(*allowed: str) -> Check:
     return check_choice
 
 
+def require(name: str, value: object, *checks: Check) -> None:
+    """``ValueError`` naming ``name`` when ``value`` fails one of ``checks``: the same
+    checks and wording as a declared setting's, for values that are not settings."""
+    for one in checks:
+        problem = one(value)
+        if problem:
+            raise ValueError(f"{name} {problem}, got {value!r}")
+
+
 def settings_of(cls: type) -> Iterator[tuple[dataclasses.Field[object], Setting]]:
     for f in dataclasses.fields(cls):
         meta = f.metadata.get(_META)

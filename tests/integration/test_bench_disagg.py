@@ -40,3 +40,8 @@ def test_bench_disagg_tiny_slice(tmp_path: Path) -> None:
         assert arms[name]["counters"]["kv_bytes"] > 0
         assert result["ratios"][name] > 0
     assert result["best"] in ("disagg 3+1", "disagg 2+2")
+    # the same slice on the virtual clock (kvmesh replay --arms), side by side
+    virtual = result["virtual"]
+    assert set(virtual["real"]) == set(virtual["virtual"]) == {"aggregated", "disagg 3+1", "disagg 2+2"}
+    assert all(v > 0 for v in virtual["virtual"].values())
+    assert "ordering of arms:" in proc.stdout

@@ -33,12 +33,33 @@ class _Stream:
         self.log.append("ended")
 
 
+class _Burst:
+    """Writes ``count`` events in one loop iteration, then one more after yielding;
+    logs how many transport writes the stream made."""
+
+    def __init__(self, count: int, log: list[str]) -> None:
+        self.count = count
+        self.log = log
+
+    async def send_to(self, out: ResponseStream) -> None:
+        out.start(200, [(b"content-type", b"text/event-stream")])
+        for i in range(self.count):
+            out.write(b"data: %d\n\n" % i)
+        await asyncio.sleep(0.01)
+        out.write(b"data: late\n\n")
+        out.end(b"data: [DONE]\n\n")
+        self.log.append(f"writes {out.writes}")
+
+
 def _app(log: list[str]) -> HttpApp:
     async def echo(request: Request) -> Response:
         return Response(request.method.encode() + b" " + request.path.encode() + b" " + request.body, content_type="text/plain")
 
     async def stream(request: Request) -> _Stream:
         return _Stream(int(request.query.partition("=")[2] or 3), 0.01, log)
+
+    async def burst(request: Request) -> _Burst:
+        return _Burst(int(request.query.partition("=")[2] or 3), log)
 
     @contextlib.asynccontextmanager
     async def lifespan() -> AsyncIterator[None]:
@@ -47,7 +68,7 @@ def _app(log: list[str]) -> HttpApp:
         log.append("shutdown")
 
     return HttpApp(
-        {"/echo": {"GET": echo, "POST": echo}, "/stream": {"GET": stream}},
+        {"/echo": {"GET": echo, "POST": echo}, "/stream": {"GET": stream}, "/burst": {"GET": burst}},
         not_found=lambda r: Response(b"no", 404),
         bad_method=lambda r: Response(b"method", 405),
         on_error=lambda exc: Response(repr(exc).encode(), 500),
@@ -147,3 +168,19 @@ async def test_the_client_leaving_mid_stream_is_reported_once():
                 break
             await asyncio.sleep(0.01)
     assert log.count("disconnected") == 1 and "ended" not in log
+
+
+async def test_events_written_in_one_loop_iteration_share_a_write():
+    log: list[str] = []
+    async with _serving(log) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /burst?n=5 HTTP/1.1\r\nhost: t\r\n\r\n")
+        body = b""
+        while not body.endswith(b"0\r\n\r\n"):
+            body += await asyncio.wait_for(reader.read(65536), 1)
+        writer.close()
+    # head + event 0 at once, events 1-4 together next iteration, then "late" at once
+    # (a later iteration's first write) and the end: 4 writes for 7 events
+    assert log == ["startup", "writes 4", "shutdown"]
+    events = [line for line in body.split(b"\r\n") if line.startswith(b"data:")]
+    assert events == [b"data: %d\n\n" % i for i in range(5)] + [b"data: late\n\n", b"data: [DONE]\n\n"]

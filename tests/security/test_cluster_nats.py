@@ -180,6 +180,21 @@ async def test_prefill_jobs_not_signed_with_the_secret_are_dropped(nats, caplog)
         await rogue_nc.close()
 
 
+async def _routed_to_rogue(nc, subject: str, timeout: float = 20.0) -> None:
+    """Wait until the server routes the caller's requests on ``subject`` to the rogue (a
+    loaded CI run once saw NoResponders right after the rogue's flush)."""
+    import nats.errors
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await nc.request(subject, b"probe", timeout=2.0)
+            return
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            assert time.monotonic() < deadline, f"the rogue's subscription on {subject} never took effect"
+            await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("fleet", [SECRET], indirect=True)
 async def test_a_forged_reply_cannot_end_a_stream(fleet, nats, caplog):
     from kvmesh.errors import ResponseTimeout
@@ -193,7 +208,8 @@ async def test_a_forged_reply_cannot_end_a_stream(fleet, nats, caplog):
         await msg.respond(enc(NatsReply("engine_shutdown", "forged")))
 
     sub = await rogue_nc.subscribe(victim.subject("count"), cb=forge)
-    await rogue_nc.flush()  # the server holds the rogue's subscription before the victim's request
+    await rogue_nc.flush()
+    await _routed_to_rogue(caller_nc, victim.subject("count"))
     try:
         with pytest.raises(ResponseTimeout):  # not the forged EngineShutdown: the reply was ignored
             async for _ in victim.stream("count", enc(3), Context("victim"), decode=dec):

@@ -17,6 +17,7 @@ from kvmesh.replay import (
     TokenSynth,
     TraceError,
     arrivals,
+    fleet_options,
     load_trace,
     make_policy,
     replay,
@@ -149,7 +150,7 @@ def test_kv_routing_hits_the_cache_more_than_round_robin(trace_file: Path) -> No
 def test_kv_events_and_token_times_reach_the_router(trace_file: Path) -> None:
     trace = load_trace(trace_file)
     policy = make_policy("kv", 4, block_size=MOCKER.block_size)
-    records = simulate(arrivals(trace, TokenSynth(MOCKER.vocab_size)), policy, MOCKER, 4)
+    records = simulate(arrivals(trace, TokenSynth(MOCKER.vocab_size)), policy, fleet_options(MOCKER, 4))
     core = policy.core  # type: ignore[attr-defined]
     assert core.indexer.num_blocks > 0  # fed by the workers' KV events
     assert len(core.load) == 0  # every first token and finish was reported

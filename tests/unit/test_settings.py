@@ -119,3 +119,70 @@ def test_help_stays_readable():
         r = subprocess.run([sys.executable, "-m", "kvmesh.cli.main", command, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and "KVMESH_" in r.stdout
         assert "--config FILE.toml" in r.stdout and "(default 8000)" in r.stdout or command == "worker"
+
+
+def _engine_options(engine: str) -> tuple[type, dict[str, object]]:
+    """An engine's options class and the options it has no default for."""
+    if engine == "mocker":
+        from kvmesh.engines.mocker.options import MockerOptions
+
+        return MockerOptions, {}
+    if engine == "hf":
+        from kvmesh.engines.hf.options import HfOptions
+
+        return HfOptions, {"model_path": "m"}
+    from kvmesh.engines.vllm.options import VllmOptions
+
+    return VllmOptions, {"model": "m"}
+
+
+@pytest.mark.parametrize("engine", ["mocker", "hf", "vllm"])
+def test_an_engine_built_in_code_starts_from_the_cli_defaults(engine):
+    """Options built in library code with no arguments equal those a worker builds from
+    the CLI given no flag, variable or file: a default that drifts on either side fails."""
+    import dataclasses
+
+    from kvmesh.engines.mocker.options import MockerOptions
+    from kvmesh.engines.settings import options_from
+
+    ns = build_parser().parse_args(["run", "--engine", engine])
+    worker = _worker_config(ns, {})
+    settings = worker.engine_options
+    options, required = _engine_options(engine)
+    if options is MockerOptions:
+        from_cli = MockerOptions.from_settings(settings, block_size=worker.block_size)
+    elif engine == "hf":
+        from_cli = options_from(options, settings, block_size=worker.block_size, **required)
+    else:
+        from_cli = options_from(options, settings, **required)
+    assert options(**required) == from_cli
+    names = {f.name for f in dataclasses.fields(options)}
+    renamed = {"eos_probability": "eos_rate"}
+    unused = [f.name for f in dataclasses.fields(settings) if renamed.get(f.name, f.name) not in names]
+    assert unused == [], f"declared settings that reach no {options.__name__} field"
+
+
+def test_log_level_static_workers_and_model_are_declared_settings():
+    from kvmesh.config import FrontendCommandConfig, LogConfig
+
+    parse = build_parser().parse_args
+    ns = parse(["frontend", "--log-level", "info", "--static-workers", "127.0.0.1:1, 127.0.0.1:2", "--model-path", "/m"])
+    cmd = resolve(FrontendCommandConfig, ns, env={})
+    assert (cmd.static_workers, cmd.model_path) == (("127.0.0.1:1", "127.0.0.1:2"), "/m")
+    assert resolve(LogConfig, ns, env={}).log_level == "info"
+    env = {"KVMESH_LOG_LEVEL": "debug", "KVMESH_STATIC_WORKERS": "h:1"}
+    cmd = resolve(FrontendCommandConfig, parse(["frontend"]), env=env)
+    assert (cmd.static_workers, cmd.model_path, resolve(LogConfig, parse(["frontend"]), env=env).log_level) == (
+        ("h:1",), None, "debug"
+    )
+    file = {"log-level": "error", "static-workers": "h:2,h:3"}
+    assert resolve(FrontendCommandConfig, parse(["frontend"]), file=file, env={}).static_workers == ("h:2", "h:3")
+    assert resolve(LogConfig, parse(["frontend"]), file=file, env={}).log_level == "error"
+    for command in ("run", "planner"):
+        assert resolve(LogConfig, parse([command, "--log-level", "error"]), env={}).log_level == "error"
+    with pytest.raises(ValueError, match=r"--log-level \(or KVMESH_LOG_LEVEL\) must be one of"):
+        resolve(LogConfig, parse(["frontend"]), env={"KVMESH_LOG_LEVEL": "loud"})
+    assert resolve(WorkerConfig, parse(["worker", "--model", "smollm2"]), env={}).model == "smollm2"
+    assert resolve(WorkerConfig, parse(["run"]), env={"KVMESH_MODEL": "smollm2"}).model == "smollm2"
+    with pytest.raises(ValueError, match="not both"):
+        _worker_config(parse(["worker", "--model", "smollm2", "--model-path", "/m"]), {})

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import pytest
 
 from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs
+from kvmesh.engines.settings import VllmSettings, options_from
 from kvmesh.engines.vllm.options import VllmOptions
 from kvmesh.protocol import OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions, TokenLogprob, Usage
+from kvmesh.settings import resolve
 
 
 @dataclass
@@ -17,6 +19,10 @@ class Lp:  # the shape of vllm.logprobs.Logprob
     logprob: float
     rank: int
     decoded_token: str | None = None
+
+
+def _from_env(env: dict[str, str], **given: object) -> VllmOptions:
+    return options_from(VllmOptions, resolve(VllmSettings, env=env), **given)
 
 
 def _request(**kw) -> PreprocessedRequest:
@@ -103,15 +109,15 @@ def test_options_validate_and_read_the_environment():
         "KVMESH_VLLM_KV_CACHE_GB": "0.5",
         "KVMESH_VLLM_KV_TRANSFER_CONFIG": '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}',
     }
-    opts = VllmOptions.from_env("/models/x", "x", 7, env=env)
+    opts = _from_env(env, model="/models/x", served_model_name="x", worker_id=7)
     assert (opts.block_size, opts.enforce_eager, opts.kv_cache_gb, opts.worker_id) == (64, True, 0.5, 7)
     assert opts.kv_transfer_config == {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
     kw = opts.engine_kwargs()
     assert kw["model"] == "/models/x" and kw["block_size"] == 64 and "max_model_len" not in kw
     with pytest.raises(ValueError, match="KVMESH_VLLM_MAX_MODEL_LEN"):
-        VllmOptions.from_env("m", env={"KVMESH_VLLM_MAX_MODEL_LEN": "lots"})
+        _from_env({"KVMESH_VLLM_MAX_MODEL_LEN": "lots"}, model="m")
     with pytest.raises(ValueError, match="JSON object"):
-        VllmOptions.from_env("m", env={"KVMESH_VLLM_ENGINE_ARGS": "[1]"})
+        _from_env({"KVMESH_VLLM_ENGINE_ARGS": "[1]"}, model="m")
 
 
 def test_vllm_exceptions_map_onto_the_kvmesh_tree():

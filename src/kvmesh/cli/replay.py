@@ -17,18 +17,17 @@ bad option value; each failure is one line on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvmesh.cli.replay_output import PROG, fail, read_trace, write_json
+
 if TYPE_CHECKING:
     from kvmesh.replay.runner import ReplayConfig
 
 __all__ = ["add_replay_args", "main", "run_replay"]
-
-_PROG = "kvmesh replay"
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
@@ -56,15 +55,28 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the cost (default 1)")
     r.add_argument("--router-temperature", type=float, default=0.0, help="0: lowest cost wins; > 0: softmax sampling")
     r.add_argument("--seed", type=int, default=0, help="seed of the random policy and the router's tie-breaking")
+    a = p.add_argument_group("deployment arms (instead of --policy; the router is --router)")
+    a.add_argument("--arms", default=None,
+                   help="comma-separated: aggregated, disagg:<P>p<D>d (P + D = --workers), planner[:<P>p<D>d]")  # fmt: skip
+    a.add_argument("--router", default="kv", choices=("kv", "kv-approx", "round_robin", "random"),
+                   help="the router in front of the (decode) workers of every arm (default kv)")  # fmt: skip
+    a.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT SLO (default 2000)")
+    a.add_argument("--slo-itl-ms", type=float, default=35.0, help="mean inter-token latency SLO (default 35)")
+    a.add_argument("--kv-bytes-per-token", type=int, default=65536, help="modelled KV per token (default 64 KiB)")
+    a.add_argument("--kv-bandwidth", type=float, default=25e9, help="KV transfer link, bytes/s (default 25e9)")
+    a.add_argument("--max-local-prefill-length", type=int, default=1000, help="prefill locally up to this many new tokens")
+    a.add_argument("--max-prefill-queue-size", type=int, default=2, help="... or while the prefill queue holds this many jobs")
+    a.add_argument("--max-prefill-queue-tokens", type=int, default=0, help="... or this many tokens (0: no token bound)")
+    a.add_argument("--no-pipeline", action="store_true", help="prefill workers write KV before computing the next job")
+    a.add_argument("--planner-interval-s", type=float, default=1.0, help="planner rounds, virtual seconds (default 1)")
+    a.add_argument("--planner-window-s", type=float, default=10.0, help="TTFT/ITL window the planner sees (default 10)")
+    a.add_argument("--planner-hold-rounds", type=int, default=3, help="rounds a signal must hold (default 3)")
+    a.add_argument("--planner-cooldown-s", type=float, default=10.0, help="seconds between role moves (default 10)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="OUT", default=None, help="write the per-policy results as a JSON list")
-    o.add_argument("--plot", metavar="OUT.png", default=None, help="write a TTFT CDF per policy (needs matplotlib)")
+    o.add_argument("--json", metavar="OUT", default=None, help="write the per-policy (per-arm) results as a JSON list")
+    o.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="write a TTFT CDF per policy (with --arms: TTFT and ITL CDFs per arm; needs matplotlib)")  # fmt: skip
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _fail(message: str, status: int) -> int:
-    print(f"{_PROG}: {message}", file=sys.stderr)
-    return status
 
 
 def _config(ns: argparse.Namespace) -> ReplayConfig:
@@ -73,15 +85,7 @@ def _config(ns: argparse.Namespace) -> ReplayConfig:
     from kvmesh.replay.runner import ReplayConfig
     from kvmesh.settings import resolve
 
-    m = resolve(MockerSettings, ns)
-    mocker = MockerOptions(
-        block_size=ns.block_size,
-        num_blocks=m.num_blocks,
-        max_num_seqs=m.max_num_seqs,
-        max_num_batched_tokens=m.max_num_batched_tokens,
-        speedup=m.speedup,
-        eos_rate=m.eos_probability,
-    )
+    mocker = MockerOptions.from_settings(resolve(MockerSettings, ns), block_size=ns.block_size)
     policies = tuple(p.strip() for p in ns.policy.split(",") if p.strip())
     return ReplayConfig(
         policies=policies,
@@ -97,22 +101,28 @@ def _config(ns: argparse.Namespace) -> ReplayConfig:
 
 def run_replay(ns: argparse.Namespace) -> int:
     """Run ``kvmesh replay`` with parsed arguments; returns the exit status."""
+    if getattr(ns, "arms", None):
+        from kvmesh.cli.replay_arms import run_arms
+
+        try:
+            base = _config(ns)
+        except ValueError as exc:
+            return fail(str(exc), 2)
+        return run_arms(ns, base)
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_ttft_cdf
     from kvmesh.replay.report import format_table, summarize
     from kvmesh.replay.runner import replay_policy
-    from kvmesh.replay.trace import TraceError, load_trace
 
     try:
         config = _config(ns)
     except ValueError as exc:
-        return _fail(str(exc), 2)
-    try:
-        trace = load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
-    except TraceError as exc:
-        return _fail(str(exc), 1)
+        return fail(str(exc), 2)
+    trace = read_trace(ns)
+    if isinstance(trace, int):
+        return trace
     plot = ns.plot
     if plot is not None and not have_matplotlib():
-        print(f"{_PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
+        print(f"{PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
         plot = None
     span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0
     print(
@@ -126,22 +136,18 @@ def run_replay(ns: argparse.Namespace) -> int:
             with _progress(name, len(trace), ns.no_progress) as tick:
                 records = replay_policy(name, trace, config, tick)
         except ValueError as exc:
-            return _fail(str(exc), 2)
+            return fail(str(exc), 2)
         results.append(summarize(name, records))
         print(f"  {name}: replayed in {time.perf_counter() - start:.1f} s wall")
     print(format_table(results))
-    if ns.json is not None:
-        try:
-            with open(ns.json, "w", encoding="utf-8") as f:
-                json.dump([r.to_json() for r in results], f, indent=2)
-                f.write("\n")
-        except OSError as exc:
-            return _fail(f"cannot write {ns.json}: {exc.strerror or exc}", 1)
+    status = write_json(ns.json, results)
+    if status is not None:
+        return status
     if plot is not None:
         try:
             plot_ttft_cdf(results, plot, title=f"TTFT CDF: {len(trace)} requests, {config.workers} workers")
         except OSError as exc:
-            return _fail(f"cannot write {plot}: {exc.strerror or exc}", 1)
+            return fail(f"cannot write {plot}: {exc.strerror or exc}", 1)
         print(f"TTFT CDF written to {plot}")
     return 0
 
@@ -169,7 +175,7 @@ class _progress:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvmesh.cli.replay`` (the same as ``kvmesh replay``)."""
-    parser = argparse.ArgumentParser(prog=_PROG, description="Replay a request trace against mocker workers")
+    parser = argparse.ArgumentParser(prog=PROG, description="Replay a request trace against mocker workers")
     add_replay_args(parser)
     return run_replay(parser.parse_args(argv))
 

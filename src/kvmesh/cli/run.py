@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from kvmesh.frontend.server import HttpServer
     from kvmesh.protocol import InstanceInfo, KvEndpoint
     from kvmesh.runtime.distributed import DistributedRuntime
+    from kvmesh.cli.planner import EmbeddedFleet
+    from kvmesh.disagg.queue import PrefillQueue
     from kvmesh.worker.supervisor import ForkedWorker, Supervisor
 
 __all__ = ["run_embedded"]
@@ -99,7 +101,8 @@ def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
     if cfg.frontend.router_mode == "kv":
         import kvmesh.runtime.event_plane.zmq  # noqa: F401 - the KV event subscriber, as the workers publish
 
-    return prefork(cfg.worker, cfg.workers, close=[sock])
+    spares = cfg.planner.hot_spares if cfg.planner.planner else 0
+    return prefork(cfg.worker, cfg.workers + spares, close=[sock], per_process=cfg.workers_per_process)
 
 
 async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked: list[ForkedWorker]) -> int:
@@ -121,9 +124,18 @@ async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked:
         for component in (COMPONENT, PREFILL_COMPONENT):
             await runtime.discovery.delete(instance_key(ns, component, GENERATE, worker_id))
 
-    supervisors = await _supervisors(cfg, runtime, on_ready, on_exit, preforked)
+    fleet = _planned_fleet(cfg, on_ready, on_exit) if cfg.planner.planner else None
+    if fleet is not None:  # the planner decides what replaces a worker: it publishes, it is told of exits
+        on_ready, on_exit = fleet.on_ready, fleet.on_exit
+    supervisors = await _supervisors(cfg, runtime, on_ready, on_exit, preforked, fleet)
+    if fleet is not None:
+        for one in supervisors:
+            one.on_failed = fleet.on_failed
+        fleet.main = supervisors[0]
+        fleet.prefill = supervisors[1] if len(supervisors) > 1 else None
     for one in supervisors:
         one.start()
+    planner = None
     # the HTTP server handles SIGINT/SIGTERM while it serves, then puts these back:
     # a signal during the workers' orderly stop below must not cut it short
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -143,6 +155,10 @@ async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked:
         from kvmesh.frontend.sources import watch_prefill_workers  # observability: prefill workers' metrics
 
         prefill_watch = await watch_prefill_workers(runtime, frontend.prefill_workers)
+        if fleet is not None:
+            from kvmesh.cli.planner import start_embedded_planner
+
+            planner = start_embedded_planner(cfg, fleet, frontend, runtime)
         server = make_server(frontend.app, log_level)
         server.config.timeout_graceful_shutdown = 5
         announcer = asyncio.get_running_loop().create_task(_announce(cfg, entry.name, server, frontend.registry))
@@ -152,6 +168,9 @@ async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked:
         finally:
             announcer.cancel()
             give_up.cancel()
+            if planner is not None and fleet is not None:
+                await planner.close()
+                await fleet.close()
             await watcher.close()
             await prefill_watch.close()
     finally:
@@ -182,27 +201,69 @@ async def _supervisors(
     on_ready: Callable[[InstanceInfo], Awaitable[None]],
     on_exit: Callable[[int], Awaitable[None]],
     preforked: list[ForkedWorker],
+    fleet: EmbeddedFleet | None = None,
 ) -> list[Supervisor]:
     """The worker processes to keep running: ``workers`` aggregated ones (``preforked``
     already), or (with ``--prefill-workers``/``--decode-workers``) decode and prefill
-    ones sharing this process's prefill queue, served on the request plane."""
+    ones sharing this process's prefill queue, served on the request plane (whose
+    depth in tokens the planner's ``fleet`` reads)."""
     from kvmesh.worker.supervisor import Supervisor
 
     limit = cfg.max_failed_starts
+    # under the planner, a lost worker is replaced by the planner (a spare, or a start)
+    restart = not cfg.planner.planner
+    spares = cfg.planner.hot_spares if cfg.planner.planner else 0
     if not cfg.disaggregated:
-        return [Supervisor(cfg.worker, cfg.workers, on_ready, on_exit, preforked=preforked, max_failed_starts=limit)]
-    address = await _serve_prefill_queue(cfg, runtime)
+        return [
+            Supervisor(
+                cfg.worker, cfg.workers + spares, on_ready, on_exit, preforked=preforked, max_failed_starts=limit,
+                restart=restart, per_process=cfg.workers_per_process,
+            )  # fmt: skip
+        ]
+    # a hot spare is not in discovery: the queue finds its KV endpoint through the fleet
+    address, queue = await _serve_prefill_queue(cfg, runtime, fleet.info_of if fleet is not None else None)
+    if fleet is not None:
+        fleet.queue_tokens = _queue_tokens(queue)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")
     return [
-        Supervisor(decode, cfg.decode_workers, on_ready, on_exit, max_failed_starts=limit),
-        Supervisor(prefill, cfg.prefill_workers, on_ready, on_exit, first_id=1_000_000, max_failed_starts=limit),
-    ]
+        Supervisor(decode, cfg.decode_workers + spares, on_ready, on_exit, max_failed_starts=limit, restart=restart),
+        Supervisor(prefill, cfg.prefill_workers, on_ready, on_exit, first_id=1_000_000, max_failed_starts=limit,
+                   restart=restart),
+    ]  # fmt: skip
 
 
-async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> str:
+def _planned_fleet(
+    cfg: RunConfig, publish: Callable[[InstanceInfo], Awaitable[None]], unpublish: Callable[[int], Awaitable[None]]
+) -> EmbeddedFleet:
+    """The planner's view of the workers about to start: serving ones, then spares."""
+    from kvmesh.cli.planner import EmbeddedFleet
+    from kvmesh.planner.core import Role
+
+    spares = cfg.planner.hot_spares
+    if cfg.disaggregated:
+        roles = {i: Role.DECODE for i in range(cfg.decode_workers)}
+        roles.update({cfg.decode_workers + i: Role.SPARE for i in range(spares)})
+        roles.update({1_000_000 + i: Role.PREFILL for i in range(cfg.prefill_workers)})
+    else:
+        roles = {i: Role.AGGREGATED for i in range(cfg.workers)}
+        roles.update({cfg.workers + i: Role.SPARE for i in range(spares)})
+    return EmbeddedFleet(publish, unpublish, roles)
+
+
+def _queue_tokens(queue: PrefillQueue) -> Callable[[], Awaitable[int]]:
+    async def tokens() -> int:
+        return (await queue.status()).tokens
+
+    return tokens
+
+
+async def _serve_prefill_queue(
+    cfg: RunConfig, runtime: DistributedRuntime, known: Callable[[int], InstanceInfo | None] | None = None
+) -> tuple[str, PrefillQueue]:
     """Embedded mode's global prefill queue (in this process), and the decode workers'
-    KV endpoints from this process's discovery, for the workers to reach over TCP."""
+    KV endpoints from this process's discovery (or ``known``: workers not routed to,
+    the planner's hot spares), for the workers to reach over TCP."""
     from kvmesh.disagg.queue import LocalPrefillQueue, serve_queue
     from kvmesh.protocol import DisaggThresholds, InstanceInfo
     from kvmesh.runtime.distributed import instance_key
@@ -215,15 +276,20 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> s
     async def kv_metadata(worker_id: int) -> KvEndpoint | None:
         key = instance_key(ns, COMPONENT, GENERATE, worker_id)
         value = (await runtime.discovery.get_prefix(key)).get(key)
-        return None if value is None else decode_info(value).kv
+        if value is not None:
+            return decode_info(value).kv
+        info = known(worker_id) if known is not None else None
+        return None if info is None else info.kv
 
     w = cfg.worker
-    queue = LocalPrefillQueue(DisaggThresholds(w.max_local_prefill_length, w.max_prefill_queue_size))
+    queue = LocalPrefillQueue(
+        DisaggThresholds(w.max_local_prefill_length, w.max_prefill_queue_size, w.max_prefill_queue_tokens)
+    )
     server = TcpServer(w.host, 0)
     serve_queue(server, queue, kv_metadata)
     await server.start()
     runtime.add_closer(server.close)
-    return server.address
+    return server.address, queue
 
 
 async def _announce(cfg: RunConfig, model: str, server: HttpServer, registry: ModelRegistry) -> None:
@@ -243,4 +309,6 @@ def _fleet(cfg: RunConfig) -> str:
     engine = cfg.worker.engine
     if cfg.disaggregated:
         return f"{cfg.decode_workers} decode + {cfg.prefill_workers} prefill {engine} workers"
-    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}"
+    per = cfg.workers_per_process
+    where = f" in {-(-cfg.workers // per)} processes" if per > 1 else ""
+    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}{where}"

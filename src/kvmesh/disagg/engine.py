@@ -103,7 +103,6 @@ class DisaggEngine:
         self._live: set[str] = set()
         self._handoffs: dict[str, DisaggregatedParams] = {}
         self._offers: dict[str, asyncio.Future[tuple[int, str]]] = {}
-        self._decide = asyncio.Lock()
         self._done: dict[str, asyncio.Future[tuple[int, str]]] = {}  # remote prefills put, not yet awaited
 
     # ------------------------------------------------------------------ lifecycle
@@ -195,13 +194,16 @@ class DisaggEngine:
         placement = "local"
         span = None  # tracing: the remote_prefill span (under engine.generate)
         if needs_queue_check(n, cached, self.thresholds):
-            # decisions take turns, so that concurrent ones see each other's jobs in the depth
-            async with self._decide:
-                status = await self._queue_status()
-                placement = place_prefill(n, cached, status.depth, status.thresholds or self.thresholds)
-                if placement == "remote":
-                    span = _remote_prefill_span(n, cached, status.depth)
-                    job = await self._enqueue(request, reservation, span)
+            status = await self._queue_status()
+            limits = status.thresholds or self.thresholds
+            placement = place_prefill(n, cached, status.depth, limits, status.tokens)
+            if placement == "remote":
+                # the queue re-checks the bound atomically as it takes the job: every
+                # decode worker racing for the last place sees the others' jobs
+                span = _remote_prefill_span(n, cached, status.depth)
+                job, refused = await self._enqueue(request, reservation, limits, span)
+                if refused:
+                    placement = "local_queue_full"
         if job is None:
             if span is not None:
                 span.set_attribute("outcome", "queue_refused")
@@ -229,10 +231,14 @@ class DisaggEngine:
             self.thresholds = status.thresholds
         self._thresholds_at = time.monotonic()
         self.stats.queue_depth = status.depth
+        self.stats.queue_tokens = status.tokens
         return status
 
-    async def _enqueue(self, request: PreprocessedRequest, res: KvReservation, span: Span | None = None) -> PrefillJob | None:
-        """Put the job on the queue, expecting its transfer; None if the queue refused."""
+    async def _enqueue(
+        self, request: PreprocessedRequest, res: KvReservation, limits: DisaggThresholds, span: Span | None = None
+    ) -> tuple[PrefillJob | None, bool]:
+        """Offer the job to the queue, expecting its transfer: (the job, False) when
+        queued, (None, True) when the queue is full, (None, False) when it failed."""
         assert self.queue is not None
         bs = self._layout().block_size
         upto = len(request.token_ids) - 1  # the last prompt token is computed here, to sample from
@@ -245,14 +251,16 @@ class DisaggEngine:
         )
         self._done[job.job_id] = self._server().expect(job.job_id, res.block_ids[:first], res.block_ids[first:last])
         try:
-            await self.queue.put(job)
+            accepted = await self.queue.offer(job, limits)
         except Exception as exc:  # noqa: BLE001 - any backend's error: prefill locally
             log.warning("prefill queue refused a job (%r); prefilling locally", exc)
+            accepted = None
+        if not accepted:
             self._server().forget(job.job_id)
             del self._done[job.job_id]
-            self.stats.remote_fallbacks += 1
-            return None
-        return job
+            self.stats.remote_fallbacks += accepted is None
+            return None, accepted is False
+        return job, False
 
     async def _await_remote(self, request: PreprocessedRequest, job: PrefillJob, ctx: Context) -> bool:
         done = self._done.pop(job.job_id)

@@ -1,12 +1,18 @@
 """The prefill worker's loop: pull one job, prefill it into the decode worker's blocks.
 
-For each job (one at a time: a prefill runs alone, for a fast TTFT):
+For each job (one computation at a time: a prefill runs alone, for a fast TTFT):
 
 1. look up the decode worker's :class:`~kvmesh.protocol.KvEndpoint` (loaded from
    discovery the first time this worker serves that decode worker, then cached);
 2. read the prefix-hit blocks from it, compute the rest (``engine.prefill_remote``),
    write the new blocks into the blocks the decode worker allocated;
 3. tell it done (or the error, so it falls back to a local prefill at once), ack.
+
+**Pipelined** (``pipeline=True``, the default): once a job's KV is computed, its write
+and ``done`` go on in the background while the worker pulls and computes the next
+job; the link carries one job's write at a time, in order (a write waits for the one
+before it), and at most one write is outstanding when a computation finishes, so the
+worker never holds more than two jobs. Unpipelined, step 3 ends before the next pull.
 
 :meth:`PrefillWorker.stop` stops pulling and lets the current job finish its writes:
 removing a prefill worker needs nothing else. Adding one needs nothing at all: it
@@ -20,7 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from kvmesh.disagg.queue import PrefillQueue
+from kvmesh.disagg.queue import Delivery, PrefillQueue
 from kvmesh.disagg.transfer import KvConnector
 from kvmesh.engines.base import Engine
 from kvmesh.errors import InvalidArgument, KvmeshError
@@ -62,16 +68,19 @@ class PrefillWorker:
         connector: KvConnector,
         metadata: KvMetadataCache,
         poll_s: float = 0.5,
+        pipeline: bool = True,
     ) -> None:
         self.engine = engine
         self.queue = queue
         self.connector = connector
         self.metadata = metadata
         self.poll_s = poll_s
+        self.pipeline = pipeline
+        self._writing: asyncio.Task[None] | None = None  # the previous job's write and ack
         self.stats = DisaggStats(mode="prefill")
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.busy = False
+        self._computing = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="prefill-worker")
@@ -85,6 +94,11 @@ class PrefillWorker:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
         await self.connector.close()
+
+    @property
+    def busy(self) -> bool:
+        """Holding a job: computing one, or writing one's KV."""
+        return self._computing or (self._writing is not None and not self._writing.done())
 
     def disagg_stats(self) -> DisaggStats:
         sent = self.connector.stats
@@ -105,18 +119,61 @@ class PrefillWorker:
                 continue
             if delivery is None:
                 continue
-            self.busy = True
+            self._computing = True
             try:
-                await self.serve(delivery.job)
-            except Exception:  # noqa: BLE001 - one job must not end the loop
-                self.stats.prefill_jobs_failed += 1
-                log.exception("prefill job %s failed", delivery.job.job_id)
+                await self._serve_delivery(delivery)
             finally:
-                self.busy = False
-                await _quietly(delivery.ack())
+                self._computing = False
+        await self._flush()
+
+    async def _serve_delivery(self, delivery: Delivery) -> None:
+        try:
+            finish = await self.compute(delivery.job)
+        except Exception:  # noqa: BLE001 - one job must not end the loop
+            self.stats.prefill_jobs_failed += 1
+            log.exception("prefill job %s failed", delivery.job.job_id)
+            await _quietly(delivery.ack())
+            return
+        previous = self._writing
+        self._writing = asyncio.get_running_loop().create_task(self._deliver(previous, finish, delivery))
+        if not self.pipeline:
+            await self._flush()
+
+    async def _deliver(
+        self, previous: asyncio.Task[None] | None, finish: Callable[[], Awaitable[bool]] | None, delivery: Delivery
+    ) -> None:
+        """Wait for the previous job's write (one at a time, in order), then this one's."""
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        try:
+            if finish is not None and await finish():
+                self.stats.prefill_jobs_done += 1
+        except Exception:  # noqa: BLE001 - one job must not end the loop
+            self.stats.prefill_jobs_failed += 1
+            log.exception("prefill job %s failed", delivery.job.job_id)
+        finally:
+            await _quietly(delivery.ack())
+
+    async def _flush(self) -> None:
+        """Wait for the outstanding write (stop, unpipelined mode)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            await asyncio.gather(writing, return_exceptions=True)
 
     async def serve(self, job: PrefillJob) -> bool:
-        """Run one job; True when its KV reached the decode worker."""
+        """Run one job to the end; True when its KV reached the decode worker."""
+        finish = await self.compute(job)
+        if finish is None:
+            return False
+        if await finish():
+            self.stats.prefill_jobs_done += 1
+            return True
+        return False
+
+    async def compute(self, job: PrefillJob) -> Callable[[], Awaitable[bool]] | None:
+        """Read the prefix and compute the job's KV; returns what writes it to the
+        decode worker and tells it done (True when the KV got there), or None when the
+        job failed already (counted; the decode worker told where it can be)."""
         try:
             peer = await self.metadata.get(job.worker_id)
         except KvmeshError as exc:
@@ -124,28 +181,40 @@ class PrefillWorker:
             # worker prefills locally when its remote-prefill timeout passes
             self.stats.prefill_jobs_failed += 1
             log.warning("prefill job %s: decode worker %x's KV endpoint unknown: %s", job.job_id, job.worker_id, exc.message)
-            return False
+            return None
         if peer is None:  # the decode worker is gone: nothing to fill
             self.stats.prefill_jobs_failed += 1
             log.info("prefill job %s: decode worker %x not found", job.job_id, job.worker_id)
-            return False
+            return None
         tracing.set_log_trace_id(tracing.trace_id_of(job.request.trace_context))
         span = tracing.GenerateSpan.start(job.request, "prefill") if tracing.enabled() else None
         try:
-            await self._fill(peer, job, span)
+            write = await self._compute(peer, job)
         except KvmeshError as exc:
-            self.stats.prefill_jobs_failed += 1
-            self.metadata.forget(job.worker_id)
-            log.info("prefill job %s failed: %s", job.job_id, exc.message)
-            if span is not None:
-                span.failed(exc.kind, exc.message)
-                span.end(False)
-            await _quietly(self.connector.done(peer, job.job_id, 0, exc.message))
-            return False
-        self.stats.prefill_jobs_done += 1
-        return True
+            await self._failed(peer, job, span, exc)
+            return None
 
-    async def _fill(self, peer: KvEndpoint, job: PrefillJob, span: tracing.GenerateSpan | None = None) -> None:
+        async def finish() -> bool:
+            try:
+                await write(span)
+            except KvmeshError as exc:
+                await self._failed(peer, job, span, exc)
+                return False
+            return True
+
+        return finish
+
+    async def _failed(self, peer: KvEndpoint, job: PrefillJob, span: tracing.GenerateSpan | None, exc: KvmeshError) -> None:
+        self.stats.prefill_jobs_failed += 1
+        self.metadata.forget(job.worker_id)
+        log.info("prefill job %s failed: %s", job.job_id, exc.message)
+        if span is not None:
+            span.failed(exc.kind, exc.message)
+            span.end(False)
+        await _quietly(self.connector.done(peer, job.job_id, 0, exc.message))
+
+    async def _compute(self, peer: KvEndpoint, job: PrefillJob) -> Callable[[tracing.GenerateSpan | None], Awaitable[None]]:
+        """The compute half of a job; returns its write half."""
         layout = self.engine.kv_layout()
         if layout is None:
             raise InvalidArgument(f"{type(self.engine).__name__} cannot export KV")
@@ -155,20 +224,24 @@ class PrefillWorker:
         prefix = await self.connector.read(peer, job.job_id, job.block_ids[:first], layout)
         data = await self.engine.prefill_remote(job.request, prefix, job.cached_tokens, job.upto)
         computed = time.perf_counter()
-        await self.connector.write(peer, job.job_id, job.block_ids[first:last], data, layout)
-        link = ""
-        if span is not None:  # tracing: queue wait, compute, KV transfer
-            s = span.span
-            s.set_attribute("queue_wait_ms", max(0.0, waited * 1000.0))
-            s.set_attribute("prefill_ms", (computed - started) * 1000.0)
-            s.set_attribute("kv_transfer_bytes", _real_bytes_of(peer, last - first, len(data)))
-            s.set_attribute("kv_transfer_ms", (time.perf_counter() - computed) * 1000.0)
-            s.set_attribute("cached_tokens", job.cached_tokens)
-            span.finish_reason = "stop"
-            span.output_tokens = 0
-            link = tracing.span_link(s)
-            span.end(False)
-        await self.connector.done(peer, job.job_id, job.upto, trace_link=link)
+
+        async def write(span: tracing.GenerateSpan | None) -> None:
+            await self.connector.write(peer, job.job_id, job.block_ids[first:last], data, layout)
+            link = ""
+            if span is not None:  # tracing: queue wait, compute, KV transfer
+                s = span.span
+                s.set_attribute("queue_wait_ms", max(0.0, waited * 1000.0))
+                s.set_attribute("prefill_ms", (computed - started) * 1000.0)
+                s.set_attribute("kv_transfer_bytes", _real_bytes_of(peer, last - first, len(data)))
+                s.set_attribute("kv_transfer_ms", (time.perf_counter() - computed) * 1000.0)
+                s.set_attribute("cached_tokens", job.cached_tokens)
+                span.finish_reason = "stop"
+                span.output_tokens = 0
+                link = tracing.span_link(s)
+                span.end(False)
+            await self.connector.done(peer, job.job_id, job.upto, trace_link=link)
+
+        return write
 
 
 def _real_bytes_of(peer: KvEndpoint, blocks: int, wire: int) -> int:

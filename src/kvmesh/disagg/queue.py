@@ -13,8 +13,17 @@ Backends (one contract, :class:`PrefillQueue`):
   ``kvmesh run`` process's :class:`LocalPrefillQueue` over the TCP request plane
   (:func:`serve_queue` registers its endpoints there).
 
-``depth()`` counts jobs waiting to be pulled (not the ones being prefilled): it is
-what conditional disaggregation compares with ``max_prefill_queue_size``.
+``status()`` counts jobs waiting to be pulled (not the ones being prefilled) and the
+tokens they have left to prefill: what conditional disaggregation compares with
+``max_prefill_queue_size`` / ``max_prefill_queue_tokens``.
+
+**The bound is atomic** (:meth:`PrefillQueue.offer`): a decode worker's "is there room?"
+and "put" are one step, so the limit holds across every decode worker racing for the
+last place. Locally that is a check and an append with no ``await`` between them
+(one event loop); embedded mode's remote queue runs that on the server
+(``prefill_queue_offer``); JetStream keeps the waiting jobs and tokens in a KV-bucket
+key updated by compare-and-set on its revision (a put that lost the race re-reads and
+re-checks), taken back when a job is first delivered.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ __all__ = [
     "RemotePrefillQueue",
     "serve_queue",
     "QUEUE_PUT",
+    "QUEUE_OFFER",
     "QUEUE_PULL",
     "QUEUE_STATUS",
     "KV_METADATA",
@@ -54,6 +64,7 @@ log = logging.getLogger(__name__)
 
 # request-plane endpoints of embedded mode's queue server
 QUEUE_PUT = "prefill_queue_put"
+QUEUE_OFFER = "prefill_queue_offer"
 QUEUE_PULL = "prefill_queue_pull"
 QUEUE_STATUS = "prefill_queue_status"
 KV_METADATA = "kv_metadata"  # a decode worker's KvEndpoint by worker id (embedded mode's discovery)
@@ -72,7 +83,14 @@ class Delivery:
 
 class PrefillQueue(abc.ABC):
     @abc.abstractmethod
-    async def put(self, job: PrefillJob) -> None: ...
+    async def put(self, job: PrefillJob) -> None:
+        """Queue ``job`` whatever the queue holds."""
+
+    @abc.abstractmethod
+    async def offer(self, job: PrefillJob, limits: DisaggThresholds | None = None) -> bool:
+        """Queue ``job`` only if the queue admits one more (``limits.admits(depth,
+        tokens)``; the queue's own thresholds where it has them, else ``limits``),
+        atomically with respect to every other ``offer``; False: refused."""
 
     @abc.abstractmethod
     async def status(self) -> QueueStatus: ...
@@ -95,17 +113,35 @@ class LocalPrefillQueue(PrefillQueue):
     def __init__(self, thresholds: DisaggThresholds | None = None) -> None:
         self.thresholds = thresholds if thresholds is not None else DisaggThresholds()
         self._jobs: deque[PrefillJob] = deque()
+        self._tokens = 0
         self._ready = asyncio.Condition()
         self.put_count = 0
+        self.refused = 0
+        self.max_depth = 0  # the most jobs it ever held
 
     async def put(self, job: PrefillJob) -> None:
+        self._append(job)
         async with self._ready:
-            self._jobs.append(job)
-            self.put_count += 1
             self._ready.notify()
 
+    async def offer(self, job: PrefillJob, limits: DisaggThresholds | None = None) -> bool:
+        # check and append with no await between them: atomic in the event loop
+        if not self.thresholds.admits(len(self._jobs), self._tokens):
+            self.refused += 1
+            return False
+        self._append(job)
+        async with self._ready:
+            self._ready.notify()
+        return True
+
+    def _append(self, job: PrefillJob) -> None:
+        self._jobs.append(job)
+        self._tokens += job.tokens
+        self.put_count += 1
+        self.max_depth = max(self.max_depth, len(self._jobs))
+
     async def status(self) -> QueueStatus:
-        return QueueStatus(len(self._jobs), self.thresholds)
+        return QueueStatus(len(self._jobs), self.thresholds, self._tokens)
 
     async def pull(self, timeout_s: float) -> Delivery | None:
         async with self._ready:
@@ -113,7 +149,9 @@ class LocalPrefillQueue(PrefillQueue):
                 await asyncio.wait_for(self._ready.wait_for(lambda: bool(self._jobs)), timeout_s)
             except TimeoutError:
                 return None
-            return Delivery(self._jobs.popleft(), _no_ack)
+            job = self._jobs.popleft()
+            self._tokens -= job.tokens
+            return Delivery(job, _no_ack)
 
 
 class JetStreamPrefillQueue(PrefillQueue):
@@ -129,7 +167,9 @@ class JetStreamPrefillQueue(PrefillQueue):
         self.subject = f"{namespace}.prefill_queue"
         self.durable = "prefill_workers"
         self._ack_wait_s = ack_wait_s
+        self.bucket = f"{self.stream}_depth"
         self._js: Any = None
+        self._kv: Any = None
         self._sub: Any = None
 
     async def _jetstream(self) -> Any:
@@ -146,23 +186,88 @@ class JetStreamPrefillQueue(PrefillQueue):
             self._js = js
         return self._js
 
+    async def _counter(self) -> Any:
+        if self._kv is None:
+            from nats.js.errors import BucketNotFoundError
+
+            js = await self._jetstream()
+            try:
+                self._kv = await js.key_value(self.bucket)
+            except BucketNotFoundError:
+                from nats.js.api import KeyValueConfig
+                from nats.js.errors import BadRequestError
+
+                try:
+                    self._kv = await js.create_key_value(KeyValueConfig(bucket=self.bucket, history=1))
+                except BadRequestError:  # created by another worker meanwhile
+                    self._kv = await js.key_value(self.bucket)
+        return self._kv
+
+    async def _read_counter(self) -> tuple[int, int, int]:
+        """(waiting jobs, their tokens, the key's revision; 0: no key yet)."""
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self._counter()
+        try:
+            entry = await kv.get(_DEPTH_KEY)
+        except KeyNotFoundError:
+            return 0, 0, 0
+        try:
+            jobs, tokens = _decode_depth(entry.value or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.error("prefill queue counter is malformed; starting it again from 0")
+            jobs, tokens = 0, 0
+        return jobs, tokens, entry.revision or 0
+
+    async def _add(self, jobs: int, tokens: int, limits: DisaggThresholds | None) -> bool:
+        """Compare-and-set the counter by (+jobs, +tokens), refusing when ``limits``
+        do not admit one more job; retries when another writer won the race."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        kv = await self._counter()
+        for _ in range(_CAS_TRIES):
+            have_jobs, have_tokens, revision = await self._read_counter()
+            if limits is not None and not limits.admits(have_jobs, have_tokens):
+                return False
+            value = _encode((max(0, have_jobs + jobs), max(0, have_tokens + tokens)))
+            try:
+                if revision == 0:
+                    await kv.create(_DEPTH_KEY, value)
+                else:
+                    await kv.update(_DEPTH_KEY, value, last=revision)
+            except KeyWrongLastSequenceError:
+                continue  # someone else moved it first: read again
+            except Exception as exc:  # noqa: BLE001 - create() raced another create()
+                if "wrong last sequence" in str(exc).lower() or "key exists" in str(exc).lower():
+                    continue
+                raise
+            return True
+        raise CannotConnect(f"prefill queue counter: {_CAS_TRIES} compare-and-set attempts lost the race")
+
     async def put(self, job: PrefillJob) -> None:
+        await self._add(1, job.tokens, None)
+        await self._publish(job)
+
+    async def offer(self, job: PrefillJob, limits: DisaggThresholds | None = None) -> bool:
+        if not await self._add(1, job.tokens, limits if limits is not None else DisaggThresholds()):
+            return False
+        await self._publish(job)
+        return True
+
+    async def _publish(self, job: PrefillJob) -> None:
         js = await self._jetstream()
         data = _encode(job)
         if self._secret is not None:
             data = self._secret.sign("prefill-job", self.subject.encode(), data) + data
-        await js.publish(self.subject, data, stream=self.stream)
+        try:
+            await js.publish(self.subject, data, stream=self.stream, headers={_TOKENS_HEADER: str(job.tokens)})
+        except BaseException:
+            await _quietly_call(self._add(-1, -job.tokens, None))
+            raise
 
     async def status(self) -> QueueStatus:
-        js = await self._jetstream()
-        info = await js.stream_info(self.stream)
-        pending = info.state.messages
-        try:  # delivered but not yet acknowledged jobs are being prefilled, not queued
-            consumer = await js.consumer_info(self.stream, self.durable)
-            pending -= consumer.num_ack_pending
-        except Exception:  # noqa: BLE001 - no puller yet: everything is queued
-            pass
-        return QueueStatus(max(0, pending))
+        jobs, tokens, _ = await self._read_counter()
+        return QueueStatus(jobs, tokens=tokens)
 
     async def pull(self, timeout_s: float) -> Delivery | None:
         """The next job, or None; :class:`CannotConnect` while NATS is out of reach
@@ -188,6 +293,8 @@ class JetStreamPrefillQueue(PrefillQueue):
         except (TimeoutError, NatsTimeout):
             return None
         msg = msgs[0]
+        if msg.metadata.num_delivered == 1:  # it leaves the waiting count once, on its first delivery
+            await self._add(-1, -_header_tokens(msg), None)
         data = msg.data
         if self._secret is not None:
             mac, data = data[:32], data[32:]
@@ -212,6 +319,27 @@ class JetStreamPrefillQueue(PrefillQueue):
                 pass
 
 
+_DEPTH_KEY = "waiting"
+_TOKENS_HEADER = "Kvmesh-Tokens"
+_CAS_TRIES = 1000
+_decode_depth = msgspec.msgpack.Decoder(tuple[int, int]).decode
+
+
+def _header_tokens(msg: Any) -> int:
+    """The tokens a job message says it carries (what its put added to the counter)."""
+    try:
+        return max(0, min(int((msg.headers or {}).get(_TOKENS_HEADER, "0")), 1 << 40))
+    except ValueError:
+        return 0
+
+
+async def _quietly_call(op: Awaitable[Any]) -> None:
+    try:
+        await op
+    except Exception as exc:  # noqa: BLE001 - best effort
+        log.warning("prefill queue counter not restored: %r", exc)
+
+
 class RemotePrefillQueue(PrefillQueue):
     """Embedded mode: the queue of the ``kvmesh run`` process, over the request plane."""
 
@@ -229,6 +357,11 @@ class RemotePrefillQueue(PrefillQueue):
         from kvmesh.runtime.distributed import call
 
         await call(self._client, QUEUE_PUT, _encode(job))
+
+    async def offer(self, job: PrefillJob, limits: DisaggThresholds | None = None) -> bool:
+        """The server's queue decides with its own thresholds."""
+        accepted = await self._call(QUEUE_OFFER, _encode(job), msgspec.msgpack.Decoder(bool).decode)
+        return bool(accepted)
 
     async def status(self) -> QueueStatus:
         status = await self._call(QUEUE_STATUS, _encode(None), msgspec.msgpack.Decoder(QueueStatus).decode)
@@ -256,6 +389,9 @@ def serve_queue(
         await queue.put(_decode_or_400(payload, PrefillJob))
         yield 1
 
+    async def offer(payload: bytes, ctx: Context) -> AsyncIterator[bool]:
+        yield await queue.offer(_decode_or_400(payload, PrefillJob))
+
     async def status(payload: bytes, ctx: Context) -> AsyncIterator[QueueStatus]:
         yield await queue.status()
 
@@ -271,6 +407,7 @@ def serve_queue(
         yield await kv_metadata(_decode_or_400(payload, int))
 
     server.register(QUEUE_PUT, put)
+    server.register(QUEUE_OFFER, offer)
     server.register(QUEUE_STATUS, status)
     server.register(QUEUE_PULL, pull)
     server.register(KV_METADATA, metadata)

@@ -13,7 +13,8 @@ To add an engine: declare its settings class (a frozen dataclass of
 :func:`kvmesh.settings.setting` fields subclassing
 :class:`~kvmesh.settings.EngineSettings`, in :mod:`kvmesh.engines.settings` or any
 light module), write ``factory(settings, spec, publisher) -> Engine`` that imports the
-engine inside, and :func:`register` an :class:`EngineEntry`.
+engine inside (:func:`~kvmesh.engines.settings.options_from` builds its options from
+the settings and the spec), and :func:`register` an :class:`EngineEntry`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar, cast
 
 from kvmesh.engines.base import Engine
-from kvmesh.engines.settings import HfSettings, MockerSettings, VllmSettings
+from kvmesh.engines.settings import HfSettings, MockerSettings, VllmSettings, options_from
 from kvmesh.runtime.events import EventPublisher
 from kvmesh.settings import EngineSettings
 
@@ -91,27 +92,10 @@ def build(name: str, settings: EngineSettings | None, spec: EngineSpec, publishe
 
 def _mocker(settings: MockerSettings, spec: EngineSpec, publisher: EventPublisher) -> Engine:
     from kvmesh.engines.mocker import MockerEngine, MockerOptions
-    from kvmesh.engines.mocker.fault_spec import FaultSpec
 
-    fault = FaultSpec.parse(settings.fault) if settings.fault else FaultSpec()
-    if fault.kind == "start":
+    options = MockerOptions.from_settings(settings, spec, model=spec.model_path)
+    if options.fault.kind == "start":
         raise RuntimeError(f"mocker fault {settings.fault!r}: the engine refuses to start")
-    options = MockerOptions(
-        block_size=spec.block_size,
-        num_blocks=settings.num_blocks,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        speedup=settings.speedup,
-        vocab_size=spec.vocab_size,
-        eos_token_ids=spec.eos_token_ids,
-        special_token_ids=spec.special_token_ids,
-        context_length=spec.context_length,
-        worker_id=spec.worker_id,
-        model=spec.model_path,
-        served_model_name=spec.served_model_name,
-        fault=fault,
-        eos_rate=settings.eos_probability,
-    )
     return MockerEngine(options, publisher)
 
 
@@ -129,21 +113,14 @@ def _hf(settings: HfSettings, spec: EngineSpec, publisher: EventPublisher) -> En
     from kvmesh.engines.hf.engine import HfEngine
     from kvmesh.engines.hf.options import HfOptions
 
-    options = HfOptions.from_settings(
-        settings, spec.model_path, served_model_name=spec.served_model_name, worker_id=spec.worker_id,
-        block_size=spec.block_size,
-    )  # fmt: skip
-    return HfEngine(options, publisher)
+    return HfEngine(options_from(HfOptions, spec, settings), publisher)
 
 
 def _vllm(settings: VllmSettings, spec: EngineSpec, publisher: EventPublisher) -> Engine:
     from kvmesh.engines.vllm.engine import VllmEngine
     from kvmesh.engines.vllm.options import VllmOptions
 
-    options = VllmOptions.from_settings(
-        settings, spec.model_path, served_model_name=spec.served_model_name, worker_id=spec.worker_id
-    )
-    return VllmEngine(options, publisher)
+    return VllmEngine(options_from(VllmOptions, spec, settings, model=spec.model_path), publisher)
 
 
 register(EngineEntry("mocker", MockerSettings, _mocker, "simulated vLLM-style engine (tests, capacity)", _mocker_fault))

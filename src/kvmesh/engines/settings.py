@@ -8,12 +8,36 @@ parser. :mod:`kvmesh.engines.registry` pairs each class with its engine's factor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvmesh.settings import EngineSettings, check, non_negative, positive, setting, within
 
-__all__ = ["MockerSettings", "HfSettings", "VllmSettings"]
+__all__ = ["MockerSettings", "HfSettings", "VllmSettings", "options_from"]
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+O = TypeVar("O", bound="DataclassInstance")
+
+
+def options_from(options: type[O], *sources: DataclassInstance, **given: Any) -> O:
+    """An engine's ``options`` object from dataclass ``sources`` (resolved settings, the
+    worker's :class:`~kvmesh.engines.registry.EngineSpec`): each option takes the value
+    of the same-named field of the last source that has one that is not None, ``given``
+    wins over all; an option no source names keeps its default, which for a declared
+    setting is the declaration's (the CLI's)."""
+    names = {f.name for f in dataclasses.fields(options)}
+    values: dict[str, Any] = {}
+    for source in sources:
+        for f in dataclasses.fields(source):
+            value = getattr(source, f.name)
+            if f.name in names and value is not None:
+                values[f.name] = value
+    values.update(given)
+    return options(**values)
 
 
 def _fault_ok(value: object) -> str | None:
@@ -54,6 +78,20 @@ class MockerSettings(EngineSettings):
         0.0, "chance of a natural end-of-sequence per generated token (0: every request gets max_tokens)",
         env="KVMESH_MOCKER_EOS_PROBABILITY", check=within(0.0, 1.0), group=_MOCKER,
     )  # fmt: skip
+    # chunked prefill beside short prompts (vLLM V1's names; kvmesh.engines.batching.scheduler)
+    long_prefill_token_threshold: int | None = setting(
+        None, "a prefill with more tokens left than this is long: its chunk is capped at it while other prefills "
+        "share the pass (default: max(block size, token budget / 16); 0: off)",
+        env="KVMESH_MOCKER_LONG_PREFILL_TOKEN_THRESHOLD", check=non_negative, group=_MOCKER,
+    )  # fmt: skip
+    max_long_partial_prefills: int = setting(
+        1, "long prompts prefilling at once (shorter ones are admitted past the rest)",
+        env="KVMESH_MOCKER_MAX_LONG_PARTIAL_PREFILLS", check=positive, group=_MOCKER,
+    )  # fmt: skip
+    max_num_partial_prefills: int = setting(
+        0, "prefills in one pass (0: no cap)", env="KVMESH_MOCKER_MAX_NUM_PARTIAL_PREFILLS", check=non_negative,
+        group=_MOCKER,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)
@@ -81,6 +119,19 @@ class HfSettings(EngineSettings):
     threads: int = setting(0, "torch threads (0: the CPUs this process may use: affinity and cgroup quota)", flag="--hf-threads", env="KVMESH_HF_THREADS",
                            check=non_negative, group=_HF)  # fmt: skip
     seed: int | None = setting(None, "sampler seed of requests without one", flag="--hf-seed", env="KVMESH_HF_SEED", group=_HF)
+    long_prefill_token_threshold: int = setting(
+        0, "a prefill with more tokens left than this is long: its chunk is capped at it while other prefills "
+        "share the pass (0: off)", flag="--hf-long-prefill-token-threshold",
+        env="KVMESH_HF_LONG_PREFILL_TOKEN_THRESHOLD", check=non_negative, group=_HF,
+    )  # fmt: skip
+    max_long_partial_prefills: int = setting(
+        1, "long prompts prefilling at once", flag="--hf-max-long-partial-prefills",
+        env="KVMESH_HF_MAX_LONG_PARTIAL_PREFILLS", check=positive, group=_HF,
+    )  # fmt: skip
+    max_num_partial_prefills: int = setting(
+        0, "prefills in one pass (0: no cap)", flag="--hf-max-num-partial-prefills",
+        env="KVMESH_HF_MAX_NUM_PARTIAL_PREFILLS", check=non_negative, group=_HF,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)

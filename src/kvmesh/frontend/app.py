@@ -282,7 +282,7 @@ class Frontend:
             for inst in entry.instances.all():
                 status = health.status(inst.worker_id) if health is not None else None
                 out.append(
-                    {"model": name, "worker": f"{inst.worker_id:x}", "address": inst.info.address,
+                    {"model": name, "worker": f"{inst.worker_id:x}", "address": inst.info.address, "pid": inst.info.pid,
                      "status": status.name.lower() if status is not None else "unknown",
                      "weight": health.weight(inst.worker_id) if health is not None else 1.0}
                 )  # fmt: skip

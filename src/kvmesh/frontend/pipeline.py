@@ -25,7 +25,7 @@ from kvmesh.frontend.tools import chat_messages, guided_of
 from kvmesh.health.migration import (
     LINK_BYTES_PER_S,
     MigrationBudget,
-    choose_migration,
+    estimate_migration,
     prefill_ms_at,
     resume_request,
 )
@@ -63,7 +63,7 @@ def migration_method(request: PreprocessedRequest, generated: int, handoff: Disa
         return "re_prefill"
     link = layout.simulated_bytes_per_s or LINK_BYTES_PER_S["tcp"]
     per_token = layout.bytes_per_block // layout.block_size
-    return choose_migration(len(request.token_ids), generated, per_token, link, prefill_ms_at())
+    return estimate_migration(len(request.token_ids), generated, per_token, link, prefill_ms_at()).method
 
 _ids = itertools.count(1)
 _id_prefix = os.urandom(4).hex()

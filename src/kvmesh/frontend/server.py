@@ -5,7 +5,9 @@ Why its own server: under streaming load, one SSE event per token crossed uvicor
 ASGI ``send`` (a message dict, header checks) and three Starlette middleware wrappers
 before reaching the socket, a listener task per stream watched for disconnects, and
 importing uvicorn + Starlette cost ~90 ms of every launch (docs/performance.md). Here
-a streamed event is one ``transport.write`` and a disconnect is a callback.
+a streamed event is at most one ``transport.write`` (the events a stream writes in one
+loop iteration after its first share one: :class:`ResponseStream`) and a disconnect is
+a callback.
 
 Per connection (:class:`_Connection`):
 
@@ -14,7 +16,9 @@ Per connection (:class:`_Connection`):
    one at a time in arrival order (pipelining), each in its own task;
 2. a handler returns a :class:`Response` (written at once with ``content-length``)
    or a streaming response (``await response.send_to(out)``, where ``out`` is the
-   connection's :class:`ResponseStream`: chunked transfer coding, written as called);
+   connection's :class:`ResponseStream`: chunked transfer coding, a stream's first
+   write of a loop iteration sent at once, later ones of that iteration sent together
+   at the start of the next);
 3. the connection closing (client gone) marks the stream ``disconnected`` and calls
    its ``on_disconnect``; ``pause_writing`` makes the stream's ``drain()`` wait;
 4. an idle keep-alive connection is closed after ``keepalive_timeout_s``.
@@ -50,6 +54,7 @@ __all__ = [
     "Response",
     "ResponseStream",
     "StreamingResponse",
+    "WriteTicks",
 ]
 
 log = logging.getLogger("kvmesh.http")
@@ -207,17 +212,53 @@ def _head(status: int, headers: list[tuple[bytes, bytes]], extra: bytes) -> byte
     return b"".join(parts)
 
 
+class WriteTicks:
+    """Event-loop iterations, counted on demand, for write coalescing: :meth:`touch`
+    returns the current iteration's number and makes sure it advances at the start of
+    the next one (one ``call_soon`` per iteration, shared by every stream); streams
+    that held bytes back in an iteration (:meth:`hold`) flush them then, before the
+    next iteration's I/O callbacks run."""
+
+    __slots__ = ("count", "_scheduled", "_held")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._scheduled = False
+        self._held: list[ResponseStream] = []
+
+    def touch(self) -> int:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._advance)
+        return self.count
+
+    def hold(self, stream: ResponseStream) -> None:
+        self._held.append(stream)
+
+    def _advance(self) -> None:
+        self._scheduled = False
+        self.count += 1
+        held, self._held = self._held, []
+        for stream in held:
+            stream.flush()
+
+
 class ResponseStream:
     """Where a streaming response writes: ``start`` (status and headers), ``write``
-    (one chunk per call, written now), ``end`` (optionally with a last chunk, in the
-    same write). The head goes out with the first chunk (one write, not two).
-    ``disconnected`` turns true, and ``on_disconnect`` runs, when the client goes
-    away; ``paused``/``drain()`` give the socket's flow control."""
+    (one chunk per call), ``end`` (optionally with a last chunk, in the same write).
+    The head goes out with the first chunk (one write, not two). ``disconnected``
+    turns true, and ``on_disconnect`` runs, when the client goes away;
+    ``paused``/``drain()`` give the socket's flow control.
+
+    Writes are coalesced per loop iteration: a stream's first write in an iteration
+    goes out at once (a first token, or a token after a quiet spell, is never
+    delayed); what it writes after that in the same iteration is held and sent as one
+    write at the start of the next iteration (``ticks``), or with ``end``'s tail."""
 
     __slots__ = ("_transport", "_chunked", "_keep_alive", "_head", "ended", "disconnected",
-                 "on_disconnect", "paused", "_drained")  # fmt: skip
+                 "on_disconnect", "paused", "_drained", "_ticks", "_tick", "_held", "writes")  # fmt: skip
 
-    def __init__(self, conn: _Connection, chunked: bool, keep_alive: bool) -> None:
+    def __init__(self, conn: _Connection, chunked: bool, keep_alive: bool, ticks: WriteTicks | None = None) -> None:
         self._transport = conn.transport
         self._chunked = chunked
         self._keep_alive = keep_alive
@@ -227,6 +268,10 @@ class ResponseStream:
         self.on_disconnect: Callable[[], None] | None = None
         self.paused = False
         self._drained: asyncio.Future[None] | None = None
+        self._ticks = ticks if ticks is not None else WriteTicks()
+        self._tick = -1  # the iteration of the last write that went out at once
+        self._held: list[bytes] | None = None  # written since, in that iteration
+        self.writes = 0  # transport writes (observability, tests)
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         extra = (_CHUNKED if self._chunked else b"") + (b"" if self._keep_alive else _CLOSE)
@@ -242,23 +287,45 @@ class ResponseStream:
             return
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
+        held = self._held
+        if held is not None:
+            held.append(data)
+            return
+        ticks = self._ticks
+        if self._tick == ticks.count and not self._head:  # wrote at once in this iteration already
+            self._held = [data]
+            ticks.hold(self)
+            return
         if self._head:
             data = self._head + data
             self._head = b""
+        self._tick = ticks.touch()
+        self.writes += 1
         self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
+
+    def flush(self) -> None:
+        """Send what was held back (called by ``ticks`` at the next iteration)."""
+        held, self._held = self._held, None
+        if held and not self.disconnected and not self.ended:
+            self.writes += 1
+            self._transport.write(b"".join(held))  # type: ignore[union-attr]  # set until disconnected, checked above
 
     def end(self, data: bytes = b"") -> None:
         if self.ended:
             return
         self.ended = True
+        held, self._held = self._held, None
         if self.disconnected:
             return
         if self._chunked:
             data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        if held:
+            data = b"".join(held) + data
         if self._head:
             data = self._head + data
             self._head = b""
         if data:
+            self.writes += 1
             self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
 
     async def drain(self) -> None:
@@ -272,6 +339,7 @@ class ResponseStream:
         if self.disconnected:
             return
         self.disconnected = True
+        self._held = None
         self._wake()
         if self.on_disconnect is not None and not self.ended:
             self.on_disconnect()
@@ -551,7 +619,7 @@ class _Connection(asyncio.Protocol):
     async def _stream(self, response: StreamingResponse, request: Request, keep_alive: bool) -> bool:
         """Run a streaming response; False when the connection must close after it."""
         chunked = request.http_version != "1.0"
-        self.out = out = ResponseStream(self, chunked, keep_alive and chunked)
+        self.out = out = ResponseStream(self, chunked, keep_alive and chunked, self.server.write_ticks)
         if self.transport is None or self.transport.is_closing():
             out._lost()
         elif self.write_paused:
@@ -683,6 +751,7 @@ class HttpServer(ExitFlag):
         self.exiting = False
         self.refused = 0  # connections turned away past max_connections
         self.timed_out = 0  # connections closed by a header/body timeout
+        self.write_ticks = WriteTicks()  # streamed writes coalesce per loop iteration
         self._exit = asyncio.Event()
         self._force = False
 

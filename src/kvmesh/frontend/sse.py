@@ -4,8 +4,10 @@ Encoding: the constant parts of every chunk of one response (id, created, model)
 encoded once per request; a content event is then ``prefix + json(text) + suffix``.
 
 Writing (:class:`SSEResponse`): the head goes out with the first event (or the first
-keep-alive comment); each event is one write on the connection (the end of a stream,
-``finish`` + ``usage`` + ``[DONE]`` + the chunked terminator, is one write); the
+keep-alive comment); an event is written at once unless the stream already wrote in this
+loop iteration (then it goes out with the others of that iteration at the start of the
+next: :class:`~kvmesh.frontend.server.ResponseStream`); the end of a stream, ``finish``
++ ``usage`` + ``[DONE]`` + the chunked terminator and anything still held, is one write; the
 client's disconnect, a callback from the connection, stops the request's context
 (which stops the engine); :class:`KeepAlive` sends ``: keep-alive`` comments on
 streams that have been idle for its interval, from one task for all streams.

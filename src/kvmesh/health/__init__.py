@@ -26,7 +26,7 @@ from kvmesh.health.degradation import (
     Priority,
     admit,
 )
-from kvmesh.health.migration import MigrationBudget, choose_migration, estimate_migration, is_migratable
+from kvmesh.health.migration import MigrationBudget, estimate_migration, is_migratable
 from kvmesh.health.state import (
     CheckKind,
     CheckResult,
@@ -56,7 +56,6 @@ __all__ = [
     "Priority",
     "admit",
     "MigrationBudget",
-    "choose_migration",
     "estimate_migration",
     "is_migratable",
     "CheckKind",

@@ -16,8 +16,16 @@ every worker at the check interval with temperature 0. A reply passes when, in o
    passes no baseline here: it judges speed against the worker's load and its peers
    (:class:`~kvmesh.health.state.FleetLatency`), not against an idle baseline alone.
 
-:func:`evaluate` is pure; :func:`load_canaries` / :func:`save_canaries` are the only
-functions here that touch the file system.
+Without a canary file the answers are learnt from the fleet, but never from one worker
+alone (:class:`CanaryVotes`): each worker's greedy answers are a vote, and a set is
+adopted once ``quorum`` (3) workers gave the same answers (the same tokens, top
+log-probabilities within half the recorded margin). A fleet smaller than the quorum
+needs all its live workers to agree; once every live worker has answered, a strict
+majority of at least two is enough. So one corrupt worker can never poison the
+expected answers, whichever worker is checked first.
+
+:func:`evaluate` and :class:`CanaryVotes` are pure; :func:`load_canaries` /
+:func:`save_canaries` are the only functions here that touch the file system.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ __all__ = [
     "Canary",
     "CanarySet",
     "CanaryOutput",
+    "CanaryVotes",
+    "DEFAULT_QUORUM",
     "DEFAULT_SPIKE_FACTOR",
     "DEFAULT_LOGPROB_MARGIN",
     "evaluate",
@@ -50,6 +60,7 @@ DEFAULT_SPIKE_FACTOR = 3.0
 # numeric noise across GPUs and batch shapes, narrow enough to see a flattened softmax.
 DEFAULT_LOGPROB_MARGIN = 1.0
 CANARY_FORMAT_VERSION = 1
+DEFAULT_QUORUM = 3  # workers that must agree before their answers become the canaries
 
 
 class Canary(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -149,6 +160,58 @@ def _canary_from(out: CanaryOutput, margin: float) -> Canary:
         top = out.top_logprobs[0]
         rng = (top - margin, min(0.0, top + margin))
     return Canary(list(out.prompt_token_ids), list(out.token_ids), rng, out.name)
+
+
+def agree(a: Sequence[CanaryOutput], b: Sequence[CanaryOutput], tolerance: float) -> bool:
+    """Whether two workers' answers to the same prompts are the same: equal tokens, and
+    first top log-probabilities (when both have them) within ``tolerance``."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.prompt_token_ids != y.prompt_token_ids or x.token_ids != y.token_ids:
+            return False
+        if x.top_logprobs and y.top_logprobs and abs(x.top_logprobs[0] - y.top_logprobs[0]) > tolerance:
+            return False
+    return True
+
+
+class CanaryVotes:
+    """Answers offered by distinct workers until enough agree (see the module
+    docstring). Pure: the monitor offers each worker's answers with the live fleet size."""
+
+    def __init__(
+        self, model: str = "", quorum: int = DEFAULT_QUORUM, logprob_margin: float = DEFAULT_LOGPROB_MARGIN
+    ) -> None:
+        if quorum < 1:
+            raise ValueError(f"canary quorum must be >= 1, got {quorum}")
+        self.model = model
+        self.quorum = quorum
+        self.logprob_margin = logprob_margin
+        self.votes: dict[int, list[CanaryOutput]] = {}  # worker -> its answers (its latest)
+
+    def offer(self, worker_id: int, outputs: Sequence[CanaryOutput], live_workers: int) -> CanarySet | None:
+        """Count ``worker_id``'s answers; the canary set once they are agreed, else None.
+        ``live_workers``: how many workers the fleet has now (the quorum's cap)."""
+        self.votes[worker_id] = list(outputs)
+        backers = self._backers(self.votes[worker_id])
+        need = max(1, min(self.quorum, live_workers))
+        everyone = len(self.votes) >= max(live_workers, 1)
+        if len(backers) >= need or (everyone and len(backers) >= 2 and 2 * len(backers) > len(self.votes)):
+            first = min(backers)
+            return record_canaries(self.votes[first], model=self.model, logprob_margin=self.logprob_margin)
+        return None
+
+    def disagreeing(self) -> int:
+        """How many distinct answers the votes hold (1: all agree so far)."""
+        groups: list[list[CanaryOutput]] = []
+        for outputs in self.votes.values():
+            if not any(agree(g, outputs, self.logprob_margin / 2) for g in groups):
+                groups.append(outputs)
+        return len(groups)
+
+    def _backers(self, outputs: Sequence[CanaryOutput]) -> list[int]:
+        tol = self.logprob_margin / 2
+        return [w for w, other in self.votes.items() if agree(outputs, other, tol)]
 
 
 def encode_canaries(canaries: CanarySet) -> bytes:

@@ -40,7 +40,6 @@ __all__ = [
     "MigrationCost",
     "prefill_ms_at",
     "estimate_migration",
-    "choose_migration",
     "is_migratable",
     "MigrationBudget",
     "resume_request",
@@ -99,27 +98,6 @@ def estimate_migration(
     transfer_wins = transfer_ms < reprefill_ms and transfer_ms <= max_transfer_ms
     method: MigrationMethod = "kv_transfer" if transfer_wins else "re_prefill"
     return MigrationCost(tokens, total_bytes, transfer_ms, reprefill_ms, method)
-
-
-def choose_migration(
-    prompt_tokens: int,
-    generated_tokens: int,
-    kv_bytes_per_token: int,
-    link_bytes_per_s: float | None,
-    prefill_ms_fn: Callable[[int], float],
-    *,
-    max_transfer_ms: float = DEFAULT_MAX_TRANSFER_MS,
-) -> MigrationMethod:
-    """``"kv_transfer"`` or ``"re_prefill"``, whichever is estimated cheaper."""
-    cost = estimate_migration(
-        prompt_tokens,
-        generated_tokens,
-        kv_bytes_per_token,
-        link_bytes_per_s,
-        prefill_ms_fn,
-        max_transfer_ms=max_transfer_ms,
-    )
-    return cost.method
 
 
 def is_migratable(error: BaseException) -> bool:

@@ -7,8 +7,13 @@ baseline), whose routing weights every router mode honours.
   logprob asked for; a failed attempt is retried up to ``canary_max_retries`` times,
   each attempt counting as one check result.
 * Canary sets come from ``--canaries FILE`` (a set names its model); a model without
-  one records its set from the first worker that answers (trust on first use), which
-  is what ``kvmesh canary record`` writes to a file ahead of time.
+  one learns its set from the fleet: each worker's greedy answers (tokens and top
+  log-probabilities) are a vote, adopted once three workers agree (all live workers
+  in a smaller fleet; see :class:`~kvmesh.health.canary.CanaryVotes`), so one corrupt
+  worker cannot poison it. ``kvmesh canary record`` writes such a set to a file.
+* At degradation levels 3 and 4 (the latency SLOs relaxed ×2) the latency a canary
+  may take is relaxed by the same factor (:attr:`HealthMonitor.latency_multiplier`,
+  set by the frontend from its load shedder).
 * Real request failures (migratable errors from a worker) are reported by the
   pipeline through :meth:`HealthMonitor.stream_failed`.
 * A worker that becomes UNHEALTHY (or whose breaker opens) gets weight 0, and its
@@ -32,16 +37,17 @@ are recorded as soon as they happen, with no such limit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import msgspec
 
 from kvmesh.errors import KvmeshError
 from kvmesh.health.fleet import FleetView
-from kvmesh.health.canary import Canary, CanaryOutput, CanarySet, evaluate, load_canaries, record_canaries
+from kvmesh.health.canary import Canary, CanaryOutput, CanarySet, CanaryVotes, evaluate, load_canaries
 from kvmesh.health.state import (
     CheckKind,
     CheckResult,
@@ -132,6 +138,9 @@ class HealthMonitor:
         self.trackers: dict[int, HealthTracker] = {}
         self._instances: dict[int, Instance] = {}
         self._canaries: dict[str, CanarySet] = {}
+        self._votes: dict[str, CanaryVotes] = {}  # model -> answers offered so far (no file)
+        # the degradation level's latency SLO multiplier (2 at levels 3-4); 1 without shedding
+        self.latency_multiplier: Callable[[], float] = lambda: 1.0
         for path in canary_files:
             canary_set = load_canaries(path)
             self._canaries[canary_set.model] = canary_set
@@ -243,6 +252,7 @@ class HealthMonitor:
             if tracker is None:
                 continue
             context = self.fleet.context(worker_id, load, tracker.baseline_s, now, may_eject=self._may_eject(worker_id))
+            context = dataclasses.replace(context, relax=self.latency_multiplier())
             judged = tracker.classify_latency(result, context)
             if not judged.ok:  # a warning once it confirms a streak, else a note
                 confirms = tracker.spike_streak + 1 >= self.config.latency_confirm_rounds
@@ -319,7 +329,8 @@ class HealthMonitor:
         last = self._loads.get(worker_id)
         if tracker is None or last is None or tracker.baseline_s is None:
             return self.timeout_s
-        predicted = self.config.latency_spike_factor * tracker.baseline_s * last.multiplier(self.config)
+        factor = self.config.latency_spike_factor * self.latency_multiplier()
+        predicted = factor * tracker.baseline_s * last.multiplier(self.config)
         return min(self.timeout_s * _MAX_TIMEOUT_SCALE, max(self.timeout_s, predicted))
 
     async def _load(self, instance: Instance) -> LoadSample | None:
@@ -349,9 +360,44 @@ class HealthMonitor:
             except (TimeoutError, KvmeshError):
                 return None  # not known-good yet: record from the next check
             outputs.append(CanaryOutput(prompt, tokens, top, name=text))
-        canary_set = self._canaries.setdefault(model, record_canaries(outputs, model=model))
-        log.info("recorded %d canaries for %s from worker %x", len(outputs), model, instance.worker_id)
+        votes = self._votes.setdefault(model, CanaryVotes(model))
+        live = sum(1 for i in self.view.workers() if i.info.engine.served_model_name == model)
+        agreed = votes.offer(instance.worker_id, outputs, live)
+        if agreed is None:
+            if votes.disagreeing() > 1:
+                log.warning("workers disagree on the canary answers for %s (%d answers from %d workers)",
+                            model, votes.disagreeing(), len(votes.votes))  # fmt: skip
+            return None  # not agreed yet: this worker is checked against the set next round
+        canary_set = self._canaries.setdefault(model, agreed)
+        log.info("recorded %d canaries for %s from %d agreeing workers", len(outputs), model, len(votes.votes))
         return canary_set
+
+    async def vet(self, instance: Instance) -> CheckResult:
+        """A canary check of a worker not in routing (a hot spare): every canary of
+        its model's set against it, the first failure or OK; nothing is recorded in the
+        fleet's health. Before the fleet has agreed on a set, a spare passes when it
+        answers a greedy canary prompt at all."""
+        model = instance.info.engine.served_model_name
+        canary_set = self._canaries.get(model)
+        start = time.monotonic()
+        if canary_set is None:
+            prompt = self.view.canary_prompt(model, DEFAULT_CANARY_PROMPTS[0]) or [1, 2, 3]
+            try:
+                tokens, _ = await asyncio.wait_for(self._generate(instance, prompt, 1), self.timeout_s)
+            except TimeoutError:
+                return CheckResult(CheckKind.TIMEOUT, self.timeout_s, "no answer")
+            except KvmeshError as exc:
+                return CheckResult(CheckKind.ERROR, time.monotonic() - start, exc.message)
+            ok = len(tokens) == 1
+            return CheckResult(CheckKind.OK if ok else CheckKind.WRONG_TOKENS, time.monotonic() - start)
+        try:
+            for canary in canary_set.canaries:
+                result, _ = await self._probe(instance, canary)
+                if not result.ok:
+                    return result
+        finally:
+            self._loads.pop(instance.worker_id, None)
+        return CheckResult(CheckKind.OK, time.monotonic() - start)
 
     # ------------------------------------------------------------------ outcomes
     def _after(self, worker_id: int, transition: Transition | None) -> None:

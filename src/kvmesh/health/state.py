@@ -504,10 +504,11 @@ class HealthTracker:
 
     def classify_latency(self, result: CheckResult, context: LatencyContext | None = None) -> CheckResult:
         """``result``, or a ``latency_spike`` in its place when a passing check was too
-        slow for ``context`` (or, without one, for the worker's own baseline)."""
+        slow for ``context`` (or, without one, for the worker's own baseline). The
+        context's ``relax`` (2 at degradation levels 3-4) widens the spike threshold."""
         if not result.ok:
             return result
-        factor = self.config.latency_spike_factor
+        factor = self.config.latency_spike_factor * (1.0 if context is None else max(1.0, context.relax))
         if context is None:
             if self.baseline.is_spike(result.latency_s, factor):
                 detail = f"latency {result.latency_s:.4f}s > {factor}x baseline"
@@ -561,12 +562,15 @@ class LatencyContext:
     """What a check's latency is judged against: ``expected_s`` (the compute time the
     worker's load and its peers predict; ``None``: no reference yet), ``multiplier``
     (the load's, to normalise the baseline), ``may_eject`` (the fleet's latency-ejection
-    budget allows taking this worker out), ``source`` (for the log line)."""
+    budget allows taking this worker out), ``source`` (for the log line), ``relax``
+    (the degradation level's latency multiplier: ×2 at levels 3-4 widens the spike
+    threshold as the level relaxes the latency SLOs)."""
 
     expected_s: float | None
     multiplier: float = 1.0
     may_eject: bool = True
     source: str = ""
+    relax: float = 1.0
 
 
 class FleetLatency:

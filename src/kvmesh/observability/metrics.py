@@ -12,14 +12,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client; no *_created series
 
-__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-_DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+# fine below 1 ms, where decisions are expected (bench/fleet.py reads p50/p99 from them)
+_DECISION_BUCKETS = (
+    0.00002, 0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025
+)  # fmt: skip
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -28,6 +31,7 @@ class RouterMetrics:
 
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
         self.decision_seconds = parent.router_decision.labels(model)
+        self.decision_cpu_seconds = parent.router_decision_cpu.labels(model)
         self.overlap = parent.router_overlap.labels(model)
         self.events_applied = parent.router_events.labels(model)
         self.event_gaps = parent.router_gaps.labels(model)
@@ -35,6 +39,8 @@ class RouterMetrics:
         self.rejected = parent.router_rejected.labels(model)
         self.block_size_mismatch = parent.router_block_mismatch.labels(model)
         self.repairs = {m: parent.router_repairs.labels(model, m) for m in ("buffer", "dump")}
+        self.event_backlog = parent.router_backlog.labels(model)
+        self.events_dropped = parent.router_inbox_dropped.labels(model)
         self._events_rejected = parent.router_events_rejected
         self._model = model
 
@@ -126,6 +132,11 @@ class FrontendMetrics:
             "kvmesh_router_decision_seconds", "Time to make one routing decision", ["model"],
             buckets=_DECISION_BUCKETS, registry=r,
         )  # fmt: skip
+        self.router_decision_cpu = Histogram(
+            "kvmesh_router_decision_cpu_seconds",
+            "CPU time of one routing decision (this thread's; without the time other processes held the core)",
+            ["model"], buckets=_DECISION_BUCKETS, registry=r,
+        )  # fmt: skip
         self.router_overlap = Histogram(
             "kvmesh_router_overlap_ratio", "Share of the prompt the chosen worker had cached", ["model"],
             buckets=_RATIO_BUCKETS, registry=r,
@@ -141,6 +152,14 @@ class FrontendMetrics:
         self.router_repairs = Counter(
             "kvmesh_router_kv_repairs", "Index repairs by method (buffer or dump)", ["model", "method"], registry=r
         )
+        self.router_backlog = Gauge(
+            "kvmesh_router_kv_event_backlog", "KV events received and not yet applied (the router's inbox)", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.router_inbox_dropped = Gauge(
+            "kvmesh_router_kv_events_dropped", "KV events dropped on arrival since start: the router's inbox was full"
+            " (each later shows as a gap, repaired)", ["model"], registry=r,
+        )  # fmt: skip
         self.router_queue = Gauge("kvmesh_router_queue_depth", "Requests waiting for admission", ["model"], registry=r)
         self.router_rejected = Counter("kvmesh_router_rejected", "Requests refused: admission queue full", ["model"], registry=r)
         self.router_block_mismatch = Counter(
@@ -182,6 +201,35 @@ class FrontendMetrics:
         if m is None:
             m = self._models[name] = ModelMetrics(self, name)
         return m
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_REPLACE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class PlannerMetrics:
+    """The planner's decisions and their inputs (``kvmesh run --planner``: in the
+    frontend's registry, at its ``/metrics``; ``kvmesh planner``: its own)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.decisions = Counter(
+            "kvmesh_planner_decisions", "Planner decisions by action and role", ["action", "role"], registry=r
+        )
+        self.pressure = Gauge("kvmesh_planner_pressure", "The planner's last prefill / decode pressure (1: at the SLO)",
+                              ["side"], registry=r)  # fmt: skip
+        self.inputs = Gauge("kvmesh_planner_input", "What the planner's last round saw", ["signal"], registry=r)
+        self.workers = Gauge("kvmesh_planner_workers", "Workers by role as the planner saw them (spare: ready)",
+                             ["role"], registry=r)  # fmt: skip
+        self.replacement = Histogram(
+            "kvmesh_planner_replacement_seconds",
+            "From a serving worker's loss to its replacement being routable (promote: a hot spare; cold: a new start)",
+            ["how"], buckets=_REPLACE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.failed = Counter("kvmesh_planner_actions_failed", "Planner actions that could not be carried out",
+                              ["action"], registry=r)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

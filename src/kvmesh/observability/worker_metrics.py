@@ -107,7 +107,11 @@ DISAGG_COUNTERS = {
     "kv_migrations_out": "requests handed off with their KV on drain",
     "kv_migration_fallbacks": "KV migrations that fell back to re-prefill",
 }
-_DISAGG_GAUGES = {"queue_depth": "prefill queue depth when last asked", "active_blocks": "KV blocks in use"}
+_DISAGG_GAUGES = {
+    "queue_depth": "prefill queue depth when last asked",
+    "queue_tokens": "tokens the prefill queue's jobs had left to prefill when last asked",
+    "active_blocks": "KV blocks in use",
+}
 
 
 def families(samples: Sequence[tuple[str, WorkerMetrics]], extra: Sequence[str] = ()) -> Iterator[Metric]:

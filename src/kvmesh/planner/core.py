@@ -74,6 +74,7 @@ class Observation:
     ttft_p90_ms: float = 0.0
     itl_p90_ms: float = 0.0
     degradation_level: int = 0
+    request_rate_rps: float = 0.0  # for the record (the decision log); no rule reads it
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +144,14 @@ class Planner:
 
     def plan(self, obs: Observation) -> Plan:
         if self._planned is None:
-            self._planned = {r: sum(1 for w in obs.workers if w.role is r) for r in SERVING}
+            # the sizes the fleet was started with: its workers and those on their way
+            self._planned = {r: sum(1 for w in obs.workers if w.role is r) + obs.starting.count(r) for r in SERVING}
         prefill, decode = self._pressures(obs)
-        inputs = {"prefill_pressure": prefill, "decode_pressure": decode, "workers": float(len(obs.workers))}
+        inputs = {
+            "prefill_pressure": prefill, "decode_pressure": decode, "workers": float(len(obs.workers)),
+            "queue_tokens": float(obs.prefill_queue_tokens), "ttft_p90_ms": obs.ttft_p90_ms,
+            "itl_p90_ms": obs.itl_p90_ms, "level": float(obs.degradation_level), "rps": obs.request_rate_rps,
+        }  # fmt: skip
         actions = self._replace_lost(obs, inputs)
         replacing = bool(actions)
         actions += self._keep_spares(obs, actions, inputs)

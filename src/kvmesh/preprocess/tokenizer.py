@@ -90,7 +90,10 @@ class Tokenizer:
         off by default.
         """
         if not parse_special and self.has_special(text):
-            return self._plain_tokenizer().encode(text, add_special_tokens=add_special_tokens).ids
+            plain = self._plain_tokenizer()
+            if len(text) < _LONG_INPUT_CHARS:
+                return plain.encode(text, add_special_tokens=add_special_tokens).ids
+            return plain.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids  # GIL released
         if len(text) < _LONG_INPUT_CHARS:
             return self._encode(text, add_special_tokens=add_special_tokens).ids
         return self._encode_long([text], add_special_tokens=add_special_tokens)[0].ids

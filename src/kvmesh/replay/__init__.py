@@ -11,7 +11,7 @@ prefix-cache hit rate and throughput per policy (:mod:`.report`, :mod:`.plot`).
 from kvmesh.replay.policies import POLICIES, make_policy
 from kvmesh.replay.report import JSON_FIELDS, PolicyResult, format_table, summarize
 from kvmesh.replay.runner import CLOCKS, ReplayConfig, replay, replay_policy
-from kvmesh.replay.sim import simulate
+from kvmesh.replay.sim import fleet_options, simulate
 from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TokenSynth, TraceError, TraceRequest, arrivals, load_trace
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "make_policy",
     "replay",
     "replay_policy",
+    "fleet_options",
     "simulate",
     "summarize",
 ]

@@ -10,38 +10,27 @@ synchronously from the engines' publishers, as on the virtual clock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Sequence
 
 from kvmesh.engines.mocker import MockerEngine, MockerOptions
 from kvmesh.engines.mocker.sim import RequestRecord
 from kvmesh.errors import KvmeshError
-from kvmesh.protocol import LoadReport, PreprocessedRequest
+from kvmesh.protocol import PreprocessedRequest
 from kvmesh.replay.policies import ReplayPolicy
+from kvmesh.replay.sim import kv_feed
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.events import CallbackPublisher
 
 __all__ = ["simulate_real"]
-
-
-def _drop_load(_report: LoadReport) -> None:
-    pass
 
 
 async def simulate_real(
     arrivals: Iterable[tuple[float, PreprocessedRequest]],
     policy: ReplayPolicy,
-    options: MockerOptions,
-    workers: int,
+    fleet: Sequence[MockerOptions],
     on_done: Callable[[], None] | None = None,
 ) -> list[RequestRecord]:
     """Like :func:`kvmesh.replay.sim.simulate`, in real time (milliseconds since start)."""
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    engines = [
-        MockerEngine(replace(options, worker_id=i), CallbackPublisher(policy.on_kv_event, _drop_load))
-        for i in range(workers)
-    ]
+    engines = [MockerEngine(options, kv_feed(policy)) for options in fleet]
     for engine in engines:
         await engine.start()
     loop = asyncio.get_running_loop()

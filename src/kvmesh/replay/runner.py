@@ -11,10 +11,10 @@ from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.sim import RequestRecord
 from kvmesh.replay.policies import POLICIES, make_policy
 from kvmesh.replay.report import PolicyResult, summarize
-from kvmesh.replay.sim import simulate
+from kvmesh.replay.sim import fleet_options, simulate
 from kvmesh.replay.trace import TokenSynth, TraceRequest, arrivals
 
-__all__ = ["CLOCKS", "ReplayConfig", "replay", "replay_policy"]
+__all__ = ["CLOCKS", "ReplayConfig", "fit_context", "replay", "replay_policy"]
 
 CLOCKS = ("virtual", "real")
 
@@ -58,7 +58,7 @@ class ReplayConfig:
             raise ValueError(f"--router-temperature must be >= 0, got {self.router_temperature}")
 
 
-def _fit_context(options: MockerOptions, trace: Sequence[TraceRequest]) -> MockerOptions:
+def fit_context(options: MockerOptions, trace: Sequence[TraceRequest]) -> MockerOptions:
     need = max(r.input_length + r.output_length for r in trace) + 1
     return options if options.context_length >= need else replace(options, context_length=need)
 
@@ -70,7 +70,7 @@ def replay_policy(
     on_done: Callable[[], None] | None = None,
 ) -> list[RequestRecord]:
     """Replay ``trace`` under one policy on a fresh fleet; returns the records."""
-    options = _fit_context(config.mocker, trace)
+    options = fit_context(config.mocker, trace)
     policy = make_policy(
         policy_name,
         config.workers,
@@ -80,11 +80,12 @@ def replay_policy(
         seed=config.seed,
     )
     stream = arrivals(trace, TokenSynth(options.vocab_size), config.speed)
+    fleet = fleet_options(options, config.workers)
     if config.clock == "real":
         from kvmesh.replay.realtime import simulate_real
 
-        return asyncio.run(simulate_real(stream, policy, options, config.workers, on_done))
-    return simulate(stream, policy, options, config.workers, on_done)
+        return asyncio.run(simulate_real(stream, policy, fleet, on_done))
+    return simulate(stream, policy, fleet, on_done)
 
 
 def replay(trace: Sequence[TraceRequest], config: ReplayConfig) -> list[PolicyResult]:

@@ -12,40 +12,50 @@ Deterministic: the same arrivals, options and policy (seed) give the same record
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, run_trace
+from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, WorkerUsage, run_trace
 from kvmesh.protocol import LoadReport, PreprocessedRequest
 from kvmesh.replay.policies import ReplayPolicy
 from kvmesh.runtime.events import CallbackPublisher
 
-__all__ = ["simulate"]
+__all__ = ["fleet_options", "kv_feed", "simulate"]
 
 
 def _drop_load(_report: LoadReport) -> None:
     pass
 
 
+def fleet_options(options: MockerOptions, workers: int) -> list[MockerOptions]:
+    """``options`` for each of ``workers`` mocker workers (``worker_id`` 0 .. n-1)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    return [replace(options, worker_id=i) for i in range(workers)]
+
+
+def kv_feed(policy: ReplayPolicy) -> CallbackPublisher:
+    """A worker's publisher: its KV events reach ``policy`` at once; load reports nowhere."""
+    return CallbackPublisher(policy.on_kv_event, _drop_load)
+
+
 def simulate(
     arrivals: Iterable[tuple[float, PreprocessedRequest]],
     policy: ReplayPolicy,
-    options: MockerOptions,
-    workers: int,
+    fleet: Sequence[MockerOptions],
     on_done: Callable[[], None] | None = None,
+    usage: list[WorkerUsage] | None = None,
 ) -> list[RequestRecord]:
-    """Replay time-ordered ``arrivals`` on ``workers`` mocker workers (``options`` with
-    ``worker_id`` 0 .. n-1); returns every request's record in arrival order.
-    ``on_done`` is called once per finished request (a progress bar)."""
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    fleet = [
-        VirtualWorker(replace(options, worker_id=i), CallbackPublisher(policy.on_kv_event, _drop_load))
-        for i in range(workers)
-    ]
+    """Replay time-ordered ``arrivals`` on one mocker worker per ``fleet`` entry (see
+    :func:`fleet_options`); returns every request's record in arrival order.
+    ``on_done`` is called once per finished request (a progress bar); ``usage`` gets
+    each worker's :class:`WorkerUsage` at the end."""
+    workers = [VirtualWorker(options, kv_feed(policy)) for options in fleet]
     feedback = _Feedback(policy, on_done)
-    records = run_trace(arrivals, fleet, lambda request, t, _workers: policy.route(request, t), feedback.deliver)
+    records = run_trace(arrivals, workers, lambda request, t, _workers: policy.route(request, t), feedback.deliver)
+    if usage is not None:
+        usage.extend(w.usage for w in workers)
     return list(records.values())  # arrival order
 
 

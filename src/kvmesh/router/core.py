@@ -47,6 +47,7 @@ from kvmesh.protocol import KvEvent
 from kvmesh.router.approx import ApproxIndexer
 from kvmesh.router.cost import (
     CandidateScore,
+    CostInputs,
     check_knobs,
     new_blocks,
     score_all,
@@ -189,15 +190,14 @@ class KvRouterCore:
         check_knobs(ow, temp)
         self._load.expire(now, s.load_ttl_s)
         hashes = hash_blocks(token_ids, s.block_size) if block_hashes is None else block_hashes
-        matches = self._matches(hashes, now)
+        load = self._load
+        inputs = CostInputs(
+            self._matches(hashes, now), len(token_ids), load.prefill_by_worker, load.blocks_by_worker, s.block_size, ow
+        )
         if temp == 0 and len(self._workers) > _FAST_PATH_WORKERS:
-            load = self._load
-            chosen, candidates = select_greedy(
-                self._workers, matches, len(token_ids), load.prefill_by_worker, load.blocks_by_worker,
-                s.block_size, ow, weights, self._rng,
-            )  # fmt: skip
+            chosen, candidates = select_greedy(self._workers, inputs, weights, self._rng)
         else:
-            candidates = self._score(matches, len(token_ids), weights, ow)
+            candidates = score_all(self._workers, inputs, weights)
             chosen = select(candidates, temp, self._rng)
         w, overlap, n = chosen.worker_id, chosen.overlap_blocks, len(token_ids)
         bs = s.block_size
@@ -220,10 +220,3 @@ class KvRouterCore:
         if self._approx is not None:
             return self._approx.find_matches(hashes, now)
         return self._indexer.find_matches(hashes) if self._indexer is not None else {}
-
-    def _score(
-        self, matches: Mapping[int, int], prompt_tokens: int, weights: Mapping[int, float] | None, ow: float
-    ) -> list[CandidateScore]:
-        load = self._load
-        bs = self.settings.block_size
-        return score_all(self._workers, matches, prompt_tokens, load.prefill_by_worker, load.blocks_by_worker, bs, ow, weights)

@@ -80,6 +80,10 @@ class KvRouterService:
     def start(self) -> None:
         if self.subscription is not None and self.settings.mode == "kv":
             self._reader = asyncio.get_running_loop().create_task(self._read())
+            inbox = getattr(self.subscription, "inbox", None)
+            if inbox is not None:  # the event backlog, read at scrape time
+                self.metrics.event_backlog.set_function(lambda: len(inbox))
+                self.metrics.events_dropped.set_function(lambda: inbox.dropped)
 
     async def close(self) -> None:
         tasks = list(self._tasks) + ([self._reader] if self._reader else [])
@@ -285,7 +289,7 @@ class KvRouterService:
         if len(candidates) != len(self.workers) or health is not None:
             allowed = set(candidates)
             weights = {w: (health.get(w, 1.0) if health else 1.0) if w in allowed else 0.0 for w in self.workers}
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         decision = self.core.route(
             request.request_id,
             request.token_ids,
@@ -294,6 +298,7 @@ class KvRouterService:
             overlap_weight=hints.overlap_weight if hints is not None else None,
             temperature=hints.router_temperature if hints is not None else None,
         )
+        self.metrics.decision_cpu_seconds.observe(time.thread_time() - cpu)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         if request.token_ids:
             cached = decision.overlap_blocks * self.settings.block_size

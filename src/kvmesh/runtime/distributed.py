@@ -45,6 +45,7 @@ import hmac
 import logging
 import os
 import socket
+from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
@@ -81,6 +82,9 @@ __all__ = [
     "NIL",
     "sign_record",
     "record_is_signed",
+    "sign_struct",
+    "struct_is_signed",
+    "SharedClients",
 ]
 
 log = logging.getLogger("kvmesh.runtime")
@@ -133,17 +137,31 @@ def instance_key(namespace: str, component: str, endpoint: str, lease_id: int) -
     return f"{endpoint_prefix(namespace, component, endpoint)}{lease_id:x}"
 
 
-def _record_mac(secret: ClusterSecret, key: str, info: InstanceInfo) -> str:
-    return secret.sign("discovery", key.encode(), _encode(msgspec.structs.replace(info, mac=""))).hex()
+_Signed = TypeVar("_Signed", bound=msgspec.Struct)
+
+
+def _struct_mac(secret: ClusterSecret, label: str, key: str, msg: msgspec.Struct) -> str:
+    return secret.sign(label, key.encode(), _encode(msgspec.structs.replace(msg, mac=""))).hex()
+
+
+def sign_struct(secret: ClusterSecret | None, label: str, key: str, msg: _Signed) -> _Signed:
+    """``msg`` (a struct with a ``mac`` field, stored at ``key``) with its signature
+    for ``label`` (unchanged without a secret): discovery records, planner orders."""
+    return msg if secret is None else msgspec.structs.replace(msg, mac=_struct_mac(secret, label, key, msg))
+
+
+def struct_is_signed(secret: ClusterSecret | None, label: str, key: str, msg: msgspec.Struct) -> bool:
+    """Does ``msg``'s ``mac`` field hold its signature for ``label`` and ``key``?"""
+    return secret is None or hmac.compare_digest(getattr(msg, "mac"), _struct_mac(secret, label, key, msg))
 
 
 def sign_record(secret: ClusterSecret | None, key: str, info: InstanceInfo) -> InstanceInfo:
     """``info`` with its signature for ``key`` (unchanged without a secret)."""
-    return info if secret is None else msgspec.structs.replace(info, mac=_record_mac(secret, key, info))
+    return sign_struct(secret, "discovery", key, info)
 
 
 def record_is_signed(secret: ClusterSecret | None, key: str, info: InstanceInfo) -> bool:
-    return secret is None or hmac.compare_digest(info.mac, _record_mac(secret, key, info))
+    return struct_is_signed(secret, "discovery", key, info)
 
 
 class DistributedRuntime:
@@ -152,17 +170,24 @@ class DistributedRuntime:
         config: RuntimeConfig,
         discovery: Discovery | None = None,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
+        *,
+        nats: NatsClient | None = None,
+        borrowed: bool = False,
     ) -> None:
+        """``borrowed``: ``discovery`` and ``nats`` belong to the caller, who shares them
+        between several runtimes of one process (:func:`shared_clients`); shutdown then
+        revokes this runtime's lease and closes its servers, never those clients."""
         self.config = config
         self.secret = auth.resolve(secret)
         self._discovery = discovery
+        self._borrowed = borrowed
         self.lease: Lease | None = None  # the current lease (replaced if it expires)
         self._id: int | None = None  # the first lease's id: this process's identity
         self._leased: dict[str, bytes] = {}  # keys bound to the lease, put again on a new one
         self._revoked = asyncio.Event()
         self._holder: asyncio.Task[None] | None = None
         self.renewals = 0  # leases taken after one expired out of contact
-        self.nats: NatsClient | None = None
+        self.nats: NatsClient | None = nats
         self._servers: dict[str, RequestServer] = {}
         self._callhome: CallHomeServer | None = None
         self._closers: list[Callable[[], Awaitable[None]]] = []
@@ -171,13 +196,7 @@ class DistributedRuntime:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self._discovery is None:
-            from kvmesh.runtime.discovery import make_discovery
-
-            c = self.config
-            self._discovery = make_discovery(
-                c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir,
-                etcd_credentials=self._etcd_credentials(),
-            )  # fmt: skip
+            self._discovery = _make_discovery(self.config)
         await self._discovery.connect()
         self.lease = await self._discovery.grant_lease(self.config.lease_ttl_s)
         self._id = self.lease.id
@@ -185,23 +204,11 @@ class DistributedRuntime:
         if self.config.needs_nats:
             await self.connect_nats()
 
-    def _etcd_credentials(self) -> EtcdCredentials | None:
-        c = self.config
-        if c.discovery != "etcd":
-            return None
-        from kvmesh.runtime.discovery.etcd import EtcdCredentials
-
-        return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
-
     async def connect_nats(self) -> NatsClient:
         """This process's NATS client (connected on first use, closed at shutdown), with
         the configured credentials file and TLS files (if any)."""
         if self.nats is None:
-            from kvmesh.runtime.nats import connect_nats, nats_tls_context
-
-            c = self.config
-            tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
-            self.nats = await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
+            self.nats = await _connect_nats(self.config)
         return self.nats
 
     @property
@@ -300,6 +307,8 @@ class DistributedRuntime:
             await close()
         if self._callhome is not None:
             await self._callhome.close()
+        if self._borrowed:
+            return
         if self.nats is not None:
             await self.nats.close()
         if self._discovery is not None:
@@ -342,29 +351,80 @@ class DistributedRuntime:
         return TcpClient(info.address, connect_timeout, response_timeout, secret=self.secret)
 
 
+def _etcd_credentials(c: RuntimeConfig) -> EtcdCredentials | None:
+    if c.discovery != "etcd":
+        return None
+    from kvmesh.runtime.discovery.etcd import EtcdCredentials
+
+    return EtcdCredentials(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file, c.etcd_user, c.etcd_password)
+
+
+def _make_discovery(c: RuntimeConfig) -> Discovery:
+    from kvmesh.runtime.discovery import make_discovery
+
+    return make_discovery(
+        c.discovery, etcd_endpoints=list(c.etcd_endpoints), file_dir=c.file_discovery_dir,
+        etcd_credentials=_etcd_credentials(c),
+    )  # fmt: skip
+
+
+async def _connect_nats(c: RuntimeConfig) -> NatsClient:
+    from kvmesh.runtime.nats import connect_nats, nats_tls_context
+
+    tls = nats_tls_context(c.nats_ca_file, c.nats_cert_file, c.nats_key_file)
+    return await connect_nats(c.nats_url, user_credentials=c.nats_creds_file or None, tls=tls)
+
+
+class SharedClients:
+    """One discovery client (one etcd channel: every backend holds many leases) and
+    one NATS connection (when the planes need it), shared by several runtimes of one
+    process: ``DistributedRuntime(config, clients.discovery, nats=clients.nats,
+    borrowed=True)``. Close it after those runtimes shut down."""
+
+    def __init__(self, discovery: Discovery, nats: NatsClient | None) -> None:
+        self.discovery = discovery
+        self.nats = nats
+
+    @classmethod
+    async def connect(cls, config: RuntimeConfig) -> SharedClients:
+        discovery = _make_discovery(config)
+        await discovery.connect()
+        try:
+            nats = await _connect_nats(config) if config.needs_nats else None
+        except BaseException:
+            await discovery.close()
+            raise
+        return cls(discovery, nats)
+
+    async def close(self) -> None:
+        if self.nats is not None:
+            await self.nats.close()
+        await self.discovery.close()
+
+
+@dataclass(frozen=True, eq=False)
 class Namespace:
-    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
-        self.runtime = runtime
-        self.name = name
+    runtime: DistributedRuntime
+    name: str
 
     def component(self, name: str) -> Component:
         return Component(self, name)
 
 
+@dataclass(frozen=True, eq=False)
 class Component:
-    def __init__(self, namespace: Namespace, name: str) -> None:
-        self.namespace = namespace
-        self.name = name
+    namespace: Namespace
+    name: str
 
     def endpoint(self, name: str) -> Endpoint:
         return Endpoint(self, name)
 
 
+@dataclass(eq=False)
 class Endpoint:
-    def __init__(self, component: Component, name: str) -> None:
-        self.component = component
-        self.name = name
-        self._key: str | None = None
+    component: Component
+    name: str
+    _key: str | None = field(default=None, init=False)  # set while registered
 
     @property
     def runtime(self) -> DistributedRuntime:
@@ -419,6 +479,7 @@ class Endpoint:
         return Client(self.runtime, self.prefix, on_added, on_removed, connect_timeout, response_timeout, record_timeout_s)
 
 
+@dataclass(eq=False, repr=False)
 class Client:
     """Watches an endpoint's prefix and reports instances as they come and go.
 
@@ -426,27 +487,17 @@ class Client:
     the instance set stays as it was last seen.
     """
 
-    def __init__(
-        self,
-        runtime: DistributedRuntime,
-        prefix: str,
-        on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]],
-        on_removed: Callable[[int], Awaitable[None]],
-        connect_timeout: float = 5.0,
-        response_timeout: float | None = None,
-        record_timeout_s: float = 30.0,
-    ) -> None:
-        self.runtime = runtime
-        self.prefix = prefix
-        self.connect_timeout = connect_timeout
-        self.response_timeout = response_timeout
-        self.record_timeout_s = record_timeout_s
-        self.on_added = on_added
-        self.on_removed = on_removed
-        self.known: dict[int, InstanceInfo] = {}
-        self.skipped = 0  # records refused (unsigned, undecodable) or not processed in time
-        self._task: asyncio.Task[None] | None = None
-        self._adding: dict[int, asyncio.Task[None]] = {}  # owned: one per instance being added
+    runtime: DistributedRuntime
+    prefix: str
+    on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]]
+    on_removed: Callable[[int], Awaitable[None]]
+    connect_timeout: float = 5.0
+    response_timeout: float | None = None
+    record_timeout_s: float = 30.0
+    known: dict[int, InstanceInfo] = field(default_factory=dict, init=False)
+    skipped: int = field(default=0, init=False)  # records refused (unsigned, undecodable) or not processed in time
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _adding: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)  # owned: one per instance being added
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch())

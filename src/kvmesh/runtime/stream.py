@@ -14,22 +14,28 @@ Seams (``typing.Protocol``; :class:`~kvmesh.runtime.tcp_client.TcpClient` and
   server it serves for (the TCP server, or the NATS server's call-home dialler).
 
 Transport: :class:`Mailbox`, a stream's slot between the connection's reader and
-the consumer (bounded by ``merge``), and :data:`END`, what it yields at the end.
+the consumer (bounded by ``merge``), and :data:`END`, what it yields at the end;
+:class:`FramedConnection`, what every request-plane connection (the worker's, the
+caller's, the call-home listener's) does alike: socket options, the handshake while it
+runs, frames in and out.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from typing import Any, Protocol, TypeVar, overload
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar, cast, overload
 
 import msgspec
 
-from kvmesh.runtime.auth import ClusterSecret, TlsContexts
+from kvmesh.errors import InvalidArgument
+from kvmesh.runtime.auth import ClusterSecret, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter
+from kvmesh.runtime.sockets import tune_stream_socket
 
-__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge"]
+__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks", "StreamServer", "StreamClient"]
 
 T = TypeVar("T")
 
@@ -84,8 +90,7 @@ class StreamHost(Protocol):
     foreign_frames: int
     draining: bool
     _conns: set[Any]  # the server's open connections (kept by the connections themselves)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+    tasks: StreamTasks  # the tasks serving its streams
 
 
 class _End:
@@ -158,3 +163,134 @@ class Mailbox:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
             self.waiter = None
+
+
+class FramedConnection(asyncio.Protocol):
+    """An ``asyncio.Protocol`` carrying request-plane frames (:mod:`kvmesh.runtime.frames`).
+
+    A subclass starts its handshake in ``connection_made`` (setting ``auth``, after
+    calling this class's), ends its streams in ``connection_lost`` (likewise), and reads
+    ``data_received`` through :meth:`admitted_frames`."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES, *, coalesce: bool = False) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
+        self._reader = FrameReader(max_frame_bytes)
+        self._writer = FrameWriter(coalesce=coalesce)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
+        self._writer.transport = self.transport
+        tune_stream_socket(transport.get_extra_info("socket"))
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer = f"{peer[0]}:{peer[1]}"
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.auth is not None:
+            self.auth.lost()
+        self.transport = None
+        self._writer.transport = None
+
+    def admitted_frames(self, data: bytes) -> list[Any] | InvalidArgument:
+        """The frames ``data`` completes once past the handshake (none while it runs),
+        or the error of bytes that break the protocol (the caller closes the connection).
+        Any: the caller dispatches on ``type(frame)``, which mypy does not follow."""
+        if self.auth is not None:
+            data, self.auth = self.auth.admit(data)
+            if not data:
+                return []
+        try:
+            return self._reader.feed(data)
+        except InvalidArgument as exc:
+            return exc
+
+
+class StreamTasks:
+    """The tasks serving a request server's streams: owned (a strong reference each),
+    counted (``len``: the streams in flight), waited for when draining."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no stream is in flight; False if the timeout passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._tasks:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            await asyncio.wait(set(self._tasks), timeout=remaining)
+        return True
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StreamServer:
+    """What both request servers (TCP, NATS) keep alike: the tasks of their streams."""
+
+    def __init__(self) -> None:
+        self.tasks = StreamTasks()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.tasks)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no stream is in flight; False if the timeout passed first."""
+        return await self.tasks.wait_idle(timeout)
+
+
+class StreamClient:
+    """What both request clients (TCP, NATS) do alike: a :class:`Mailbox` per stream,
+    its items yielded until :data:`END`. A plane implements :meth:`_open`."""
+
+    async def stream(
+        self,
+        endpoint: str,
+        payload: bytes,
+        ctx: Context,
+        decode: Decode | None = None,
+        merge: Merge | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        """Send one request; yield the decoded response items until the stream ends.
+
+        Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with
+        whatever the worker sends last. Leaving the iteration early kills the stream.
+        """
+        box = Mailbox(decode, merge)
+        done = await self._open(endpoint, payload, ctx, box)
+        try:
+            while True:
+                item = await box.next()
+                if item is END:
+                    return
+                yield item
+        finally:
+            more = done()
+            if more is not None:
+                await more
+
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
+        """Send the request, its items to go into ``box``, and stop it when ``ctx``
+        stops; returns what to call once the caller is done with the stream (at its end,
+        or when it leaves early: then the stream is killed), which may return something
+        to await (no coroutine per stream unless there is something to wait for)."""
+        raise NotImplementedError

@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -30,57 +30,42 @@ from kvmesh.errors import CannotConnect, ConnectionTimeout, Disconnected, Invali
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out, Req
-from kvmesh.runtime.sockets import tune_stream_socket
-from kvmesh.runtime.stream import END, Decode, Mailbox, Merge
+from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, Out, Req
+from kvmesh.runtime.stream import FramedConnection, Mailbox, StreamClient
 
 __all__ = ["TcpClient"]
 
 log = logging.getLogger(__name__)
 
-class _Connection(asyncio.Protocol):
+class _Connection(FramedConnection):
     def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
+        super().__init__()
         self.address = address
-        self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Mailbox] = {}
-        self._reader = FrameReader()
-        self._writer = FrameWriter()
         self._next_sid = 1
         self._secret = secret
-        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
         self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
         self.foreign_frames = 0  # frames for no stream open on this connection
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set by connection_lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
-        self._writer.transport = self.transport
-        tune_stream_socket(transport.get_extra_info("socket"))
+        super().connection_made(transport)
         if self._secret is not None:
             hs = Handshake(self._secret, "request", client=True, peer=f"worker {self.address}")
             self.auth = self.gate = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.auth is not None:
-            self.auth.lost()
+        super().connection_lost(exc)
         if not self.closed.done():
             self.closed.set_result(None)
-        self.transport = None
-        self._writer.transport = None
         streams, self.streams = self.streams, {}
         for box in streams.values():
             box.finish(Disconnected(f"connection to worker {self.address} lost"))
 
     def data_received(self, data: bytes) -> None:
-        if self.auth is not None:
-            data, self.auth = self.auth.admit(data)
-            if not data:
-                return
-        try:
-            # Any: dispatched on `kind = type(frame)` below, which mypy does not follow
-            frames: list[Any] = self._reader.feed(data)
-        except InvalidArgument as exc:
-            self._fail_all(exc)
+        frames = self.admitted_frames(data)
+        if isinstance(frames, InvalidArgument):
+            self._fail_all(frames)
             return
         streams = self.streams
         for frame in frames:
@@ -136,7 +121,7 @@ class _Connection(asyncio.Protocol):
         self._writer.send(frame)
 
 
-class TcpClient:
+class TcpClient(StreamClient):
     """Streams requests to one worker at ``host:port``."""
 
     def __init__(
@@ -202,40 +187,25 @@ class TcpClient:
         self._conn = conn
         return conn
 
-    async def stream(
-        self,
-        endpoint: str,
-        payload: bytes,
-        ctx: Context,
-        decode: Decode | None = None,
-        merge: Merge | None = None,
-    ) -> AsyncGenerator[Any, None]:
-        """Send one request; yield the decoded response items until the stream ends.
-
-        Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with
-        whatever the worker sends last. Leaving the iteration early kills the stream.
-        """
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
         conn = await self._connection()
-        box = Mailbox(decode, merge)
         sid = conn.open(endpoint, payload, box)
         if self.response_timeout is not None:
             box.timer = asyncio.get_running_loop().call_later(
                 self.response_timeout, self._timed_out, conn, sid, box
             )
         ctx.on_stop(lambda c: self._on_stop(conn, sid, box, c))
-        try:
-            while True:
-                item = await box.next()
-                if item is END:
-                    return
-                yield item
-        finally:
+
+        def done() -> Awaitable[None] | None:
             if not box.ended:
                 box.finish()
                 if conn.streams.pop(sid, None) is not None:
                     conn.control(sid, KILL)
-            if self._close_when_idle and not conn.streams:
-                await self.close()
+            return self.close() if self._close_when_idle and not conn.streams else None
+
+        return done
 
     @staticmethod
     def _on_stop(conn: _Connection, sid: int, box: Mailbox, ctx: Context) -> None:

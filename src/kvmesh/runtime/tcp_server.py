@@ -23,8 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Coroutine
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -41,42 +40,31 @@ from kvmesh.runtime.frames import (
     Ctl,
     End,
     Err,
-    FrameReader,
-    FrameWriter,
     OutItem,
     Req,
 )
-from kvmesh.runtime.sockets import tune_stream_socket
-from kvmesh.runtime.stream import Handler, StreamHost
+from kvmesh.runtime.stream import FramedConnection, Handler, StreamHost, StreamServer
 
 __all__ = ["Handler", "TcpServer", "ServerConnection"]
 
 log = logging.getLogger(__name__)
 
-class _Conn(asyncio.Protocol):
+class _Conn(FramedConnection):
     """One caller's connection (accepted, or dialled out by the NATS plane's call-home:
     ``client=True`` then plays the client side of the handshake)."""
 
     def __init__(self, server: StreamHost, client: bool = False) -> None:
+        super().__init__(server.max_frame_bytes, coalesce=True)
         self._server = server
-        self._reader = FrameReader(server.max_frame_bytes)
-        self._writer = FrameWriter(coalesce=True)
-        self._transport: asyncio.Transport | None = None
         self._streams: dict[int, Context] = {}
         self._paused: asyncio.Future[None] | None = None
         self._client = client
         self._first = True  # nothing received yet
-        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
         self.gate: ProtocolHandshake | None = None  # the handshake, kept for its ``ready``
-        self.peer = "?"
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # a stream connection's transport
-        self._writer.transport = self._transport
-        tune_stream_socket(transport.get_extra_info("socket"))
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        super().connection_made(transport)
         self._server._conns.add(self)
         secret: ClusterSecret | None = self._server.secret
         if secret is not None:
@@ -85,11 +73,8 @@ class _Conn(asyncio.Protocol):
             self.auth = self.gate = ProtocolHandshake(hs, transport, self._server.handshake_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.auth is not None:
-            self.auth.lost()
+        super().connection_lost(exc)
         self._server._conns.discard(self)
-        self._transport = None
-        self._writer.transport = None
         for ctx in list(self._streams.values()):
             ctx.kill()
         if self._paused is not None and not self._paused.done():
@@ -106,27 +91,22 @@ class _Conn(asyncio.Protocol):
             self._paused = None
 
     def data_received(self, data: bytes) -> None:
-        if self.auth is not None:
-            if self._first and not self._client and not auth.looks_like_handshake(data):
+        if self._first:
+            self._first = False
+            if self.auth is None:
+                if self._refuse_unexpected(data):
+                    return
+            elif not self._client and not auth.looks_like_handshake(data):
                 # A caller without the secret reads frames: tell it why, in one it understands.
                 self._send(Err(0, InvalidArgument.kind, "this worker requires the fleet's cluster secret (--cluster-secret-file)"))
                 self._writer.flush()
-            self._first = False
-            data, self.auth = self.auth.admit(data)
-            if not data:
-                return
-        elif self._first:
-            self._first = False
-            if self._refuse_unexpected(data):
-                return
-        try:
-            frames = self._reader.feed(data)
-        except InvalidArgument as exc:
-            log.warning("closing connection from %s: %s", self.peer, exc.message)
-            self._send(Err(0, exc.kind, exc.message))
+        frames = self.admitted_frames(data)
+        if isinstance(frames, InvalidArgument):
+            log.warning("closing connection from %s: %s", self.peer, frames.message)
+            self._send(Err(0, frames.kind, frames.message))
             self._writer.flush()
-            if self._transport is not None:
-                self._transport.close()
+            if self.transport is not None:
+                self.transport.close()
             return
         for frame in frames:
             if type(frame) is Req:
@@ -147,8 +127,8 @@ class _Conn(asyncio.Protocol):
         else:
             return False
         log.warning("refusing connection from %s: %s", self.peer, why)
-        if self._transport is not None:
-            self._transport.close()
+        if self.transport is not None:
+            self.transport.close()
         return True
 
     # -- streams
@@ -169,7 +149,7 @@ class _Conn(asyncio.Protocol):
             return
         ctx = Context(f"{id(self):x}-{req.sid}")
         self._streams[req.sid] = ctx
-        self._server._spawn(self._serve(req.sid, handler, req.payload, ctx))
+        self._server.tasks.spawn(self._serve(req.sid, handler, req.payload, ctx))
 
     def _control(self, ctl: Ctl) -> None:
         ctx = self._streams.get(ctl.sid)
@@ -188,7 +168,7 @@ class _Conn(asyncio.Protocol):
         first = True  # a stream's first item goes out without waiting for company
         try:
             async for item in stream:
-                if self._transport is None:
+                if self.transport is None:
                     break
                 self._writer.send(OutItem(sid, item), first)
                 first = False
@@ -209,14 +189,14 @@ class _Conn(asyncio.Protocol):
 
     # -- writing
     def _send(self, frame: Any) -> None:
-        if self._transport is not None:
+        if self.transport is not None:
             self._writer.send(frame)
 
     def close(self) -> None:
         """Close after writing every frame already queued (a last ``End`` or ``Err``)."""
-        if self._transport is not None:
+        if self.transport is not None:
             self._writer.flush()
-            self._transport.close()
+            self.transport.close()
 
     @property
     def open_streams(self) -> int:
@@ -225,11 +205,11 @@ class _Conn(asyncio.Protocol):
     # -- for the NATS plane's call-home (runtime/nats/server.py)
     @property
     def alive(self) -> bool:
-        return self._transport is not None and not self._transport.is_closing()
+        return self.transport is not None and not self.transport.is_closing()
 
     @property
     def gone(self) -> bool:
-        return self._transport is None
+        return self.transport is None
 
     def serve(self, req: Req) -> None:
         """Open the stream ``req`` asks for (Ack, then its handler in a task)."""
@@ -240,7 +220,7 @@ class _Conn(asyncio.Protocol):
 ServerConnection = _Conn
 
 
-class TcpServer:
+class TcpServer(StreamServer):
     """Listens on ``host:port`` (0 = any free port) and serves registered endpoints."""
 
     channel = "request"  # what the handshake binds a connection to
@@ -254,6 +234,7 @@ class TcpServer:
         max_streams: int = MAX_STREAMS,
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
+        super().__init__()
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
@@ -265,7 +246,6 @@ class TcpServer:
         self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
         self.started = False
         self.draining = False
 
@@ -287,15 +267,6 @@ class TcpServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def stop_accepting(self) -> None:
         """Drain: close the listening socket and refuse new streams (``EngineShutdown``,
         which callers retry elsewhere); streams already open keep going."""
@@ -303,22 +274,9 @@ class TcpServer:
         if self._server is not None:
             self._server.close()
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no stream is in flight; False if the timeout passed first."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self._tasks:
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                return False
-            await asyncio.wait(set(self._tasks), timeout=remaining)
-        return True
-
     async def close(self) -> None:
         await self.stop_accepting()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tasks.cancel_all()
         for conn in list(self._conns):
             conn.close()
         if self._server is not None:

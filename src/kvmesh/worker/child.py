@@ -60,6 +60,9 @@ def _report_failure(message: str) -> None:
 def run_worker(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, die_with_parent: bool = False) -> int:
     from kvmesh.worker.main import die_with_parent as _die_with_parent, serve
 
+    if cfg.replicas > 1:
+        from kvmesh.worker.replicas import serve as serve_many
+
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kvmesh.observability import tracing  # trace ids in log lines; OTLP export when OTEL_EXPORT_ENABLED=1
 
@@ -67,7 +70,7 @@ def run_worker(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, die_
     if die_with_parent:
         _die_with_parent()
     try:
-        event_loop_runner()(serve(cfg, runtime_cfg))
+        event_loop_runner()(serve_many(cfg, runtime_cfg) if cfg.replicas > 1 else serve(cfg, runtime_cfg))
     except OSError as exc:
         _report_failure(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}")
         return 1

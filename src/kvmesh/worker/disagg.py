@@ -73,7 +73,7 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
             raise ValueError(f"--mode {cfg.mode} needs an engine that moves KV blocks; {cfg.engine} does not")
         return Roles(engine, COMPONENT)
     queue = await _queue(cfg, runtime) if cfg.mode != "aggregated" else None
-    thresholds = DisaggThresholds(cfg.max_local_prefill_length, cfg.max_prefill_queue_size)
+    thresholds = DisaggThresholds(cfg.max_local_prefill_length, cfg.max_prefill_queue_size, cfg.max_prefill_queue_tokens)
     if cfg.mode == "prefill":
         assert queue is not None
         metadata = KvMetadataCache(_metadata_lookup(queue, runtime))
@@ -197,7 +197,12 @@ def serve_metrics(roles: Roles, host: str, port: int, sample: Callable[[], Worke
                 family = CounterMetricFamily(f"kvmesh_disagg_{name}", doc, labels=["mode"])
                 family.add_metric([stats.mode], getattr(stats, name))
                 yield family
-            for name, doc in (("queue_depth", "prefill queue depth when last asked"), ("active_blocks", "KV blocks in use")):
+            gauges = (
+                ("queue_depth", "prefill queue depth when last asked"),
+                ("queue_tokens", "tokens the prefill queue's jobs had left to prefill when last asked"),
+                ("active_blocks", "KV blocks in use"),
+            )
+            for name, doc in gauges:
                 gauge = GaugeMetricFamily(f"kvmesh_disagg_{name}", doc, labels=["mode"])
                 gauge.add_metric([stats.mode], getattr(stats, name))
                 yield gauge

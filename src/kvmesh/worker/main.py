@@ -32,15 +32,27 @@ from kvmesh.worker.service import WorkerService
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
 
+    from kvmesh.planner.orders import StandbyLink
     from kvmesh.worker.disagg import Roles
 
-__all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher"]
+__all__ = ["READY_PREFIX", "build_engine", "serve", "die_with_parent", "event_publisher", "Shared", "serve_one", "stop_on_signals"]
 
 log = logging.getLogger("kvmesh.worker")
 
 READY_PREFIX = "KVMESH_READY "
 UNREGISTER_GRACE_S = 0.5
 UNREGISTER_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass
+class Shared:
+    """What the workers of one process share (``--replicas``, :mod:`kvmesh.worker.replicas`):
+    the event plane (each worker still has its own publishers), the one metrics endpoint
+    that serves them all, and the list of running services it reads."""
+
+    plane: EventPlane
+    metrics_address: str = ""
+    services: list[WorkerService] = dataclasses.field(default_factory=list)
 
 
 def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> tuple[Engine, str]:
@@ -92,14 +104,35 @@ async def serve(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, rea
     embedded supervisor reads the READY line). Otherwise: join the distributed runtime
     and register in discovery.
     """
+    await serve_one(cfg, runtime_cfg, stop_on_signals(), ready_out)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGTERM and SIGINT set (call it in the running loop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve_one(
+    cfg: WorkerConfig,
+    runtime_cfg: RuntimeConfig | None,
+    stop: asyncio.Event,
+    ready_out: TextIO,
+    shared: Shared | None = None,
+    runtime: DistributedRuntime | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """One worker instance until ``stop`` (or its lease is revoked). ``shared``: the
+    process's shared parts; ``runtime``: a runtime made (not started) by the caller,
+    e.g. one that borrows the process's etcd and NATS clients; ``on_ready``: called once
+    the instance announced itself."""
     if runtime_cfg is None:
-        await _serve_static(cfg, stop, ready_out)
+        await _serve_static(cfg, stop, ready_out, shared, on_ready)
     else:
-        await _serve_distributed(cfg, runtime_cfg, stop, ready_out)
+        await _serve_distributed(cfg, runtime or DistributedRuntime(runtime_cfg), stop, ready_out, shared, on_ready)
 
 
 def _announce(info: InstanceInfo, out: TextIO) -> None:
@@ -107,10 +140,16 @@ def _announce(info: InstanceInfo, out: TextIO) -> None:
     out.flush()
 
 
-async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
+async def _serve_static(
+    cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextIO, shared: Shared | None, on_ready: Callable[[], None] | None
+) -> None:
     from kvmesh.worker.disagg import wire
 
-    plane, publisher, event_address = await event_publisher("zmq", cfg.worker_id, host=cfg.host)
+    if shared is None:
+        plane, publisher, event_address = await event_publisher("zmq", cfg.worker_id, host=cfg.host)
+    else:
+        plane = shared.plane
+        publisher, event_address = await publisher_on(plane, cfg.worker_id)
     engine, model_path = build_engine(cfg, publisher)
     roles = await wire(cfg, engine, cfg.worker_id)
     service = WorkerService(
@@ -129,19 +168,26 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
             endpoint=GENERATE,
             event_address=event_address,
             kv=roles.kv_endpoint(),
-            metrics_address=_metrics(cfg, roles, service),
+            metrics_address=shared.metrics_address if shared is not None else _metrics(cfg, roles, service),
         )
         service.info = info
+        if shared is not None:
+            shared.services.append(service)
         if roles.prefill is not None:
             roles.prefill.start()
         _announce(info, ready_out)
+        if on_ready is not None:
+            on_ready()
         await stop.wait()
         log.info("worker %d draining", cfg.worker_id)
         await _step_down(cfg, roles)
     finally:
+        if shared is not None and service in shared.services:
+            shared.services.remove(service)
         await service.shutdown(cfg.grace_s)
         await _close_roles(roles)
-        await plane.close()
+        if shared is None:
+            await plane.close()
 
 
 def _metrics(cfg: WorkerConfig, roles: Roles, service: WorkerService | None = None, default_port: int | None = None) -> str:
@@ -172,19 +218,28 @@ async def _close_roles(roles: Roles) -> None:
             log.debug("closing: %s", exc)
 
 
-async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: asyncio.Event, ready_out: TextIO) -> None:
+async def _serve_distributed(
+    cfg: WorkerConfig,
+    runtime: DistributedRuntime,
+    stop: asyncio.Event,
+    ready_out: TextIO,
+    shared: Shared | None,
+    on_ready: Callable[[], None] | None,
+) -> None:
     from kvmesh.worker.disagg import start_watch, wire
 
-    runtime = DistributedRuntime(rcfg)
     await runtime.start()
     service: WorkerService | None = None
     roles: Roles | None = None
     try:
         rc = runtime.config
-        plane, publisher, event_address = await event_publisher(
-            rc.event_plane, runtime.lease_id, nats=runtime.nats, namespace=rc.namespace, host=rc.host
-        )
-        runtime.add_closer(plane.close)
+        if shared is None:
+            plane, publisher, event_address = await event_publisher(
+                rc.event_plane, runtime.lease_id, nats=runtime.nats, namespace=rc.namespace, host=rc.host
+            )
+            runtime.add_closer(plane.close)
+        else:
+            publisher, event_address = await publisher_on(shared.plane, runtime.lease_id)
         # KV events name the worker by its lease id, as the routers know it
         engine, model_path = build_engine(dataclasses.replace(cfg, worker_id=runtime.lease_id), publisher)
         roles = await wire(cfg, engine, runtime.lease_id, runtime=runtime)
@@ -195,15 +250,33 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         )
         config = await service.start()
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
-        info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=_metrics(cfg, roles, service, default_port=0))
+        metrics = shared.metrics_address if shared is not None else _metrics(cfg, roles, service, default_port=0)
+        info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=metrics)
         service.info = info
+        link = None
+        if cfg.standby:  # a hot spare: offered, checked, routed to only once the planner orders it
+            _announce(info, ready_out)
+            if on_ready is not None:
+                on_ready()  # started: waiting for the planner is no part of a replica's start
+            link = await _stand_by(runtime, info, stop)
+            if link is None:
+                return
         await endpoint.register(info)
+        if link is not None:
+            await link.withdraw()  # after registering: the planner never sees it in neither place
+            obey = asyncio.ensure_future(_obey_stop(link, stop))
+            runtime.add_closer(functools.partial(_close_link, link, obey))
+        if shared is not None:
+            shared.services.append(service)
         watch = start_watch(runtime.discovery, rc.namespace, roles)
         if watch is not None:
             runtime.add_closer(lambda: _cancel(watch))
         if roles.prefill is not None:
             roles.prefill.start()
-        _announce(info, ready_out)
+        if link is None:
+            _announce(info, ready_out)
+        if on_ready is not None:
+            on_ready()
         lost = asyncio.ensure_future(runtime.lease_lost.wait())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([lost, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -218,10 +291,48 @@ async def _serve_distributed(cfg: WorkerConfig, rcfg: RuntimeConfig, stop: async
         await _step_down(cfg, roles)
     finally:
         if service is not None:
+            if shared is not None and service in shared.services:
+                shared.services.remove(service)
             await service.shutdown(cfg.grace_s)
         if roles is not None:
             await _close_roles(roles)
         await runtime.shutdown()
+
+
+async def _stand_by(runtime: DistributedRuntime, info: InstanceInfo, stop: asyncio.Event) -> StandbyLink | None:
+    """Offer this worker as a standby until the planner orders it to serve (the link,
+    which keeps delivering orders) or it is stopped: an order, a signal, its lease (None)."""
+    from kvmesh.planner.orders import StandbyLink
+
+    link = StandbyLink(runtime, info)
+    await link.offer()
+    log.info("worker %x standing by", info.worker_id)
+    order = asyncio.ensure_future(link.next_order())
+    others = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(runtime.lease_lost.wait())]
+    await asyncio.wait([order, *others], return_when=asyncio.FIRST_COMPLETED)
+    for w in (order, *others):
+        w.cancel()
+    if order.cancelled() or not order.done() or order.exception() is not None:
+        await link.close()
+        return None
+    if order.result().action == "serve":
+        log.warning("worker %x promoted by the planner", info.worker_id)
+        return link
+    await link.close()  # "stop": never served, nothing to drain
+    return None
+
+
+async def _obey_stop(link: StandbyLink, stop: asyncio.Event) -> None:
+    """A serving worker that came from standby drains when the planner says stop."""
+    while (await link.next_order()).action != "stop":
+        pass
+    stop.set()
+
+
+async def _close_link(link: StandbyLink, obey: asyncio.Future[None]) -> None:
+    obey.cancel()
+    await asyncio.gather(obey, return_exceptions=True)
+    await link.close()
 
 
 async def _unregister(endpoint: Endpoint) -> None:
@@ -246,8 +357,15 @@ async def event_publisher(
     from kvmesh.runtime.event_plane import make_event_plane
 
     plane = make_event_plane(kind, nats_client=nats, namespace=namespace, host=host)
+    publisher, address = await publisher_on(plane, publisher_id)
+    return plane, publisher, address
+
+
+async def publisher_on(plane: EventPlane, publisher_id: int) -> tuple[EventPublisher, str]:
+    """A worker's own KV event and load report publishers on ``plane``; returns the
+    engine-facing publisher and the address subscribers connect to."""
     kv = await plane.publisher(KV_EVENTS_TOPIC, publisher_id)
     load = await plane.publisher(LOAD_TOPIC, publisher_id)
     encode = msgspec.msgpack.encode
     publisher = CallbackPublisher(lambda e: kv.publish(encode(e)), lambda r: load.publish(encode(r)))
-    return plane, publisher, kv.address
+    return publisher, kv.address

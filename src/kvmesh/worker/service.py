@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -47,6 +47,7 @@ from kvmesh.runtime.tcp_server import TcpServer
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
 
@@ -122,11 +123,14 @@ class WorkerService:
             raise EngineShutdown("this worker is still starting")
         yield self.info
 
+    def _reported(self, value: _R | None, what: str) -> _R:
+        """What the engine reported; an engine that reports nothing of the kind is a bad request."""
+        if value is None:
+            raise InvalidArgument(f"{type(self.engine).__name__} does not report {what}")
+        return value
+
     async def _kv_dump(self, payload: bytes, ctx: Context) -> AsyncIterator[KvDump]:
-        dump = self.engine.kv_snapshot()
-        if dump is None:
-            raise InvalidArgument(f"{type(self.engine).__name__} does not report its KV cache")
-        yield dump
+        yield self._reported(self.engine.kv_snapshot(), "its KV cache")
 
     async def _kv_events(self, payload: bytes, ctx: Context) -> AsyncIterator[KvEventsSince]:
         try:
@@ -137,10 +141,7 @@ class WorkerService:
         yield KvEventsSince(events or [], events is not None)
 
     async def _load(self, payload: bytes, ctx: Context) -> AsyncIterator[LoadReport]:
-        report = self.engine.load_report()
-        if report is None:
-            raise InvalidArgument(f"{type(self.engine).__name__} does not report its load")
-        yield report
+        yield self._reported(self.engine.load_report(), "its load")
 
     async def _stats(self, payload: bytes, ctx: Context) -> AsyncIterator[DisaggStats]:
         stats = self._disagg_stats() if self._disagg_stats is not None else None

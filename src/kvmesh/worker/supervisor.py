@@ -20,6 +20,12 @@ interpreter and the modules already imported, and runs the worker from the paren
 parallel with the frontend, and each skips an interpreter start. The supervisor
 adopts them (:class:`ForkedWorker`); replacements start with exec
 (:func:`worker_command`) and read their config object from stdin.
+
+Several workers per process (``--workers-per-process K``, :mod:`kvmesh.worker.replicas`):
+each process runs up to K workers with consecutive ids (its config's ``worker_id`` and
+``replicas``); it writes one READY line per worker, each reported as it comes, and when
+the process ends every one of its workers is reported gone. A replacement process gets
+K fresh ids.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from kvmesh.protocol import InstanceInfo
 from kvmesh.worker.child import FAILED_PREFIX
 from kvmesh.worker.main import READY_PREFIX
 
-__all__ = ["Supervisor", "worker_command", "prefork", "ForkedWorker"]
+__all__ = ["Supervisor", "worker_command", "prefork", "ForkedWorker", "processes", "slot_config"]
 
 log = logging.getLogger("kvmesh.supervisor")
 
@@ -109,23 +115,35 @@ class ForkedWorker:
         return await asyncio.shield(self._exited)
 
 
+def processes(workers: int, per_process: int) -> int:
+    """How many processes hold ``workers`` workers, ``per_process`` at most in each."""
+    return -(-workers // per_process)
+
+
+def slot_config(template: WorkerConfig, slot: int, workers: int, per_process: int, first_id: int = 0) -> WorkerConfig:
+    """The config of process ``slot``: its first worker id and how many workers it runs
+    (the last process may run fewer)."""
+    replicas = min(per_process, workers - slot * per_process)
+    return replace(template, worker_id=first_id + slot * per_process, replicas=replicas)
+
+
 def prefork(
-    template: WorkerConfig, count: int, first_id: int = 0, close: Sequence[socket.socket] = ()
+    template: WorkerConfig, count: int, first_id: int = 0, close: Sequence[socket.socket] = (), per_process: int = 1
 ) -> list[ForkedWorker]:
-    """Fork workers ``first_id .. first_id + count - 1`` now, for a
-    :class:`Supervisor` to adopt. Call it before this process has an event loop or a
-    thread. ``close``: sockets of this process the workers must not hold (the HTTP
-    listener)."""
+    """Fork the processes of workers ``first_id .. first_id + count - 1`` now
+    (``per_process`` workers in each), for a :class:`Supervisor` to adopt. Call it
+    before this process has an event loop or a thread. ``close``: sockets of this
+    process the workers must not hold (the HTTP listener)."""
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     workers = []
-    for worker_id in range(first_id, first_id + count):
+    for slot in range(processes(count, per_process)):
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker; never returns
             os.close(read_fd)
-            _forked_worker_main(replace(template, worker_id=worker_id), parent, write_fd, close)
+            _forked_worker_main(slot_config(template, slot, count, per_process, first_id), parent, write_fd, close)
         os.close(write_fd)
         workers.append(ForkedWorker(pid, read_fd))
     return workers
@@ -184,18 +202,22 @@ class Supervisor:
         preforked: Sequence[ForkedWorker] = (),
         max_failed_starts: int = 5,
         max_backoff_s: float = 10.0,
+        per_process: int = 1,
+        on_failed: Callable[[int, str], Awaitable[None]] | None = None,
     ) -> None:
         self.template = template
-        self.count = count
+        self.count = count  # workers
+        self.per_process = per_process
         self.first_id = first_id  # worker ids first_id, first_id + 1, ...; replacements after them
         self.on_ready = on_ready
         self.on_exit = on_exit
+        self.on_failed = on_failed  # a worker that exited before it was ready (id, why)
         self.restart = restart
         self.backoff_s = backoff_s
         self.startup_timeout_s = startup_timeout_s
         self.procs: dict[int, Any] = {}  # asyncio.subprocess.Process or ForkedWorker
-        # worker id -> its first process, forked ahead (see prefork)
-        self._preforked = {first_id + i: proc for i, proc in enumerate(preforked)}
+        # first worker id of a process -> that process, forked ahead (see prefork)
+        self._preforked = {first_id + i * per_process: proc for i, proc in enumerate(preforked)}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._next_id = first_id + count
@@ -207,13 +229,41 @@ class Supervisor:
         self.error = ""
 
     def start(self) -> None:
-        for slot in range(self.count):
+        for slot in range(processes(self.count, self.per_process)):
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep(slot)))
 
+    def launch(self, template: WorkerConfig | None = None) -> int:
+        """Start one more worker (a fresh id, from ``template`` or the supervisor's),
+        not restarted when it exits: the planner decides what replaces it. Its ready
+        and exit are reported through ``on_ready`` / ``on_exit`` like any other."""
+        worker_id = self._next_id
+        self._next_id += 1
+        cfg = replace(template or self.template, worker_id=worker_id)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._run_one(cfg)))
+        return worker_id
+
+    async def _run_one(self, cfg: WorkerConfig) -> None:
+        try:
+            ready, why = await self._run_once(cfg)
+        except Exception:  # noqa: BLE001 - keep supervising the others
+            log.exception("worker %d failed to run", cfg.worker_id)
+            return
+        if not ready and not self._stopping:
+            log.warning("worker %d did not start: %s", cfg.worker_id, why)
+
+    def terminate(self, worker_id: int) -> bool:
+        """SIGTERM ``worker_id`` (it drains, then exits); False if it is not running."""
+        proc = self.procs.get(worker_id)
+        if proc is None:
+            return False
+        _signal(proc, signal.SIGTERM)
+        return True
+
     async def _keep(self, slot: int) -> None:
-        worker_id = self.first_id + slot
+        first = slot_config(self.template, slot, self.count, self.per_process, self.first_id)
+        worker_id = first.worker_id
         while not self._stopping:
-            cfg = replace(self.template, worker_id=worker_id)
+            cfg = replace(first, worker_id=worker_id)
             try:
                 ready, why = await self._run_once(cfg)
             except Exception as exc:  # noqa: BLE001 - keep supervising the other slots
@@ -225,7 +275,7 @@ class Supervisor:
                 return
             await asyncio.sleep(self._delay())
             worker_id = self._next_id
-            self._next_id += 1
+            self._next_id += self.per_process
 
     def _count_start(self, ready: bool, why: str) -> bool:
         """Count a failed start (or reset the count); False once the supervisor gives up."""
@@ -255,24 +305,24 @@ class Supervisor:
         else:
             proc = await self._exec(cfg)
         self.procs[cfg.worker_id] = proc
-        ready = False
+        ready: list[int] = []  # the process's workers that got ready
         failure: list[str] = []
         try:
             assert proc.stdout is not None
-            ready = await self._await_ready(cfg.worker_id, proc.stdout, failure)
-            # keep draining stdout so the worker never blocks on a full pipe
-            while await proc.stdout.readline():
-                pass
+            # until the pipe closes: READY lines (one per worker), else passed through
+            await self._read_output(proc.stdout, ready, failure)
             code = await proc.wait()
         finally:
             self.procs.pop(cfg.worker_id, None)
-            if ready:
-                await self.on_exit(cfg.worker_id)
+            for worker_id in ready:
+                await self.on_exit(worker_id)
         if not self._stopping:
             self.exits += 1
             log.warning("worker %d (pid %d) exited with code %s", cfg.worker_id, proc.pid, code)
         why = failure[-1] if failure else f"the worker exited with code {code} before it was ready"
-        return ready, why
+        if not ready and self.on_failed is not None and not self._stopping:
+            await self.on_failed(cfg.worker_id, why)
+        return bool(ready), why
 
     async def _exec(self, cfg: WorkerConfig) -> Any:
         """A replacement worker: a fresh interpreter, its config object on stdin."""
@@ -288,15 +338,17 @@ class Supervisor:
         proc.stdin.close()
         return proc
 
-    async def _await_ready(self, worker_id: int, stdout: asyncio.StreamReader, failure: list[str]) -> bool:
+    async def _read_output(self, stdout: asyncio.StreamReader, ready: list[int], failure: list[str]) -> None:
         while True:
             line = await stdout.readline()
             if not line:
-                return False
+                return
             text = line.decode(errors="replace")
             if text.startswith(READY_PREFIX):
-                await self.on_ready(_decode_info(text[len(READY_PREFIX) :]))
-                return True
+                info = _decode_info(text[len(READY_PREFIX) :])
+                ready.append(info.worker_id)
+                await self.on_ready(info)
+                continue
             if text.startswith(FAILED_PREFIX):
                 failure.append(text[len(FAILED_PREFIX) :].strip())
                 continue

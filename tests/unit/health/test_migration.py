@@ -18,7 +18,6 @@ from kvmesh.errors import (
 from kvmesh.health.migration import (
     LINK_BYTES_PER_S,
     MigrationBudget,
-    choose_migration,
     estimate_migration,
     is_migratable,
     prefill_ms_at,
@@ -42,31 +41,31 @@ def test_nvlink_always_transfers() -> None:
 def test_pcie_transfers_until_the_time_budget() -> None:
     # 40 KB/token at 28 GB/s: the 500 ms budget is reached near 342K tokens
     pcie = LINK_BYTES_PER_S["pcie"]
-    assert choose_migration(300_000, 0, KV_PER_TOKEN, pcie, PREFILL) == "kv_transfer"
-    assert choose_migration(350_000, 0, KV_PER_TOKEN, pcie, PREFILL) == "re_prefill"
+    assert estimate_migration(300_000, 0, KV_PER_TOKEN, pcie, PREFILL).method == "kv_transfer"
+    assert estimate_migration(350_000, 0, KV_PER_TOKEN, pcie, PREFILL).method == "re_prefill"
 
 
 def test_a_link_slower_than_prefill_re_prefills() -> None:
     # 100 MB/s: 0.41 ms per token to copy vs 0.2 ms per token to recompute
-    assert choose_migration(1000, 0, KV_PER_TOKEN, 100e6, PREFILL, max_transfer_ms=1e9) == "re_prefill"
-    assert choose_migration(1000, 0, KV_PER_TOKEN, 1e9, PREFILL, max_transfer_ms=1e9) == "kv_transfer"
+    assert estimate_migration(1000, 0, KV_PER_TOKEN, 100e6, PREFILL, max_transfer_ms=1e9).method == "re_prefill"
+    assert estimate_migration(1000, 0, KV_PER_TOKEN, 1e9, PREFILL, max_transfer_ms=1e9).method == "kv_transfer"
 
 
 def test_a_transfer_over_the_time_budget_re_prefills() -> None:
     # 16K tokens over PCIe: ~23 ms transfer vs 3.3 s re-prefill, but the budget is 10 ms
     pcie = LINK_BYTES_PER_S["pcie"]
-    assert choose_migration(16_384, 0, KV_PER_TOKEN, pcie, PREFILL) == "kv_transfer"
-    assert choose_migration(16_384, 0, KV_PER_TOKEN, pcie, PREFILL, max_transfer_ms=10.0) == "re_prefill"
+    assert estimate_migration(16_384, 0, KV_PER_TOKEN, pcie, PREFILL).method == "kv_transfer"
+    assert estimate_migration(16_384, 0, KV_PER_TOKEN, pcie, PREFILL, max_transfer_ms=10.0).method == "re_prefill"
 
 
 @pytest.mark.parametrize("link", [None, 0.0])
 def test_no_link_re_prefills(link: float | None) -> None:
-    assert choose_migration(10, 5, KV_PER_TOKEN, link, PREFILL) == "re_prefill"
+    assert estimate_migration(10, 5, KV_PER_TOKEN, link, PREFILL).method == "re_prefill"
 
 
 def test_prefill_fn_is_any_callable() -> None:
-    assert choose_migration(1000, 0, KV_PER_TOKEN, 1e9, lambda tokens: 1e6) == "kv_transfer"
-    assert choose_migration(1000, 0, KV_PER_TOKEN, 1e9, lambda tokens: 0.0) == "re_prefill"
+    assert estimate_migration(1000, 0, KV_PER_TOKEN, 1e9, lambda tokens: 1e6).method == "kv_transfer"
+    assert estimate_migration(1000, 0, KV_PER_TOKEN, 1e9, lambda tokens: 0.0).method == "re_prefill"
 
 
 def test_invalid_inputs() -> None:

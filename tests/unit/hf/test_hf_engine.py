@@ -324,11 +324,14 @@ def test_worker_builds_the_hf_engine_over_the_bundled_model(tiny_path, monkeypat
 
 
 def test_options_are_checked():
+    from kvmesh.engines.settings import HfSettings, options_from
+    from kvmesh.settings import resolve
+
     with pytest.raises(ValueError, match="KVMESH_HF_THREADS='two' is not an integer"):
-        HfOptions.from_env("m", env={"KVMESH_HF_THREADS": "two"})
+        options_from(HfOptions, resolve(HfSettings, env={"KVMESH_HF_THREADS": "two"}), model_path="m")
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
         HfOptions("m", block_size=0)
-    assert HfOptions.from_env("m", env={"KVMESH_HF_KV_CACHE_MB": "64"}).kv_cache_mb == 64
+    assert options_from(HfOptions, resolve(HfSettings, env={"KVMESH_HF_KV_CACHE_MB": "64"}), model_path="m").kv_cache_mb == 64
 
 
 async def test_a_folder_without_weights_fails_start_with_a_clear_error(tmp_path):

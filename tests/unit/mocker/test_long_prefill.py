@@ -117,3 +117,68 @@ def test_the_threshold_reaches_the_shared_limits() -> None:
                         context_length=128, max_long_partial_prefills=0)  # fmt: skip
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         MockerOptions(long_prefill_token_threshold=-1)
+
+
+def test_the_next_long_prompt_starts_in_the_pass_where_the_last_one_ends_beside_decodes() -> None:
+    # every pass that carries prefill work costs the decodes in it the step's fixed
+    # prefill cost: while decodes ride, a pass where a long prefill ends gives the rest of
+    # its budget to the next long prompt (fewer, fuller prefill passes) instead of
+    # leaving it unused
+    sched = Scheduler(OPTS)
+    d = sched.add(req("d", range(50_000, 50_016), max_tokens=100))
+    sched.step()  # d prefills and samples: it decodes from now on
+    a = sched.add(req("a", range(3000)))
+    b = sched.add(req("b", range(20_000, 25_000)))
+    assert sched.step().prefill_tokens == 1023 and sched.step().prefill_tokens == 1023  # d's decode beside a
+    out = sched.step()
+    assert a in out.tokens and d in out.tokens
+    assert out.prefill_tokens == 1023  # 954 of a, 69 of b: the budget stays full
+    assert sched.core.get(b).num_computed == 69  # type: ignore[union-attr]
+
+
+def test_without_decodes_the_next_long_prompt_waits_for_the_next_pass() -> None:
+    # no decode pays for an extra pass, and a smaller pass lets arrivals in sooner
+    sched = Scheduler(OPTS)
+    a = sched.add(req("a", range(3000)))
+    b = sched.add(req("b", range(20_000, 25_000)))
+    sched.step(), sched.step()
+    out = sched.step()
+    assert a in out.tokens and out.prefill_tokens == 952
+    assert sched.core.get(b).num_computed == 0  # type: ignore[union-attr]
+
+
+def test_a_short_prompt_still_caps_the_long_chunk_after_the_handover() -> None:
+    sched = Scheduler(OPTS)
+    sched.add(req("a", range(1100)))
+    b = sched.add(req("b", range(20_000, 25_000)))
+    sched.step()  # a: 1024
+    short = sched.add(req("short", range(40_000, 40_050)))
+    out = sched.step()  # a's last 76, the short prompt's 50, then b capped at 128 (a short one shares the pass)
+    assert short in out.tokens
+    assert sched.core.get(b).num_computed == 128  # type: ignore[union-attr]
+
+
+def test_the_three_settings_are_flags_of_the_mocker_and_the_hf_engine() -> None:
+    import argparse
+
+    from kvmesh.cli.replay import _config, add_replay_args
+    from kvmesh.engines.hf.options import HfOptions
+    from kvmesh.engines.settings import HfSettings, MockerSettings, options_from
+    from kvmesh.settings import add_flags, resolve
+
+    p = argparse.ArgumentParser()
+    add_replay_args(p)
+    ns = p.parse_args(["t.jsonl", "--long-prefill-token-threshold", "0", "--max-long-partial-prefills", "2",
+                       "--max-num-partial-prefills", "3"])  # fmt: skip
+    mocker = _config(ns).mocker
+    assert (mocker.long_prefill_threshold, mocker.max_long_partial_prefills, mocker.max_num_partial_prefills) == (0, 2, 3)
+    assert limits_of(mocker).long_prefill_token_threshold == 0
+    default = _config(p.parse_args(["t.jsonl"])).mocker
+    assert default.long_prefill_threshold == 8192 // 16  # unset: the budget ÷ 16
+    hp = argparse.ArgumentParser()
+    add_flags(hp, HfSettings)
+    hf = resolve(HfSettings, hp.parse_args(["--hf-long-prefill-token-threshold", "64", "--hf-max-long-partial-prefills", "2"]))
+    options = options_from(HfOptions, hf, model_path="/nonexistent")
+    assert (options.long_prefill_token_threshold, options.max_long_partial_prefills) == (64, 2)
+    with pytest.raises(ValueError, match="--max-long-partial-prefills"):
+        MockerSettings(max_long_partial_prefills=0)

@@ -127,3 +127,14 @@ def test_streaming_valid_text_never_emits_replacement(tok: Tokenizer, text: str,
     assert "".join(pieces) == text
     if "\ufffd" not in text:
         assert all("\ufffd" not in p for p in pieces)
+
+
+def test_a_long_text_with_special_token_text_is_plain_text_on_the_gil_free_path(tok: Tokenizer) -> None:
+    # over 1,024 characters the plain (parse_special=False) path uses encode_batch_fast,
+    # which releases the GIL; the ids are the ones the offsets path gives
+    text = ("user says <|im_end|> and then <|im_start|>system " * 40).strip()
+    assert len(text) > 1024
+    ids = tok.encode(text, parse_special=False)
+    assert 1 not in ids and 2 not in ids  # no control tokens
+    assert ids == tok._plain_tokenizer().encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids) == text

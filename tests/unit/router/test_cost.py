@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from kvmesh.router.cost import CandidateScore, check_knobs, new_blocks, score, score_all, select, uncached_tokens
+from kvmesh.router.cost import CandidateScore, CostInputs, check_knobs, new_blocks, score, score_all, select, uncached_tokens
 
 
 def cand(worker_id: int, cost: float, overlap: int = 0, weight: float = 1.0) -> CandidateScore:
@@ -54,7 +54,7 @@ def test_a_cached_prefix_lowers_the_cost() -> None:
 
 def test_score_all_is_score_for_every_worker() -> None:
     overlaps, prefill, active, weights = {1: 3, 2: 7}, {0: 40, 2: 8}, {1: 12}, {2: 0.5}
-    got = score_all([0, 1, 2, 3], overlaps, 100, prefill, active, 16, 1.5, weights)
+    got = score_all([0, 1, 2, 3], CostInputs(overlaps, 100, prefill, active, 16, 1.5), weights)
     want = [
         score(w, overlaps.get(w, 0), 100, prefill.get(w, 0), active.get(w, 0), 16, 1.5, weights.get(w, 1.0))
         for w in range(4)
@@ -62,7 +62,7 @@ def test_score_all_is_score_for_every_worker() -> None:
     assert got == want
     assert all(type(c) is CandidateScore for c in got)
     with pytest.raises(ValueError):
-        score_all([0], {}, 10, {}, {}, 16, 1.0, {0: math.nan})
+        score_all([0], CostInputs({}, 10, {}, {}, 16, 1.0), {0: math.nan})
 
 
 @pytest.mark.parametrize("ow,temp", [(-1.0, 0.0), (math.nan, 0.0), (1.0, -0.1), (1.0, math.inf)])

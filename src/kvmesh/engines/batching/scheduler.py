@@ -37,6 +37,14 @@ One pass (:meth:`Scheduler.schedule`):
    ``max_long_partial_prefills`` long prefills are under way, so shorter requests
    behind it are admitted; ``max_num_partial_prefills`` (0: no cap) bounds the
    prefills of one pass (vLLM's knobs of the same names).
+3. **top-up and hand-over**: in a pass where every prefill is long, the budget left
+   goes to them; when that ends a long prefill in a pass that carries decodes, the rest
+   of the budget admits the next waiting requests (a long one may start now: its slot
+   is free), and so on while budget is left. Every pass that carries prefill work
+   costs each decode in it the step's fixed prefill cost, so fewer, fuller prefill
+   passes keep ITL down; a pass without decodes stays small, which lets arrivals in
+   sooner (``kvmesh replay``, conversation trace, 1,000 requests: ITL p99 52 → 33 ms
+   with kv routing, short-prompt TTFT unchanged, overall TTFT p50 +16%).
 
 Stop rules (:meth:`Scheduler.complete`, over the token the engine drew for each
 sequence that completed its tokens): :data:`EOS` (or an ``eos_ids`` token, unless
@@ -55,9 +63,10 @@ import enum
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from kvmesh.engines.batching.block_manager import BlockManager
+from kvmesh.engines.batching.options import BatchingOptions
 from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
@@ -80,23 +89,6 @@ class State(enum.Enum):
     RESERVED = "reserved"  # holds blocks outside the queues (kv_reserve, kv_detach)
     HELD = "held"  # a remote prefill that is done: blocks kept until exported
     ENDED = "ended"
-
-
-class BatchingOptions(Protocol):
-    """The options every batching engine has under these names."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def max_num_seqs(self) -> int: ...
-    @property
-    def max_num_batched_tokens(self) -> int: ...
-    @property
-    def enable_prefix_caching(self) -> bool: ...
-    @property
-    def worker_id(self) -> int: ...
-    @property
-    def event_ring_capacity(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,9 +535,15 @@ class Scheduler(Generic[S]):
         plan.failed, self._rejected = self._rejected, []
         yielded = self._yield_to_priority(plan)
         too_big = self._schedule_running(plan)
-        if not plan.preempted or yielded:
+        admit = not plan.preempted or yielded
+        if admit:
             self._admit_waiting(plan)
-        self._top_up(plan)
+        while self._top_up(plan) and admit and plan.decode_seqs and plan.budget > 0 and self._waiting:
+            # NOTE: a long prefill ends in this pass and decodes ride in it: the rest of
+            # the budget starts the next long prompt now (each pass that carries prefill
+            # work costs every decode in it the step's fixed prefill cost, so fewer,
+            # fuller ones keep ITL down; without decodes, smaller passes keep TTFT down)
+            self._admit_waiting(plan)
         plan.kv_usage = self.blocks.usage
         plan.failed.extend(self._end(seq, "error", self._too_big(seq)) for seq in too_big)
         self._batch_tokens += _BATCH_EMA * (plan.prefill_tokens + plan.decode_seqs - self._batch_tokens)
@@ -591,31 +589,45 @@ class Scheduler(Generic[S]):
             left = self.limits.long_prefill_token_threshold
         return min(left, budget)
 
-    def _top_up(self, plan: Plan[S]) -> None:
+    def _top_up(self, plan: Plan[S]) -> bool:
         """In a pass where no short prefill shares the budget, what is left of it goes
         back to long prefills whose chunk was capped (a long prompt alone prefills at the
         full budget; the cap only makes room, and a short prompt beside a long one never
-        waits for more of the long one than the cap)."""
-        cap = self.limits.long_prefill_token_threshold
-        if plan.budget <= 0 or not cap or any(n != cap for n in plan.prefill_chunks):
-            return
-        for i, (seq, n) in enumerate(plan.entries):
+        waits for more of the long one than the cap). Returns whether a long prefill
+        now ends in this pass (its slot frees for the next long one)."""
+        limits = self.limits
+        if plan.budget <= 0 or not limits.long_prefill_token_threshold:
+            return False
+        prefills = [(i, s, n) for i, (s, n) in enumerate(plan.entries) if not _decode_entry(s, n)]
+        if not prefills or not all(limits.is_long(s.target - s.num_computed) for _, s, _ in prefills):
+            return False
+        ended = False
+        for i, seq, n in prefills:
             left = seq.target - seq.num_computed - n
             if plan.budget <= 0:
-                return
-            if left <= 0 or n != self.limits.long_prefill_token_threshold or seq.state is not State.RUNNING:
+                break
+            if left <= 0 or seq.state is not State.RUNNING:
                 continue
             extra = min(left, plan.budget)
             if self.blocks.allocate(seq.id, seq.num_computed + n + extra):
                 plan.grow(i, extra)
+                ended |= extra == left
+        return ended
 
     def _prefill_slots_full(self, plan: Plan[S]) -> bool:
         cap = self.limits.max_num_partial_prefills
         return cap > 0 and len(plan.prefill_chunks) >= cap
 
-    def _long_partials(self) -> int:
-        """Running sequences whose prefill is long (their next chunk is capped)."""
-        return sum(1 for s in self._running if not s.is_decode and self.limits.is_long(s.target - s.num_computed))
+    def _long_partials(self, plan: Plan[S]) -> int:
+        """Running sequences whose prefill is long (their next chunk is capped) and does
+        not end in this pass."""
+        planned = {s.id: n for s, n in plan.entries}
+        is_long = self.limits.is_long
+        return sum(
+            1 for s in self._running
+            if not s.is_decode and is_long(s.target - s.num_computed)
+            and s.target - s.num_computed > planned.get(s.id, 0)
+        )  # fmt: skip
 
     def _make_room(self, seq: S, n: int, order: list[S], i: int, plan: Plan[S], too_big: list[S]) -> bool:
         """Grow ``seq``'s blocks for ``n`` more tokens, preempting sequences scheduled
@@ -684,7 +696,7 @@ class Scheduler(Generic[S]):
 
     def _admit_loop(self, plan: Plan[S], passed: list[S]) -> None:
         bs = self.limits.block_size
-        long_now = self._long_partials() if self.limits.long_prefill_token_threshold else 0
+        long_now = self._long_partials(plan) if self.limits.long_prefill_token_threshold else 0
         while self._waiting and plan.budget > 0 and len(self._running) < self._cap(self._waiting[0]):
             if self._prefill_slots_full(plan):
                 return
@@ -793,6 +805,11 @@ class Scheduler(Generic[S]):
     def _finished(seq: Seq, reason: FinishReason, error: str | None = None) -> Finished:
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output, cached_tokens=seq.cached_tokens)
         return Finished(seq.id, seq.request_id, reason, usage, error)
+
+
+def _decode_entry(seq: Seq, n: int) -> bool:
+    """Whether a pass entry of ``n`` new tokens is a decode (Plan.add_to's rule)."""
+    return n == 1 and seq.num_computed == seq.target - 1
 
 
 def _latest_admitted(seqs: Iterable[S]) -> S | None:

@@ -61,7 +61,7 @@ from kvmesh.engines.batching.scheduler import priority_rank
 from kvmesh.engines.hf.scheduler import Plan, Scheduler, SchedulerLimits, Seq
 from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
 from kvmesh.preprocess.guided import GuidedTokenizer
-from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest, TokenLogprob
+from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["HfEngine", "EngineStats"]
@@ -94,11 +94,10 @@ class _Mailbox(Mailbox):
     """The hf engine's slot: tokens, their logprobs, and the sequence (its cached tokens
     go with the first chunk)."""
 
-    __slots__ = ("logprobs", "seq")
+    __slots__ = ("seq",)
 
     def __init__(self, seq: Seq | None = None) -> None:
         super().__init__()
-        self.logprobs: list[TokenLogprob] = []
         self.seq = seq
 
     def push(self, s: Sampled) -> None:
@@ -106,20 +105,6 @@ class _Mailbox(Mailbox):
         if s.logprob is not None:
             self.logprobs.append(s.logprob)
         self._wake()
-
-    def _take_logprobs(self) -> list[TokenLogprob] | None:
-        logprobs, self.logprobs = self.logprobs, []
-        return logprobs or None
-
-    def chunk(self, cached_tokens: int | None = None) -> OutputChunk:
-        logprobs = self._take_logprobs()
-        return OutputChunk(token_ids=self.take(), logprobs=logprobs, cached_tokens=cached_tokens)
-
-    def terminal(self) -> OutputChunk:
-        fin, logprobs = self.finished, self._take_logprobs()
-        return OutputChunk(
-            token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +118,7 @@ class _Loaded:
     name: str
 
 
-class HfEngine(StepLoopEngine[_Mailbox]):
+class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
     """A real model on the CPU with continuous batching; see the module docstring."""
 
     engine_name = "hf"
@@ -204,11 +189,18 @@ class HfEngine(StepLoopEngine[_Mailbox]):
             await asyncio.to_thread(lambda: self._guided_tokenizer().compile(guided))
 
     def _limits(self, loaded: _Loaded) -> SchedulerLimits:
-        return SchedulerLimits.of(self.options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
+        options = self.options
+        limits = SchedulerLimits.of(options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
+        return dataclasses.replace(
+            limits,
+            long_prefill_token_threshold=options.long_prefill_token_threshold,
+            max_long_partial_prefills=options.max_long_partial_prefills,
+            max_num_partial_prefills=options.max_num_partial_prefills,
+        )
 
     @property
     def config(self) -> EngineConfig:
-        return self._sched().limits.engine_config(self.options.model_path, self._require().name)
+        return self._started_core().limits.engine_config(self.options.model_path, self._require().name)
 
     async def cleanup(self) -> None:
         await self._stop_loop()
@@ -228,16 +220,11 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     def _core(self) -> Scheduler | None:
         return self._scheduler
 
-    def _sched(self) -> Scheduler:
-        if self._scheduler is None:
-            raise EngineShutdown("hf engine is not started")
-        return self._scheduler
-
     # ------------------------------------------------------------------ introspection
 
     @property
     def scheduler(self) -> Scheduler:
-        return self._sched()
+        return self._started_core()
 
     # ------------------------------------------------------------------ requests
 
@@ -280,7 +267,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     def _enqueue(self, request: PreprocessedRequest) -> Seq:
         """The request's sequence queued: its reservation if it holds one, else new."""
-        sched = self._sched()
+        sched = self._started_core()
         held = sched.reservation(request.request_id)
         if held is not None and held.tokens != list(request.token_ids):
             sched.release(request.request_id)
@@ -300,7 +287,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         return self._enqueue(request).id
 
     def _new_box(self, seq_id: int) -> _Mailbox:
-        return _Mailbox(self._sched().get(seq_id))
+        return _Mailbox(self._started_core().get(seq_id))
 
     def _chunk(self, box: _Mailbox, first: bool) -> OutputChunk:
         return box.chunk(cached_tokens=box.seq.cached_tokens if first and box.seq is not None else None)
@@ -308,7 +295,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     # ------------------------------------------------------------------ step loop
 
     async def _loop(self, wake: asyncio.Event) -> None:
-        sched = self._sched()
+        sched = self._started_core()
         while True:
             if await self._idle(sched, wake):
                 continue
@@ -399,7 +386,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         )
 
     def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
-        sched = self._sched()
+        sched = self._started_core()
         if sched.reservation(request.request_id) is not None:
             raise InvalidArgument(f"request {request.request_id!r} already holds a KV reservation")
         seq = self._new_seq(request)
@@ -423,7 +410,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     def _writable_blocks(self) -> set[int]:
         """Blocks a KV import may overwrite: reservations' blocks past their valid prefix."""
-        sched = self._sched()
+        sched = self._started_core()
         bs = self.options.block_size
         out: set[int] = set()
         for seq in sched.reservations():
@@ -431,7 +418,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         return out
 
     def kv_commit(self, request_id: str, computed_tokens: int) -> None:
-        sched = self._sched()
+        sched = self._started_core()
         if sched.reservation(request_id) is None:
             raise InvalidArgument(f"no KV reservation for request {request_id!r}")
         try:
@@ -455,7 +442,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     async def prefill_remote(
         self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
     ) -> bytes:
-        loaded, sched = self._require(), self._sched()
+        loaded, sched = self._require(), self._started_core()
         bs = self.options.block_size
         if cached_tokens % bs or not 0 <= cached_tokens < upto <= len(request.token_ids):
             raise InvalidArgument(

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
+from kvmesh.engines.batching.options import BatchingOptions, check_positive_ints
 from kvmesh.engines.settings import HfSettings
+from kvmesh.settings import non_negative, positive, require
 
 __all__ = ["HfOptions", "ENV_PREFIX"]
 
 ENV_PREFIX = "KVMESH_HF_"  # the variables are declared in kvmesh.engines.settings.HfSettings
 
 
-@dataclass(frozen=True, slots=True)
-class HfOptions:
-    """Everything :class:`~kvmesh.engines.hf.engine.HfEngine` needs; read-only.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HfOptions(BatchingOptions):
+    """Everything :class:`~kvmesh.engines.hf.engine.HfEngine` needs; read-only. The
+    defaults of declared settings are :class:`HfSettings`'s (the CLI's); build from
+    resolved settings with :func:`~kvmesh.engines.settings.options_from`.
 
-    ``model_path``: a Hugging Face model folder (``config.json`` + ``*.safetensors``).
+    ``model_path`` (the one positional argument): a Hugging Face model folder
+    (``config.json`` + ``*.safetensors``).
     ``num_blocks`` None: as many ``block_size``-token KV blocks as fit in
     ``kv_cache_mb`` MiB (at most enough for ``max_num_seqs`` full contexts).
     ``max_num_batched_tokens`` bounds the tokens of one forward pass (long prompts are
@@ -26,46 +28,26 @@ class HfOptions:
     ``seed`` seeds the sampler of requests that bring no seed of their own.
     """
 
-    model_path: str
-    served_model_name: str | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_mb: int = 256
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    threads: int = 0
-    worker_id: int = 0
-    enable_prefix_caching: bool = True
-    event_ring_capacity: int = 1024
-    seed: int | None = None
+    model_path: str = field(kw_only=False)
+    num_blocks: int | None = HfSettings.num_blocks
+    kv_cache_mb: int = HfSettings.kv_cache_mb
+    max_num_seqs: int = HfSettings.max_num_seqs
+    max_num_batched_tokens: int = HfSettings.max_num_batched_tokens
+    threads: int = HfSettings.threads
+    seed: int | None = HfSettings.seed
+    # chunked prefill beside short prompts (the batching core's SchedulerLimits; 0: off)
+    long_prefill_token_threshold: int = HfSettings.long_prefill_token_threshold
+    max_long_partial_prefills: int = HfSettings.max_long_partial_prefills
+    max_num_partial_prefills: int = HfSettings.max_num_partial_prefills
 
     def __post_init__(self) -> None:
+        BatchingOptions.__post_init__(self)  # no zero-argument super() in a slots dataclass
         if not self.model_path:
             raise ValueError("model_path must name a model folder")
-        for name in ("block_size", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "event_ring_capacity"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, got {self.threads}")
-        if self.worker_id < 0:
-            raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
-
-    @classmethod
-    def from_settings(cls, settings: HfSettings, model_path: str, **given: Any) -> HfOptions:
-        """Options from the declared ``--hf-*`` settings (kvmesh.engines.settings) and
-        what the worker knows (``given``: served name, worker id, block size)."""
-        values: dict[str, Any] = {k: v for k, v in dataclasses.asdict(settings).items() if v is not None}
-        values.update(given)
-        return cls(model_path=model_path, **values)
-
-    @classmethod
-    def from_env(cls, model_path: str, env: Mapping[str, str] | None = None, **given: Any) -> HfOptions:
-        """Options for a worker: ``given`` ones, the rest from ``KVMESH_HF_<OPTION>``
-        variables (``KVMESH_HF_THREADS=1``, ``KVMESH_HF_KV_CACHE_MB=1024``, ...), as
-        declared in :class:`~kvmesh.engines.settings.HfSettings`."""
-        from kvmesh.settings import resolve
-
-        return cls.from_settings(resolve(HfSettings, env=env), model_path, **given)
+        check_positive_ints(self, "kv_cache_mb")
+        if self.num_blocks is not None:
+            require("num_blocks", self.num_blocks, positive)
+        require("threads", self.threads, non_negative)
+        require("long_prefill_token_threshold", self.long_prefill_token_threshold, non_negative)
+        require("max_num_partial_prefills", self.max_num_partial_prefills, non_negative)
+        require("max_long_partial_prefills", self.max_long_partial_prefills, positive)

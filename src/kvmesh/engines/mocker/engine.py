@@ -16,6 +16,10 @@ Mailboxes, ``generate``, cancellation, ``cleanup`` and load reports are the shar
   but did not deliver.
 * Fault injection (:mod:`.faults`): ``options.fault`` at construction, or
   ``set_fault`` at any time. With no fault the step loop pays one ``is None`` test.
+* Log-probabilities, for a request that asks for them (``output.logprobs``): the
+  oracle's (:func:`~kvmesh.engines.mocker.tokens.logprob_at`, a function of the
+  stream key and the position like the token), plus the step's ``logprob_shift`` (a
+  ``corrupt`` fault). Requests that do not ask keep the plain mailbox and its hot path.
 
 KV events and load reports go to the publisher given to the constructor. ``start``
 resets the pool, so the first event of every start is ``AllBlocksCleared`` (telling
@@ -37,9 +41,17 @@ from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
 from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import MockSeq, Scheduler, StepOutput
+from kvmesh.engines.mocker.tokens import logprob_at, request_key, top_alternatives
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.preprocess.guided import GuidedTokenizer
-from kvmesh.protocol import EngineConfig, GuidedDecoding, KvLayout, KvReservation, PreprocessedRequest
+from kvmesh.protocol import (
+    EngineConfig,
+    GuidedDecoding,
+    KvLayout,
+    KvReservation,
+    PreprocessedRequest,
+    TokenLogprob,
+)
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
 
@@ -65,8 +77,33 @@ class _Mailbox(Mailbox):
         self.pushed += 1
         self._wake()
 
+    def score(self, token: int, shift: float) -> None:
+        """Push ``token``; a plain mailbox keeps no log-probabilities (``push``
+        inlined: this is the step loop's per-token call)."""
+        self.tokens.append(token)
+        self.pushed += 1
+        self._wake()
 
-class MockerEngine(StepLoopEngine[_Mailbox]):
+
+class _LogprobMailbox(_Mailbox):
+    """A slot for a request that asked for log-probabilities: the oracle's, per token.
+    ``position``: the absolute position of the next token (as the oracle draws it)."""
+
+    __slots__ = ("key", "position", "top_n", "vocab_size")
+
+    def __init__(self, key: int, position: int, top_n: int, vocab_size: int) -> None:
+        super().__init__()
+        self.key, self.position, self.top_n, self.vocab_size = key, position, top_n, vocab_size
+
+    def score(self, token: int, shift: float) -> None:
+        lp = logprob_at(self.key, self.position) + shift
+        top = top_alternatives(token, lp, self.top_n, self.vocab_size) if self.top_n > 0 else []
+        self.logprobs.append(TokenLogprob(token, lp, top))
+        self.position += 1
+        self.push(token)
+
+
+class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
     """A simulated vLLM-style engine; see the module docstring."""
 
     engine_name = "mocker"
@@ -86,6 +123,8 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
         self._exit_fn = exit_fn  # what a "crash" fault calls; tests pass a recorder
         self._fault: FaultInjector | None = None
         self.set_fault(self.options.fault)
+        # set by _admit for the _new_box that follows it: (stream key, next position, top n)
+        self._scored: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -243,7 +282,10 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
     def _admit(self, request: PreprocessedRequest) -> int:
         if request.guided is not None and self._scheduler.guided is None:
             raise InvalidArgument("structured outputs on the mocker need its model folder's tokenizer.json")
-        return self._scheduler.add(request)
+        sid = self._scheduler.add(request)
+        n = request.output.logprobs
+        self._scored = None if n is None else (request_key(request), len(request.token_ids), n)
+        return sid
 
     async def _prepare_guided(self, request: PreprocessedRequest) -> None:
         """The model folder's tokenizer for the grammar engine (once), the grammar compiled (cached), in a thread."""
@@ -266,7 +308,10 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
         return tok
 
     def _new_box(self, seq_id: int) -> _Mailbox:
-        return _Mailbox()
+        scored, self._scored = self._scored, None
+        if scored is None:
+            return _Mailbox()
+        return _LogprobMailbox(*scored, self.options.vocab_size)
 
     # ------------------------------------------------------------------ step loop
 
@@ -294,10 +339,11 @@ class MockerEngine(StepLoopEngine[_Mailbox]):
 
     def _deliver(self, out: StepOutput) -> None:
         boxes = self._boxes
+        shift = out.logprob_shift
         for sid, token in out.tokens.items():
             box = boxes.get(sid)
             if box is not None:
-                box.push(token)
+                box.score(token, shift)
         self._deliver_finished(out.finished)
 
 

@@ -7,9 +7,10 @@ build the engine (a worker that fails at start, as a misconfigured real engine d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
+
+from kvmesh.settings import non_negative, one_of, positive, require, within
 
 __all__ = ["FaultKind", "FaultSpec"]
 
@@ -26,16 +27,16 @@ class FaultSpec:
     after_tokens: int = 0
     probability: float = 1.0
     seed: int = 0
+    # corrupt only: 1 leaves the tokens alone and shifts only their log-probabilities
+    # (subtle silent corruption: the argmax survives, the distribution does not)
+    subtle: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"fault kind must be one of {_KINDS}, got {self.kind!r}")
-        if not (math.isfinite(self.factor) and self.factor > 0):
-            raise ValueError(f"fault factor must be a positive finite number, got {self.factor}")
-        if self.after_tokens < 0:
-            raise ValueError(f"fault after_tokens must be >= 0, got {self.after_tokens}")
-        if not (0.0 <= self.probability <= 1.0):
-            raise ValueError(f"fault probability must be within [0, 1], got {self.probability}")
+        require("fault kind", self.kind, one_of(*_KINDS))
+        require("fault factor", self.factor, positive)
+        require("fault after_tokens", self.after_tokens, non_negative)
+        require("fault probability", self.probability, within(0.0, 1.0))
+        require("fault subtle", self.subtle, within(0, 1))
 
     @property
     def active(self) -> bool:
@@ -45,10 +46,11 @@ class FaultSpec:
     def parse(cls, text: str) -> FaultSpec:
         """``kind[:key=value,...]`` → spec; raises ``ValueError`` on anything unknown."""
         kind, _, rest = text.strip().partition(":")
+        require("fault kind", kind, one_of(*_KINDS))
         fields: dict[str, float | int] = {}
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, sep, value = item.partition("=")
-            if not sep or key not in ("factor", "after_tokens", "probability", "seed"):
+            if not sep or key not in ("factor", "after_tokens", "probability", "seed", "subtle"):
                 raise ValueError(f"bad fault option {item!r} in {text!r}")
-            fields[key] = int(value) if key in ("after_tokens", "seed") else float(value)
-        return cls(kind, **fields)  # type: ignore[arg-type]  # kind is checked in __post_init__
+            fields[key] = int(value) if key in ("after_tokens", "seed", "subtle") else float(value)
+        return cls(cast(FaultKind, kind), **fields)  # type: ignore[arg-type]  # each key gets its own type above

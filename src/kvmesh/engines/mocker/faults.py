@@ -14,7 +14,10 @@ hang      the step loop stops before delivering; streams stay open and silent (a
           stop/cancel still ends them) until another spec is set
 slow      the step takes ``factor`` × its modelled time (thermal throttling)
 corrupt   each delivered token id is replaced by a different, deterministic one
-          (silent data corruption: the scheduler itself keeps the true tokens)
+          (silent data corruption: the scheduler itself keeps the true tokens), and
+          its log-probability drops by ``CORRUPT_LOGPROB_SHIFT`` nats; with
+          ``subtle=1`` only the log-probabilities move (the argmax survives: only a
+          canary that checks the top logprob sees it)
 start     no step: the mocker's factory refuses to build the engine, so the worker
           fails at start (crash-loop tests of the supervisor); inert at run time
 ========= =============================================================================
@@ -25,7 +28,8 @@ When it fires: the fault is armed once ``after_tokens`` tokens have been generat
 ``hang`` end everything the first time they fire.
 
 Specs parse from the CLI/env form ``kind[:key=value,...]``, e.g. ``slow:factor=4`` or
-``corrupt:after_tokens=10,probability=0.5,seed=7`` (:meth:`FaultSpec.parse`).
+``corrupt:after_tokens=10,probability=0.5,seed=7`` or ``corrupt:subtle=1``
+(:meth:`FaultSpec.parse`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ from kvmesh.engines.mocker.fault_spec import FaultKind, FaultSpec
 from kvmesh.engines.mocker.scheduler import StepOutput
 from kvmesh.errors import EngineShutdown
 
-__all__ = ["FaultKind", "FaultSpec", "FaultInjector", "corrupt_token"]
+__all__ = ["FaultKind", "FaultSpec", "FaultInjector", "corrupt_token", "CORRUPT_LOGPROB_SHIFT"]
+
+# How far a corrupt step moves the log-probabilities (nats): beyond a canary's recorded
+# margin (DEFAULT_LOGPROB_MARGIN, 1 nat), the flattened softmax of a faulty unit.
+CORRUPT_LOGPROB_SHIFT = -2.5
 
 def corrupt_token(token: int, seed: int, vocab_size: int) -> int:
     """A token id that differs from ``token``, the same for the same inputs."""
@@ -75,8 +83,12 @@ class FaultInjector:
         if kind == "slow":
             return dataclasses.replace(out, duration_ms=out.duration_ms * self.spec.factor)
         if kind == "corrupt":
+            shift = out.logprob_shift + CORRUPT_LOGPROB_SHIFT
+            if self.spec.subtle:
+                return dataclasses.replace(out, logprob_shift=shift)
             seed, vocab = self.spec.seed, self._vocab_size
-            return dataclasses.replace(out, tokens={s: corrupt_token(t, seed, vocab) for s, t in out.tokens.items()})
+            tokens = {s: corrupt_token(t, seed, vocab) for s, t in out.tokens.items()}
+            return dataclasses.replace(out, tokens=tokens, logprob_shift=shift)
         if kind == "hang":
             await self._released.wait()
             return out

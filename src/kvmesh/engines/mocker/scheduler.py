@@ -58,6 +58,8 @@ class StepOutput:
 
     ``tokens``: sequence id -> the token it generated (requests still prefilling, or
     ending on a silent EOS, have none). ``duration_ms`` is already divided by speedup.
+    ``logprob_shift``: nats added to the step's log-probabilities (0; a ``corrupt``
+    fault moves it).
     """
 
     tokens: dict[int, int] = field(default_factory=dict)
@@ -66,6 +68,7 @@ class StepOutput:
     prefill_tokens: int = 0
     decode_seqs: int = 0
     duration_ms: float = 0.0
+    logprob_shift: float = 0.0
 
 
 class MockSeq(Seq):

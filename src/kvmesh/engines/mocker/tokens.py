@@ -13,6 +13,13 @@ from the drawable vocabulary, the high 32 bits decide a natural EOS (under
 request gives the same tokens on any worker, across preemption and restarts, and a
 request re-issued as ``prompt + first k tokens`` with the same seed continues the
 identical stream (request migration relies on this).
+
+Log-probabilities are drawn the same way (:func:`logprob_at`): the chosen token's
+log-probability at a position is a function of ``(key, position)`` alone, from a second
+hash, in ``[TOP_LOGPROB_MIN, TOP_LOGPROB_MAX]`` (a confident model's range), and the
+alternatives (:func:`top_alternatives`) follow it, each lower than the one before. So a
+canary can record and check the top log-probability of a mocker worker for real, and a
+``corrupt`` fault can shift it (:mod:`.faults`) without touching the token.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ __all__ = [
     "token_at",
     "eos_threshold",
     "is_eos",
+    "TOP_LOGPROB_MIN",
+    "TOP_LOGPROB_MAX",
+    "logprob_at",
+    "top_alternatives",
 ]
 
 TOKEN_SEED = 0x6D6F636B  # "mock"; any fixed value, distinct from the block-hash seed
@@ -43,6 +54,9 @@ _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
 _PAIR = struct.Struct("<QQ").pack
 _xxh3 = xxhash.xxh3_64_intdigest
+LOGPROB_SEED = 0x6C6F6770  # "logp": the log-probability hash, independent of the token's
+TOP_LOGPROB_MIN = -1.5
+TOP_LOGPROB_MAX = -0.05
 
 
 def request_key(request: PreprocessedRequest) -> int:
@@ -94,3 +108,16 @@ def excluded_ids(*groups: Iterable[int]) -> frozenset[int]:
     for group in groups:
         out.update(group)
     return frozenset(out)
+
+
+def logprob_at(key: int, position: int) -> float:
+    """The chosen token's log-probability at ``position`` of stream ``key``, in
+    ``[TOP_LOGPROB_MIN, TOP_LOGPROB_MAX]``; the same on every worker."""
+    u = _xxh3(_PAIR(key, position), LOGPROB_SEED) / float(_MASK64)
+    return TOP_LOGPROB_MIN + (TOP_LOGPROB_MAX - TOP_LOGPROB_MIN) * u
+
+
+def top_alternatives(token: int, logprob: float, n: int, vocab_size: int) -> list[tuple[int, float]]:
+    """``n`` alternatives, the chosen token first: ``token`` with ``logprob``, then the
+    next ids (mod ``vocab_size``), each one nat less likely than the one before."""
+    return [((token + i) % max(vocab_size, 1), logprob - i) for i in range(max(n, 1))]

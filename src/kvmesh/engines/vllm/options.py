@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -72,24 +71,26 @@ class VllmOptions:
     ``KVTransferConfig`` as a mapping (``kv_connector``, ``kv_role``,
     ``kv_connector_extra_config``): disaggregation through vLLM's KV connectors.
     ``engine_args`` are any further ``AsyncEngineArgs`` fields, passed unchanged.
+    The defaults of declared settings are :class:`VllmSettings`'s (the CLI's); build
+    from resolved settings with :func:`~kvmesh.engines.settings.options_from`.
     """
 
     model: str
     served_model_name: str = ""
     worker_id: int = 0
-    block_size: int = 32
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
+    block_size: int = VllmSettings.block_size
+    max_model_len: int | None = VllmSettings.max_model_len
+    max_num_seqs: int = VllmSettings.max_num_seqs
+    max_num_batched_tokens: int | None = VllmSettings.max_num_batched_tokens
+    dtype: str = VllmSettings.dtype
+    seed: int = VllmSettings.seed
+    enforce_eager: bool = VllmSettings.enforce_eager
+    enable_prefix_caching: bool = VllmSettings.enable_prefix_caching
     kv_events: bool = True
-    kv_cache_gb: float | None = None
-    gpu_memory_utilization: float | None = None
-    kv_transfer_config: Mapping[str, Any] | None = None
-    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    kv_cache_gb: float | None = VllmSettings.kv_cache_gb
+    gpu_memory_utilization: float | None = VllmSettings.gpu_memory_utilization
+    kv_transfer_config: Mapping[str, Any] | None = VllmSettings.kv_transfer_config
+    engine_args: Mapping[str, Any] = field(default_factory=dict)  # VllmSettings.engine_args None: none
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -106,24 +107,6 @@ class VllmOptions:
         clash = {"model", "served_model_name", "kv_events_config", "kv_transfer_config"} & set(self.engine_args)
         if clash:
             raise ValueError(f"VllmOptions.engine_args must not set {sorted(clash)}: use the options of the same name")
-
-    @classmethod
-    def from_settings(
-        cls, settings: VllmSettings, model: str, served_model_name: str = "", worker_id: int = 0
-    ) -> VllmOptions:
-        """Options from the declared ``--vllm-*`` settings (kvmesh.engines.settings)."""
-        values: dict[str, Any] = {k: v for k, v in dataclasses.asdict(settings).items() if v is not None}
-        return cls(model=model, served_model_name=served_model_name, worker_id=worker_id, **values)
-
-    @classmethod
-    def from_env(cls, model: str, served_model_name: str = "", worker_id: int = 0, env: Mapping[str, str] | None = None) -> VllmOptions:
-        """Options for a worker, the rest from ``KVMESH_VLLM_<OPTION>`` variables
-        (``KVMESH_VLLM_BLOCK_SIZE=32``, ``KVMESH_VLLM_ENFORCE_EAGER=1``,
-        ``KVMESH_VLLM_KV_TRANSFER_CONFIG='{"kv_connector": ...}'`` (JSON), ...), as
-        declared in :class:`~kvmesh.engines.settings.VllmSettings`."""
-        from kvmesh.settings import resolve
-
-        return cls.from_settings(resolve(VllmSettings, env=env), model, served_model_name, worker_id)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """``AsyncEngineArgs`` keyword arguments, except the KV events and transfer

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["WatchEvent", "Lease", "Discovery"]
+__all__ = ["WatchEvent", "Lease", "Discovery", "LeaseTasks"]
 
 
 class WatchEvent(msgspec.Struct, frozen=True):
@@ -85,3 +85,33 @@ class Discovery(abc.ABC):
 
     @abc.abstractmethod
     def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]: ...
+
+
+class LeaseTasks:
+    """The refresh task of each lease a backend granted (etcd keep-alive, file
+    heartbeat): owned here, cancelled when the lease is revoked or the backend closes."""
+
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    def start(self, lease_id: int, refresh: Coroutine[Any, Any, None]) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks[lease_id] = loop.create_task(refresh, name=f"{self._kind}-lease-{lease_id:x}")
+
+    def forget(self, lease_id: int) -> None:
+        """The task ends by itself (its lease is gone): no longer ours to cancel."""
+        self._tasks.pop(lease_id, None)
+
+    async def stop(self, lease_id: int) -> None:
+        task = self._tasks.pop(lease_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def stop_all(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -46,7 +46,7 @@ import aetcd.watcher
 import grpc
 
 from kvmesh.errors import CannotConnect, InvalidArgument, Unknown
-from kvmesh.runtime.discovery.base import Discovery, Lease, WatchEvent
+from kvmesh.runtime.discovery.base import Discovery, Lease, LeaseTasks, WatchEvent
 
 __all__ = ["EtcdDiscovery", "EtcdLease", "EtcdCredentials"]
 
@@ -176,7 +176,7 @@ class EtcdDiscovery(Discovery):
         self._retry_max_s = retry_max_s
         self._clients: list[aetcd.Client] = []
         self._current = 0  # index into _clients of the endpoint in use
-        self._keepalives: dict[int, asyncio.Task[None]] = {}  # owned; cancelled by close()
+        self._keepalives = LeaseTasks("etcd")
         self._closed = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -228,11 +228,7 @@ class EtcdDiscovery(Discovery):
         if self._closed.is_set():
             return
         self._closed.set()
-        tasks = list(self._keepalives.values())
-        self._keepalives.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._keepalives.stop_all()
         await self._close_clients()
 
     async def _close_clients(self) -> None:
@@ -278,15 +274,11 @@ class EtcdDiscovery(Discovery):
             raise ValueError(f"lease TTL must be > 0, got {ttl_s}")
         granted = await self._call(lambda c: c.lease(max(1, math.ceil(ttl_s))))
         lease = EtcdLease(self, granted.id, float(granted.ttl))
-        task = asyncio.get_running_loop().create_task(self._keep_alive(lease), name=f"etcd-lease-{lease.id:x}")
-        self._keepalives[lease.id] = task
+        self._keepalives.start(lease.id, self._keep_alive(lease))
         return lease
 
     async def _revoke(self, lease: EtcdLease) -> None:
-        task = self._keepalives.pop(lease.id, None)
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await self._keepalives.stop(lease.id)
         try:
             await self._call(lambda c: c.revoke_lease(lease.id))
         except InvalidArgument:
@@ -326,7 +318,7 @@ class EtcdDiscovery(Discovery):
         lease.expired = since_ok >= lease.ttl_s
         how = "expired while etcd was out of reach" if lease.expired else "revoked"
         log.warning("etcd lease %x %s (%.1f s since the last keep-alive)", lease.id, how, since_ok)
-        self._keepalives.pop(lease.id, None)
+        self._keepalives.forget(lease.id)
         lease.lost.set()
 
     async def _refresh(self, lease_id: int, timeout: float) -> int | None:

@@ -39,7 +39,7 @@ from urllib.parse import quote, unquote
 import msgspec
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.runtime.discovery.base import Discovery, Lease, WatchEvent
+from kvmesh.runtime.discovery.base import Discovery, Lease, LeaseTasks, WatchEvent
 
 __all__ = ["FileDiscovery", "FileLease"]
 
@@ -83,7 +83,7 @@ class FileDiscovery(Discovery):
         self._keys = root / "keys"
         self._leases = root / "leases"
         self._poll_interval_s = poll_interval_s
-        self._heartbeats: dict[int, asyncio.Task[None]] = {}  # owned; cancelled by close()
+        self._heartbeats = LeaseTasks("file")
         self._ttls: dict[int, float] = {}  # lease id -> TTL read from its heartbeat file
         self._closed = asyncio.Event()
 
@@ -96,11 +96,7 @@ class FileDiscovery(Discovery):
         """Stop heartbeats and end watches. Heartbeat files stay, so this process's keys
         vanish for others one TTL later (revoke first to remove them at once)."""
         self._closed.set()
-        tasks = list(self._heartbeats.values())
-        self._heartbeats.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._heartbeats.stop_all()
 
     # ------------------------------------------------------------------ leases
     async def grant_lease(self, ttl_s: float) -> Lease:
@@ -108,15 +104,11 @@ class FileDiscovery(Discovery):
             raise ValueError(f"lease TTL must be > 0, got {ttl_s}")
         lease = FileLease(self, _new_lease_id(), ttl_s)
         _write_atomic(self._lease_path(lease.id), f"{ttl_s!r}\n".encode())
-        task = asyncio.get_running_loop().create_task(self._heartbeat(lease), name=f"file-lease-{lease.id:x}")
-        self._heartbeats[lease.id] = task
+        self._heartbeats.start(lease.id, self._heartbeat(lease))
         return lease
 
     async def _revoke(self, lease: FileLease) -> None:
-        task = self._heartbeats.pop(lease.id, None)
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await self._heartbeats.stop(lease.id)
         # Removing the heartbeat hides the keys from every reader at once.
         _unlink(self._lease_path(lease.id))
         lease.lost.set()

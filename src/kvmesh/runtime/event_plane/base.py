@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import abc
 import hmac
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
@@ -131,16 +131,16 @@ class CheckedSubscription(Subscription):
         return self._opener.unsigned
 
 
-async def close_all(publishers: Sequence[Publisher], subscriptions: Sequence[Subscription]) -> None:
-    """Close a plane's publishers, then its subscriptions."""
-    for pub in publishers:
-        await pub.close()
-    for sub in subscriptions:
-        await sub.close()
-
-
 class EventPlane(abc.ABC):
+    """A plane owns the publishers and subscriptions it made (:meth:`_own`) and closes
+    them, publishers first, when it closes (:meth:`_close_owned`)."""
+
     name: str = "abstract"
+
+    def __init__(self) -> None:
+        self._publishers: list[Publisher] = []
+        self._subscriptions: list[Subscription] = []
+        self._closed = False
 
     @abc.abstractmethod
     async def publisher(self, topic: str, publisher_id: int) -> Publisher: ...
@@ -150,6 +150,19 @@ class EventPlane(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} event plane is closed")
+
+    async def _close_owned(self) -> None:
+        self._closed = True
+        pubs, self._publishers = self._publishers, []
+        subs, self._subscriptions = self._subscriptions, []
+        for pub in pubs:
+            await pub.close()
+        for sub in subs:
+            await sub.close()
 
 
 class GapTracker:

@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
-from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription, close_all
+from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription
 
 __all__ = ["Inbox", "MemoryHub", "MemoryEventPlane", "MemoryPublisher", "MemorySubscription", "check_topic"]
 
@@ -136,15 +136,9 @@ class MemoryEventPlane(EventPlane):
     name = "memory"
 
     def __init__(self, hub: MemoryHub | None = None, inbox_capacity: int = DEFAULT_INBOX) -> None:
+        super().__init__()
         self.hub = hub if hub is not None else MemoryHub()
         self.inbox_capacity = inbox_capacity
-        self._publishers: list[MemoryPublisher] = []
-        self._subscriptions: list[MemorySubscription] = []
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the {self.name} event plane is closed")
 
     async def publisher(self, topic: str, publisher_id: int) -> MemoryPublisher:
         self._check_open()
@@ -161,7 +155,4 @@ class MemoryEventPlane(EventPlane):
         return sub
 
     async def close(self) -> None:
-        self._closed = True
-        pubs, self._publishers = self._publishers, []
-        subs, self._subscriptions = self._subscriptions, []
-        await close_all(pubs, subs)
+        await self._close_owned()

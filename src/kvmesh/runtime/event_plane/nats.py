@@ -24,7 +24,7 @@ from nats.aio.subscription import Subscription as NatsSubscription
 
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
-from kvmesh.runtime.event_plane.base import CheckedSubscription, Envelope, EventPlane, Opener, Publisher, close_all, seal
+from kvmesh.runtime.event_plane.base import CheckedSubscription, Envelope, EventPlane, Opener, Publisher, seal
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
 from kvmesh.runtime.nats import sync_with_server
 
@@ -139,22 +139,16 @@ class NatsEventPlane(EventPlane):
     ) -> None:
         if not namespace or any(c in " \t\r\n.*>" for c in namespace):
             raise ValueError(f"namespace {namespace!r} must be one NATS subject token (no spaces, '.', '*' or '>')")
+        super().__init__()
         self.nc = nc
         self.namespace = namespace
         self.queue_limit = queue_limit
         self.inbox_capacity = inbox_capacity
         self.secret = auth.resolve(secret)
-        self._publishers: list[NatsPublisher] = []
-        self._subscriptions: list[NatsEventSubscription] = []
-        self._closed = False
 
     def subject(self, topic: str) -> str:
         check_topic(topic)
         return f"{self.namespace}.events.{topic}"
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the nats event plane is closed")
 
     async def publisher(self, topic: str, publisher_id: int) -> NatsPublisher:
         self._check_open()
@@ -177,7 +171,4 @@ class NatsEventPlane(EventPlane):
         return sub
 
     async def close(self) -> None:
-        self._closed = True
-        pubs, self._publishers = self._publishers, []
-        subs, self._subscriptions = self._subscriptions, []
-        await close_all(pubs, subs)
+        await self._close_owned()

@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Any, cast
 
 from kvmesh.errors import Disconnected, InvalidArgument, from_wire
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
-from kvmesh.runtime.frames import KILL, MAX_FRAME_BYTES, Ack, Ctl, End, Err, FrameReader, FrameWriter, Out
-from kvmesh.runtime.sockets import tune_stream_socket
-from kvmesh.runtime.stream import Mailbox
+from kvmesh.runtime.frames import KILL, MAX_FRAME_BYTES, Ack, Ctl, End, Err, Out
+from kvmesh.runtime.stream import FramedConnection, Mailbox
 
 __all__ = ["CallHomeServer", "CallHomeStream"]
 
@@ -39,50 +37,32 @@ class CallHomeStream:
         self.ack_timer: asyncio.TimerHandle | None = None
 
 
-class _HomeConn(asyncio.Protocol):
+class _HomeConn(FramedConnection):
     """One worker's call-home connection: routes its frames to the streams it carries."""
 
     def __init__(self, home: CallHomeServer) -> None:
+        super().__init__(home.max_frame_bytes)
         self._home = home
-        self._reader = FrameReader(home.max_frame_bytes)
-        self._writer = FrameWriter()
-        self.transport: asyncio.Transport | None = None
-        self.peer = "?"
         self.sids: set[int] = set()
-        self.auth: ProtocolHandshake | None = None  # set while the handshake runs
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
-        self._writer.transport = self.transport
-        tune_stream_socket(transport.get_extra_info("socket"))
-        peer = transport.get_extra_info("peername")
-        if peer:
-            self.peer = f"{peer[0]}:{peer[1]}"
+        super().connection_made(transport)
         self._home._conns.add(self)
         if self._home.secret is not None:
             hs = Handshake(self._home.secret, "callhome", client=False, peer=f"worker {self.peer}")
             self.auth = ProtocolHandshake(hs, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.auth is not None:
-            self.auth.lost()
+        super().connection_lost(exc)
         self._home._conns.discard(self)
-        self.transport = None
-        self._writer.transport = None
         sids, self.sids = self.sids, set()
         for sid in sids:
             self._home._end(sid, Disconnected(f"call-home connection from worker {self.peer} lost"))
 
     def data_received(self, data: bytes) -> None:
-        if self.auth is not None:
-            data, self.auth = self.auth.admit(data)
-            if not data:
-                return
-        try:
-            # Any: dispatched on `kind = type(frame)` below, which mypy does not follow
-            frames: list[Any] = self._reader.feed(data)
-        except InvalidArgument as exc:
-            log.warning("closing call-home connection from %s: %s", self.peer, exc.message)
+        frames = self.admitted_frames(data)
+        if isinstance(frames, InvalidArgument):
+            log.warning("closing call-home connection from %s: %s", self.peer, frames.message)
             if self.transport is not None:
                 self.transport.close()  # connection_lost ends its streams
             return

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
 import msgspec
 import nats.errors
@@ -28,7 +26,7 @@ from kvmesh.runtime.nats.connect import sync_with_server
 from kvmesh.runtime.nats.wire import (
     ACCEPTED, NatsReply, NatsRequest, reply_mac, request_mac, request_subject, split_address,
 )  # fmt: skip
-from kvmesh.runtime.stream import Handler
+from kvmesh.runtime.stream import Handler, StreamServer
 from kvmesh.runtime.tcp_server import ServerConnection
 
 __all__ = ["NatsRequestServer"]
@@ -36,7 +34,7 @@ __all__ = ["NatsRequestServer"]
 log = logging.getLogger("kvmesh.runtime.nats")
 
 
-class NatsRequestServer:
+class NatsRequestServer(StreamServer):
     """Serves registered endpoints on NATS subjects of one instance (``lease_id``).
 
     Same surface as :class:`~kvmesh.runtime.tcp_server.TcpServer`. Lifecycle:
@@ -64,6 +62,7 @@ class NatsRequestServer:
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
+        super().__init__()
         self.tls = auth.resolve_tls(tls)
         self.nc = nc
         self.namespace = namespace
@@ -89,7 +88,6 @@ class NatsRequestServer:
         self._homes: dict[str, ServerConnection] = {}
         self._dialing: dict[str, asyncio.Task[ServerConnection]] = {}
         self._conns: set[ServerConnection] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def subject(self, endpoint: str) -> str:
         return request_subject(self.namespace, self.component, endpoint, self.lease_id)
@@ -98,10 +96,6 @@ class NatsRequestServer:
     def transport(self) -> str:
         """What discovery records: ``nats:`` + the subject, ``{endpoint}`` left as a placeholder."""
         return f"nats:{self.namespace}.{self.component}.{{endpoint}}-{self.lease_id:x}"
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
 
     def register(self, endpoint: str, handler: Handler) -> None:
         """Serve ``endpoint``; ValueError for a name NATS cannot carry. After :meth:`start`
@@ -164,7 +158,7 @@ class NatsRequestServer:
         if conn is not None:
             conn.serve(Req(req.sid, endpoint, req.payload))  # Ack, then the handler loop in a task
         else:
-            self._spawn(self._call_home(Req(req.sid, endpoint, req.payload), req.callhome))
+            self.tasks.spawn(self._call_home(Req(req.sid, endpoint, req.payload), req.callhome))
 
     def _check_mac(self, subject: str, req: NatsRequest) -> None:
         secret = self.secret
@@ -248,11 +242,6 @@ class NatsRequestServer:
         if not task.cancelled():
             task.exception()  # retrieved: every waiter has seen it already
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # -- lifecycle (as TcpServer)
     async def stop_accepting(self) -> None:
         """Unsubscribe: requests already delivered are served, new ones get no responders."""
@@ -271,24 +260,13 @@ class NatsRequestServer:
                 # closed: nothing is subscribed any more; timed out: UNSUB was sent already
                 log.debug("unsubscribing from %s: %s", sub.subject, exc or type(exc).__name__)
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no stream is in flight; False if the timeout passed first."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._tasks:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            await asyncio.wait(set(self._tasks), timeout=remaining)
-        return True
-
     async def close(self) -> None:
         await self.stop_accepting()
-        pending = [*self._tasks, *self._dialing.values()]
-        for task in pending:
+        dialing = list(self._dialing.values())
+        for task in dialing:
             task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        await self.tasks.cancel_all()
+        await asyncio.gather(*dialing, return_exceptions=True)
         for conn in list(self._conns):
             conn.close()
         self._homes.clear()

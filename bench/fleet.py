@@ -1,0 +1,933 @@
+"""One frontend in ``kv`` mode in front of 10 / 100 / 1,000 mocker workers, in one run.
+
+    python bench/fleet.py                                   # arms 10, 100, 1000 (= 4 processes x 250)
+    python bench/fleet.py --arms 10x1,100x4 --requests 300 --json out.json
+
+Real processes on 127.0.0.1 only: an etcd and a nats-server (tests/services.py), one
+``kvmesh frontend --router-mode kv`` per arm and ``kvmesh worker --replicas K`` worker
+processes (``NxP``: N workers in P processes). Every process is started here and
+stopped here, by its PID. Per arm:
+
+* **discovery**: from starting the worker processes to every READY line (all
+  registered) and to the frontend routing to all N (``/health`` counts them; in kv mode
+  a worker is attached after its KV dump was asked for);
+* **idle cost**: RSS and CPU of the worker processes over an idle window, divided by N;
+  discovery keys (``etcdctl``), etcd leases, sockets per worker (listening + connected),
+  connections to etcd and NATS per process;
+* **load**: a closed loop of ``--concurrency`` streaming clients on a shared-prefix
+  workload (``--prefix-groups`` prompts of ``--prefix-tokens`` shared + ``--suffix-tokens``
+  unique tokens, ``--output-tokens`` out), bounded by ``--requests`` and ``--max-seconds``;
+  throughput, errors, frontend CPU per request and peak RSS;
+* **router**, from the frontend's own metrics over the load: decision time p50/p99
+  (``kvmesh_router_decision_seconds``, interpolated within its buckets), KV events
+  applied per second, gaps (events lost on the way, then repaired), events dropped at the
+  router's inbox, the event backlog (received, not yet applied; sampled every second:
+  a GET /metrics of 1,000 workers costs the frontend ~0.2 s of CPU, taken out of its
+  CPU per request), and how long after the load the router still applied events.
+
+Before the arms, two in-process measurements on the same machine:
+
+* **event rate of a busy worker**: a mocker scheduler at its modelled speed (speedup 1,
+  virtual clock) kept full (``max_num_seqs`` requests in flight) with the shared-prefix
+  workload and ``--busy-output-tokens`` per request: KV events per second of one busy
+  worker, times 1,000 = the rate 1,000 busy workers produce;
+* **router ingest capacity**: what one router process applies per second on one core
+  (envelope decode, event decode, checks, sequencing, index), with 1,000 workers'
+  streams interleaved, and decision p50/p99 on that index. The ratio says how many
+  shards of the index (by worker) the busy rate needs.
+
+The machine is shared and small (2 cores): all figures are loaded figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+import msgspec  # noqa: E402
+
+from _lib import free_port, measure_cpu, percentile, read_mem, run_load_async  # noqa: E402
+
+MODEL = "kvmesh-tiny"
+BUSY_WORKERS = 1000
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def log(msg: str) -> None:
+    print(f"[fleet {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+        return r.read().decode()
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``name{labels}`` → value, from the frontend's /metrics."""
+    out: dict[str, float] = {}
+    for line in http_get(url + "/metrics", timeout=120.0).splitlines():  # ~0.2 s of CPU per 1,000 workers
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def metric(sample: dict[str, float], name: str) -> float:
+    return sum(v for k, v in sample.items() if k == name or k.startswith(name + "{"))
+
+
+def histogram_quantile(before: dict[str, float], after: dict[str, float], name: str, q: float) -> float | None:
+    """The q-quantile of the observations between two scrapes of histogram ``name``,
+    linear within its bucket (as Prometheus does)."""
+    buckets: dict[float, float] = {}
+    for k, v in after.items():
+        if k.startswith(name + "_bucket{"):
+            le = re.search(r'le="([^"]+)"', k)
+            if le:
+                bound = math.inf if le.group(1) == "+Inf" else float(le.group(1))
+                buckets[bound] = buckets.get(bound, 0.0) + v - before.get(k, 0.0)
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for b in bounds:
+        if buckets[b] >= rank:
+            if math.isinf(b):
+                return lower
+            width = buckets[b] - below
+            return lower + (b - lower) * ((rank - below) / width if width > 0 else 1.0)
+        lower, below = b, buckets[b]
+    return None
+
+
+def socket_inodes(pid: int) -> set[int]:
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                out.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return out
+
+
+def tcp_table() -> dict[int, tuple[int, int, str]]:
+    """inode → (local port, remote port, state) of every IPv4/IPv6 TCP socket."""
+    table: dict[int, tuple[int, int, str]] = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(path) as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                local, remote, state, inode = parts[1], parts[2], parts[3], int(parts[9])
+                table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), state)
+    return table
+
+
+def connections(pids: list[int], ports: dict[str, int]) -> dict[str, int]:
+    """Sockets of ``pids``: all, listening, and established to each of ``ports``."""
+    table = tcp_table()
+    counts = {"sockets": 0, "listening": 0, **{name: 0 for name in ports}}
+    for pid in pids:
+        for inode in socket_inodes(pid):
+            counts["sockets"] += 1
+            entry = table.get(inode)
+            if entry is None:
+                continue
+            if entry[2] == "0A":
+                counts["listening"] += 1
+            for name, port in ports.items():
+                if entry[2] == "01" and entry[1] == port:
+                    counts[name] += 1
+    return counts
+
+
+def stop_pid(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL: only this process, by its PID."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Shape:
+    prefix_tokens: int
+    suffix_tokens: int
+    groups: int
+    output_tokens: int
+
+
+def _prefixes(shape: Shape, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 2000) for _ in range(shape.prefix_tokens)] for _ in range(shape.groups)]
+
+
+def prompts(shape: Shape, n: int, seed: int) -> Iterator[list[int]]:
+    """Shared-prefix prompts: one of ``groups`` prefixes (fixed by ``seed``) + unique tokens."""
+    prefixes = _prefixes(shape, seed)
+    rng = random.Random(seed + 1)
+    for _ in range(n):
+        yield prefixes[rng.randrange(shape.groups)] + [rng.randrange(100, 2000) for _ in range(shape.suffix_tokens)]
+
+
+# ---------------------------------------------------------------------------- in-process measurements
+
+
+def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list[bytes]]:
+    """KV events per second of one mocker worker kept full, on its modelled clock; and
+    the encoded events (a stream to replay)."""
+    from kvmesh.engines.mocker.options import MockerOptions
+    from kvmesh.engines.mocker.sim import VirtualWorker
+    from kvmesh.protocol import PreprocessedRequest, StopConditions
+    from kvmesh.runtime.events import CallbackPublisher
+
+    encode = msgspec.msgpack.encode
+    events: list[bytes] = []
+    loads = [0]
+    options = MockerOptions()
+    worker = VirtualWorker(options, CallbackPublisher(lambda e: events.append(encode(e)), lambda r: loads.__setitem__(0, loads[0] + 1)))
+    warmup_ms = 0.25 * sim_s * 1000  # the first quarter fills the batch and the cache: not counted
+    source = prompts(shape, 10**9, seed=7)
+    done = [0]
+    ids = iter(range(10**12))
+
+    def submit(now: float) -> None:
+        stop = StopConditions(max_tokens=shape.output_tokens, ignore_eos=True)
+        worker.submit(PreprocessedRequest(f"r{next(ids)}", MODEL, next(source), stop=stop), now)
+
+    for _ in range(options.max_num_seqs):
+        submit(0.0)
+    mark: tuple[float, int, int, int] | None = None
+    while worker.now_ms < sim_s * 1000:
+        t = worker.next_event_time()
+        assert t is not None
+        for ev in worker.advance_to(t):
+            if ev.finish_reason is not None:
+                done[0] += 1
+                submit(worker.now_ms)
+        if mark is None and worker.now_ms >= warmup_ms:
+            mark = (worker.now_ms, len(events), loads[0], done[0])
+    assert mark is not None
+    seconds = (worker.now_ms - mark[0]) / 1000
+    rate = {
+        "kv_events_per_s": (len(events) - mark[1]) / seconds,
+        "load_reports_per_s": (loads[0] - mark[2]) / seconds,
+        "requests_per_s": (done[0] - mark[3]) / seconds,
+        "max_num_seqs": options.max_num_seqs,
+    }
+    return rate, events
+
+
+class WireStream:
+    """The envelopes a router receives from ``workers``, each replaying ``stream`` (one
+    busy worker's events) under its own id: every worker caches the shared prefixes
+    (same hashes); the rest of its blocks are its own (hashes salted per worker, chains
+    kept). Interleaved event by event across workers, as they would arrive."""
+
+    def __init__(self, stream: list[bytes], workers: list[int], shape: Shape) -> None:
+        from kvmesh.kv.hashing import block_hashes
+        from kvmesh.protocol import KvEvent
+        from kvmesh.runtime.event_plane.base import Envelope
+
+        self._decode_event = msgspec.msgpack.Decoder(KvEvent).decode
+        self._decode_env = msgspec.msgpack.Decoder(Envelope).decode
+        self._encode = msgspec.msgpack.Encoder().encode
+        self.events = [self._decode_event(raw) for raw in stream]
+        self.workers = workers
+        self.shared = {h for p in _prefixes(shape, seed=7) for h in block_hashes(p, 16)}
+        self.pos = 0
+
+    def _salted(self, data: object, salt: int) -> object:
+        from kvmesh.protocol import BlockRemoved, BlockStored
+
+        shared = self.shared
+        if isinstance(data, BlockStored):
+            parent = data.parent_hash
+            if parent is not None and parent not in shared:
+                parent ^= salt
+            return BlockStored([h if h in shared else h ^ salt for h in data.block_hashes], data.token_hashes, parent)
+        if isinstance(data, BlockRemoved):
+            return BlockRemoved([h if h in shared else h ^ salt for h in data.block_hashes])
+        return data
+
+    def chunk(self, size: int) -> list[bytes]:
+        """The next ``size`` envelopes or so (whole rounds over the workers); [] at the end."""
+        from kvmesh.protocol import KvEvent
+        from kvmesh.runtime.event_plane.base import Envelope
+
+        out: list[bytes] = []
+        encode = self._encode
+        while len(out) < size and self.pos < len(self.events):
+            e = self.events[self.pos]
+            for w in self.workers:
+                ev = KvEvent(w, e.event_id, self._salted(e.data, (w * 0x9E3779B97F4A7C15) & ((1 << 63) - 1)))
+                out.append(encode(Envelope(w, e.event_id + 1, "kv_events", encode(ev))))
+            self.pos += 1
+        return out
+
+    def apply(self, core: object, chunk: list[bytes]) -> None:
+        """What the router does per envelope: decode it and its event, check, apply."""
+        from kvmesh.router.indexer import check_event_data
+
+        decode_env, decode_event, apply = self._decode_env, self._decode_event, core.apply_event  # type: ignore[attr-defined]
+        for raw in chunk:
+            env = decode_env(raw)
+            ev = decode_event(env.payload)
+            if ev.worker_id == env.publisher_id and check_event_data(ev.data) is None:
+                apply(ev)
+
+
+def _zmq_producer(addresses_out, wire_chunk: list[bytes], publishers: int, go, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    """Forked: ``publishers`` zmq PUB sockets (as many workers would have) sending the
+    prepared envelopes round-robin, as fast as they go, for ``seconds``."""
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(publishers):
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.bind("tcp://127.0.0.1:*")
+        socks.append(sock)
+    addresses_out.send([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks])
+    go.wait()
+    deadline = time.perf_counter() + seconds
+    i = 0
+    n = len(wire_chunk)
+    while time.perf_counter() < deadline:
+        for sock in socks:
+            for _ in range(16):
+                try:
+                    sock.send(wire_chunk[i % n], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                i += 1
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def zmq_ingest(stream: list[bytes], shape: Shape, publishers: int, seconds: float) -> dict[str, float]:
+    """The live path's own cost per KV event before decoding: a real
+    :class:`~kvmesh.runtime.event_plane.zmq.ZmqSubscription` (SUB socket, asyncio reader,
+    inbox) connected to ``publishers`` PUB sockets of a forked producer that sends as fast
+    as it can; CPU time of this thread per envelope taken out of the inbox."""
+    import multiprocessing as mp
+
+    from kvmesh.runtime.event_plane.zmq import ZmqEventPlane
+
+    wire = WireStream(stream, list(range(1, 101)), shape).chunk(20_000)
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_zmq_producer, args=(child, wire, publishers, go, seconds + 1.0), daemon=True)
+    proc.start()
+    try:
+        addresses = parent.recv()
+
+        async def consume() -> tuple[int, float]:
+            plane = ZmqEventPlane("127.0.0.1", secret=None)
+            sub = await plane.subscribe("kv_events")
+            for address in addresses:
+                sub.connect(address)
+            await asyncio.sleep(0.5)  # zmq's connections and subscriptions settle before the clock starts
+            go.set()
+            got = 0
+            c0 = time.thread_time()
+            deadline = time.perf_counter() + seconds
+            async for _ in sub:
+                got += 1
+                if got & 1023 == 0 and time.perf_counter() > deadline:
+                    break
+            cpu = time.thread_time() - c0
+            dropped = sub.inbox.dropped
+            await plane.close()
+            return got, cpu, dropped
+
+        got, cpu, dropped = asyncio.run(consume())
+    finally:
+        proc.join(seconds + 5)
+        if proc.is_alive():
+            proc.kill()
+    return {"envelopes": got, "envelopes_per_cpu_s": got / cpu if cpu else 0.0, "inbox_dropped": dropped}
+
+
+def router_capacity(stream: list[bytes], workers: int, max_seconds: float, shape: Shape) -> dict[str, float]:
+    """One router's ingest rate on this core (CPU time): ``workers`` workers' envelopes
+    (:class:`WireStream`) through the subscription's decode and the service's checks
+    into the core. Then decision p50/p99 on the index it built."""
+    from kvmesh.router.core import KvRouterCore, RouterSettings
+
+    core = KvRouterCore(RouterSettings(block_size=16))
+    for w in range(1, workers + 1):
+        core.add_worker(w)
+    wire = WireStream(stream, list(range(1, workers + 1)), shape)
+    applied = 0
+    busy = 0.0
+    deadline = time.perf_counter() + max_seconds
+    while time.perf_counter() < deadline:
+        chunk = wire.chunk(20_000)
+        if not chunk:
+            break
+        t0 = time.thread_time()
+        wire.apply(core, chunk)
+        busy += time.thread_time() - t0  # CPU time: what one core can do, whatever else runs here
+        applied += len(chunk)
+    times, cpu = [], []
+    for i, tokens in enumerate(prompts(shape, 2000, seed=7)):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        core.route(f"q{i}", tokens, time.monotonic())
+        cpu.append(time.thread_time() - c0)
+        times.append(time.perf_counter() - t0)
+        core.finished(f"q{i}", time.monotonic())
+    return {
+        "events_per_cpu_s": applied / busy if busy else 0.0,
+        "events": applied,
+        "decision_p50_us": (percentile(times, 50) or 0) * 1e6,
+        "decision_p99_us": (percentile(times, 99) or 0) * 1e6,
+        "decision_cpu_p50_us": (percentile(cpu, 50) or 0) * 1e6,
+        "decision_cpu_p99_us": (percentile(cpu, 99) or 0) * 1e6,
+    }
+
+
+def _shard_main(conn, stream: list[bytes], workers: list[int], shape: Shape, envelopes: int, go) -> None:  # type: ignore[no-untyped-def]
+    """One index shard (a forked process): the envelopes of its own workers, applied as
+    fast as it can, and between every 64 of them the overlap queries waiting on ``conn``
+    (block hashes → ``{worker: leading blocks}`` of its workers)."""
+    from kvmesh.router.core import KvRouterCore, RouterSettings
+
+    core = KvRouterCore(RouterSettings(block_size=16))
+    for w in workers:
+        core.add_worker(w)
+    wire = WireStream(stream, workers, shape)
+    todo = wire.chunk(envelopes)[:envelopes]
+    index = core.indexer
+    assert index is not None
+    conn.send("ready")
+    go.wait()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for i in range(0, len(todo), 64):
+        wire.apply(core, todo[i : i + 64])
+        while conn.poll():
+            conn.send(index.find_matches(conn.recv()))
+    conn.send(("done", len(todo), time.perf_counter() - t0, time.thread_time() - c0))
+    while True:  # answer queries until told to stop
+        msg = conn.recv()
+        if msg is None:
+            return
+        conn.send(index.find_matches(msg))
+
+
+def shard_scaling(stream: list[bytes], workers: int, shards: int, envelopes: int, shape: Shape) -> dict[str, float]:
+    """The index sharded by worker over ``shards`` processes (worker ``w`` on shard
+    ``w % shards``), ``envelopes`` in all to ingest at once; meanwhile this process routes:
+    block hashes to every shard, their overlaps merged, the greedy selection over all
+    workers here (the load stays in one place). A model of the design, over pipes."""
+    import multiprocessing as mp
+
+    from kvmesh.kv.hashing import block_hashes
+    from kvmesh.router.cost import CostInputs, select_greedy
+
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    pipes, procs = [], []
+    everyone = dict.fromkeys(range(1, workers + 1))  # a set in insertion order, as the core keeps it
+    for i in range(shards):
+        mine = [w for w in everyone if w % shards == i]
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_shard_main, args=(child, stream, mine, shape, envelopes // shards, go), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        for pipe in pipes:
+            assert pipe.recv() == "ready"
+        queries = [block_hashes(p, 16) for p in prompts(shape, 400, seed=7)]
+        rng = random.Random(0)
+        times: list[float] = []
+        done: dict[int, tuple[int, float, float]] = {}
+        go.set()
+        t0 = time.perf_counter()
+        q = 0
+
+        def decide() -> None:
+            nonlocal q
+            hashes = queries[q % len(queries)]
+            q += 1
+            start = time.perf_counter()
+            for pipe in pipes:
+                pipe.send(hashes)
+            merged: dict[int, int] = {}
+            for i, pipe in enumerate(pipes):
+                reply = pipe.recv()
+                while isinstance(reply, tuple):  # a shard finished meanwhile
+                    done[i] = reply[1:]
+                    reply = pipe.recv()
+                merged.update(reply)
+            select_greedy(everyone, CostInputs(merged, len(hashes) * 16, {}, {}, 16, 1.0), None, rng)
+            times.append(time.perf_counter() - start)
+
+        while len(done) < shards:
+            decide()
+            time.sleep(0.002)
+        busy_times, times = times, []
+        for _ in range(300):  # the shards idle: the fan-out and merge alone
+            decide()
+        wall = max(d[1] for d in done.values())
+        total = sum(d[0] for d in done.values())
+        return {
+            "shards": shards,
+            "events": total,
+            "events_per_s": total / wall,
+            "events_per_cpu_s_per_shard": sum(d[0] / d[2] for d in done.values()) / shards,
+            "decision_busy_p50_us": (percentile(busy_times, 50) or 0) * 1e6,
+            "decision_busy_p99_us": (percentile(busy_times, 99) or 0) * 1e6,
+            "decision_idle_p50_us": (percentile(times, 50) or 0) * 1e6,
+            "decision_idle_p99_us": (percentile(times, 99) or 0) * 1e6,
+            "ingest_s": wall,
+            "elapsed_s": time.perf_counter() - t0,
+        }
+    finally:
+        for pipe in pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(None)
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+# ---------------------------------------------------------------------------- the live fleet
+
+
+@dataclass
+class ArmResult:
+    workers: int
+    processes: int
+    registered_s: float = math.nan
+    routable_s: float = math.nan
+    idle_worker_rss_kb: float = math.nan  # all worker processes' RSS / N
+    idle_worker_cpu_ms_per_s: float = math.nan  # per worker
+    idle_frontend_cpu_ms_per_s: float = math.nan
+    discovery_keys: int = 0
+    leases: int = 0
+    worker_sockets: dict[str, int] = field(default_factory=dict)
+    frontend_sockets: dict[str, int] = field(default_factory=dict)
+    frontend_rss_idle_mb: float = math.nan
+    frontend_rss_peak_mb: float = math.nan
+    frontend_cpu_ms_per_req: float = math.nan
+    scrape_cpu_ms: float = math.nan  # the frontend's CPU per GET /metrics (the sampler's, taken out of the above)
+    scrapes: int = 0
+    requests_ok: int = 0
+    errors: int = 0
+    req_per_s: float = 0.0
+    load_s: float = 0.0
+    decision_p50_us: float | None = None
+    decision_p99_us: float | None = None
+    decision_cpu_p50_us: float | None = None
+    decision_cpu_p99_us: float | None = None
+    worker_warnings: int = 0
+    decisions: int = 0
+    events_per_s: float = 0.0
+    events_applied: int = 0
+    gaps: int = 0
+    dropped: int = 0
+    backlog_max: int = 0
+    backlog_mean: float = 0.0
+    drain_ms: float = math.nan
+    error_samples: list[str] = field(default_factory=list)
+
+
+class Fleet:
+    """The services and processes of one run; everything stopped by PID in close()."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.stack = contextlib.ExitStack()
+        from tests.services import etcd_server, nats_server
+
+        self.frontend_port = 0
+        self.etcd = self.stack.enter_context(etcd_server())
+        self.nats = self.stack.enter_context(nats_server())
+
+    def env(self, namespace: str) -> dict[str, str]:
+        return dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+            KVMESH_DISCOVERY="etcd",
+            KVMESH_ETCD_ENDPOINTS=self.etcd.endpoint,
+            KVMESH_NATS_URL=self.nats.url,
+            KVMESH_REQUEST_PLANE=self.args.request_plane,
+            KVMESH_EVENT_PLANE=self.args.event_plane,
+            KVMESH_HOST="127.0.0.1",
+            KVMESH_NAMESPACE=namespace,
+            KVMESH_LEASE_TTL=str(self.args.lease_ttl),
+        )
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+        path = self.workdir / f"{name}.log"
+        with open(path, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli.main", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        return proc, path
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def etcd_count(self, *args: str) -> int:
+        return len([line for line in self.etcd.etcdctl(*args).splitlines() if line.strip()])
+
+
+def _ready_count(path: Path) -> int:
+    return path.read_bytes().count(b"KVMESH_READY ")
+
+
+def _models(url: str) -> int:
+    try:
+        return int(json.loads(http_get(url + "/health", 2.0))["models"].get(MODEL, 0))
+    except Exception:  # noqa: BLE001 - not up yet
+        return 0
+
+
+def _wait(predicate, timeout: float, what: str, procs: list[subprocess.Popen[bytes]]) -> float:
+    t0 = time.perf_counter()
+    while not predicate():
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: a process exited with {p.returncode}")
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
+def run_arm(fleet: Fleet, n: int, procs_n: int, shape: Shape) -> ArmResult:
+    args = fleet.args
+    res = ArmResult(n, procs_n)
+    ns = f"fleet{n}x{procs_n}"
+    env = fleet.env(ns)
+    port = fleet.frontend_port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    frontend, flog = fleet.spawn(
+        f"{ns}-frontend",
+        ["frontend", "--http-port", str(port), "--router-mode", "kv", "--canary-interval", str(args.canary_interval),
+         "--worker-wait", "30"],
+        env,
+    )
+    workers: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+    try:
+        _wait(lambda: _try_get(url + "/metrics"), 60, "frontend up", [frontend])
+        res.frontend_rss_idle_mb = read_mem(frontend.pid)["rss_kb"] / 1024
+        per = [n // procs_n + (1 if i < n % procs_n else 0) for i in range(procs_n)]
+        t0 = time.perf_counter()
+        for i, k in enumerate(per):
+            w_args = ["worker", "--replicas", str(k), "--speedup", str(args.speedup), "--grace", "2"]
+            proc, path = fleet.spawn(f"{ns}-workers{i}", w_args, env)
+            workers.append(proc)
+            logs.append(path)
+        everyone = [frontend, *workers]
+        _wait(lambda: sum(_ready_count(p) for p in logs) >= n, args.start_timeout, "all READY", everyone)
+        res.registered_s = time.perf_counter() - t0
+        _wait(lambda: _models(url) >= n, args.start_timeout, "all routable", everyone)
+        res.routable_s = time.perf_counter() - t0
+        log(f"{n} workers: registered in {res.registered_s:.1f} s, routable in {res.routable_s:.1f} s")
+        _idle(fleet, res, frontend, workers, ns)
+        asyncio.run(_load(res, url, frontend, shape, args))
+        log(
+            f"{n} workers: {res.requests_ok} ok, {res.errors} errors, {res.req_per_s:.0f} req/s, decision p99 "
+            f"{res.decision_p99_us} us, {res.events_per_s:.0f} events/s, backlog max {res.backlog_max}"
+        )
+    finally:
+        for proc in workers:
+            stop_pid(proc)
+        stop_pid(frontend)
+        res.worker_warnings = sum(p.read_bytes().count(b" WARNING ") + p.read_bytes().count(b" ERROR ") for p in logs)
+    return res
+
+
+def _drain_ms(url: str) -> float:
+    """From the end of the load until the router applied its last KV event: its lag
+    behind the workers (0 when nothing was left to apply). Polls every 10 ms until the
+    count is the same for 0.5 s."""
+    name = "kvmesh_router_kv_events_applied_total"
+    t0 = time.perf_counter()
+    last, changed = metric(scrape(url), name), t0
+    while time.perf_counter() - changed < 0.5:
+        time.sleep(0.01)
+        now = metric(scrape(url), name)
+        if now != last:
+            last, changed = now, time.perf_counter()
+    return (changed - t0) * 1000
+
+
+def _try_get(url: str) -> bool:
+    try:
+        http_get(url, 1.0)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _idle(fleet: Fleet, res: ArmResult, frontend: subprocess.Popen[bytes], workers: list[subprocess.Popen[bytes]], ns: str) -> None:
+    n = res.workers
+    pids = [p.pid for p in workers]
+    time.sleep(1.0)  # the last attachments settle (dump repairs); this is a measurement window, not a sync
+    window = fleet.args.idle_seconds
+    w0, f0 = measure_cpu(pids), measure_cpu(frontend.pid)
+    time.sleep(window)
+    w1, f1 = measure_cpu(pids), measure_cpu(frontend.pid)
+    res.idle_worker_cpu_ms_per_s = (w1 - w0) / window / n
+    res.idle_frontend_cpu_ms_per_s = (f1 - f0) / window
+    res.idle_worker_rss_kb = read_mem(pids)["rss_kb"] / n
+    res.discovery_keys = fleet.etcd_count("get", "--prefix", "--keys-only", f"/services/{ns}/")
+    res.leases = max(0, fleet.etcd_count("lease", "list") - 1)  # minus the "found N leases" line
+    ports = {"etcd": fleet.etcd.client_port, "nats": fleet.nats.port}
+    res.worker_sockets = connections(pids, ports)
+    res.frontend_sockets = connections([frontend.pid], ports)
+    url = f"http://127.0.0.1:{fleet.frontend_port}"
+    c0 = measure_cpu(frontend.pid)
+    scrapes = 20 if n <= 1000 else 3
+    for _ in range(scrapes):
+        scrape(url)
+    res.scrape_cpu_ms = (measure_cpu(frontend.pid) - c0) / scrapes
+
+
+async def _load(res: ArmResult, url: str, frontend: subprocess.Popen[bytes], shape: Shape, args: argparse.Namespace) -> None:
+    before = await asyncio.to_thread(scrape, url)
+    backlog: list[float] = []
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        while not stop.is_set():
+            s = await asyncio.to_thread(scrape, url)
+            backlog.append(metric(s, "kvmesh_router_kv_event_backlog"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)  # a scrape lists every worker: ~0.2 s of CPU at 1,000
+
+    sampler = asyncio.ensure_future(sample())
+    t0 = time.perf_counter()
+    cpu0 = measure_cpu(frontend.pid)
+    try:
+        load = await run_load_async(
+            url, MODEL, args.concurrency, args.requests, prompt_tokens=shape.prefix_tokens + shape.suffix_tokens,
+            output_tokens=shape.output_tokens, warmup=args.concurrency, max_seconds=args.max_seconds,
+            shared_prefix_tokens=shape.prefix_tokens, prefix_groups=shape.groups, seed=res.workers,
+            frontend_pid=frontend.pid, include_descendants=False,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        await sampler
+    res.load_s = time.perf_counter() - t0
+    cpu = measure_cpu(frontend.pid) - cpu0
+    res.scrapes = len(backlog)
+    # a GET /metrics lists every worker's series: at 1,000 workers its cost is not the requests'
+    if load.completed_total:
+        res.frontend_cpu_ms_per_req = max(0.0, cpu - res.scrapes * res.scrape_cpu_ms) / load.completed_total
+    res.drain_ms = await asyncio.to_thread(_drain_ms, url)
+    after = await asyncio.to_thread(scrape, url)
+    res.requests_ok = load.ok
+    res.errors = load.failures
+    res.error_samples = load.errors[:3]
+    res.req_per_s = load.req_per_s
+    res.frontend_rss_peak_mb = (load.frontend_rss_peak_kb or 0) / 1024
+    name = "kvmesh_router_decision_seconds"
+    for q, attr in ((0.5, "decision_p50_us"), (0.99, "decision_p99_us")):
+        v = histogram_quantile(before, after, name, q)
+        setattr(res, attr, None if v is None else round(v * 1e6, 1))
+        v = histogram_quantile(before, after, "kvmesh_router_decision_cpu_seconds", q)
+        setattr(res, attr.replace("decision", "decision_cpu"), None if v is None else round(v * 1e6, 1))
+    res.decisions = int(metric(after, name + "_count") - metric(before, name + "_count"))
+    applied = metric(after, "kvmesh_router_kv_events_applied_total") - metric(before, "kvmesh_router_kv_events_applied_total")
+    res.events_applied = int(applied)
+    res.events_per_s = applied / res.load_s if res.load_s else 0.0
+    res.gaps = int(metric(after, "kvmesh_router_kv_event_gaps_total") - metric(before, "kvmesh_router_kv_event_gaps_total"))
+    res.dropped = int(metric(after, "kvmesh_router_kv_events_dropped") - metric(before, "kvmesh_router_kv_events_dropped"))
+    res.backlog_max = int(max(backlog, default=0))
+    res.backlog_mean = sum(backlog) / len(backlog) if backlog else 0.0
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _f(v: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def print_table(arms: list[ArmResult]) -> None:
+    rows = [
+        ("workers (processes)", lambda a: f"{a.workers} ({a.processes})"),
+        ("registered s", lambda a: _f(a.registered_s)),
+        ("discovered+routable s", lambda a: _f(a.routable_s)),
+        ("idle RSS / worker KiB", lambda a: _f(a.idle_worker_rss_kb, "{:.0f}")),
+        ("idle CPU / worker ms/s", lambda a: _f(a.idle_worker_cpu_ms_per_s, "{:.3f}")),
+        ("idle frontend CPU ms/s", lambda a: _f(a.idle_frontend_cpu_ms_per_s)),
+        ("discovery keys / leases", lambda a: f"{a.discovery_keys} / {a.leases}"),
+        ("worker sockets (listening)", lambda a: f"{a.worker_sockets.get('sockets', 0)} ({a.worker_sockets.get('listening', 0)})"),
+        ("worker conns etcd / nats", lambda a: f"{a.worker_sockets.get('etcd', 0)} / {a.worker_sockets.get('nats', 0)}"),
+        ("frontend sockets", lambda a: str(a.frontend_sockets.get("sockets", 0))),
+        ("frontend RSS idle/peak MiB", lambda a: f"{_f(a.frontend_rss_idle_mb, '{:.0f}')} / {_f(a.frontend_rss_peak_mb, '{:.0f}')}"),
+        ("frontend CPU ms/req", lambda a: _f(a.frontend_cpu_ms_per_req, "{:.2f}")),
+        ("frontend CPU ms per /metrics", lambda a: _f(a.scrape_cpu_ms, "{:.1f}")),
+        ("requests ok / errors", lambda a: f"{a.requests_ok} / {a.errors}"),
+        ("req/s", lambda a: _f(a.req_per_s)),
+        ("decision p50 / p99 us", lambda a: f"{_f(a.decision_p50_us)} / {_f(a.decision_p99_us)}"),
+        ("decision CPU p50 / p99 us", lambda a: f"{_f(a.decision_cpu_p50_us)} / {_f(a.decision_cpu_p99_us)}"),
+        ("KV events applied/s", lambda a: _f(a.events_per_s, "{:.0f}")),
+        ("gaps / dropped", lambda a: f"{a.gaps} / {a.dropped}"),
+        ("backlog max / mean", lambda a: f"{a.backlog_max} / {a.backlog_mean:.1f}"),
+        ("events applied after load ms", lambda a: _f(a.drain_ms)),
+        ("worker log warnings", lambda a: str(a.worker_warnings)),
+    ]
+    width = max(len(r[0]) for r in rows)
+    cols = [[fn(a) for a in arms] for _, fn in rows]
+    cw = max([len(c) for col in cols for c in col] + [8])
+    print()
+    print("| " + "metric".ljust(width) + " | " + " | ".join(f"arm {i + 1}".ljust(cw) for i in range(len(arms))) + " |")
+    print("|" + "-" * (width + 2) + "|" + "|".join("-" * (cw + 2) for _ in arms) + "|")
+    for (name, _), col in zip(rows, cols):
+        print("| " + name.ljust(width) + " | " + " | ".join(c.ljust(cw) for c in col) + " |")
+
+
+def parse_arms(text: str) -> list[tuple[int, int]]:
+    arms = []
+    for part in text.split(","):
+        n, _, p = part.strip().partition("x")
+        arms.append((int(n), int(p or 1)))
+    return arms
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default="10x1,100x4,1000x4", help="NxP: N workers in P processes (default %(default)s)")
+    ap.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
+    ap.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
+    ap.add_argument("--speedup", type=float, default=1e4, help="mocker speedup of the live workers")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=3000, help="measured requests per arm (after --concurrency warm-up)")
+    ap.add_argument("--max-seconds", type=float, default=30.0, help="load time limit per arm")
+    ap.add_argument("--prefix-tokens", type=int, default=192)
+    ap.add_argument("--suffix-tokens", type=int, default=64)
+    ap.add_argument("--prefix-groups", type=int, default=16)
+    ap.add_argument("--output-tokens", type=int, default=8)
+    ap.add_argument("--busy-output-tokens", type=int, default=128, help="outputs of the busy-worker event rate")
+    ap.add_argument("--busy-sim-seconds", type=float, default=20.0)
+    ap.add_argument("--capacity-seconds", type=float, default=8.0)
+    ap.add_argument("--shards", default="1,2", help="index shard counts to model (default %(default)s; '' skips it)")
+    ap.add_argument("--shard-envelopes", type=int, default=200_000)
+    ap.add_argument("--idle-seconds", type=float, default=3.0)
+    ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument("--canary-interval", type=float, default=0.0, help="the frontend's canary checks per worker, s (0: off)")
+    ap.add_argument("--lease-ttl", type=float, default=10.0, help="the workers' lease TTL, s (kvmesh's default 10)")
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--logs", default=None, help="keep the processes' logs in this folder (default: a temporary one)")
+    args = ap.parse_args()
+
+    shape = Shape(args.prefix_tokens, args.suffix_tokens, args.prefix_groups, args.output_tokens)
+    busy_shape = Shape(args.prefix_tokens, args.suffix_tokens, args.prefix_groups, args.busy_output_tokens)
+    log("busy-worker event rate (mocker at speedup 1, virtual clock)")
+    busy, stream = busy_worker_rate(busy_shape, args.busy_sim_seconds)
+    need = busy["kv_events_per_s"] * BUSY_WORKERS
+    log(f"router ingest capacity: {BUSY_WORKERS} workers' streams through one router")
+    cap = router_capacity(stream, BUSY_WORKERS, args.capacity_seconds, shape)
+    log("the zmq subscription alone (a SUB socket on 100 publishers)")
+    zq = zmq_ingest(stream, shape, 100, 3.0)
+    sharded = []
+    for n_shards in (int(x) for x in args.shards.split(",") if x.strip()):
+        log(f"index sharded by worker over {n_shards} processes")
+        sharded.append(shard_scaling(stream, BUSY_WORKERS, n_shards, args.shard_envelopes, shape))
+    results: list[ArmResult] = []
+    with tempfile.TemporaryDirectory(prefix="kvmesh-fleet-") as tmp:
+        if args.logs:
+            tmp = args.logs
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        fleet = Fleet(args, Path(tmp))
+        try:
+            for n, p in parse_arms(args.arms):
+                log(f"arm: {n} workers in {p} processes")
+                try:
+                    results.append(run_arm(fleet, n, p, shape))
+                except (RuntimeError, TimeoutError) as exc:
+                    log(f"arm {n}x{p} failed: {exc}; logs kept in {tmp} until the end of the run")
+                    results.append(ArmResult(n, p, error_samples=[str(exc)]))
+        finally:
+            fleet.close()
+    print(f"\nkvmesh fleet: one frontend (kv router) + mocker workers; planes: discovery etcd, request {args.request_plane},"
+          f" events {args.event_plane}; load: {args.concurrency} streams, {shape.groups} prefixes of {shape.prefix_tokens}"
+          f" + {shape.suffix_tokens} unique tokens, {shape.output_tokens} out, mocker speedup {args.speedup:g}")
+    print_table(results)
+    print(
+        f"\nbusy worker (max_num_seqs={busy['max_num_seqs']} in flight, {busy_shape.output_tokens} tokens out, modelled speed):"
+        f" {busy['kv_events_per_s']:.0f} KV events/s, {busy['requests_per_s']:.1f} req/s per worker"
+        f" -> {BUSY_WORKERS:,} busy workers produce {need:,.0f} KV events/s"
+    )
+    apply_rate, zmq_rate = cap["events_per_cpu_s"], zq["envelopes_per_cpu_s"]
+    per_core = 1 / (1 / apply_rate + 1 / zmq_rate) if apply_rate and zmq_rate else 0.0
+    print(
+        f"one router, {BUSY_WORKERS:,} workers' streams (every worker holds the {shape.groups} shared prefixes): decodes, checks"
+        f" and applies {apply_rate:,.0f} events per CPU-second ({cap['events']:,} applied); its zmq subscription takes"
+        f" {zmq_rate:,.0f} envelopes per CPU-second ({zq['envelopes']:,} in, {zq['inbox_dropped']} dropped at the inbox)"
+        f" -> {per_core:,.0f} events per core; decision on that index p50/p99 wall {cap['decision_p50_us']:.0f}/"
+        f"{cap['decision_p99_us']:.0f} us, CPU {cap['decision_cpu_p50_us']:.0f}/{cap['decision_cpu_p99_us']:.0f} us"
+    )
+    print(
+        f"-> {BUSY_WORKERS:,} busy workers need {need / per_core if per_core else math.nan:.1f} cores of event ingest:"
+        f" one router process cannot keep up; the index sharded by worker over"
+        f" {math.ceil(need / per_core) if per_core else '?'} processes (one core each) can:"
+    )
+    if sharded:
+        print(f"\nthe index sharded by worker ({BUSY_WORKERS:,} workers, {args.shard_envelopes:,} envelopes in all, ingested at once;"
+              " routing here: hashes to every shard over a pipe, overlaps merged, greedy pick; this machine's cores):")
+        print("| shards | ingest events/s (wall, all shards) | per shard events/CPU-s | decision p50/p99 us, shards ingesting | shards idle |")
+        print("|---|---|---|---|---|")
+        for r in sharded:
+            print(f"| {r['shards']} | {r['events_per_s']:,.0f} | {r['events_per_cpu_s_per_shard']:,.0f} |"
+                  f" {r['decision_busy_p50_us']:.0f} / {r['decision_busy_p99_us']:.0f} |"
+                  f" {r['decision_idle_p50_us']:.0f} / {r['decision_idle_p99_us']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"busy": busy, "capacity": cap, "sharded": sharded, "arms": [asdict(a) for a in results]}, indent=2
+        ))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The options every batching engine has (mocker, hf): what the scheduler's limits and
+the worker's card are built from. An engine's options subclass this and declare its
+own defaults for the pool size and budgets, taken from its settings declaration
+(:mod:`kvmesh.engines.settings`), so an engine built in code starts from the CLI's defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.config import WorkerConfig
+
+__all__ = ["BatchingOptions", "check_positive_ints"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchingOptions:
+    """Keyword-only, so a subclass may put its own required field first."""
+
+    served_model_name: str | None = None
+    block_size: int = WorkerConfig.block_size  # the worker's --block-size
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    worker_id: int = 0
+    enable_prefix_caching: bool = True
+    event_ring_capacity: int = 1024
+
+    def __post_init__(self) -> None:
+        check_positive_ints(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "event_ring_capacity")
+        if self.worker_id < 0:
+            raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
+
+
+def check_positive_ints(options: object, *names: str) -> None:
+    """``ValueError`` naming the first of ``names`` that is not a positive integer."""
+    for name in names:
+        value = getattr(options, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -7,6 +7,11 @@
     python bench/engine_overhead.py --engine mocker -- --speedup 200
     python bench/engine_overhead.py --batch 1,8 --max-tokens 64 --requests 16 --json out.json
     python bench/engine_overhead.py -- --model smollm2  # args after -- go to `kvmesh run`
+    python bench/engine_overhead.py --vs-transformers --models tiny,smollm2 --rounds 3
+
+``--vs-transformers`` instead compares the hf engine with transformers' own
+``generate`` on the same model and prompts (batch-1 decode, batch-8 aggregate, first
+token on a 512-token prompt; alternating arms, medians): see ``bench/_reference.py``.
 
 Both sides get the same prompts (token ids from ``_lib.Workload``, seeded), greedy
 (temperature 0), ``ignore_eos`` with ``min_tokens = max_tokens``, so every request
@@ -36,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _reference  # noqa: E402
 from _lib import (  # noqa: E402
     HttpConnection,
     Workload,
@@ -83,7 +89,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="alternating rounds per level; best of each side (1)")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds for kvmesh to answer (600)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    _reference.add_arguments(p)
     a = p.parse_args(argv)
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
     a.extra = extra
     a.levels = [int(x) for x in a.batch.split(",") if x.strip()]
     if not a.levels or min(a.levels) < 1:
@@ -302,6 +310,8 @@ def _print(a: argparse.Namespace, config, results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
+    if a.vs_transformers:
+        return run_async(_reference.run(a))
     return run_async(_main(a))
 
 

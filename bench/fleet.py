@@ -21,7 +21,9 @@ stopped here, by its PID. Per arm:
 * **router**, from the frontend's own metrics over the load: decision time p50/p99
   (``kvmesh_router_decision_seconds``, interpolated within its buckets), KV events
   applied per second, gaps (events lost on the way, then repaired), events dropped at the
-  router's inbox, and the event backlog (received, not yet applied; sampled every 0.1 s).
+  router's inbox, the event backlog (received, not yet applied; sampled every second:
+  a GET /metrics of 1,000 workers costs the frontend ~0.2 s of CPU, taken out of its
+  CPU per request), and how long after the load the router still applied events.
 
 Before the arms, two in-process measurements on the same machine:
 
@@ -88,7 +90,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|
 def scrape(url: str) -> dict[str, float]:
     """``name{labels}`` → value, from the frontend's /metrics."""
     out: dict[str, float] = {}
-    for line in http_get(url + "/metrics").splitlines():
+    for line in http_get(url + "/metrics", timeout=120.0).splitlines():  # ~0.2 s of CPU per 1,000 workers
         m = _SAMPLE.match(line)
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
@@ -221,6 +223,7 @@ def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list
     loads = [0]
     options = MockerOptions()
     worker = VirtualWorker(options, CallbackPublisher(lambda e: events.append(encode(e)), lambda r: loads.__setitem__(0, loads[0] + 1)))
+    warmup_ms = 0.25 * sim_s * 1000  # the first quarter fills the batch and the cache: not counted
     source = prompts(shape, 10**9, seed=7)
     done = [0]
     ids = iter(range(10**12))
@@ -231,6 +234,7 @@ def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list
 
     for _ in range(options.max_num_seqs):
         submit(0.0)
+    mark: tuple[float, int, int, int] | None = None
     while worker.now_ms < sim_s * 1000:
         t = worker.next_event_time()
         assert t is not None
@@ -238,41 +242,42 @@ def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list
             if ev.finish_reason is not None:
                 done[0] += 1
                 submit(worker.now_ms)
-    seconds = worker.now_ms / 1000
+        if mark is None and worker.now_ms >= warmup_ms:
+            mark = (worker.now_ms, len(events), loads[0], done[0])
+    assert mark is not None
+    seconds = (worker.now_ms - mark[0]) / 1000
     rate = {
-        "kv_events_per_s": len(events) / seconds,
-        "load_reports_per_s": loads[0] / seconds,
-        "requests_per_s": done[0] / seconds,
+        "kv_events_per_s": (len(events) - mark[1]) / seconds,
+        "load_reports_per_s": (loads[0] - mark[2]) / seconds,
+        "requests_per_s": (done[0] - mark[3]) / seconds,
         "max_num_seqs": options.max_num_seqs,
     }
     return rate, events
 
 
-def router_capacity(stream: list[bytes], workers: int, max_seconds: float, shape: Shape) -> dict[str, float]:
-    """One router's ingest rate on this core: ``workers`` workers each replaying
-    ``stream`` (their own worker id and event ids), interleaved as they would arrive,
-    through the subscription's envelope decode and the service's checks into the core.
-    Then decision p50/p99 on the index it built."""
-    from kvmesh.protocol import KvEvent
-    from kvmesh.router.core import KvRouterCore, RouterSettings
-    from kvmesh.router.indexer import check_event_data
-    from kvmesh.runtime.event_plane.base import Envelope
+class WireStream:
+    """The envelopes a router receives from ``workers``, each replaying ``stream`` (one
+    busy worker's events) under its own id: every worker caches the shared prefixes
+    (same hashes); the rest of its blocks are its own (hashes salted per worker, chains
+    kept). Interleaved event by event across workers, as they would arrive."""
 
-    from kvmesh.kv.hashing import block_hashes
-    from kvmesh.protocol import BlockRemoved, BlockStored
+    def __init__(self, stream: list[bytes], workers: list[int], shape: Shape) -> None:
+        from kvmesh.kv.hashing import block_hashes
+        from kvmesh.protocol import KvEvent
+        from kvmesh.runtime.event_plane.base import Envelope
 
-    decode_event = msgspec.msgpack.Decoder(KvEvent).decode
-    decode_env = msgspec.msgpack.Decoder(Envelope).decode
-    encode = msgspec.msgpack.Encoder().encode
-    core = KvRouterCore(RouterSettings(block_size=16))
-    for w in range(1, workers + 1):
-        core.add_worker(w)
-    events = [decode_event(raw) for raw in stream]
-    # every worker caches the shared prefixes (same hashes); the rest of its blocks are
-    # its own: those hashes are salted per worker, chains kept
-    shared = {h for p in _prefixes(shape, seed=7) for h in block_hashes(p, 16)}
+        self._decode_event = msgspec.msgpack.Decoder(KvEvent).decode
+        self._decode_env = msgspec.msgpack.Decoder(Envelope).decode
+        self._encode = msgspec.msgpack.Encoder().encode
+        self.events = [self._decode_event(raw) for raw in stream]
+        self.workers = workers
+        self.shared = {h for p in _prefixes(shape, seed=7) for h in block_hashes(p, 16)}
+        self.pos = 0
 
-    def salted(data: object, salt: int) -> object:
+    def _salted(self, data: object, salt: int) -> object:
+        from kvmesh.protocol import BlockRemoved, BlockStored
+
+        shared = self.shared
         if isinstance(data, BlockStored):
             parent = data.parent_hash
             if parent is not None and parent not in shared:
@@ -282,44 +287,251 @@ def router_capacity(stream: list[bytes], workers: int, max_seconds: float, shape
             return BlockRemoved([h if h in shared else h ^ salt for h in data.block_hashes])
         return data
 
-    # the wire form each router receives: one envelope per event, per worker
-    batch = 20_000
-    applied = 0
-    busy = 0.0
-    rounds = 0
-    deadline = time.perf_counter() + max_seconds
-    pos = 0
-    while time.perf_counter() < deadline and pos < len(events):
-        chunk = []
-        while len(chunk) < batch and pos < len(events):
-            e = events[pos]
-            for w in range(1, workers + 1):
-                ev = KvEvent(w, e.event_id, salted(e.data, (w * 0x9E3779B97F4A7C15) & ((1 << 63) - 1)))
-                chunk.append(encode(Envelope(w, e.event_id + 1, "kv_events", encode(ev))))
-            pos += 1
-        t0 = time.perf_counter()
+    def chunk(self, size: int) -> list[bytes]:
+        """The next ``size`` envelopes or so (whole rounds over the workers); [] at the end."""
+        from kvmesh.protocol import KvEvent
+        from kvmesh.runtime.event_plane.base import Envelope
+
+        out: list[bytes] = []
+        encode = self._encode
+        while len(out) < size and self.pos < len(self.events):
+            e = self.events[self.pos]
+            for w in self.workers:
+                ev = KvEvent(w, e.event_id, self._salted(e.data, (w * 0x9E3779B97F4A7C15) & ((1 << 63) - 1)))
+                out.append(encode(Envelope(w, e.event_id + 1, "kv_events", encode(ev))))
+            self.pos += 1
+        return out
+
+    def apply(self, core: object, chunk: list[bytes]) -> None:
+        """What the router does per envelope: decode it and its event, check, apply."""
+        from kvmesh.router.indexer import check_event_data
+
+        decode_env, decode_event, apply = self._decode_env, self._decode_event, core.apply_event  # type: ignore[attr-defined]
         for raw in chunk:
             env = decode_env(raw)
             ev = decode_event(env.payload)
-            if ev.worker_id != env.publisher_id or check_event_data(ev.data) is not None:
-                continue
-            core.apply_event(ev)
-        busy += time.perf_counter() - t0
+            if ev.worker_id == env.publisher_id and check_event_data(ev.data) is None:
+                apply(ev)
+
+
+def _zmq_producer(addresses_out, wire_chunk: list[bytes], publishers: int, go, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    """Forked: ``publishers`` zmq PUB sockets (as many workers would have) sending the
+    prepared envelopes round-robin, as fast as they go, for ``seconds``."""
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(publishers):
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.bind("tcp://127.0.0.1:*")
+        socks.append(sock)
+    addresses_out.send([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks])
+    go.wait()
+    deadline = time.perf_counter() + seconds
+    i = 0
+    n = len(wire_chunk)
+    while time.perf_counter() < deadline:
+        for sock in socks:
+            for _ in range(16):
+                try:
+                    sock.send(wire_chunk[i % n], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                i += 1
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def zmq_ingest(stream: list[bytes], shape: Shape, publishers: int, seconds: float) -> dict[str, float]:
+    """The live path's own cost per KV event before decoding: a real
+    :class:`~kvmesh.runtime.event_plane.zmq.ZmqSubscription` (SUB socket, asyncio reader,
+    inbox) connected to ``publishers`` PUB sockets of a forked producer that sends as fast
+    as it can; CPU time of this thread per envelope taken out of the inbox."""
+    import multiprocessing as mp
+
+    from kvmesh.runtime.event_plane.zmq import ZmqEventPlane
+
+    wire = WireStream(stream, list(range(1, 101)), shape).chunk(20_000)
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_zmq_producer, args=(child, wire, publishers, go, seconds + 1.0), daemon=True)
+    proc.start()
+    try:
+        addresses = parent.recv()
+
+        async def consume() -> tuple[int, float]:
+            plane = ZmqEventPlane("127.0.0.1", secret=None)
+            sub = await plane.subscribe("kv_events")
+            for address in addresses:
+                sub.connect(address)
+            await asyncio.sleep(0.5)  # zmq's connections and subscriptions settle before the clock starts
+            go.set()
+            got = 0
+            c0 = time.thread_time()
+            deadline = time.perf_counter() + seconds
+            async for _ in sub:
+                got += 1
+                if got & 1023 == 0 and time.perf_counter() > deadline:
+                    break
+            cpu = time.thread_time() - c0
+            dropped = sub.inbox.dropped
+            await plane.close()
+            return got, cpu, dropped
+
+        got, cpu, dropped = asyncio.run(consume())
+    finally:
+        proc.join(seconds + 5)
+        if proc.is_alive():
+            proc.kill()
+    return {"envelopes": got, "envelopes_per_cpu_s": got / cpu if cpu else 0.0, "inbox_dropped": dropped}
+
+
+def router_capacity(stream: list[bytes], workers: int, max_seconds: float, shape: Shape) -> dict[str, float]:
+    """One router's ingest rate on this core (CPU time): ``workers`` workers' envelopes
+    (:class:`WireStream`) through the subscription's decode and the service's checks
+    into the core. Then decision p50/p99 on the index it built."""
+    from kvmesh.router.core import KvRouterCore, RouterSettings
+
+    core = KvRouterCore(RouterSettings(block_size=16))
+    for w in range(1, workers + 1):
+        core.add_worker(w)
+    wire = WireStream(stream, list(range(1, workers + 1)), shape)
+    applied = 0
+    busy = 0.0
+    deadline = time.perf_counter() + max_seconds
+    while time.perf_counter() < deadline:
+        chunk = wire.chunk(20_000)
+        if not chunk:
+            break
+        t0 = time.thread_time()
+        wire.apply(core, chunk)
+        busy += time.thread_time() - t0  # CPU time: what one core can do, whatever else runs here
         applied += len(chunk)
-        rounds += 1
-    times = []
+    times, cpu = [], []
     for i, tokens in enumerate(prompts(shape, 2000, seed=7)):
-        t0 = time.perf_counter()
-        d = core.route(f"q{i}", tokens, time.monotonic())
+        t0, c0 = time.perf_counter(), time.thread_time()
+        core.route(f"q{i}", tokens, time.monotonic())
+        cpu.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
         core.finished(f"q{i}", time.monotonic())
-        del d
     return {
-        "events_per_s": applied / busy if busy else 0.0,
+        "events_per_cpu_s": applied / busy if busy else 0.0,
         "events": applied,
         "decision_p50_us": (percentile(times, 50) or 0) * 1e6,
         "decision_p99_us": (percentile(times, 99) or 0) * 1e6,
+        "decision_cpu_p50_us": (percentile(cpu, 50) or 0) * 1e6,
+        "decision_cpu_p99_us": (percentile(cpu, 99) or 0) * 1e6,
     }
+
+
+def _shard_main(conn, stream: list[bytes], workers: list[int], shape: Shape, envelopes: int, go) -> None:  # type: ignore[no-untyped-def]
+    """One index shard (a forked process): the envelopes of its own workers, applied as
+    fast as it can, and between every 64 of them the overlap queries waiting on ``conn``
+    (block hashes → ``{worker: leading blocks}`` of its workers)."""
+    from kvmesh.router.core import KvRouterCore, RouterSettings
+
+    core = KvRouterCore(RouterSettings(block_size=16))
+    for w in workers:
+        core.add_worker(w)
+    wire = WireStream(stream, workers, shape)
+    todo = wire.chunk(envelopes)[:envelopes]
+    index = core.indexer
+    assert index is not None
+    conn.send("ready")
+    go.wait()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for i in range(0, len(todo), 64):
+        wire.apply(core, todo[i : i + 64])
+        while conn.poll():
+            conn.send(index.find_matches(conn.recv()))
+    conn.send(("done", len(todo), time.perf_counter() - t0, time.thread_time() - c0))
+    while True:  # answer queries until told to stop
+        msg = conn.recv()
+        if msg is None:
+            return
+        conn.send(index.find_matches(msg))
+
+
+def shard_scaling(stream: list[bytes], workers: int, shards: int, envelopes: int, shape: Shape) -> dict[str, float]:
+    """The index sharded by worker over ``shards`` processes (worker ``w`` on shard
+    ``w % shards``), ``envelopes`` in all to ingest at once; meanwhile this process routes:
+    block hashes to every shard, their overlaps merged, the greedy selection over all
+    workers here (the load stays in one place). A model of the design, over pipes."""
+    import multiprocessing as mp
+
+    from kvmesh.kv.hashing import block_hashes
+    from kvmesh.router.cost import CostInputs, select_greedy
+
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    pipes, procs = [], []
+    everyone = dict.fromkeys(range(1, workers + 1))  # a set in insertion order, as the core keeps it
+    for i in range(shards):
+        mine = [w for w in everyone if w % shards == i]
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_shard_main, args=(child, stream, mine, shape, envelopes // shards, go), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        for pipe in pipes:
+            assert pipe.recv() == "ready"
+        queries = [block_hashes(p, 16) for p in prompts(shape, 400, seed=7)]
+        rng = random.Random(0)
+        times: list[float] = []
+        done: dict[int, tuple[int, float, float]] = {}
+        go.set()
+        t0 = time.perf_counter()
+        q = 0
+
+        def decide() -> None:
+            nonlocal q
+            hashes = queries[q % len(queries)]
+            q += 1
+            start = time.perf_counter()
+            for pipe in pipes:
+                pipe.send(hashes)
+            merged: dict[int, int] = {}
+            for i, pipe in enumerate(pipes):
+                reply = pipe.recv()
+                while isinstance(reply, tuple):  # a shard finished meanwhile
+                    done[i] = reply[1:]
+                    reply = pipe.recv()
+                merged.update(reply)
+            select_greedy(everyone, CostInputs(merged, len(hashes) * 16, {}, {}, 16, 1.0), None, rng)
+            times.append(time.perf_counter() - start)
+
+        while len(done) < shards:
+            decide()
+            time.sleep(0.002)
+        busy_times, times = times, []
+        for _ in range(300):  # the shards idle: the fan-out and merge alone
+            decide()
+        wall = max(d[1] for d in done.values())
+        total = sum(d[0] for d in done.values())
+        return {
+            "shards": shards,
+            "events": total,
+            "events_per_s": total / wall,
+            "events_per_cpu_s_per_shard": sum(d[0] / d[2] for d in done.values()) / shards,
+            "decision_busy_p50_us": (percentile(busy_times, 50) or 0) * 1e6,
+            "decision_busy_p99_us": (percentile(busy_times, 99) or 0) * 1e6,
+            "decision_idle_p50_us": (percentile(times, 50) or 0) * 1e6,
+            "decision_idle_p99_us": (percentile(times, 99) or 0) * 1e6,
+            "ingest_s": wall,
+            "elapsed_s": time.perf_counter() - t0,
+        }
+    finally:
+        for pipe in pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(None)
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
 
 
 # ---------------------------------------------------------------------------- the live fleet
@@ -341,12 +553,17 @@ class ArmResult:
     frontend_rss_idle_mb: float = math.nan
     frontend_rss_peak_mb: float = math.nan
     frontend_cpu_ms_per_req: float = math.nan
+    scrape_cpu_ms: float = math.nan  # the frontend's CPU per GET /metrics (the sampler's, taken out of the above)
+    scrapes: int = 0
     requests_ok: int = 0
     errors: int = 0
     req_per_s: float = 0.0
     load_s: float = 0.0
     decision_p50_us: float | None = None
     decision_p99_us: float | None = None
+    decision_cpu_p50_us: float | None = None
+    decision_cpu_p99_us: float | None = None
+    worker_warnings: int = 0
     decisions: int = 0
     events_per_s: float = 0.0
     events_applied: int = 0
@@ -354,6 +571,7 @@ class ArmResult:
     dropped: int = 0
     backlog_max: int = 0
     backlog_mean: float = 0.0
+    drain_ms: float = math.nan
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -366,6 +584,7 @@ class Fleet:
         self.stack = contextlib.ExitStack()
         from tests.services import etcd_server, nats_server
 
+        self.frontend_port = 0
         self.etcd = self.stack.enter_context(etcd_server())
         self.nats = self.stack.enter_context(nats_server())
 
@@ -381,6 +600,7 @@ class Fleet:
             KVMESH_EVENT_PLANE=self.args.event_plane,
             KVMESH_HOST="127.0.0.1",
             KVMESH_NAMESPACE=namespace,
+            KVMESH_LEASE_TTL=str(self.args.lease_ttl),
         )
 
     def spawn(self, name: str, args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
@@ -424,11 +644,12 @@ def run_arm(fleet: Fleet, n: int, procs_n: int, shape: Shape) -> ArmResult:
     res = ArmResult(n, procs_n)
     ns = f"fleet{n}x{procs_n}"
     env = fleet.env(ns)
-    port = free_port()
+    port = fleet.frontend_port = free_port()
     url = f"http://127.0.0.1:{port}"
     frontend, flog = fleet.spawn(
         f"{ns}-frontend",
-        ["frontend", "--http-port", str(port), "--router-mode", "kv", "--canary-interval", "0", "--worker-wait", "30"],
+        ["frontend", "--http-port", str(port), "--router-mode", "kv", "--canary-interval", str(args.canary_interval),
+         "--worker-wait", "30"],
         env,
     )
     workers: list[subprocess.Popen[bytes]] = []
@@ -459,7 +680,23 @@ def run_arm(fleet: Fleet, n: int, procs_n: int, shape: Shape) -> ArmResult:
         for proc in workers:
             stop_pid(proc)
         stop_pid(frontend)
+        res.worker_warnings = sum(p.read_bytes().count(b" WARNING ") + p.read_bytes().count(b" ERROR ") for p in logs)
     return res
+
+
+def _drain_ms(url: str) -> float:
+    """From the end of the load until the router applied its last KV event: its lag
+    behind the workers (0 when nothing was left to apply). Polls every 10 ms until the
+    count is the same for 0.5 s."""
+    name = "kvmesh_router_kv_events_applied_total"
+    t0 = time.perf_counter()
+    last, changed = metric(scrape(url), name), t0
+    while time.perf_counter() - changed < 0.5:
+        time.sleep(0.01)
+        now = metric(scrape(url), name)
+        if now != last:
+            last, changed = now, time.perf_counter()
+    return (changed - t0) * 1000
 
 
 def _try_get(url: str) -> bool:
@@ -486,6 +723,12 @@ def _idle(fleet: Fleet, res: ArmResult, frontend: subprocess.Popen[bytes], worke
     ports = {"etcd": fleet.etcd.client_port, "nats": fleet.nats.port}
     res.worker_sockets = connections(pids, ports)
     res.frontend_sockets = connections([frontend.pid], ports)
+    url = f"http://127.0.0.1:{fleet.frontend_port}"
+    c0 = measure_cpu(frontend.pid)
+    scrapes = 20 if n <= 1000 else 3
+    for _ in range(scrapes):
+        scrape(url)
+    res.scrape_cpu_ms = (measure_cpu(frontend.pid) - c0) / scrapes
 
 
 async def _load(res: ArmResult, url: str, frontend: subprocess.Popen[bytes], shape: Shape, args: argparse.Namespace) -> None:
@@ -498,10 +741,11 @@ async def _load(res: ArmResult, url: str, frontend: subprocess.Popen[bytes], sha
             s = await asyncio.to_thread(scrape, url)
             backlog.append(metric(s, "kvmesh_router_kv_event_backlog"))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.1)
+                await asyncio.wait_for(stop.wait(), 1.0)  # a scrape lists every worker: ~0.2 s of CPU at 1,000
 
     sampler = asyncio.ensure_future(sample())
     t0 = time.perf_counter()
+    cpu0 = measure_cpu(frontend.pid)
     try:
         load = await run_load_async(
             url, MODEL, args.concurrency, args.requests, prompt_tokens=shape.prefix_tokens + shape.suffix_tokens,
@@ -513,17 +757,24 @@ async def _load(res: ArmResult, url: str, frontend: subprocess.Popen[bytes], sha
         stop.set()
         await sampler
     res.load_s = time.perf_counter() - t0
+    cpu = measure_cpu(frontend.pid) - cpu0
+    res.scrapes = len(backlog)
+    # a GET /metrics lists every worker's series: at 1,000 workers its cost is not the requests'
+    if load.completed_total:
+        res.frontend_cpu_ms_per_req = max(0.0, cpu - res.scrapes * res.scrape_cpu_ms) / load.completed_total
+    res.drain_ms = await asyncio.to_thread(_drain_ms, url)
     after = await asyncio.to_thread(scrape, url)
     res.requests_ok = load.ok
     res.errors = load.failures
     res.error_samples = load.errors[:3]
     res.req_per_s = load.req_per_s
-    res.frontend_cpu_ms_per_req = load.frontend_cpu_ms_per_req or math.nan
     res.frontend_rss_peak_mb = (load.frontend_rss_peak_kb or 0) / 1024
     name = "kvmesh_router_decision_seconds"
     for q, attr in ((0.5, "decision_p50_us"), (0.99, "decision_p99_us")):
         v = histogram_quantile(before, after, name, q)
         setattr(res, attr, None if v is None else round(v * 1e6, 1))
+        v = histogram_quantile(before, after, "kvmesh_router_decision_cpu_seconds", q)
+        setattr(res, attr.replace("decision", "decision_cpu"), None if v is None else round(v * 1e6, 1))
     res.decisions = int(metric(after, name + "_count") - metric(before, name + "_count"))
     applied = metric(after, "kvmesh_router_kv_events_applied_total") - metric(before, "kvmesh_router_kv_events_applied_total")
     res.events_applied = int(applied)
@@ -555,12 +806,16 @@ def print_table(arms: list[ArmResult]) -> None:
         ("frontend sockets", lambda a: str(a.frontend_sockets.get("sockets", 0))),
         ("frontend RSS idle/peak MiB", lambda a: f"{_f(a.frontend_rss_idle_mb, '{:.0f}')} / {_f(a.frontend_rss_peak_mb, '{:.0f}')}"),
         ("frontend CPU ms/req", lambda a: _f(a.frontend_cpu_ms_per_req, "{:.2f}")),
+        ("frontend CPU ms per /metrics", lambda a: _f(a.scrape_cpu_ms, "{:.1f}")),
         ("requests ok / errors", lambda a: f"{a.requests_ok} / {a.errors}"),
         ("req/s", lambda a: _f(a.req_per_s)),
         ("decision p50 / p99 us", lambda a: f"{_f(a.decision_p50_us)} / {_f(a.decision_p99_us)}"),
+        ("decision CPU p50 / p99 us", lambda a: f"{_f(a.decision_cpu_p50_us)} / {_f(a.decision_cpu_p99_us)}"),
         ("KV events applied/s", lambda a: _f(a.events_per_s, "{:.0f}")),
         ("gaps / dropped", lambda a: f"{a.gaps} / {a.dropped}"),
         ("backlog max / mean", lambda a: f"{a.backlog_max} / {a.backlog_mean:.1f}"),
+        ("events applied after load ms", lambda a: _f(a.drain_ms)),
+        ("worker log warnings", lambda a: str(a.worker_warnings)),
     ]
     width = max(len(r[0]) for r in rows)
     cols = [[fn(a) for a in arms] for _, fn in rows]
@@ -596,9 +851,14 @@ def main() -> int:
     ap.add_argument("--busy-output-tokens", type=int, default=128, help="outputs of the busy-worker event rate")
     ap.add_argument("--busy-sim-seconds", type=float, default=20.0)
     ap.add_argument("--capacity-seconds", type=float, default=8.0)
+    ap.add_argument("--shards", default="1,2", help="index shard counts to model (default %(default)s; '' skips it)")
+    ap.add_argument("--shard-envelopes", type=int, default=200_000)
     ap.add_argument("--idle-seconds", type=float, default=3.0)
     ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument("--canary-interval", type=float, default=0.0, help="the frontend's canary checks per worker, s (0: off)")
+    ap.add_argument("--lease-ttl", type=float, default=10.0, help="the workers' lease TTL, s (kvmesh's default 10)")
     ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--logs", default=None, help="keep the processes' logs in this folder (default: a temporary one)")
     args = ap.parse_args()
 
     shape = Shape(args.prefix_tokens, args.suffix_tokens, args.prefix_groups, args.output_tokens)
@@ -608,8 +868,17 @@ def main() -> int:
     need = busy["kv_events_per_s"] * BUSY_WORKERS
     log(f"router ingest capacity: {BUSY_WORKERS} workers' streams through one router")
     cap = router_capacity(stream, BUSY_WORKERS, args.capacity_seconds, shape)
+    log("the zmq subscription alone (a SUB socket on 100 publishers)")
+    zq = zmq_ingest(stream, shape, 100, 3.0)
+    sharded = []
+    for n_shards in (int(x) for x in args.shards.split(",") if x.strip()):
+        log(f"index sharded by worker over {n_shards} processes")
+        sharded.append(shard_scaling(stream, BUSY_WORKERS, n_shards, args.shard_envelopes, shape))
     results: list[ArmResult] = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-fleet-") as tmp:
+        if args.logs:
+            tmp = args.logs
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         fleet = Fleet(args, Path(tmp))
         try:
             for n, p in parse_arms(args.arms):
@@ -630,13 +899,33 @@ def main() -> int:
         f" {busy['kv_events_per_s']:.0f} KV events/s, {busy['requests_per_s']:.1f} req/s per worker"
         f" -> {BUSY_WORKERS:,} busy workers produce {need:,.0f} KV events/s"
     )
+    apply_rate, zmq_rate = cap["events_per_cpu_s"], zq["envelopes_per_cpu_s"]
+    per_core = 1 / (1 / apply_rate + 1 / zmq_rate) if apply_rate and zmq_rate else 0.0
     print(
-        f"one router process, this core, {BUSY_WORKERS:,} workers' streams: ingests {cap['events_per_s']:,.0f} events/s"
-        f" ({cap['events']:,} applied); decision p50 {cap['decision_p50_us']:.0f} us, p99 {cap['decision_p99_us']:.0f} us"
-        f" -> shards of the index needed for {BUSY_WORKERS:,} busy workers: {math.ceil(need / cap['events_per_s']) if cap['events_per_s'] else '?'}"
+        f"one router, {BUSY_WORKERS:,} workers' streams (every worker holds the {shape.groups} shared prefixes): decodes, checks"
+        f" and applies {apply_rate:,.0f} events per CPU-second ({cap['events']:,} applied); its zmq subscription takes"
+        f" {zmq_rate:,.0f} envelopes per CPU-second ({zq['envelopes']:,} in, {zq['inbox_dropped']} dropped at the inbox)"
+        f" -> {per_core:,.0f} events per core; decision on that index p50/p99 wall {cap['decision_p50_us']:.0f}/"
+        f"{cap['decision_p99_us']:.0f} us, CPU {cap['decision_cpu_p50_us']:.0f}/{cap['decision_cpu_p99_us']:.0f} us"
     )
+    print(
+        f"-> {BUSY_WORKERS:,} busy workers need {need / per_core if per_core else math.nan:.1f} cores of event ingest:"
+        f" one router process cannot keep up; the index sharded by worker over"
+        f" {math.ceil(need / per_core) if per_core else '?'} processes (one core each) can:"
+    )
+    if sharded:
+        print(f"\nthe index sharded by worker ({BUSY_WORKERS:,} workers, {args.shard_envelopes:,} envelopes in all, ingested at once;"
+              " routing here: hashes to every shard over a pipe, overlaps merged, greedy pick; this machine's cores):")
+        print("| shards | ingest events/s (wall, all shards) | per shard events/CPU-s | decision p50/p99 us, shards ingesting | shards idle |")
+        print("|---|---|---|---|---|")
+        for r in sharded:
+            print(f"| {r['shards']} | {r['events_per_s']:,.0f} | {r['events_per_cpu_s_per_shard']:,.0f} |"
+                  f" {r['decision_busy_p50_us']:.0f} / {r['decision_busy_p99_us']:.0f} |"
+                  f" {r['decision_idle_p50_us']:.0f} / {r['decision_idle_p99_us']:.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"busy": busy, "capacity": cap, "arms": [asdict(a) for a in results]}, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"busy": busy, "capacity": cap, "sharded": sharded, "arms": [asdict(a) for a in results]}, indent=2
+        ))
     return 0
 
 

@@ -81,15 +81,10 @@ def run_arm(name: str, kills: int, log_dir: Path) -> dict[str, object]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     external: list[float] = []
     try:
-        _until(lambda: _healthy(url) and len(_workers(url)) == 2, 120, "two workers", 0.05)
-        for _ in range(kills):
-            if name == "promote":
-                _until(lambda: _spares_ready(url) == 1, 120, "a checked spare", 0.05)
-            victim = _workers(url)[0]
-            t0 = time.monotonic()
-            os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
-            _until(lambda: len(w := _workers(url)) == 2 and all(x["pid"] != victim["pid"] for x in w), 120, "capacity back")
-            external.append(time.monotonic() - t0)
+        _run_kills(name, url, kills, external)
+    except SystemExit:
+        print(f"{name}: the run's log ends with:\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-15:]))
+        raise
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -98,6 +93,19 @@ def run_arm(name: str, kills: int, log_dir: Path) -> dict[str, object]:
             proc.kill()
     internal = [float(x) for x in re.findall(r"routable ([0-9.]+) s after the loss", log_path.read_text(errors="replace"))]
     return {"arm": name, "external_s": external, "internal_s": internal}
+
+
+def _run_kills(name: str, url: str, kills: int, external: list[float]) -> None:
+    """SIGKILL a routed worker ``kills`` times; the time until capacity is back, each."""
+    _until(lambda: _healthy(url) and len(_workers(url)) == 2, 120, "two workers", 0.05)
+    for _ in range(kills):
+        if name == "promote":
+            _until(lambda: _spares_ready(url) == 1, 120, "a checked spare", 0.05)
+        victim = _workers(url)[0]
+        t0 = time.monotonic()
+        os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+        _until(lambda: len(w := _workers(url)) == 2 and all(x["pid"] != victim["pid"] for x in w), 120, "capacity back")
+        external.append(time.monotonic() - t0)
 
 
 def main() -> int:

@@ -15,7 +15,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 from pathlib import Path
 
 from tests.helpers import free_port
@@ -49,6 +50,11 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) 
     raise TimeoutError(f"port {port} not open within {timeout} s")
 
 
+def _log_text(workdir: Path) -> str:
+    texts = [p.read_text(errors="replace") for p in workdir.glob("*.log")]
+    return "\n".join(texts)
+
+
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is not None and proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -57,6 +63,15 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+class _Startable(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def log_text(self) -> str: ...
+
+
+_Server = TypeVar("_Server", bound=_Startable)
 
 
 class Etcd:
@@ -89,6 +104,9 @@ class Etcd:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+
+    def log_text(self) -> str:
+        return _log_text(self.workdir)
 
     def stop(self) -> None:
         _stop(self.proc)
@@ -124,27 +142,48 @@ class Nats:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
+    def log_text(self) -> str:
+        return _log_text(self.workdir)
+
     def stop(self) -> None:
         _stop(self.proc)
+
+
+def _first_start(make: Callable[[], _Server], attempts: int = 3) -> _Server:
+    """Start a new server; when it exits at once because another process took one of
+    its free ports meanwhile (many test processes pick ports on a busy machine), try
+    again on new ports. A restart of the same server (same ports) never comes here."""
+    for attempt in range(attempts):
+        server = make()
+        try:
+            server.start()
+            return server
+        except RuntimeError:
+            server.stop()
+            if attempt == attempts - 1 or "address already in use" not in server.log_text():
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
 def etcd_server() -> Iterator[Etcd]:
     with tempfile.TemporaryDirectory(prefix="kvmesh-etcd-") as d:
-        server = Etcd(Path(d))
+        server: Etcd | None = None
         try:
-            server.start()
+            server = _first_start(lambda: Etcd(Path(tempfile.mkdtemp(dir=d))))
             yield server
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
 
 
 @contextlib.contextmanager
 def nats_server(jetstream: bool = True) -> Iterator[Nats]:
     with tempfile.TemporaryDirectory(prefix="kvmesh-nats-") as d:
-        server = Nats(Path(d), jetstream)
+        server: Nats | None = None
         try:
-            server.start()
+            server = _first_start(lambda: Nats(Path(tempfile.mkdtemp(dir=d)), jetstream))
             yield server
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()

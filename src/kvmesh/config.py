@@ -23,6 +23,9 @@ __all__ = [
     "HttpLimits",
     "SecurityConfig",
     "ClusterCredentials",
+    "FrontendCommandConfig",
+    "LogConfig",
+    "LOG_LEVELS",
     "RunConfig",
     "PlannerConfig",
     "RuntimeConfig",
@@ -39,6 +42,7 @@ WORKER_MODES = ("aggregated", "prefill", "decode")
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("tcp", "nats")
 EVENT_PLANES = ("zmq", "nats", "memory")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _DISAGG = "disaggregated prefill/decode"
 
@@ -49,6 +53,10 @@ class WorkerConfig:
     registry entry's settings class; None: that engine's defaults)."""
 
     model_path: str | None = setting(None, "Hugging Face model folder (default: the bundled tiny model)", metavar="DIR")
+    model: str | None = setting(
+        None, "a named model instead of --model-path: smollm2 (converted once into ~/.cache/kvmesh; see docs/engines.md)",
+        env="KVMESH_MODEL", metavar="NAME",
+    )  # fmt: skip
     engine: str = setting("mocker", "engine to run in each worker")
     engine_options: EngineSettings | None = None
     block_size: int = setting(16, "KV block size in tokens (mocker and hf; vLLM: --vllm-block-size)", check=positive)
@@ -160,10 +168,6 @@ class SecurityConfig:
 
     def __repr__(self) -> str:  # keys stay out of logs
         return f"SecurityConfig(keys={len(self.api_keys)}, admin={self.admin})"
-
-    @property
-    def keys_required(self) -> bool:
-        return bool(self.api_keys)
 
     @property
     def metrics_open(self) -> bool:
@@ -378,6 +382,33 @@ class ClusterCredentials:
     tls_ca: str = setting(
         "", "the fleet's CA: peers must present a certificate it signed", env="KVMESH_TLS_CA", metavar="PEM", group=_CLUSTER
     )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """How a command logs (``kvmesh run``, ``frontend``, ``planner``)."""
+
+    log_level: str = setting("warning", "logging level", env="KVMESH_LOG_LEVEL", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True)
+class FrontendCommandConfig:
+    """What ``kvmesh frontend`` reads besides its config objects: where its workers
+    are without discovery, a model folder to load at once."""
+
+    static_workers: tuple[str, ...] = setting(
+        (), "comma-separated host:port of static workers: no discovery at all", env="KVMESH_STATIC_WORKERS",
+        parse=split_commas, metavar="HOST:PORT,...",
+    )  # fmt: skip
+    model_path: str | None = setting(
+        None, "load this model folder now (optional: models come from workers)", metavar="DIR"
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def _env_vars() -> dict[str, str]:

@@ -108,3 +108,22 @@ def test_a_killed_worker_is_replaced_by_its_hot_spare_with_no_failed_request(tmp
         assert _metric(url, r'kvmesh_planner_decisions_total\{action="start",role="spare"\} ([0-9.e+]+)') >= 1
         figure = re.findall(r"routable ([0-9.]+) s after the loss \(promote\)", server.log())
         print(f"spare promoted: routable {figure[0]} s after the loss (planner log), {load.done} requests, 0 failed")
+
+
+def test_disaggregated_the_decode_spare_takes_over_a_killed_decode_worker(tmp_path):
+    args = ("--prefill-workers", "1", "--decode-workers", "2", "--max-local-prefill-length", "8", *ARGS)
+    with kvmesh_run(tmp_path, *args, workers=1, speedup="20") as server:
+        url = server.url
+        _wait(lambda: len(_workers(url)) == 2 and _ready_spares(url) == 1, 60, "2 decode workers and a checked spare")
+        serving = _workers(url)
+        victim_id, victim = sorted(serving.items())[0]
+        with Load(url) as load:
+            _wait(lambda: load.done >= 20, 60, "warm load")
+            os.kill(victim["pid"], signal.SIGKILL)
+            _wait(lambda: len(w := _workers(url)) == 2 and victim_id not in w, 30, lambda: f"the spare promoted ({_workers(url)})")
+            _wait(lambda: _ready_spares(url) == 1, 60, "a new hot spare")
+            done = load.done
+            _wait(lambda: load.done >= done + 20, 60, "load after the promotion")
+        assert load.failures == [], load.failures[:5]
+        assert _metric(url, r'kvmesh_planner_decisions_total\{action="promote",role="decode"\} ([0-9.e+]+)') == 1
+        assert re.search(r'kvmesh_planner_input\{signal="prefill_queue_tokens"\}', httpx.get(url + "/metrics").text)

@@ -14,7 +14,8 @@ from kvmesh.planner.orders import Order, StandbyLink, order_is_signed, order_key
 from kvmesh.protocol import EngineConfig, InstanceInfo
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.discovery.memory import MemoryDiscovery
-from kvmesh.runtime.distributed import DistributedRuntime, record_is_signed
+from kvmesh.errors import KvmeshError
+from kvmesh.runtime.distributed import DistributedRuntime, record_is_signed, sign_record
 
 SECRET = ClusterSecret(b"planner-orders-test-secret-0123456789abcdef")
 OTHER = ClusterSecret(b"someone-else-entirely-9876543210-fedcba-xyz")
@@ -77,3 +78,51 @@ async def test_a_standby_obeys_signed_newer_orders_only() -> None:
 def test_order_round_trips(action: str) -> None:
     order = Order(3, action, 99, "why")  # type: ignore[arg-type]
     assert msgspec.json.decode(msgspec.json.encode(order), type=Order) == order
+
+
+async def test_discovery_fleet_promotes_by_role_and_a_move_drains_the_old_worker() -> None:
+    from kvmesh.cli.planner import DiscoveryFleet
+    from kvmesh.planner.core import Role
+    from kvmesh.runtime.distributed import instance_key
+    from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
+
+    discovery = MemoryDiscovery()
+    runtime = DistributedRuntime(RuntimeConfig(discovery="memory", namespace="ns"), discovery, secret=SECRET)
+    await runtime.start()
+
+    async def record(key: str, info: InstanceInfo) -> None:
+        await discovery.put(key, msgspec.json.encode(sign_record(SECRET, key, info)))
+
+    try:
+        for wid, component in ((1, COMPONENT), (2, PREFILL_COMPONENT)):
+            await record(instance_key("ns", component, GENERATE, wid), InstanceInfo(wid, "127.0.0.1:1", ENGINE, component=component))
+        await record(standby_key("ns", 10), InstanceInfo(10, "127.0.0.1:1", ENGINE, component=COMPONENT))
+        await record(standby_key("ns", 11), InstanceInfo(11, "127.0.0.1:1", ENGINE, component=PREFILL_COMPONENT))
+        forged = InstanceInfo(12, "127.0.0.1:1", ENGINE)  # not signed: ignored
+        await discovery.put(standby_key("ns", 12), msgspec.json.encode(forged))
+        fleet = DiscoveryFleet(runtime)
+        await fleet._scan()
+        assert sorted(fleet._standby) == [10, 11]
+        assert {w: r for w, (r, _) in fleet._serving.items()} == {1: Role.DECODE, 2: Role.PREFILL}
+        fleet.vetted.update({10: True, 11: True})
+
+        async def order_of(wid: int) -> Order:
+            key = order_key("ns", wid)
+            order = msgspec.json.decode((await discovery.get_prefix(key))[key], type=Order)
+            assert order_is_signed(SECRET, key, order)
+            return order
+
+        await fleet.move(1, Role.PREFILL)  # decode worker 1 becomes prefill capacity
+        assert (await order_of(11)).action == "serve" and fleet.promoting == {11: Role.PREFILL}
+        assert not await discovery.get_prefix(order_key("ns", 1))  # the old one serves until then
+        # the standby registers as a prefill instance and withdraws its standby record
+        await record(instance_key("ns", PREFILL_COMPONENT, GENERATE, 11), InstanceInfo(11, "127.0.0.1:1", ENGINE, component=PREFILL_COMPONENT))
+        await discovery.delete(standby_key("ns", 11))
+        await fleet._scan()
+        assert fleet.promoting == {} and (await order_of(1)).action == "stop"
+        with pytest.raises(KvmeshError):
+            await fleet.promote(10, Role.PREFILL)  # no prefill standby left
+        await fleet.promote(11, Role.DECODE)  # the id the core picked is not ready: a fitting one is
+        assert fleet.promoting == {10: Role.DECODE}
+    finally:
+        await runtime.shutdown()

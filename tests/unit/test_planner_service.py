@@ -225,3 +225,54 @@ def test_histogram_buckets_sum_every_label_set() -> None:
     h.labels("b").observe(0.5)
     bounds, counts = histogram_buckets(h)
     assert bounds == (0.1, 1.0, float("inf")) and counts == (1.0, 2.0, 2.0)
+
+
+async def test_a_move_starts_the_new_worker_and_drains_the_old_once_it_is_routable() -> None:
+    fleet, records, supervisor = await embedded()
+    await fleet.move(0, Role.AGGREGATED)
+    assert supervisor.launched == [3] and supervisor.terminated == []  # the old one serves meanwhile
+    await fleet.on_ready(info(3))
+    await _settle()
+    assert records.published == {1, 3} and supervisor.terminated == [0]
+    await fleet.on_exit(0)
+    assert fleet._lost == []  # a planned stop is no loss
+
+
+async def test_ready_spares_get_idle_canaries_and_a_failing_one_is_stopped() -> None:
+    results = [True]
+    records = Records()
+
+    async def vet(i: InstanceInfo) -> tuple[bool, str]:
+        return results[-1], "fake canary"
+
+    now = [0.0]
+    fleet = EmbeddedFleet(records.publish, records.unpublish, {0: Role.AGGREGATED, 1: Role.SPARE},
+                          clock=lambda: now[0], vet=vet)  # fmt: skip
+    supervisor = FakeSupervisor(2)
+    fleet.main = supervisor
+    for wid in (0, 1):
+        await fleet.on_ready(info(wid))
+    await _settle()
+    assert any(w.worker_id == 1 and w.routable for w in (await fleet.observe()).workers)
+    results.append(False)
+    await fleet.observe()  # not due yet
+    await _settle()
+    assert supervisor.terminated == []
+    now[0] += fleet.revet_s
+    await fleet.observe()
+    await _settle()
+    assert supervisor.terminated == [1]
+    assert all(w.worker_id != 1 for w in (await fleet.observe()).workers)
+
+
+async def test_a_replacement_that_fails_to_start_is_forgotten_and_the_loss_kept() -> None:
+    fleet, records, supervisor = await embedded()
+    fleet.members[2].vetted = False  # no ready spare: the loss needs a cold start
+    await fleet.on_exit(0)
+    await fleet.start(Role.AGGREGATED)
+    assert supervisor.launched == [3] and fleet._lost == []
+    obs = await fleet.observe()
+    assert obs.starting == (Role.AGGREGATED,)
+    await fleet.on_failed(3, "boom")
+    assert 3 not in fleet.members and len(fleet._lost) == 1
+    assert (await fleet.observe()).starting == ()

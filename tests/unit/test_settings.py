@@ -160,3 +160,29 @@ def test_an_engine_built_in_code_starts_from_the_cli_defaults(engine):
     renamed = {"eos_probability": "eos_rate"}
     unused = [f.name for f in dataclasses.fields(settings) if renamed.get(f.name, f.name) not in names]
     assert unused == [], f"declared settings that reach no {options.__name__} field"
+
+
+def test_log_level_static_workers_and_model_are_declared_settings():
+    from kvmesh.config import FrontendCommandConfig, LogConfig
+
+    parse = build_parser().parse_args
+    ns = parse(["frontend", "--log-level", "info", "--static-workers", "127.0.0.1:1, 127.0.0.1:2", "--model-path", "/m"])
+    cmd = resolve(FrontendCommandConfig, ns, env={})
+    assert (cmd.static_workers, cmd.model_path) == (("127.0.0.1:1", "127.0.0.1:2"), "/m")
+    assert resolve(LogConfig, ns, env={}).log_level == "info"
+    env = {"KVMESH_LOG_LEVEL": "debug", "KVMESH_STATIC_WORKERS": "h:1"}
+    cmd = resolve(FrontendCommandConfig, parse(["frontend"]), env=env)
+    assert (cmd.static_workers, cmd.model_path, resolve(LogConfig, parse(["frontend"]), env=env).log_level) == (
+        ("h:1",), None, "debug"
+    )
+    file = {"log-level": "error", "static-workers": "h:2,h:3"}
+    assert resolve(FrontendCommandConfig, parse(["frontend"]), file=file, env={}).static_workers == ("h:2", "h:3")
+    assert resolve(LogConfig, parse(["frontend"]), file=file, env={}).log_level == "error"
+    for command in ("run", "planner"):
+        assert resolve(LogConfig, parse([command, "--log-level", "error"]), env={}).log_level == "error"
+    with pytest.raises(ValueError, match=r"--log-level \(or KVMESH_LOG_LEVEL\) must be one of"):
+        resolve(LogConfig, parse(["frontend"]), env={"KVMESH_LOG_LEVEL": "loud"})
+    assert resolve(WorkerConfig, parse(["worker", "--model", "smollm2"]), env={}).model == "smollm2"
+    assert resolve(WorkerConfig, parse(["run"]), env={"KVMESH_MODEL": "smollm2"}).model == "smollm2"
+    with pytest.raises(ValueError, match="not both"):
+        _worker_config(parse(["worker", "--model", "smollm2", "--model-path", "/m"]), {})

@@ -12,12 +12,13 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any
 
 from kvmesh.config import (
     ClusterCredentials,
+    FrontendCommandConfig,
     FrontendConfig,
     HttpLimits,
+    LogConfig,
     PlannerConfig,
     RunConfig,
     RuntimeConfig,
@@ -32,25 +33,28 @@ __all__ = ["main", "build_parser"]
 
 # Every flag below comes from a declaration (kvmesh.settings.setting) in kvmesh.config or
 # kvmesh.engines.settings, except the few that are no setting of a config object
-# (--model, --log-level, --static-workers, --static, --config).
-_ENGINE_FIELDS = ("model_path", "engine", "block_size", "validate_streams")
+# (--static, --config).
+_ENGINE_FIELDS = ("model", "model_path", "engine", "block_size", "validate_streams")
 _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
                   "remote_prefill_timeout_s", "drain_migrate", "metrics_port")  # fmt: skip
 _WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")
 # the config classes whose settings each command takes (its flags and its --config keys)
 _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
-RUN_CLASSES = (RunConfig, PlannerConfig, FrontendConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials, *_ENGINE_SETTINGS)
-FRONTEND_CLASSES = (FrontendConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials)
-PLANNER_CLASSES = (PlannerConfig, RuntimeConfig, ClusterCredentials)
+RUN_CLASSES = (
+    RunConfig, PlannerConfig, FrontendConfig, LogConfig, HttpLimits, SecurityConfig, WorkerConfig, ClusterCredentials,
+    *_ENGINE_SETTINGS,
+)  # fmt: skip
+FRONTEND_CLASSES = (
+    FrontendConfig, FrontendCommandConfig, LogConfig, HttpLimits, SecurityConfig, RuntimeConfig, ClusterCredentials
+)
+PLANNER_CLASSES = (PlannerConfig, LogConfig, RuntimeConfig, ClusterCredentials)
 WORKER_CLASSES = (WorkerConfig, RuntimeConfig, ClusterCredentials, *_ENGINE_SETTINGS)
+# accepted in any command's file (one file may serve several commands): --static, and keys
+# of commands that have them
 _EXTRA_FILE_KEYS = {"model", "model-path", "log-level", "log_level", "static-workers", "static_workers", "static"}
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, metavar="NAME",
-        help="a named model instead of --model-path: smollm2 (converted once into ~/.cache/kvmesh; see docs/engines.md)",
-    )  # fmt: skip
     add_flags(p, WorkerConfig, only=_ENGINE_FIELDS, choices={"engine": registry.names()})
     for one in registry.ENTRIES.values():
         add_flags(p, one.settings)
@@ -59,7 +63,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, FrontendConfig)
-    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], help="(default warning)")
+    add_flags(p, LogConfig)
     add_flags(p, HttpLimits)
     add_flags(p, SecurityConfig)
 
@@ -132,11 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arg(frontend)
     _add_frontend_args(frontend)
     _add_runtime_args(frontend)
-    frontend.add_argument(
-        "--static-workers", default=os.environ.get("KVMESH_STATIC_WORKERS", ""),
-        help="comma-separated host:port of static workers: no discovery at all (KVMESH_STATIC_WORKERS)",
-    )  # fmt: skip
-    frontend.add_argument("--model-path", default=None, help="load this model folder now (optional: models come from workers)")
+    add_flags(frontend, FrontendCommandConfig)
     _add_secret_arg(frontend)
 
     from kvmesh.cli.canary import add_canary_args
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner = sub.add_parser("planner", help="the planner for a distributed fleet: signed orders to --standby workers")
     _add_config_arg(planner)
     add_flags(planner, PlannerConfig, title="planner", exclude=("planner",))
-    planner.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], help="(default warning)")
+    add_flags(planner, LogConfig)
     _add_runtime_args(planner)
     _add_secret_arg(planner)
 
@@ -166,19 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_path(ns: argparse.Namespace, file: dict[str, object]) -> dict[str, object]:
-    """``--model NAME`` (flag or file) resolved through the catalog (converting once);
-    nothing when not given (``--model-path`` is then resolved like any setting)."""
-    name = ns.model if ns.model is not None else file.get("model")
-    if name is None:
-        return {}
-    if ns.model_path is not None:
+def _named_model(cfg: WorkerConfig) -> WorkerConfig:
+    """``--model NAME`` resolved through the catalog (converting once) into ``model_path``."""
+    if cfg.model is None:
+        return cfg
+    if cfg.model_path is not None:
         raise ValueError("pass --model or --model-path, not both")
     from kvmesh.errors import InvalidArgument
     from kvmesh.preprocess.catalog import resolve_model
 
     try:
-        return {"model_path": str(resolve_model(str(name)))}
+        return dataclasses.replace(cfg, model_path=str(resolve_model(cfg.model)))
     except InvalidArgument as exc:
         raise ValueError(exc.message) from None
 
@@ -186,10 +184,9 @@ def _model_path(ns: argparse.Namespace, file: dict[str, object]) -> dict[str, ob
 def _worker_config(ns: argparse.Namespace, file: dict[str, object] | None = None, **given: object) -> WorkerConfig:
     """The worker's config with its engine's settings (the registry says which class)."""
     file = file or {}
-    given = {**_model_path(ns, file), **given}
     if debug_enabled():
         given["validate_streams"] = True
-    cfg = resolve(WorkerConfig, ns, file=file, given=given)
+    cfg = _named_model(resolve(WorkerConfig, ns, file=file, given=given))
     options = resolve(registry.entry(cfg.engine).settings, ns, file=file)
     return dataclasses.replace(cfg, engine_options=options)
 
@@ -230,12 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             _apply_cluster_secret(ns, file)
             from kvmesh.cli.frontend import run_frontend
 
-            raw = ns.static_workers or os.environ.get("KVMESH_STATIC_WORKERS", "") or str(file.get("static-workers", ""))
-            static = [a.strip() for a in raw.split(",") if a.strip()]
+            command = resolve(FrontendCommandConfig, ns, file=file)
             return run_frontend(
-                _frontend_config(ns, file), _runtime_config(ns, file), static,
-                ns.model_path or _str_or_none(file.get("model-path")), _log_level(ns, file),
-            )
+                _frontend_config(ns, file), _runtime_config(ns, file), list(command.static_workers),
+                command.model_path, _log_level(ns, file),
+            )  # fmt: skip
         if ns.command == "planner":
             file = _file(ns, *PLANNER_CLASSES)
             _apply_cluster_secret(ns, file)
@@ -268,14 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _str_or_none(value: object) -> str | None:
-    return None if value is None else str(value)
-
-
 def _log_level(ns: argparse.Namespace, file: dict[str, object]) -> str:
-    if ns.log_level is not None:
-        return str(ns.log_level)
-    return str(file.get("log-level", file.get("log_level", "warning")))
+    return resolve(LogConfig, ns, file=file).log_level
 
 
 if __name__ == "__main__":

@@ -105,6 +105,8 @@ class _Member:
     info: InstanceInfo | None = None  # set once it is ready
     published: bool = False
     vetted: bool = False  # a spare that passed its canary check
+    vetted_at: float = 0.0
+    vetting: bool = False
     stopping: bool = False
     load: LoadReport | None = None
     replaces: list[float] = field(default_factory=list)  # loss times this worker makes good
@@ -126,6 +128,7 @@ class EmbeddedFleet:
         self.unpublish_record = unpublish
         self.clock = clock
         self.vet_spare = vet if vet is not None else self._canary_check
+        self.revet_s = 30.0  # a ready spare is canary-checked again this often (idle canaries)
         self.members: dict[int, _Member] = {wid: _Member(role) for wid, role in roles.items()}
         self.main: Launcher | None = None  # aggregated (or decode) workers, and the spares
         self.prefill: Launcher | None = None  # disaggregated runs: prefill workers
@@ -133,10 +136,15 @@ class EmbeddedFleet:
         self.runtime: DistributedRuntime | None = None
         self.service: PlannerService | None = None
         self.metrics: PlannerMetrics | None = None
+        # the prefill queue's depth in tokens (disaggregated runs; None: not known)
+        self.queue_tokens: Callable[[], Awaitable[int]] | None = None
         self._lost: list[float] = []  # serving workers lost and not yet replaced (when)
         self._moves: dict[int, int] = {}  # new worker -> the one it takes over from
         self._tasks: set[asyncio.Task[None]] = set()
         self._settled = asyncio.Event()
+        self._closing = False
+        self._polling = False
+        self._wired = asyncio.Event()  # set once the frontend and runtime are known
         self._last: tuple[float, Buckets, Buckets] | None = None
 
     # ------------------------------------------------------------ supervisor callbacks
@@ -151,7 +159,7 @@ class EmbeddedFleet:
 
     async def on_exit(self, worker_id: int) -> None:
         member = self.members.pop(worker_id, None)
-        if member is None:
+        if member is None or self._closing:
             return
         if member.published:
             await self.unpublish_record(worker_id)
@@ -161,14 +169,31 @@ class EmbeddedFleet:
             if self.service is not None:
                 self.service.wake()
 
+    async def on_failed(self, worker_id: int, why: str) -> None:
+        """A worker exited before it was ready: forgotten (the planner starts another at
+        its next round, so a crash loop is paced by the planner's interval)."""
+        member = self.members.pop(worker_id, None)
+        if member is not None:
+            log.error("planner: %s worker %x failed to start: %s", member.role.value, worker_id, why)
+            if member.replaces:
+                self._lost[:0] = member.replaces  # still to be made good
+        self._check_settled()
+
     # ------------------------------------------------------------ the Fleet seam
     async def settled(self) -> None:
         self._check_settled()
         await self._settled.wait()
 
     async def observe(self) -> Observation:
-        await self._poll_loads()
+        # load reports from the last poll (at most a round old), refreshed in the
+        # background: a round woken by a loss must not wait on a slow worker's answer
+        if not self._polling:
+            self._polling = True
+            self._spawn(self._poll_loads())
         now = self.clock()
+        for wid, m in self.members.items():  # idle canaries on the ready spares
+            if m.role is Role.SPARE and m.vetted and not m.vetting and now - m.vetted_at >= self.revet_s:
+                self._spawn(self._vet(wid))
         views, starting = [], []
         for wid, m in sorted(self.members.items()):
             if m.stopping:
@@ -181,7 +206,8 @@ class EmbeddedFleet:
         level = 0
         if self.frontend is not None and self.frontend.registry.shedder is not None:
             level = int(self.frontend.registry.shedder.controller.level)
-        return Observation(now, tuple(views), tuple(starting), 0, ttft, itl, level, rate)
+        queued = await self.queue_tokens() if self.queue_tokens is not None else 0
+        return Observation(now, tuple(views), tuple(starting), queued, ttft, itl, level, rate)
 
     async def promote(self, worker_id: int, role: Role) -> None:
         member = self.members.get(worker_id)
@@ -263,9 +289,18 @@ class EmbeddedFleet:
         """Canary-check a spare before it counts as ready; a failing spare is stopped
         (the planner starts another)."""
         member = self.members.get(worker_id)
-        if member is None or member.info is None:
+        if member is None or member.info is None or member.vetting:
             return
-        ok, detail = await self.vet_spare(member.info)
+        member.vetting = True
+        try:
+            ok, detail = await self.vet_spare(member.info)
+        finally:
+            member.vetting = False
+        member.vetted_at = self.clock()
+        if member.role is not Role.SPARE:
+            return  # promoted meanwhile: the fleet's own health checks take over
+        if ok and member.vetted:
+            return
         if ok:
             member.vetted = True
             log.info("planner: hot spare %x passed its canary check", worker_id)
@@ -273,12 +308,14 @@ class EmbeddedFleet:
                 self.service.wake()  # a loss waiting for a spare can be served now
         else:
             log.warning("planner: hot spare %x failed its canary check (%s); stopping it", worker_id, detail)
+            member.vetted = False
             await self.stop(worker_id)
 
     async def _canary_check(self, info: InstanceInfo) -> tuple[bool, str]:
         """The frontend's canaries against a worker it does not route to."""
+        await self._wired.wait()  # a spare may be ready before the frontend is built
         if self.runtime is None or self.frontend is None:
-            return False, "no frontend yet"
+            return False, "no frontend"
         client = await self.runtime.client_for(info)
         try:
             health = self.frontend.registry.health
@@ -313,6 +350,12 @@ class EmbeddedFleet:
         return WorkerView(worker_id, m.role, routable, kv, r.num_running if r else 0, r.num_waiting if r else 0)
 
     async def _poll_loads(self) -> None:
+        try:
+            await self._poll_loads_once()
+        finally:
+            self._polling = False
+
+    async def _poll_loads_once(self) -> None:
         if self.frontend is None:
             return
         instances = {i.worker_id: i for i in self.frontend.registry.workers()}
@@ -354,7 +397,18 @@ class EmbeddedFleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def info_of(self, worker_id: int) -> InstanceInfo | None:
+        """A running worker's card, routed to or not (a spare's KV endpoint, for the
+        prefill queue: its canaries may prefill remotely)."""
+        member = self.members.get(worker_id)
+        return None if member is None else member.info
+
+    def wired(self) -> None:
+        """The frontend and runtime are set: spares can be canary-checked."""
+        self._wired.set()
+
     async def close(self) -> None:
+        self._closing = True  # the run is ending: its workers' exits are no losses
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -372,9 +426,16 @@ class DiscoveryFleet:
         self.clock = clock
         self.vetted: dict[int, bool] = {}  # standby -> its canary agreed with a serving worker
         self.promoting: dict[int, Role] = {}  # standby ordered to serve, not registered yet
+        self.moves: dict[int, int] = {}  # promoted standby -> the worker it takes over from
         self.loads: dict[int, LoadReport | None] = {}
+        self._poller: asyncio.Task[None] | None = None
         self._serving: dict[int, tuple[Role, InstanceInfo]] = {}
         self._standby: dict[int, InstanceInfo] = {}
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
 
     async def watch_losses(self, service: PlannerService) -> None:
         """Wake the planner when a serving instance's record goes (a lost worker)."""
@@ -393,29 +454,46 @@ class DiscoveryFleet:
 
     async def observe(self) -> Observation:
         await self._scan()
-        await self._poll()
+        # loads and standby canaries in the background (a canary may take seconds): a
+        # round uses what the last poll found
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
         views = [self._view(w, role) for w, (role, _) in sorted(self._serving.items())]
         views += [WorkerView(w, Role.SPARE, self.vetted.get(w, False)) for w in sorted(self._standby) if w not in self.promoting]
         starting = tuple(self.promoting.values())
         return Observation(self.clock(), tuple(views), starting)
 
     async def promote(self, worker_id: int, role: Role) -> None:
-        if worker_id not in self._standby or not self.vetted.get(worker_id):
-            raise KvmeshError(f"worker {worker_id:x} is not a vetted standby")
-        await self._order(worker_id, "serve", f"promoted to {role.value}")
-        self.promoting[worker_id] = role
+        """Order a vetted standby of ``role``'s kind to serve: ``worker_id`` if it fits
+        (a prefill standby for the prefill role, another for the rest), else another."""
+        fits = self._ready_standbys(role)
+        if not fits:
+            raise KvmeshError(f"no vetted {role.value} standby to promote")
+        chosen = worker_id if worker_id in fits else fits[0]
+        await self._order(chosen, "serve", f"promoted to {role.value}")
+        self.promoting[chosen] = role
 
     async def start(self, role: Role) -> None:
-        ready = [w for w in sorted(self._standby) if self.vetted.get(w) and w not in self.promoting]
-        if role is Role.SPARE or not ready:
+        """The planner cannot start processes here: a start promotes a ready standby."""
+        if role is Role.SPARE or not self._ready_standbys(role):
             raise KvmeshError(f"no standby to start a {role.value} worker from: start `kvmesh worker --standby` processes")
-        await self.promote(ready[0], role)
+        await self.promote(self._ready_standbys(role)[0], role)
 
     async def stop(self, worker_id: int) -> None:
         await self._order(worker_id, "stop", "planner: scale down")
 
     async def move(self, worker_id: int, role: Role) -> None:
-        raise KvmeshError("a worker's role is fixed by its flags in distributed mode; start standbys of each role")
+        """A worker's role is fixed by its flags here: a standby of the new role is
+        promoted, and ``worker_id`` is ordered to drain once that one is registered."""
+        await self.start(role)
+        self.moves[next(w for w, r in self.promoting.items() if r is role)] = worker_id
+
+    def _ready_standbys(self, role: Role) -> list[int]:
+        component = PREFILL_COMPONENT if role is Role.PREFILL else COMPONENT
+        return [
+            w for w, info in sorted(self._standby.items())
+            if self.vetted.get(w) and w not in self.promoting and (info.component or COMPONENT) == component
+        ]  # fmt: skip
 
     # ------------------------------------------------------------ steps
     async def _order(self, worker_id: int, action: Literal["serve", "stop"], reason: str) -> None:
@@ -442,6 +520,9 @@ class DiscoveryFleet:
                 standby[info.worker_id] = info
         for w in [w for w in self.promoting if w in serving or w not in standby]:
             del self.promoting[w]  # registered (or gone)
+            old = self.moves.pop(w, None)
+            if old is not None and w in serving:  # the move's new worker serves: the old one drains
+                await self._order(old, "stop", f"moved to worker {w:x}")
         self._serving, self._standby = serving, standby
         for w in [w for w in self.vetted if w not in standby]:
             del self.vetted[w]
@@ -512,6 +593,7 @@ def start_embedded_planner(
     """Wire the fleet to the running frontend and start planning."""
     fleet.frontend = frontend
     fleet.runtime = runtime
+    fleet.wired()
     fleet.metrics = PlannerMetrics(frontend.metrics.registry)
     service = PlannerService(Planner(planner_config(cfg)), fleet, cfg.planner.planner_interval_s, fleet.metrics)
     fleet.service = service
@@ -560,5 +642,6 @@ async def _plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfi
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
         await service.close()
+        await fleet.close()
         await runtime.shutdown()
     return 0

@@ -17,18 +17,17 @@ bad option value; each failure is one line on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvmesh.cli.replay_output import PROG, fail, read_trace, write_json
+
 if TYPE_CHECKING:
     from kvmesh.replay.runner import ReplayConfig
 
 __all__ = ["add_replay_args", "main", "run_replay"]
-
-_PROG = "kvmesh replay"
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
@@ -80,11 +79,6 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _fail(message: str, status: int) -> int:
-    print(f"{_PROG}: {message}", file=sys.stderr)
-    return status
-
-
 def _config(ns: argparse.Namespace) -> ReplayConfig:
     from kvmesh.engines.mocker.options import MockerOptions
     from kvmesh.engines.settings import MockerSettings
@@ -113,24 +107,22 @@ def run_replay(ns: argparse.Namespace) -> int:
         try:
             base = _config(ns)
         except ValueError as exc:
-            return _fail(str(exc), 2)
+            return fail(str(exc), 2)
         return run_arms(ns, base)
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_ttft_cdf
     from kvmesh.replay.report import format_table, summarize
     from kvmesh.replay.runner import replay_policy
-    from kvmesh.replay.trace import TraceError, load_trace
 
     try:
         config = _config(ns)
     except ValueError as exc:
-        return _fail(str(exc), 2)
-    try:
-        trace = load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
-    except TraceError as exc:
-        return _fail(str(exc), 1)
+        return fail(str(exc), 2)
+    trace = read_trace(ns)
+    if isinstance(trace, int):
+        return trace
     plot = ns.plot
     if plot is not None and not have_matplotlib():
-        print(f"{_PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
+        print(f"{PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
         plot = None
     span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0
     print(
@@ -144,22 +136,18 @@ def run_replay(ns: argparse.Namespace) -> int:
             with _progress(name, len(trace), ns.no_progress) as tick:
                 records = replay_policy(name, trace, config, tick)
         except ValueError as exc:
-            return _fail(str(exc), 2)
+            return fail(str(exc), 2)
         results.append(summarize(name, records))
         print(f"  {name}: replayed in {time.perf_counter() - start:.1f} s wall")
     print(format_table(results))
-    if ns.json is not None:
-        try:
-            with open(ns.json, "w", encoding="utf-8") as f:
-                json.dump([r.to_json() for r in results], f, indent=2)
-                f.write("\n")
-        except OSError as exc:
-            return _fail(f"cannot write {ns.json}: {exc.strerror or exc}", 1)
+    status = write_json(ns.json, results)
+    if status is not None:
+        return status
     if plot is not None:
         try:
             plot_ttft_cdf(results, plot, title=f"TTFT CDF: {len(trace)} requests, {config.workers} workers")
         except OSError as exc:
-            return _fail(f"cannot write {plot}: {exc.strerror or exc}", 1)
+            return fail(f"cannot write {plot}: {exc.strerror or exc}", 1)
         print(f"TTFT CDF written to {plot}")
     return 0
 
@@ -187,7 +175,7 @@ class _progress:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvmesh.cli.replay`` (the same as ``kvmesh replay``)."""
-    parser = argparse.ArgumentParser(prog=_PROG, description="Replay a request trace against mocker workers")
+    parser = argparse.ArgumentParser(prog=PROG, description="Replay a request trace against mocker workers")
     add_replay_args(parser)
     return run_replay(parser.parse_args(argv))
 

@@ -9,11 +9,12 @@ read/written, 2 a bad option value.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from kvmesh.cli.replay_output import PROG, fail, read_trace, write_json
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -27,28 +28,19 @@ if TYPE_CHECKING:
 
 __all__ = ["run_arms"]
 
-_PROG = "kvmesh replay"
-
-
-def _fail(message: str, status: int) -> int:
-    print(f"{_PROG}: {message}", file=sys.stderr)
-    return status
-
 
 def run_arms(ns: argparse.Namespace, base: ReplayConfig) -> int:
     """``base``: the replay's config (workers, speed, mocker options) from ``kvmesh replay``'s flags."""
     from kvmesh.replay.arms import parse_arms
-    from kvmesh.replay.trace import TraceError, load_trace
 
     try:
         setup = _setup(ns, base)
         arms = parse_arms(ns.arms, ns.workers)
     except ValueError as exc:
-        return _fail(str(exc), 2)
-    try:
-        trace = load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
-    except TraceError as exc:
-        return _fail(str(exc), 1)
+        return fail(str(exc), 2)
+    trace = read_trace(ns)
+    if isinstance(trace, int):
+        return trace
     span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 / ns.speed
     print(
         f"replaying {len(trace)} requests ({span_s:.1f} s of arrivals at speed {ns.speed:g}) on {ns.workers} mocker "
@@ -60,7 +52,7 @@ def run_arms(ns: argparse.Namespace, base: ReplayConfig) -> int:
         try:
             result = _one(arm, trace, ns, setup)
         except ValueError as exc:
-            return _fail(str(exc), 2)
+            return fail(str(exc), 2)
         results.append(result)
         print(f"  {arm.name}: replayed in {time.perf_counter() - started:.1f} s wall")
         for line in result.decisions:
@@ -96,7 +88,7 @@ def _one(arm: Arm, trace: Sequence[TraceRequest], ns: argparse.Namespace, setup:
     stream = arrivals(trace, TokenSynth(options.vocab_size), config.speed)
     run = run_arm(arm, stream, options, config.workers, default_router(ns.router, options, config.seed), model, planner)
     window = arrival_window_s([r.arrival_ms for r in run.records])
-    return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions)
+    return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions, run.resources)
 
 
 def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, n: int) -> int:
@@ -104,20 +96,16 @@ def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, n: i
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_arms
 
     print(format_arms(results, slo))
-    if ns.json is not None:
-        try:
-            with open(ns.json, "w", encoding="utf-8") as f:
-                json.dump([r.to_json() for r in results], f, indent=2)
-                f.write("\n")
-        except OSError as exc:
-            return _fail(f"cannot write {ns.json}: {exc.strerror or exc}", 1)
+    status = write_json(ns.json, results)
+    if status is not None:
+        return status
     if ns.plot is not None:
         if not have_matplotlib():
-            print(f"{_PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
+            print(f"{PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
             return 0
         try:
             plot_arms(results, ns.plot, slo, title=f"{n} requests, {ns.workers} workers")
         except OSError as exc:
-            return _fail(f"cannot write {ns.plot}: {exc.strerror or exc}", 1)
+            return fail(f"cannot write {ns.plot}: {exc.strerror or exc}", 1)
         print(f"TTFT and ITL CDFs per arm written to {ns.plot}")
     return 0

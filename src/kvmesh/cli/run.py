@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvmesh.protocol import InstanceInfo, KvEndpoint
     from kvmesh.runtime.distributed import DistributedRuntime
     from kvmesh.cli.planner import EmbeddedFleet
+    from kvmesh.disagg.queue import PrefillQueue
     from kvmesh.worker.supervisor import ForkedWorker, Supervisor
 
 __all__ = ["run_embedded"]
@@ -126,8 +127,10 @@ async def _serve(cfg: RunConfig, sock: socket.socket, log_level: str, preforked:
     fleet = _planned_fleet(cfg, on_ready, on_exit) if cfg.planner.planner else None
     if fleet is not None:  # the planner decides what replaces a worker: it publishes, it is told of exits
         on_ready, on_exit = fleet.on_ready, fleet.on_exit
-    supervisors = await _supervisors(cfg, runtime, on_ready, on_exit, preforked)
+    supervisors = await _supervisors(cfg, runtime, on_ready, on_exit, preforked, fleet)
     if fleet is not None:
+        for one in supervisors:
+            one.on_failed = fleet.on_failed
         fleet.main = supervisors[0]
         fleet.prefill = supervisors[1] if len(supervisors) > 1 else None
     for one in supervisors:
@@ -198,10 +201,12 @@ async def _supervisors(
     on_ready: Callable[[InstanceInfo], Awaitable[None]],
     on_exit: Callable[[int], Awaitable[None]],
     preforked: list[ForkedWorker],
+    fleet: EmbeddedFleet | None = None,
 ) -> list[Supervisor]:
     """The worker processes to keep running: ``workers`` aggregated ones (``preforked``
     already), or (with ``--prefill-workers``/``--decode-workers``) decode and prefill
-    ones sharing this process's prefill queue, served on the request plane."""
+    ones sharing this process's prefill queue, served on the request plane (whose
+    depth in tokens the planner's ``fleet`` reads)."""
     from kvmesh.worker.supervisor import Supervisor
 
     limit = cfg.max_failed_starts
@@ -215,7 +220,10 @@ async def _supervisors(
                 restart=restart, per_process=cfg.workers_per_process,
             )  # fmt: skip
         ]
-    address = await _serve_prefill_queue(cfg, runtime)
+    # a hot spare is not in discovery: the queue finds its KV endpoint through the fleet
+    address, queue = await _serve_prefill_queue(cfg, runtime, fleet.info_of if fleet is not None else None)
+    if fleet is not None:
+        fleet.queue_tokens = _queue_tokens(queue)
     decode = replace(cfg.worker, mode="decode", prefill_queue=f"tcp://{address}")
     prefill = replace(cfg.worker, mode="prefill", prefill_queue=f"tcp://{address}")
     return [
@@ -243,9 +251,19 @@ def _planned_fleet(
     return EmbeddedFleet(publish, unpublish, roles)
 
 
-async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> str:
+def _queue_tokens(queue: PrefillQueue) -> Callable[[], Awaitable[int]]:
+    async def tokens() -> int:
+        return (await queue.status()).tokens
+
+    return tokens
+
+
+async def _serve_prefill_queue(
+    cfg: RunConfig, runtime: DistributedRuntime, known: Callable[[int], InstanceInfo | None] | None = None
+) -> tuple[str, PrefillQueue]:
     """Embedded mode's global prefill queue (in this process), and the decode workers'
-    KV endpoints from this process's discovery, for the workers to reach over TCP."""
+    KV endpoints from this process's discovery (or ``known``: workers not routed to,
+    the planner's hot spares), for the workers to reach over TCP."""
     from kvmesh.disagg.queue import LocalPrefillQueue, serve_queue
     from kvmesh.protocol import DisaggThresholds, InstanceInfo
     from kvmesh.runtime.distributed import instance_key
@@ -258,7 +276,10 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> s
     async def kv_metadata(worker_id: int) -> KvEndpoint | None:
         key = instance_key(ns, COMPONENT, GENERATE, worker_id)
         value = (await runtime.discovery.get_prefix(key)).get(key)
-        return None if value is None else decode_info(value).kv
+        if value is not None:
+            return decode_info(value).kv
+        info = known(worker_id) if known is not None else None
+        return None if info is None else info.kv
 
     w = cfg.worker
     queue = LocalPrefillQueue(
@@ -268,7 +289,7 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime) -> s
     serve_queue(server, queue, kv_metadata)
     await server.start()
     runtime.add_closer(server.close)
-    return server.address
+    return server.address, queue
 
 
 async def _announce(cfg: RunConfig, model: str, server: HttpServer, registry: ModelRegistry) -> None:

@@ -7,6 +7,7 @@ tokenizer and chat template) and stays while the frontend runs; requests for it 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import re
@@ -124,6 +125,7 @@ class ModelEntry:
         self.router = PushRouter(self.instances, make_policy(mode), config.worker_wait_s, f"model {info.name!r}")
         self.metrics = metrics
         self.kv: KvRouterService | None = None  # the KV router, in kv / kv-approx modes
+        self.kv_starting = asyncio.Lock()  # one KV router, however many workers attach at once
         self.migration_limit = config.migration_limit
         self.health: HealthMonitor | None = None
         self.created = int(time.time())
@@ -176,7 +178,9 @@ class ModelRegistry:
             self.add_model(await self._model_folder(info, client), name)
         entry = self.models[name]
         if self.config.kv_routing and entry.kv is None:
-            await self._start_kv(entry, info)
+            async with entry.kv_starting:  # subscribing awaits (NATS): the next attaches must wait for it
+                if entry.kv is None:
+                    await self._start_kv(entry, info)
         return self._add_instance(info, client)
 
     async def _start_kv(self, entry: ModelEntry, info: InstanceInfo) -> None:

@@ -31,6 +31,7 @@ class RouterMetrics:
 
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
         self.decision_seconds = parent.router_decision.labels(model)
+        self.decision_cpu_seconds = parent.router_decision_cpu.labels(model)
         self.overlap = parent.router_overlap.labels(model)
         self.events_applied = parent.router_events.labels(model)
         self.event_gaps = parent.router_gaps.labels(model)
@@ -130,6 +131,11 @@ class FrontendMetrics:
         self.router_decision = Histogram(
             "kvmesh_router_decision_seconds", "Time to make one routing decision", ["model"],
             buckets=_DECISION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.router_decision_cpu = Histogram(
+            "kvmesh_router_decision_cpu_seconds",
+            "CPU time of one routing decision (this thread's; without the time other processes held the core)",
+            ["model"], buckets=_DECISION_BUCKETS, registry=r,
         )  # fmt: skip
         self.router_overlap = Histogram(
             "kvmesh_router_overlap_ratio", "Share of the prompt the chosen worker had cached", ["model"],

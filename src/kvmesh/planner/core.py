@@ -144,7 +144,8 @@ class Planner:
 
     def plan(self, obs: Observation) -> Plan:
         if self._planned is None:
-            self._planned = {r: sum(1 for w in obs.workers if w.role is r) for r in SERVING}
+            # the sizes the fleet was started with: its workers and those on their way
+            self._planned = {r: sum(1 for w in obs.workers if w.role is r) + obs.starting.count(r) for r in SERVING}
         prefill, decode = self._pressures(obs)
         inputs = {
             "prefill_pressure": prefill, "decode_pressure": decode, "workers": float(len(obs.workers)),

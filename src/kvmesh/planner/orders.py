@@ -21,14 +21,15 @@ worker, nor replay an old order.
 standby workers and their load reports; a standby is vetted by a greedy canary whose
 answer must agree with a serving worker's (tokens and top log-probability). It cannot
 start processes: ``start`` promotes a vetted standby when there is one (keeping the
-standby pool full is the process manager's job: Kubernetes, systemd), and a worker's
-role is fixed by its flags, so ``move`` is refused (counted as a failed action).
+standby pool full is the process manager's job: Kubernetes, systemd); a worker's role
+is fixed by its flags (a prefill standby is one started with ``--mode prefill``), so a
+``move`` promotes a standby of the new role and orders the old worker to drain once
+the new one is registered.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Literal
 
@@ -36,7 +37,7 @@ import msgspec
 
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.auth import ClusterSecret
-from kvmesh.runtime.distributed import DistributedRuntime, sign_record
+from kvmesh.runtime.distributed import DistributedRuntime, sign_record, sign_struct, struct_is_signed
 
 __all__ = [
     "Order",
@@ -75,16 +76,12 @@ def order_key(namespace: str, worker_id: int) -> str:
     return f"{planner_prefix(namespace)}orders/{worker_id:x}"
 
 
-def _order_mac(secret: ClusterSecret, key: str, order: Order) -> str:
-    return secret.sign("planner", key.encode(), _encode(msgspec.structs.replace(order, mac=""))).hex()
-
-
 def sign_order(secret: ClusterSecret | None, key: str, order: Order) -> Order:
-    return order if secret is None else msgspec.structs.replace(order, mac=_order_mac(secret, key, order))
+    return sign_struct(secret, "planner", key, order)
 
 
 def order_is_signed(secret: ClusterSecret | None, key: str, order: Order) -> bool:
-    return secret is None or hmac.compare_digest(order.mac, _order_mac(secret, key, order))
+    return struct_is_signed(secret, "planner", key, order)
 
 
 class StandbyLink:

@@ -30,6 +30,8 @@ __all__ = ["Fleet", "PlannerService", "Decision"]
 
 log = logging.getLogger("kvmesh.planner")
 
+_REPEAT_LOG_S = 60.0
+
 
 class Fleet(Protocol):
     """What the planner sees of a fleet and how it acts on it. The action methods
@@ -86,6 +88,7 @@ class PlannerService:
         self.history: collections.deque[Decision] = collections.deque(maxlen=256)
         self.rounds = 0
         self._wake = asyncio.Event()
+        self._said: dict[str, float] = {}  # refused actions last logged (when)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -137,7 +140,7 @@ class PlannerService:
                 await fleet.move(action.worker_id, action.role)
         except KvmeshError as exc:  # the fleet cannot do it (no standby, a fixed role): said, counted
             ok = False
-            log.warning("planner: %s not done: %s", _describe(action), exc.message)
+            self._refused(action, exc.message)
         except Exception:  # noqa: BLE001 - logged and counted; the next round sees the fleet as it is
             ok = False
             log.exception("planner: %s failed", _describe(action))
@@ -148,6 +151,15 @@ class PlannerService:
             log.warning("planner: %s", _describe(action))
         if self.metrics is not None and ok:
             self.metrics.decisions.labels(action.kind.value, action.role.value).inc()
+
+    def _refused(self, action: Action, why: str) -> None:
+        """Log a refused action once per ``_REPEAT_LOG_S`` for the same reason (the core
+        asks again every round while the fleet cannot, e.g. no standby to promote)."""
+        now = self.clock()
+        key = f"{action.kind.value} {action.role.value}: {why}"
+        if now - self._said.get(key, -_REPEAT_LOG_S) >= _REPEAT_LOG_S:
+            self._said[key] = now
+            log.warning("planner: %s not done: %s", _describe(action), why)
 
     def _export(self, obs: Observation, plan: Plan) -> None:
         m = self.metrics

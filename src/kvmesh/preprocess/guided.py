@@ -188,10 +188,6 @@ class GuidedTokenizer:
                 self._cache.popitem(last=False)
         return matcher
 
-    def is_compiled(self, g: GuidedDecoding) -> bool:
-        with self._lock:
-            return g in self._cache
-
     def guide(self, g: GuidedDecoding, generated: Sequence[int] = ()) -> Guide:
         """A fresh matcher for one request, advanced over ``generated`` (the tokens a
         migrated request already streamed); InvalidArgument if they do not match."""

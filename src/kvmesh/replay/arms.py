@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker
+from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, WorkerUsage
 from kvmesh.planner.core import Action, Observation, Planner, PlannerConfig, Role, WorkerView
 from kvmesh.protocol import DisaggThresholds, KvEvent, LoadReport, PreprocessedRequest
 from kvmesh.replay.policies import KvPolicy, ReplayPolicy, make_policy
@@ -121,9 +121,43 @@ class PlannerSettings:
 
 @dataclass
 class ArmRun:
+    """``resources``: where the fleet's capacity went, as fractions of the makespan
+    (first arrival → last finish): see :func:`_resources`."""
+
     records: list[RequestRecord]
     counters: dict[str, int]
     decisions: list[str]
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+def _resources(
+    records: Sequence[RequestRecord], serving: Sequence[WorkerUsage], prefill_compute_ms: Sequence[float],
+    link_ms: Sequence[float],
+) -> dict[str, float]:
+    """Per worker, averaged over the workers of each kind: ``serve_busy`` (passes of the
+    workers that take requests: aggregated or decode), ``serve_prefill`` (the prefill
+    part of those passes), ``prefill_busy`` (prefill workers computing jobs),
+    ``link_busy`` (their KV writes); ``kv_max`` / ``kv_mean`` (KV pool use after each
+    pass, max over workers / mean), ``running_max`` (most requests in one worker's batch)."""
+    ends = [r.finish_ms for r in records if r.finish_ms is not None]
+    span = (max(ends) - min(r.arrival_ms for r in records)) if ends else 0.0
+    if span <= 0:
+        return {}
+    active = [u for u in serving if u.passes]
+
+    def mean(xs: Sequence[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return {
+        "makespan_s": span / 1000.0,
+        "serve_busy": mean([u.busy_ms / span for u in active]),
+        "serve_prefill": mean([u.prefill_ms / span for u in active]),
+        "prefill_busy": mean([ms / span for ms in prefill_compute_ms]),
+        "link_busy": mean([ms / span for ms in link_ms]),
+        "kv_max": max((u.kv_usage_max for u in active), default=0.0),
+        "kv_mean": mean([u.kv_usage_sum / u.passes for u in active]),
+        "running_max": float(max((u.running_max for u in active), default=0)),
+    }
 
 
 def run_arm(
@@ -138,8 +172,9 @@ def run_arm(
 ) -> ArmRun:
     """Replay ``arrivals`` under one arm; ``make_router(n)`` builds the router over n workers."""
     if arm.prefill == 0:
-        records = simulate(arrivals, make_router(workers), fleet_options(options, workers), on_done)
-        return ArmRun(records, {"local_prefills": len(records)}, [])
+        usage: list[WorkerUsage] = []
+        records = simulate(arrivals, make_router(workers), fleet_options(options, workers), on_done, usage)
+        return ArmRun(records, {"local_prefills": len(records)}, [], _resources(records, usage, [], []))
     fleet = _DisaggFleet(arm, options, workers, make_router, model or DisaggModel(), planner, on_done)
     return fleet.run(arrivals)
 
@@ -170,6 +205,8 @@ class _Node:
     moving_to: Role | None = None
     computing: bool = False  # a prefill job in hand (compute; unpipelined: until written)
     link_free_ms: float = 0.0  # when its last KV write ends
+    compute_ms: float = 0.0  # time spent computing prefill jobs
+    link_ms: float = 0.0  # time spent writing KV
     writes: int = 0  # KV writes in flight from this worker
     awaiting: int = 0  # remote prefills this (decode) worker waits for
 
@@ -285,7 +322,11 @@ class _DisaggFleet:
                 break
             self._settle_moves()
         records = sorted(self.records.values(), key=lambda r: (r.arrival_ms, int(r.request_id[1:]) if r.request_id[1:].isdigit() else 0))
-        return ArmRun(records, self.counters, self.decisions)
+        # a worker counts where it spent its time (a planner's worker may be on both sides)
+        serving = [n.worker.usage for n in self.nodes if n.worker.usage.passes]
+        pulling = [n for n in self.nodes if n.compute_ms > 0]
+        resources = _resources(records, serving, [n.compute_ms for n in pulling], [n.link_ms for n in pulling])
+        return ArmRun(records, self.counters, self.decisions, resources)
 
     def _busy(self) -> bool:
         return bool(self.queue) or any(
@@ -333,7 +374,9 @@ class _DisaggFleet:
                 job = self.queue.popleft()
                 self.queue_tokens -= job.tokens
                 node.computing = True
-                self._push(t + self._compute_ms(job), "computed", (node.index, job))
+                took = self._compute_ms(job)
+                node.compute_ms += took
+                self._push(t + took, "computed", (node.index, job))
 
     def _transfer_ms(self, blocks: int) -> float:
         o = self.options
@@ -351,7 +394,9 @@ class _DisaggFleet:
         if kind == "computed":
             bs = self.options.block_size
             start = max(t, node.link_free_ms)
-            node.link_free_ms = start + self._transfer_ms(-(-job.upto // bs) - job.cached // bs)
+            write = self._transfer_ms(-(-job.upto // bs) - job.cached // bs)
+            node.link_ms += write
+            node.link_free_ms = start + write
             node.writes += 1
             self._push(node.link_free_ms, "written", (index, job))
             if self.model.pipeline:

@@ -92,6 +92,7 @@ class ArmResult:
     good: int
     counters: dict[str, int] = field(default_factory=dict)
     decisions: list[str] = field(default_factory=list)
+    resources: dict[str, float] = field(default_factory=dict)
     ttfts_ms: list[float] = field(default_factory=list, repr=False)
     itls_ms: list[float] = field(default_factory=list, repr=False)
 
@@ -111,6 +112,7 @@ class ArmResult:
         for key in ARM_JSON_FIELDS[10:]:
             d[key] = self.counters.get(key, 0)
         d["planner_decisions"] = list(self.decisions)
+        d["resources"] = dict(self.resources)
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
 
 
@@ -121,6 +123,7 @@ def summarize_arm(
     window_s: float | None,
     counters: dict[str, int] | None = None,
     decisions: Sequence[str] = (),
+    resources: dict[str, float] | None = None,
 ) -> ArmResult:
     done = [r for r in records if r.finish_reason in ("stop", "length")]
     ttfts = sorted(r.ttft_ms for r in done if r.ttft_ms is not None)
@@ -140,6 +143,7 @@ def summarize_arm(
         good=good,
         counters=dict(counters or {}),
         decisions=list(decisions),
+        resources=dict(resources or {}),
         ttfts_ms=ttfts,
         itls_ms=itls,
     )
@@ -162,6 +166,15 @@ def format_arms(results: Sequence[ArmResult], slo: Slo) -> str:
             f"{r.arm:<16}{r.goodput_rps:>10.3f}{r.slo_met_fraction:>9.1%}{_ms(r.ttft_p50_ms):>10}{_ms(r.ttft_p99_ms):>10}"
             f"{_ms(r.itl_p50_ms, 1):>9}{_ms(r.itl_p99_ms, 1):>9}{split:>20}"
         )
+    lines.append("where the time went (per worker, fraction of the makespan; KV: pool use of serving workers)")
+    lines.append(f"{'arm':<16}{'serve busy':>11}{'of it prefill':>14}{'prefill wkr':>12}{'KV link':>9}{'KV max':>8}{'KV mean':>8}{'batch max':>10}")
+    for r in results:
+        x = r.resources
+        if x:
+            lines.append(
+                f"{r.arm:<16}{x['serve_busy']:>11.0%}{x['serve_prefill']:>14.0%}{x['prefill_busy']:>12.0%}"
+                f"{x['link_busy']:>9.0%}{x['kv_max']:>8.0%}{x['kv_mean']:>8.0%}{x['running_max']:>10.0f}"
+            )
     base = [r for r in results if r.arm.startswith("aggregated")]
     if base:
         best = max(base, key=lambda r: r.goodput_rps)

@@ -184,52 +184,76 @@ def select_greedy(
     """Temperature-0 :func:`select` for many workers, without a :class:`CandidateScore`
     per worker. The same rule; what differs is only how the work is done:
 
-    * with no weights, workers that hold nothing of the prompt and carry no load all
-      cost the same, so they are scored once as a group; only the others (matched or
-      loaded) are scored one by one;
+    * a worker of weight 1 that carries no load costs what its overlap says, so those
+      are scored once per overlap value (those holding nothing of the prompt are one
+      group); only loaded workers and workers of another weight are scored one by one
+      (weight 0: left out, unless every worker has weight 0);
     * scores are built for the tied best only (ties broken as :func:`select` does,
       a random pick among the last ties) and for the ``keep`` cheapest, which are
       returned for explanations.
     """
-    if weights is not None:
-        return _greedy_weighted(workers, inputs, weights, rng, keep)
+    weights = weights or {}
+    zero = {w for w, v in weights.items() if v <= 0.0 and w in workers}
+    if zero and len(zero) == len(workers):
+        return _greedy_weighted(workers, inputs, weights, rng, keep)  # all weight 0: all take part
     overlaps, prompt_tokens, prefill_load_tokens, active_blocks, block_size, overlap_weight = inputs
     n_blocks = -(-prompt_tokens // block_size)
-    busy = [w for w in {*overlaps, *prefill_load_tokens, *active_blocks} if w in workers]
-    get_overlap, get_prefill, get_active = overlaps.get, prefill_load_tokens.get, active_blocks.get
-    by_overlap: dict[int, float] = {}  # an unloaded worker's cost depends on its overlap only
-    costs = []
-    for w in busy:
-        overlap = get_overlap(w, 0)
-        prefill = get_prefill(w, 0)
-        active = get_active(w, 0)
-        if prefill or active:
-            cost = _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
-        else:
-            cached = by_overlap.get(overlap)
-            if cached is None:
-                cached = by_overlap[overlap] = _cost(overlap, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
-            cost = cached
-        costs.append(cost)
-    idle_cost = _cost(0, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
-    has_idle = len(busy) < len(workers)
-    best = min(min(costs, default=math.inf), idle_cost if has_idle else math.inf)
+    get_overlap, get_prefill, get_active, get_weight = overlaps.get, prefill_load_tokens.get, active_blocks.get, weights.get
+
+    def cost_of(overlap: int, prefill: int = 0, active: int = 0) -> float:
+        return _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
+
+    # one by one: loaded workers (few: in-flight requests) and those of a weight other
+    # than 1; grouped by overlap: the matched others (up to the whole fleet, when every
+    # worker caches a popular prefix); one group: the rest (weight 1, idle, nothing cached)
+    odd = [w for w, v in weights.items() if v != 1.0]  # weights may list every worker, most at 1
+    single = [w for w in {*prefill_load_tokens, *active_blocks, *odd} if w in workers and w not in zero]
+    single_set = set(single)
+    skip = single_set | zero
+    groups: dict[int, list[int]] = {}
+    for w, o in overlaps.items():
+        if w in workers and w not in skip:
+            group = groups.get(o)
+            if group is None:
+                groups[o] = [w]
+            else:
+                group.append(w)
+    # effective cost (select's rule): (cost + 1) / weight
+    single_cost = [cost_of(get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)) for w in single]
+    single_eff = [(c + 1.0) / get_weight(w, 1.0) for c, w in zip(single_cost, single)]
+    group_eff = {o: cost_of(o) + 1.0 for o in groups}
+    matched = sum(len(g) for g in groups.values())
+    has_idle = len(single) + matched + len(zero) < len(workers)
+    idle_eff = cost_of(0) + 1.0
+    best = min(min(single_eff, default=math.inf), min(group_eff.values(), default=math.inf), idle_eff if has_idle else math.inf)
     limit = best + _TIE_RTOL * max(1.0, abs(best))
 
-    def scored(w: int) -> CandidateScore:
-        return score(w, get_overlap(w, 0), prompt_tokens, get_prefill(w, 0), get_active(w, 0), block_size, overlap_weight)
-
-    # ties share cost and weight (1): only the fewest cached blocks, then chance, decide
-    ties = [w for w, c in zip(busy, costs) if c <= limit]
-    idle_ties = has_idle and idle_cost <= limit  # idle workers hold nothing: overlap 0
-    fewest = 0 if idle_ties else min(get_overlap(w, 0) for w in ties)
-    ties = [w for w in ties if get_overlap(w, 0) == fewest]
+    # ties: the highest weight, then the fewest cached blocks, then chance decide
+    tied_single = [w for w, e in zip(single, single_eff) if e <= limit]
+    tied_groups = [o for o, e in group_eff.items() if e <= limit]
+    idle_ties = has_idle and idle_eff <= limit  # idle workers hold nothing: overlap 0
+    top = 1.0 if tied_groups or idle_ties else max(get_weight(w, 1.0) for w in tied_single)
+    tied_single = [w for w in tied_single if get_weight(w, 1.0) == top]
+    fewest = 0 if idle_ties else min([get_overlap(w, 0) for w in tied_single] + tied_groups)
+    ties = [w for w in tied_single if get_overlap(w, 0) == fewest]
+    if fewest in tied_groups:
+        ties += groups[fewest]
     if idle_ties:
-        busy_set = set(busy)
-        ties += [w for w in workers if w not in busy_set]
+        ties += [w for w in workers if w not in skip and w not in overlaps]
+
+    def scored(w: int) -> CandidateScore:
+        o, p, a = get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)
+        return score(w, o, prompt_tokens, p, a, block_size, overlap_weight, get_weight(w, 1.0))
+
     chosen = scored(ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))])
-    order = sorted(range(len(busy)), key=costs.__getitem__)[:keep]
-    shown = [scored(busy[i]) for i in order]
+    # the ``keep`` cheapest of the scored-one-by-one and matched workers, for explanations
+    cheapest = sorted(zip(single_cost, single))[:keep]
+    for o in sorted(groups, key=group_eff.__getitem__):
+        if len(cheapest) >= keep and group_eff[o] - 1.0 >= cheapest[keep - 1][0]:
+            break
+        cheapest += [(group_eff[o] - 1.0, w) for w in groups[o][:keep]]
+        cheapest.sort()
+    shown = [scored(w) for _, w in cheapest[:keep]]
     if chosen not in shown:
         shown.append(chosen)
     return chosen, shown

@@ -289,7 +289,7 @@ class KvRouterService:
         if len(candidates) != len(self.workers) or health is not None:
             allowed = set(candidates)
             weights = {w: (health.get(w, 1.0) if health else 1.0) if w in allowed else 0.0 for w in self.workers}
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         decision = self.core.route(
             request.request_id,
             request.token_ids,
@@ -298,6 +298,7 @@ class KvRouterService:
             overlap_weight=hints.overlap_weight if hints is not None else None,
             temperature=hints.router_temperature if hints is not None else None,
         )
+        self.metrics.decision_cpu_seconds.observe(time.thread_time() - cpu)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         if request.token_ids:
             cached = decision.overlap_blocks * self.settings.block_size

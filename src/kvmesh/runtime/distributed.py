@@ -82,6 +82,8 @@ __all__ = [
     "NIL",
     "sign_record",
     "record_is_signed",
+    "sign_struct",
+    "struct_is_signed",
     "SharedClients",
 ]
 
@@ -135,17 +137,31 @@ def instance_key(namespace: str, component: str, endpoint: str, lease_id: int) -
     return f"{endpoint_prefix(namespace, component, endpoint)}{lease_id:x}"
 
 
-def _record_mac(secret: ClusterSecret, key: str, info: InstanceInfo) -> str:
-    return secret.sign("discovery", key.encode(), _encode(msgspec.structs.replace(info, mac=""))).hex()
+_Signed = TypeVar("_Signed", bound=msgspec.Struct)
+
+
+def _struct_mac(secret: ClusterSecret, label: str, key: str, msg: msgspec.Struct) -> str:
+    return secret.sign(label, key.encode(), _encode(msgspec.structs.replace(msg, mac=""))).hex()
+
+
+def sign_struct(secret: ClusterSecret | None, label: str, key: str, msg: _Signed) -> _Signed:
+    """``msg`` (a struct with a ``mac`` field, stored at ``key``) with its signature
+    for ``label`` (unchanged without a secret): discovery records, planner orders."""
+    return msg if secret is None else msgspec.structs.replace(msg, mac=_struct_mac(secret, label, key, msg))
+
+
+def struct_is_signed(secret: ClusterSecret | None, label: str, key: str, msg: msgspec.Struct) -> bool:
+    """Does ``msg``'s ``mac`` field hold its signature for ``label`` and ``key``?"""
+    return secret is None or hmac.compare_digest(getattr(msg, "mac"), _struct_mac(secret, label, key, msg))
 
 
 def sign_record(secret: ClusterSecret | None, key: str, info: InstanceInfo) -> InstanceInfo:
     """``info`` with its signature for ``key`` (unchanged without a secret)."""
-    return info if secret is None else msgspec.structs.replace(info, mac=_record_mac(secret, key, info))
+    return sign_struct(secret, "discovery", key, info)
 
 
 def record_is_signed(secret: ClusterSecret | None, key: str, info: InstanceInfo) -> bool:
-    return secret is None or hmac.compare_digest(info.mac, _record_mac(secret, key, info))
+    return struct_is_signed(secret, "discovery", key, info)
 
 
 class DistributedRuntime:
@@ -463,6 +479,7 @@ class Endpoint:
         return Client(self.runtime, self.prefix, on_added, on_removed, connect_timeout, response_timeout, record_timeout_s)
 
 
+@dataclass(eq=False, repr=False)
 class Client:
     """Watches an endpoint's prefix and reports instances as they come and go.
 
@@ -470,27 +487,17 @@ class Client:
     the instance set stays as it was last seen.
     """
 
-    def __init__(
-        self,
-        runtime: DistributedRuntime,
-        prefix: str,
-        on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]],
-        on_removed: Callable[[int], Awaitable[None]],
-        connect_timeout: float = 5.0,
-        response_timeout: float | None = None,
-        record_timeout_s: float = 30.0,
-    ) -> None:
-        self.runtime = runtime
-        self.prefix = prefix
-        self.connect_timeout = connect_timeout
-        self.response_timeout = response_timeout
-        self.record_timeout_s = record_timeout_s
-        self.on_added = on_added
-        self.on_removed = on_removed
-        self.known: dict[int, InstanceInfo] = {}
-        self.skipped = 0  # records refused (unsigned, undecodable) or not processed in time
-        self._task: asyncio.Task[None] | None = None
-        self._adding: dict[int, asyncio.Task[None]] = {}  # owned: one per instance being added
+    runtime: DistributedRuntime
+    prefix: str
+    on_added: Callable[[InstanceInfo, RequestClient], Awaitable[None]]
+    on_removed: Callable[[int], Awaitable[None]]
+    connect_timeout: float = 5.0
+    response_timeout: float | None = None
+    record_timeout_s: float = 30.0
+    known: dict[int, InstanceInfo] = field(default_factory=dict, init=False)
+    skipped: int = field(default=0, init=False)  # records refused (unsigned, undecodable) or not processed in time
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _adding: dict[int, asyncio.Task[None]] = field(default_factory=dict, init=False)  # owned: one per instance being added
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar, cast, overload
 
 import msgspec
@@ -35,7 +35,7 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter
 from kvmesh.runtime.sockets import tune_stream_socket
 
-__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks", "StreamServer"]
+__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks", "StreamServer", "StreamClient"]
 
 T = TypeVar("T")
 
@@ -254,3 +254,43 @@ class StreamServer:
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no stream is in flight; False if the timeout passed first."""
         return await self.tasks.wait_idle(timeout)
+
+
+class StreamClient:
+    """What both request clients (TCP, NATS) do alike: a :class:`Mailbox` per stream,
+    its items yielded until :data:`END`. A plane implements :meth:`_open`."""
+
+    async def stream(
+        self,
+        endpoint: str,
+        payload: bytes,
+        ctx: Context,
+        decode: Decode | None = None,
+        merge: Merge | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        """Send one request; yield the decoded response items until the stream ends.
+
+        Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with
+        whatever the worker sends last. Leaving the iteration early kills the stream.
+        """
+        box = Mailbox(decode, merge)
+        done = await self._open(endpoint, payload, ctx, box)
+        try:
+            while True:
+                item = await box.next()
+                if item is END:
+                    return
+                yield item
+        finally:
+            more = done()
+            if more is not None:
+                await more
+
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
+        """Send the request, its items to go into ``box``, and stop it when ``ctx``
+        stops; returns what to call once the caller is done with the stream (at its end,
+        or when it leaves early: then the stream is killed), which may return something
+        to await (no coroutine per stream unless there is something to wait for)."""
+        raise NotImplementedError

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -31,7 +31,7 @@ from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP, Ack, Ctl, End, Err, Out, Req
-from kvmesh.runtime.stream import END, Decode, FramedConnection, Mailbox, Merge
+from kvmesh.runtime.stream import FramedConnection, Mailbox, StreamClient
 
 __all__ = ["TcpClient"]
 
@@ -121,7 +121,7 @@ class _Connection(FramedConnection):
         self._writer.send(frame)
 
 
-class TcpClient:
+class TcpClient(StreamClient):
     """Streams requests to one worker at ``host:port``."""
 
     def __init__(
@@ -187,40 +187,25 @@ class TcpClient:
         self._conn = conn
         return conn
 
-    async def stream(
-        self,
-        endpoint: str,
-        payload: bytes,
-        ctx: Context,
-        decode: Decode | None = None,
-        merge: Merge | None = None,
-    ) -> AsyncGenerator[Any, None]:
-        """Send one request; yield the decoded response items until the stream ends.
-
-        Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with
-        whatever the worker sends last. Leaving the iteration early kills the stream.
-        """
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
         conn = await self._connection()
-        box = Mailbox(decode, merge)
         sid = conn.open(endpoint, payload, box)
         if self.response_timeout is not None:
             box.timer = asyncio.get_running_loop().call_later(
                 self.response_timeout, self._timed_out, conn, sid, box
             )
         ctx.on_stop(lambda c: self._on_stop(conn, sid, box, c))
-        try:
-            while True:
-                item = await box.next()
-                if item is END:
-                    return
-                yield item
-        finally:
+
+        def done() -> Awaitable[None] | None:
             if not box.ended:
                 box.finish()
                 if conn.streams.pop(sid, None) is not None:
                     conn.control(sid, KILL)
-            if self._close_when_idle and not conn.streams:
-                await self.close()
+            return self.close() if self._close_when_idle and not conn.streams else None
+
+        return done
 
     @staticmethod
     def _on_stop(conn: _Connection, sid: int, box: Mailbox, ctx: Context) -> None:

@@ -123,14 +123,16 @@ async def serve_one(
     ready_out: TextIO,
     shared: Shared | None = None,
     runtime: DistributedRuntime | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
     """One worker instance until ``stop`` (or its lease is revoked). ``shared``: the
     process's shared parts; ``runtime``: a runtime made (not started) by the caller,
-    e.g. one that borrows the process's etcd and NATS clients."""
+    e.g. one that borrows the process's etcd and NATS clients; ``on_ready``: called once
+    the instance announced itself."""
     if runtime_cfg is None:
-        await _serve_static(cfg, stop, ready_out, shared)
+        await _serve_static(cfg, stop, ready_out, shared, on_ready)
     else:
-        await _serve_distributed(cfg, runtime or DistributedRuntime(runtime_cfg), stop, ready_out, shared)
+        await _serve_distributed(cfg, runtime or DistributedRuntime(runtime_cfg), stop, ready_out, shared, on_ready)
 
 
 def _announce(info: InstanceInfo, out: TextIO) -> None:
@@ -138,7 +140,9 @@ def _announce(info: InstanceInfo, out: TextIO) -> None:
     out.flush()
 
 
-async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextIO, shared: Shared | None) -> None:
+async def _serve_static(
+    cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextIO, shared: Shared | None, on_ready: Callable[[], None] | None
+) -> None:
     from kvmesh.worker.disagg import wire
 
     if shared is None:
@@ -172,6 +176,8 @@ async def _serve_static(cfg: WorkerConfig, stop: asyncio.Event, ready_out: TextI
         if roles.prefill is not None:
             roles.prefill.start()
         _announce(info, ready_out)
+        if on_ready is not None:
+            on_ready()
         await stop.wait()
         log.info("worker %d draining", cfg.worker_id)
         await _step_down(cfg, roles)
@@ -213,7 +219,12 @@ async def _close_roles(roles: Roles) -> None:
 
 
 async def _serve_distributed(
-    cfg: WorkerConfig, runtime: DistributedRuntime, stop: asyncio.Event, ready_out: TextIO, shared: Shared | None
+    cfg: WorkerConfig,
+    runtime: DistributedRuntime,
+    stop: asyncio.Event,
+    ready_out: TextIO,
+    shared: Shared | None,
+    on_ready: Callable[[], None] | None,
 ) -> None:
     from kvmesh.worker.disagg import start_watch, wire
 
@@ -245,6 +256,8 @@ async def _serve_distributed(
         link = None
         if cfg.standby:  # a hot spare: offered, checked, routed to only once the planner orders it
             _announce(info, ready_out)
+            if on_ready is not None:
+                on_ready()  # started: waiting for the planner is no part of a replica's start
             link = await _stand_by(runtime, info, stop)
             if link is None:
                 return
@@ -262,6 +275,8 @@ async def _serve_distributed(
             roles.prefill.start()
         if link is None:
             _announce(info, ready_out)
+        if on_ready is not None:
+            on_ready()
         lost = asyncio.ensure_future(runtime.lease_lost.wait())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([lost, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -292,20 +307,19 @@ async def _stand_by(runtime: DistributedRuntime, info: InstanceInfo, stop: async
     link = StandbyLink(runtime, info)
     await link.offer()
     log.info("worker %x standing by", info.worker_id)
-    while True:
-        order = asyncio.ensure_future(link.next_order())
-        waits = [order, asyncio.ensure_future(stop.wait()), asyncio.ensure_future(runtime.lease_lost.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        if order.cancelled() or not order.done() or order.exception() is not None:
-            await link.close()
-            return None
-        if order.result().action == "serve":
-            log.warning("worker %x promoted by the planner", info.worker_id)
-            return link
-        await link.close()  # "stop": never served, nothing to drain
+    order = asyncio.ensure_future(link.next_order())
+    others = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(runtime.lease_lost.wait())]
+    await asyncio.wait([order, *others], return_when=asyncio.FIRST_COMPLETED)
+    for w in (order, *others):
+        w.cancel()
+    if order.cancelled() or not order.done() or order.exception() is not None:
+        await link.close()
         return None
+    if order.result().action == "serve":
+        log.warning("worker %x promoted by the planner", info.worker_id)
+        return link
+    await link.close()  # "stop": never served, nothing to drain
+    return None
 
 
 async def _obey_stop(link: StandbyLink, stop: asyncio.Event) -> None:

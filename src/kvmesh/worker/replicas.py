@@ -15,6 +15,9 @@ What they share is what a process has once:
 * one Prometheus endpoint for the metrics of all replicas (labelled by worker id), and
   every replica's record names it.
 
+Replicas start in waves (at most ``STARTING_AT_ONCE`` at a time), so each lease is
+kept alive from the moment it is granted.
+
 Signals stop all replicas (each drains as a single worker does). A replica whose lease
 is revoked steps down alone; the process exits when the last replica has ended. A
 replica that fails to start stops the others and the process reports its error, as a
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
 __all__ = ["serve", "serve_replicas", "replica_config"]
 
 log = logging.getLogger("kvmesh.worker")
+
+STARTING_AT_ONCE = 64  # replicas starting at the same time (the others wait their turn)
 
 
 def replica_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
@@ -89,13 +94,32 @@ async def _run_all(
     shared: Shared,
     clients: SharedClients | None,
 ) -> None:
-    tasks = []
-    for i in range(cfg.replicas):
-        runtime = None
-        if rcfg is not None and clients is not None:
-            runtime = DistributedRuntime(rcfg, clients.discovery, nats=clients.nats, borrowed=True)
-        one = serve_one(replica_config(cfg, i), rcfg, stop, ready_out, shared, runtime)
-        tasks.append(asyncio.ensure_future(one))
+    starting = asyncio.Semaphore(STARTING_AT_ONCE)
+
+    async def one(i: int) -> None:
+        """Replica ``i``, once fewer than STARTING_AT_ONCE others are starting: a lease
+        granted at the start of a start that waits behind hundreds of others could
+        expire before its record is put (seen with 1,250 replicas on a loaded host)."""
+        await starting.acquire()
+        released = False
+
+        def ready() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                starting.release()
+
+        try:
+            if stop.is_set():
+                return
+            runtime = None
+            if rcfg is not None and clients is not None:
+                runtime = DistributedRuntime(rcfg, clients.discovery, nats=clients.nats, borrowed=True)
+            await serve_one(replica_config(cfg, i), rcfg, stop, ready_out, shared, runtime, ready)
+        finally:
+            ready()
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(cfg.replicas)]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t for t in done if not t.cancelled() and t.exception() is not None), None)

@@ -203,6 +203,7 @@ class Supervisor:
         max_failed_starts: int = 5,
         max_backoff_s: float = 10.0,
         per_process: int = 1,
+        on_failed: Callable[[int, str], Awaitable[None]] | None = None,
     ) -> None:
         self.template = template
         self.count = count  # workers
@@ -210,6 +211,7 @@ class Supervisor:
         self.first_id = first_id  # worker ids first_id, first_id + 1, ...; replacements after them
         self.on_ready = on_ready
         self.on_exit = on_exit
+        self.on_failed = on_failed  # a worker that exited before it was ready (id, why)
         self.restart = restart
         self.backoff_s = backoff_s
         self.startup_timeout_s = startup_timeout_s
@@ -318,6 +320,8 @@ class Supervisor:
             self.exits += 1
             log.warning("worker %d (pid %d) exited with code %s", cfg.worker_id, proc.pid, code)
         why = failure[-1] if failure else f"the worker exited with code {code} before it was ready"
+        if not ready and self.on_failed is not None and not self._stopping:
+            await self.on_failed(cfg.worker_id, why)
         return bool(ready), why
 
     async def _exec(self, cfg: WorkerConfig) -> Any:

@@ -381,3 +381,39 @@ async def test_premium_request_preempts_best_effort_and_waits_ahead_of_standard(
         assert tokens["best"] == solo
     finally:
         await engine.cleanup()
+
+
+async def test_small_passes_run_on_the_loop_and_change_no_token(tiny_path, prompt_ids, monkeypatch):
+    """A decode pass cheap enough runs on the event loop (no thread hand-off); a prompt
+    pass still runs in the forward thread; concurrent streams get the same tokens either way."""
+    import threading
+
+    from kvmesh.engines.hf import engine as hf_engine
+
+    threads: list[str] = []
+    real = hf_engine._forward_and_sample
+
+    def spy(loaded, inputs, params):
+        threads.append(threading.current_thread().name)
+        return real(loaded, inputs, params)
+
+    monkeypatch.setattr(hf_engine, "_forward_and_sample", spy)
+    requests = [_request(prompt_ids[i], f"i{i}", max_tokens=12) for i in range(3)]
+
+    async def tokens(limit_s: float) -> list[list[int]]:
+        monkeypatch.setattr(hf_engine, "_INLINE_CPU_S", limit_s)
+        eng = HfEngine(HfOptions(str(tiny_path), num_blocks=64, seed=0))
+        await eng.start()
+        try:
+            return [t for t, _ in await asyncio.gather(*(_run(eng, r) for r in requests))]
+        finally:
+            await eng.cleanup()
+
+    threaded = await tokens(0.0)
+    assert threads and all(t.startswith("hf-forward") for t in threads)
+    threads.clear()
+    inline = await tokens(60.0)
+    loop_thread = threading.current_thread().name
+    assert threads[0].startswith("hf-forward")  # the prompts' pass: too big, and nothing measured yet
+    assert threads.count(loop_thread) >= 10  # the decode passes after the first
+    assert inline == threaded and all(len(t) == 12 for t in inline)

@@ -24,8 +24,9 @@ def _reference_logits(folder, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"rope_scaling": LLAMA3}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"attention_bias": True}],
-    ids=["plain", "llama3-rope", "linear-rope", "attention-bias"],
+    [{}, {"rope_scaling": LLAMA3}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"attention_bias": True},
+     {"tie_word_embeddings": True}],
+    ids=["plain", "llama3-rope", "linear-rope", "attention-bias", "tied-embeddings"],
 )
 def test_packed_pass_matches_transformers(tmp_path, overrides):
     folder = write_random_llama(tmp_path / "m", **overrides)

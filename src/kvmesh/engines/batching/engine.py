@@ -42,9 +42,10 @@ __all__ = ["StepLoopEngine"]
 _log = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=Mailbox)
+C = TypeVar("C", bound="BatchScheduler[Any]")
 
 
-class StepLoopEngine(Engine, Generic[B]):
+class StepLoopEngine(Engine, Generic[B, C]):
     """The shared half of a step-loop engine; see the module docstring."""
 
     engine_name = "step-loop"  # in task names and error messages
@@ -60,7 +61,7 @@ class StepLoopEngine(Engine, Generic[B]):
     # ------------------------------------------------------------------ what a subclass provides
 
     @abc.abstractmethod
-    def _core(self) -> BatchScheduler[Any] | None:
+    def _core(self) -> C | None:
         """The scheduler; None while the engine is not started."""
 
     @abc.abstractmethod
@@ -102,7 +103,8 @@ class StepLoopEngine(Engine, Generic[B]):
     async def drain(self) -> None:
         self._publish_load()
 
-    def _started_core(self) -> BatchScheduler[Any]:
+    def _started_core(self) -> C:
+        """The scheduler; ``EngineShutdown`` while the engine is not started."""
         core = self._core()
         if core is None:
             raise EngineShutdown(f"{self.engine_name} engine is not started")

@@ -1,9 +1,9 @@
 """A request's slot between an engine's step loop (producer) and its stream (consumer).
 
-The step loop appends tokens and wakes the consumer; a consumer that lags takes the
-accumulated tokens as one chunk. Engines subclass it for what they carry per token
-(:mod:`kvmesh.engines.mocker.engine`, :mod:`kvmesh.engines.hf.engine`) and override
-:meth:`Mailbox.chunk` / :meth:`Mailbox.terminal` to put it on the wire.
+The step loop appends tokens (and, for a request that asked for them, their
+log-probabilities) and wakes the consumer; a consumer that lags takes the accumulated
+tokens as one chunk. Engines subclass it for what else they keep per request
+(:mod:`kvmesh.engines.mocker.engine`, :mod:`kvmesh.engines.hf.engine`).
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import asyncio
 from typing import Any
 
 from kvmesh.errors import KvmeshError
-from kvmesh.protocol import OutputChunk
+from kvmesh.protocol import OutputChunk, TokenLogprob
 
 __all__ = ["Mailbox"]
 
 
 class Mailbox:
-    __slots__ = ("tokens", "finished", "cancelled", "error", "_waiter")
+    __slots__ = ("tokens", "logprobs", "finished", "cancelled", "error", "_waiter")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token, for requests that asked
         self.finished: Any = None  # the engine's record of how the request ended
         self.cancelled = False
         self.error: KvmeshError | None = None
@@ -31,14 +32,23 @@ class Mailbox:
         tokens, self.tokens = self.tokens, []
         return tokens
 
+    def _take_logprobs(self) -> list[TokenLogprob] | None:
+        if not self.logprobs:
+            return None
+        logprobs, self.logprobs = self.logprobs, []
+        return logprobs
+
     def chunk(self, cached_tokens: int | None = None) -> OutputChunk:
-        """The tokens accumulated so far, as one stream chunk."""
-        return OutputChunk(token_ids=self.take(), cached_tokens=cached_tokens)
+        """The tokens (and log-probabilities) accumulated so far, as one stream chunk."""
+        logprobs = self._take_logprobs()
+        return OutputChunk(token_ids=self.take(), logprobs=logprobs, cached_tokens=cached_tokens)
 
     def terminal(self) -> OutputChunk:
         """The last chunk: what is left, with how the request ended (``finished``)."""
-        fin = self.finished
-        return OutputChunk(token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, error=fin.error)
+        fin, logprobs = self.finished, self._take_logprobs()
+        return OutputChunk(
+            token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error
+        )
 
     def finish(self, finished: Any) -> None:
         self.finished = finished

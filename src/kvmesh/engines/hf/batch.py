@@ -41,31 +41,26 @@ def make_inputs(chunks: Sequence[Chunk], block_size: int) -> StepInputs:
     """Packed inputs for ``chunks`` (at least one, each with at least one token)."""
     if not chunks or any(not c.tokens for c in chunks):
         raise ValueError("a forward pass needs at least one chunk, each with tokens")
-    bs = block_size
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    rows: list[int] = []  # each new token's place in the (B, L) key slot table
     sample_rows: list[int] = []
     lengths = [len(c.tokens) for c in chunks]
     ends = [c.start + n for c, n in zip(chunks, lengths, strict=True)]
     width, keys = max(lengths), max(ends)
-    key_slots: list[int] = []
-    for c, n, end in zip(chunks, lengths, ends, strict=True):
-        table = c.block_table
+    for b, (c, end) in enumerate(zip(chunks, ends, strict=True)):
         ids.extend(c.tokens)
-        span = range(c.start, end)
-        positions.extend(span)
-        slots.extend(table[p // bs] * bs + p % bs for p in span)
-        key_slots.extend(table[p // bs] * bs + p % bs for p in range(end))
-        key_slots.extend([0] * (keys - end))  # padding, masked out
+        positions.extend(range(c.start, end))
+        rows.extend(range(b * keys + c.start, b * keys + end))
         if c.wants_logits:
             sample_rows.append(len(ids) - 1)
+    key_slots = _key_slots(chunks, block_size, keys)
     uniform = all(n == width for n in lengths)
     return StepInputs(
         input_ids=_long(ids),
         positions=_long(positions),
-        slots=_long(slots),
-        key_slots=_long(key_slots),
+        slots=key_slots.index_select(0, _long(rows)),
+        key_slots=key_slots,
         batch=len(chunks),
         width=width,
         max_position=keys - 1,
@@ -75,6 +70,18 @@ def make_inputs(chunks: Sequence[Chunk], block_size: int) -> StepInputs:
         causal=len(chunks) == 1 and chunks[0].start == 0 and width > 1,
         sample_index=_long(sample_rows),
     )
+
+
+def _key_slots(chunks: Sequence[Chunk], bs: int, keys: int) -> torch.Tensor:
+    """(B·L,): the pool slot of every sequence's positions 0..L-1 (past a sequence's
+    blocks: slots of block 0, which the mask hides), from its block table."""
+    nb = -(-keys // bs)
+    tables = _long([t for c in chunks for t in _padded(c.block_table, nb)]).view(len(chunks), nb, 1)
+    return (tables * bs + torch.arange(bs)).view(len(chunks), nb * bs)[:, :keys].reshape(-1)
+
+
+def _padded(table: Sequence[int], n: int) -> Sequence[int]:
+    return table[:n] if len(table) >= n else [*table, *([0] * (n - len(table)))]
 
 
 def _q_index(lengths: list[int], width: int) -> torch.Tensor:

@@ -12,7 +12,9 @@ Shape (one event loop, one forward thread)::
   join and leave between passes. :attr:`HfEngine.stats` counts passes and tokens.
 * **Threads**: scheduler state, mailboxes and events live on the event loop only. The
   forward thread receives immutable tensors and per-row sampling parameters and
-  returns tokens; it writes the KV pool only at the slots of the pass's own new
+  returns tokens (a pass of a few tokens that last cost under 2 ms of CPU, a small
+  model's decode step, runs on the loop itself and then yields once: the hand-off
+  would cost more than the pass); it writes the KV pool only at the slots of the pass's own new
   tokens. NOTE: blocks of a sequence aborted, released or detached during a pass stay
   allocated until the pass ends (the scheduler defers their freeing), so no other
   request can be given, or import into, a block the thread is writing.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -58,7 +61,7 @@ from kvmesh.engines.batching.scheduler import priority_rank
 from kvmesh.engines.hf.scheduler import Plan, Scheduler, SchedulerLimits, Seq
 from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
 from kvmesh.preprocess.guided import GuidedTokenizer
-from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest, TokenLogprob
+from kvmesh.protocol import EngineConfig, KvLayout, KvReservation, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["HfEngine", "EngineStats"]
@@ -68,6 +71,12 @@ _log = logging.getLogger(__name__)
 # With work queued but nothing schedulable (the pool is held by reservations), how
 # long the loop waits for a release before looking again.
 _IDLE_POLL_S = 0.05
+
+# A pass of at most this many tokens, when the last such pass cost the forward less than
+# this much CPU, runs on the event loop itself: for a small model's decode step the two
+# thread switches of a hand-off cost more than the pass (and far more on a loaded host).
+_INLINE_TOKENS = 16
+_INLINE_CPU_S = 0.002
 
 
 @dataclass
@@ -85,11 +94,10 @@ class _Mailbox(Mailbox):
     """The hf engine's slot: tokens, their logprobs, and the sequence (its cached tokens
     go with the first chunk)."""
 
-    __slots__ = ("logprobs", "seq")
+    __slots__ = ("seq",)
 
     def __init__(self, seq: Seq | None = None) -> None:
         super().__init__()
-        self.logprobs: list[TokenLogprob] = []
         self.seq = seq
 
     def push(self, s: Sampled) -> None:
@@ -97,20 +105,6 @@ class _Mailbox(Mailbox):
         if s.logprob is not None:
             self.logprobs.append(s.logprob)
         self._wake()
-
-    def _take_logprobs(self) -> list[TokenLogprob] | None:
-        logprobs, self.logprobs = self.logprobs, []
-        return logprobs or None
-
-    def chunk(self, cached_tokens: int | None = None) -> OutputChunk:
-        logprobs = self._take_logprobs()
-        return OutputChunk(token_ids=self.take(), logprobs=logprobs, cached_tokens=cached_tokens)
-
-    def terminal(self) -> OutputChunk:
-        fin, logprobs = self.finished, self._take_logprobs()
-        return OutputChunk(
-            token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +118,7 @@ class _Loaded:
     name: str
 
 
-class HfEngine(StepLoopEngine[_Mailbox]):
+class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
     """A real model on the CPU with continuous batching; see the module docstring."""
 
     engine_name = "hf"
@@ -138,6 +132,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         self._executor: ThreadPoolExecutor | None = None
         self._default_gen = torch.Generator()
         self._guided: GuidedTokenizer | None = None
+        self._small_cpu_s = math.inf  # CPU seconds of the last pass of <= _INLINE_TOKENS tokens
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ lifecycle
@@ -205,7 +200,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     @property
     def config(self) -> EngineConfig:
-        return self._sched().limits.engine_config(self.options.model_path, self._require().name)
+        return self._started_core().limits.engine_config(self.options.model_path, self._require().name)
 
     async def cleanup(self) -> None:
         await self._stop_loop()
@@ -225,16 +220,11 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     def _core(self) -> Scheduler | None:
         return self._scheduler
 
-    def _sched(self) -> Scheduler:
-        if self._scheduler is None:
-            raise EngineShutdown("hf engine is not started")
-        return self._scheduler
-
     # ------------------------------------------------------------------ introspection
 
     @property
     def scheduler(self) -> Scheduler:
-        return self._sched()
+        return self._started_core()
 
     # ------------------------------------------------------------------ requests
 
@@ -277,7 +267,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     def _enqueue(self, request: PreprocessedRequest) -> Seq:
         """The request's sequence queued: its reservation if it holds one, else new."""
-        sched = self._sched()
+        sched = self._started_core()
         held = sched.reservation(request.request_id)
         if held is not None and held.tokens != list(request.token_ids):
             sched.release(request.request_id)
@@ -297,7 +287,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         return self._enqueue(request).id
 
     def _new_box(self, seq_id: int) -> _Mailbox:
-        return _Mailbox(self._sched().get(seq_id))
+        return _Mailbox(self._started_core().get(seq_id))
 
     def _chunk(self, box: _Mailbox, first: bool) -> OutputChunk:
         return box.chunk(cached_tokens=box.seq.cached_tokens if first and box.seq is not None else None)
@@ -305,7 +295,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     # ------------------------------------------------------------------ step loop
 
     async def _loop(self, wake: asyncio.Event) -> None:
-        sched = self._sched()
+        sched = self._started_core()
         while True:
             if await self._idle(sched, wake):
                 continue
@@ -328,8 +318,15 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         params = [self._row_params(s) for s in samplers]
         loaded = self._require()
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        sampled = await loop.run_in_executor(self._executor, _forward_and_sample, loaded, inputs, params)
+        small = plan.num_tokens <= _INLINE_TOKENS
+        inline = small and self._small_cpu_s < _INLINE_CPU_S
+        if inline:
+            sampled, cpu = _forward_and_sample(loaded, inputs, params)
+        else:
+            loop = asyncio.get_running_loop()
+            sampled, cpu = await loop.run_in_executor(self._executor, _forward_and_sample, loaded, inputs, params)
+        if small:
+            self._small_cpu_s = cpu
         self._count(plan, len(samplers), time.perf_counter() - t0)
         by_seq = {s.id: r for s, r in zip(samplers, sampled, strict=True)}
         finished, emitted = sched.complete(plan, {sid: r.token for sid, r in by_seq.items()})
@@ -338,6 +335,8 @@ class HfEngine(StepLoopEngine[_Mailbox]):
             if box is not None:
                 box.push(by_seq[sid])
         self._deliver_finished(finished)
+        if inline:
+            await asyncio.sleep(0)  # let the streams (and the rest of the loop) run between passes
 
     def _chunks(self, sched: Scheduler, plan: Plan[Seq]) -> list[Chunk]:
         bs = self.options.block_size
@@ -387,7 +386,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         )
 
     def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
-        sched = self._sched()
+        sched = self._started_core()
         if sched.reservation(request.request_id) is not None:
             raise InvalidArgument(f"request {request.request_id!r} already holds a KV reservation")
         seq = self._new_seq(request)
@@ -411,7 +410,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
 
     def _writable_blocks(self) -> set[int]:
         """Blocks a KV import may overwrite: reservations' blocks past their valid prefix."""
-        sched = self._sched()
+        sched = self._started_core()
         bs = self.options.block_size
         out: set[int] = set()
         for seq in sched.reservations():
@@ -419,7 +418,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
         return out
 
     def kv_commit(self, request_id: str, computed_tokens: int) -> None:
-        sched = self._sched()
+        sched = self._started_core()
         if sched.reservation(request_id) is None:
             raise InvalidArgument(f"no KV reservation for request {request_id!r}")
         try:
@@ -443,7 +442,7 @@ class HfEngine(StepLoopEngine[_Mailbox]):
     async def prefill_remote(
         self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
     ) -> bytes:
-        loaded, sched = self._require(), self._sched()
+        loaded, sched = self._require(), self._started_core()
         bs = self.options.block_size
         if cached_tokens % bs or not 0 <= cached_tokens < upto <= len(request.token_ids):
             raise InvalidArgument(
@@ -477,7 +476,11 @@ def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
     return KvReservation(seq.request_id, sched.block_table(seq), len(seq.tokens), seq.num_computed)
 
 
-def _forward_and_sample(loaded: _Loaded, inputs: StepInputs, params: list[SampleParams]) -> list[Sampled]:
-    """The forward thread's whole job for one pass."""
+@torch.inference_mode()
+def _forward_and_sample(
+    loaded: _Loaded, inputs: StepInputs, params: list[SampleParams]
+) -> tuple[list[Sampled], float]:
+    """The forward thread's whole job for one pass: the tokens, and the CPU seconds it took."""
+    c0 = time.thread_time()
     logits = loaded.model.forward(inputs, loaded.pool)
-    return sample(logits, params) if params else []
+    return (sample(logits, params) if params else []), time.thread_time() - c0

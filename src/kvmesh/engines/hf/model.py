@@ -221,6 +221,11 @@ class StepInputs:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
+    """One layer's weights, each matrix stored transposed, (in, out) contiguous:
+    ``x @ w`` with such a ``w`` is up to 2-3x faster than ``F.linear(x, w.T)`` for the
+    few rows of a decode batch (MKL repacks a transposed operand on every call) and no
+    slower for a long prefill."""
+
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
@@ -231,13 +236,23 @@ class _Layer:
     norm_post: torch.Tensor
 
 
+def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w (+ bias)`` for a weight stored (in, out)."""
+    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+
+def _t(w: torch.Tensor) -> torch.Tensor:
+    return w.t().contiguous()
+
+
 class LlamaModel:
     """The weights of one model and its packed forward pass over a :class:`KvPool`."""
 
     def __init__(self, spec: LlamaSpec, weights: dict[str, torch.Tensor]) -> None:
         self.spec = spec
-        self.embed = weights["embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
+        # the output head (hidden, vocab); a tied model looks its embeddings up in it
+        self.lm_head = _t(weights["embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"])
+        self.embed = None if spec.tie_word_embeddings else weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
         self.inv_freq = inv_frequencies(spec)
@@ -250,12 +265,12 @@ class LlamaModel:
         biases = [b for n in "qkv" if (b := w.get(a + f"{n}_proj.bias")) is not None]
         return _Layer(
             # q, k and v (and gate, up) as one matmul each: their rows stacked
-            qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+            qkv=_t(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
             qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
-            o=w[a + "o_proj.weight"],
+            o=_t(w[a + "o_proj.weight"]),
             o_bias=w.get(a + "o_proj.bias"),
-            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-            down=w[p + "mlp.down_proj.weight"],
+            gate_up=_t(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            down=_t(w[p + "mlp.down_proj.weight"]),
             norm_in=w[p + "input_layernorm.weight"],
             norm_post=w[p + "post_attention_layernorm.weight"],
         )
@@ -286,13 +301,18 @@ class LlamaModel:
         """Write the new tokens' KV into ``pool``; return logits (S, vocab) fp32."""
         eps = self.spec.rms_norm_eps
         hidden = (self.spec.hidden_size,)
-        x = F.embedding(inp.input_ids, self.embed)
+        x = self._embed(inp.input_ids)
         cos, sin = self._rope(inp)
         for i, layer in enumerate(self.layers):
             x += self._attention(layer, i, F.rms_norm(x, hidden, layer.norm_in, eps), cos, sin, inp, pool)
             x += self._mlp(layer, F.rms_norm(x, hidden, layer.norm_post, eps))
         last = F.rms_norm(x.index_select(0, inp.sample_index), hidden, self.norm, eps)
-        return F.linear(last, self.lm_head)
+        return torch.mm(last, self.lm_head)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(ids, self.embed)
+        return self.lm_head.index_select(1, ids).t().contiguous()  # tied: columns of the head
 
     def _attention(
         self, layer: _Layer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inp: StepInputs, pool: KvPool
@@ -300,14 +320,18 @@ class LlamaModel:
         s = self.spec
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
         nq, nqk = heads * d, (heads + kv_heads) * d
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = _matmul(x, layer.qkv, layer.qkv_bias)
         qk = qkv[:, :nqk].view(-1, heads + kv_heads, d)
         rotated = qk * cos  # q and k rotated together: x·cos + rotate_half(x)·sin
         rotated.addcmul_(qk.roll(d // 2, -1), sin)
         q, k = rotated[:, :heads], rotated[:, heads:]
-        pool.write(index, inp.slots, k, qkv[:, nqk:].view(-1, kv_heads, d))
-        keys, values = pool.read(index, inp.key_slots, inp.batch)  # (B, kv_heads, L, d)
+        v = qkv[:, nqk:].view(-1, kv_heads, d)
+        pool.write(index, inp.slots, k, v)
         b, w = inp.batch, inp.width
+        if inp.causal:  # one prompt from position 0: its keys are exactly the new ones
+            keys, values = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+        else:
+            keys, values = pool.read(index, inp.key_slots, b)  # (B, kv_heads, L, d)
         queries = (q.view(b, w, heads, d) if inp.q_index is None else q[inp.q_index]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=inp.mask, is_causal=inp.causal, enable_gqa=True
@@ -315,11 +339,11 @@ class LlamaModel:
         packed = out.transpose(1, 2).reshape(b * w, nq)
         if inp.out_rows is not None:
             packed = packed.index_select(0, inp.out_rows)
-        return F.linear(packed, layer.o, layer.o_bias)
+        return _matmul(packed, layer.o, layer.o_bias)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, layer.gate_up)
+        gate_up = torch.mm(x, layer.gate_up)
         ff = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :ff])
         act.mul_(gate_up[:, ff:])
-        return F.linear(act, layer.down)
+        return torch.mm(act, layer.down)

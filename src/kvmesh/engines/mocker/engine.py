@@ -49,7 +49,6 @@ from kvmesh.protocol import (
     GuidedDecoding,
     KvLayout,
     KvReservation,
-    OutputChunk,
     PreprocessedRequest,
     TokenLogprob,
 )
@@ -90,12 +89,11 @@ class _LogprobMailbox(_Mailbox):
     """A slot for a request that asked for log-probabilities: the oracle's, per token.
     ``position``: the absolute position of the next token (as the oracle draws it)."""
 
-    __slots__ = ("key", "position", "top_n", "vocab_size", "logprobs")
+    __slots__ = ("key", "position", "top_n", "vocab_size")
 
     def __init__(self, key: int, position: int, top_n: int, vocab_size: int) -> None:
         super().__init__()
         self.key, self.position, self.top_n, self.vocab_size = key, position, top_n, vocab_size
-        self.logprobs: list[TokenLogprob] = []
 
     def score(self, token: int, shift: float) -> None:
         lp = logprob_at(self.key, self.position) + shift
@@ -104,22 +102,8 @@ class _LogprobMailbox(_Mailbox):
         self.position += 1
         self.push(token)
 
-    def _take_logprobs(self) -> list[TokenLogprob] | None:
-        logprobs, self.logprobs = self.logprobs, []
-        return logprobs or None
 
-    def chunk(self, cached_tokens: int | None = None) -> OutputChunk:
-        logprobs = self._take_logprobs()
-        return OutputChunk(token_ids=self.take(), logprobs=logprobs, cached_tokens=cached_tokens)
-
-    def terminal(self) -> OutputChunk:
-        fin, logprobs = self.finished, self._take_logprobs()
-        return OutputChunk(
-            token_ids=self.take(), finish_reason=fin.reason, usage=fin.usage, logprobs=logprobs, error=fin.error
-        )
-
-
-class MockerEngine(StepLoopEngine[_Mailbox]):
+class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
     """A simulated vLLM-style engine; see the module docstring."""
 
     engine_name = "mocker"

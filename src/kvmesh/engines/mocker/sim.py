@@ -30,7 +30,7 @@ from kvmesh.engines.mocker.scheduler import Scheduler, StepOutput
 from kvmesh.protocol import FinishReason, PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher, NullPublisher
 
-__all__ = ["TokenEvent", "RequestRecord", "VirtualWorker", "RoutePolicy", "round_robin", "run_trace"]
+__all__ = ["TokenEvent", "RequestRecord", "VirtualWorker", "WorkerUsage", "RoutePolicy", "round_robin", "run_trace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +78,30 @@ class RequestRecord:
         return self.finish_ms - self.arrival_ms if self.finish_ms is not None else None
 
 
+@dataclass(slots=True)
+class WorkerUsage:
+    """Where a virtual worker's time went: model milliseconds of passes, of their
+    prefill part, prefill tokens computed, and the KV pool's use after each pass."""
+
+    busy_ms: float = 0.0
+    prefill_ms: float = 0.0
+    prefill_tokens: int = 0
+    passes: int = 0
+    kv_usage_max: float = 0.0
+    kv_usage_sum: float = 0.0  # over passes: ÷ passes is the mean
+    running_max: int = 0
+
+    def add(self, out: StepOutput, options: MockerOptions, kv_usage: float, running: int) -> None:
+        self.busy_ms += out.duration_ms
+        if out.prefill_tokens:
+            self.prefill_ms += options.prefill_ms(out.prefill_tokens) / options.speedup
+            self.prefill_tokens += out.prefill_tokens
+        self.passes += 1
+        self.kv_usage_max = max(self.kv_usage_max, kv_usage)
+        self.kv_usage_sum += kv_usage
+        self.running_max = max(self.running_max, running)
+
+
 class VirtualWorker:
     """One simulated worker on a virtual clock; see the module docstring."""
 
@@ -91,6 +115,7 @@ class VirtualWorker:
         self._inflight: StepOutput | None = None
         self._inflight_end = 0.0
         self._last_load: tuple[int, int, int] | None = None
+        self.usage = WorkerUsage()
 
     @property
     def worker_id(self) -> int:
@@ -138,6 +163,8 @@ class VirtualWorker:
                 return events
             out, self._inflight = self._inflight, None
             self._clock = self._inflight_end
+            sched = self.scheduler
+            self.usage.add(out, self.options, sched.blocks.active_blocks / self.options.num_blocks, sched.num_running)
             self._record(out, self._clock, events)
             self._publish_load()
 

@@ -16,7 +16,9 @@ keys only holders of the secret have, which is all an envelope's MAC would prove
 Publishing never blocks: the PUB socket sends with ``NOBLOCK`` and zmq drops a message
 for a subscriber whose queue is at the high-water mark (``hwm``); a dropped message
 shows up as a sequence gap. Each subscription has one reader task (owned, cancelled
-on close) that moves envelopes from its SUB socket into a bounded :class:`Inbox`.
+on close) that moves envelopes from its SUB socket into a bounded :class:`Inbox`: once
+a message arrives it takes what else is queued without waiting (up to 64), then lets
+other tasks run (a flood of events must not stall the process that reads them).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = ["ZmqEventPlane", "ZmqPublisher", "ZmqSubscription"]
 log = logging.getLogger(__name__)
 
 DEFAULT_HWM = 10_000
+_BATCH = 64  # the subscription's reader takes up to this many queued messages, then lets other tasks run
 
 
 class CurveKeys:
@@ -139,12 +142,28 @@ class ZmqSubscription(CheckedSubscription):
     async def _read(self) -> None:
         open_ = self._opener.open
         recv = self._sock.recv
+        # the same zmq socket, synchronous: what is queued already is taken without a
+        # future per message (zmq.asyncio's cost per message is several times the event's)
+        now = zmq.Socket.shadow(self._sock.underlying).recv
         put = self.inbox.put
         topic = self.topic
         while True:
-            envelope = open_(await recv())
-            if envelope is not None and envelope.topic == topic:
-                put(envelope)
+            data = await recv()
+            for _ in range(_BATCH):
+                envelope = open_(data)
+                if envelope is not None and envelope.topic == topic:
+                    put(envelope)
+                try:
+                    data = now(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            else:
+                envelope = open_(data)
+                if envelope is not None and envelope.topic == topic:
+                    put(envelope)
+                # a flood must not hold the event loop: the inbox's reader (and the rest of
+                # the process) get a turn every _BATCH messages
+                await asyncio.sleep(0)
 
     def __aiter__(self) -> AsyncIterator[Envelope]:
         return self.inbox.__aiter__()
@@ -189,6 +208,9 @@ class ZmqEventPlane(EventPlane):
         self._curve = CurveKeys(self.secret) if self.secret is not None else None
         self.max_message_bytes = max_message_bytes
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
+        # zmq's default is 1,024 sockets per context: the workers of one process (--replicas)
+        # share this plane, two publishers each; the process's file limit is the real bound
+        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
 
     def _context(self) -> zmq.asyncio.Context:
         if self._ctx is None:

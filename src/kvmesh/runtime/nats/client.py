@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -19,7 +18,7 @@ from kvmesh.runtime.frames import KILL, STOP
 from kvmesh.runtime.nats.callhome import CallHomeServer, CallHomeStream
 from kvmesh.runtime.nats.connect import plane_settling
 from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, reply_mac, request_mac, request_subject
-from kvmesh.runtime.stream import END, Decode, Mailbox, Merge
+from kvmesh.runtime.stream import Mailbox, StreamClient
 
 __all__ = ["NatsRequestClient", "PLANE_WAIT_S"]
 
@@ -30,7 +29,7 @@ log = logging.getLogger("kvmesh.runtime.nats")
 PLANE_WAIT_S = 15.0
 
 
-class NatsRequestClient:
+class NatsRequestClient(StreamClient):
     """Streams requests to one worker instance (``lease_id``) over NATS + call-home TCP.
 
     Same ``stream``/``close`` surface as :class:`~kvmesh.runtime.tcp_client.TcpClient`.
@@ -73,27 +72,16 @@ class NatsRequestClient:
     def subject(self, endpoint: str) -> str:
         return request_subject(self.namespace, self.component, endpoint, self.lease_id)
 
-    async def stream(
-        self,
-        endpoint: str,
-        payload: bytes,
-        ctx: Context,
-        decode: Decode | None = None,
-        merge: Merge | None = None,
-    ) -> AsyncGenerator[Any, None]:
-        """Send one request; yield the decoded response items until the stream ends.
-
-        Stopping ``ctx`` sends STOP (or KILL) to the worker; the stream then ends with
-        whatever the worker sends last. Leaving the iteration early kills the stream.
-        """
+    async def _open(
+        self, endpoint: str, payload: bytes, ctx: Context, box: Mailbox
+    ) -> Callable[[], Awaitable[None] | None]:
         try:
             subject = self.subject(endpoint)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         home = self.callhome
         await home.start()
-        stream = home.open(Mailbox(decode, merge))
-        box = stream.box
+        stream = home.open(box)
         loop = asyncio.get_running_loop()
         if self.response_timeout is not None:
             box.timer = loop.call_later(self.response_timeout, self._timed_out, stream, subject)
@@ -101,18 +89,15 @@ class NatsRequestClient:
         # for the reply, which only matters when it is an error (see _replied).
         request = asyncio.ensure_future(self._request(subject, stream, payload))
         request.add_done_callback(lambda task: self._replied(task, stream, subject))
-        try:
-            ctx.on_stop(lambda c: home.control(stream, KILL if c.is_killed() else STOP))
-            while True:
-                item = await box.next()
-                if item is END:
-                    return
-                yield item
-        finally:
+        ctx.on_stop(lambda c: home.control(stream, KILL if c.is_killed() else STOP))
+
+        def done() -> None:
             if not request.done():
                 request.cancel()
             if not box.ended:
                 home.abandon(stream)
+
+        return done
 
     def _replied(self, request: asyncio.Task[str | None], stream: CallHomeStream, subject: str) -> None:
         if request.cancelled():

@@ -165,7 +165,7 @@ def test_pipelined_writes_finish_a_burst_sooner() -> None:
 
 
 def test_planner_arm_moves_workers_on_a_shifting_load_and_logs_why() -> None:
-    rows = shifting_trace((Phase(40.0, 16_000, 40), Phase(40.0, 1_000, 2_500)), rate=8.0, seed=1)
+    rows = shifting_trace((Phase(20.0, 16_000, 40), Phase(20.0, 1_000, 1_000)), rate=8.0, seed=1)
     trace = load_trace_rows(rows)
     options = replace(OPTIONS, num_blocks=24576)
     stream = list(arrivals(trace, TokenSynth(options.vocab_size)))

@@ -23,7 +23,10 @@ last place. Locally that is a check and an append with no ``await`` between them
 (one event loop); embedded mode's remote queue runs that on the server
 (``prefill_queue_offer``); JetStream keeps the waiting jobs and tokens in a KV-bucket
 key updated by compare-and-set on its revision (a put that lost the race re-reads and
-re-checks), taken back when a job is first delivered.
+re-checks), taken back when a job is first delivered. Known limit: a decode worker
+killed between its compare-and-set and its publish leaves one job counted that never
+comes (the bound is then one lower until the counter key is deleted); a failed publish
+gives its place back.
 """
 
 from __future__ import annotations

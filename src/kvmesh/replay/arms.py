@@ -276,6 +276,7 @@ class _DisaggFleet:
         self.decisions: list[str] = []
         self.first_tokens: deque[tuple[float, float]] = deque()  # (time, TTFT)
         self.finishes: deque[tuple[float, float]] = deque()  # (time, mean ITL)
+        self.arrived: deque[float] = deque()  # arrival times (the request rate)
         self._started: set[str] = set()
         self.now = 0.0
         self.planner: Planner | None = None
@@ -339,6 +340,8 @@ class _DisaggFleet:
     # ------------------------------------------------------------------ decode side
 
     def _arrive(self, t: float, request: PreprocessedRequest) -> None:
+        if self.planner is not None:
+            self.arrived.append(t)
         node = self.nodes[self.router.route(request, t)]
         sched = node.worker.scheduler
         seq = sched.reserve(request)
@@ -442,6 +445,8 @@ class _DisaggFleet:
         for q in (self.first_tokens, self.finishes):
             while q and q[0][0] < horizon:
                 q.popleft()
+        while self.arrived and self.arrived[0] < horizon:
+            self.arrived.popleft()
         views = []
         for n in self.nodes:
             s = n.worker.scheduler
@@ -455,6 +460,7 @@ class _DisaggFleet:
             prefill_queue_tokens=self.queue_tokens,
             ttft_p90_ms=_p90([v for _, v in self.first_tokens]),
             itl_p90_ms=_p90([v for _, v in self.finishes]),
+            request_rate_rps=len(self.arrived) / self.planner_settings.window_s,
         )
 
     def _tick(self, t: float) -> None:

@@ -119,12 +119,12 @@ def resolve_model(name: str, *, progress: bool = True, cache: Path | None = None
 
 def resolve_entry(entry: CatalogEntry, *, progress: bool = True, cache: Path | None = None) -> Path:
     """:func:`resolve_model` for an entry (the catalog's, or one a test builds)."""
-    _check_converter(entry)
     gguf, version = _locate_gguf(entry, cache or cache_dir(), progress)
     folder = (cache or cache_dir()) / "models" / entry.name
     source = {"package": entry.package, "version": version, "gguf": entry.gguf_file, "size": gguf.stat().st_size}
     if _is_current(folder, source):
-        return folder
+        return folder  # converted already: an environment without the converter (vLLM's) serves it too
+    _check_converter(entry)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _locked(folder.parent / f".{entry.name}.lock"):
         if not _is_current(folder, source):  # another process may have finished it

@@ -99,6 +99,17 @@ def test_smollm2_converts_once_into_a_model_folder():
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
 
 
+def test_a_converted_model_is_served_without_the_converter(monkeypatch):
+    """vLLM's environment has no gguf/accelerate: a model converted once (by the hf
+    extra's environment) is still found there instead of asking to install them."""
+    from kvmesh.preprocess import catalog
+
+    cache = cache_dir()
+    folder = resolve_entry(CATALOG["smollm2"], cache=cache, progress=False)
+    monkeypatch.setattr(catalog, "_CONVERTER_MODULES", ("kvmesh_no_such_converter",))
+    assert resolve_entry(CATALOG["smollm2"], cache=cache, progress=False) == folder
+
+
 def _fake_wheel(path, member: str, payload: bytes) -> None:
     import zipfile
 

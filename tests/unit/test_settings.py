@@ -58,13 +58,13 @@ def test_precedence_is_flag_then_environment_then_file_then_default():
 
 def test_engine_variables_are_read_once_by_the_cli_not_in_the_engine(monkeypatch):
     monkeypatch.setenv("KVMESH_HF_THREADS", "2")
-    monkeypatch.setenv("KVMESH_VLLM_KV_CACHE_GB", "1.5")
+    monkeypatch.setenv("KVMESH_VLLM_KV_CACHE_GB", "3")
     monkeypatch.setenv("KVMESH_VLLM_ENGINE_ARGS", '{"swap_space": 0}')
     hf = _worker_config(build_parser().parse_args(["run", "--engine", "hf", "--hf-kv-cache-mb", "64"]), {})
     assert hf.engine_options == HfSettings(threads=2, kv_cache_mb=64)
     vllm = _worker_config(build_parser().parse_args(["run", "--engine", "vllm"]), {})
     assert isinstance(vllm.engine_options, VllmSettings)
-    assert (vllm.engine_options.kv_cache_gb, vllm.engine_options.engine_args) == (1.5, {"swap_space": 0})
+    assert (vllm.engine_options.kv_cache_gb, vllm.engine_options.engine_args) == (3, {"swap_space": 0})
     assert pickle.loads(pickle.dumps(vllm)) == vllm  # what a replacement worker reads from stdin
 
 

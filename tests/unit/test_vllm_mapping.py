@@ -106,11 +106,11 @@ def test_options_validate_and_read_the_environment():
     env = {
         "KVMESH_VLLM_BLOCK_SIZE": "64",
         "KVMESH_VLLM_ENFORCE_EAGER": "1",
-        "KVMESH_VLLM_KV_CACHE_GB": "0.5",
+        "KVMESH_VLLM_KV_CACHE_GB": "2",
         "KVMESH_VLLM_KV_TRANSFER_CONFIG": '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}',
     }
     opts = _from_env(env, model="/models/x", served_model_name="x", worker_id=7)
-    assert (opts.block_size, opts.enforce_eager, opts.kv_cache_gb, opts.worker_id) == (64, True, 0.5, 7)
+    assert (opts.block_size, opts.enforce_eager, opts.kv_cache_gb, opts.worker_id) == (64, True, 2, 7)
     assert opts.kv_transfer_config == {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
     kw = opts.engine_kwargs()
     assert kw["model"] == "/models/x" and kw["block_size"] == 64 and "max_model_len" not in kw
@@ -154,8 +154,9 @@ def test_cpu_defaults_the_models_own_dtype_and_a_kv_cache_from_available_memory(
     assert model_dtype(str(tmp_path)) is None and VllmOptions(model=str(tmp_path)).engine_kwargs()["dtype"] == "auto"
     # a quarter of what is available now, within bounds (vLLM's own default wants most of the node)
     gib = 1 << 30
-    assert default_kv_cache_gb(8 * gib) == 2.0
-    assert default_kv_cache_gb(gib // 2) == 0.25 and default_kv_cache_gb(512 * gib) == 16.0
+    assert default_kv_cache_gb(8 * gib) == 2
+    assert default_kv_cache_gb(gib // 2) == 1 and default_kv_cache_gb(512 * gib) == 16
+    assert default_kv_cache_gb(int(22.2 * gib)) == 5  # whole GiB: vLLM refuses "5.55"
     assert default_kv_cache_gb(None) is None
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 100 kB\nMemAvailable: 2048 kB\n")

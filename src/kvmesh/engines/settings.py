@@ -169,7 +169,8 @@ class VllmSettings(EngineSettings):
         True, "vLLM's prefix cache", flag="--vllm-enable-prefix-caching", env="KVMESH_VLLM_ENABLE_PREFIX_CACHING",
         group=_VLLM, hidden=True,  # on by default; a store_true flag cannot turn it off (use the variable)
     )  # fmt: skip
-    kv_cache_gb: float | None = setting(None, "CPU KV cache (VLLM_CPU_KVCACHE_SPACE)", flag="--vllm-kv-cache-gb",
+    kv_cache_gb: int | None = setting(None, "CPU KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE, an integer to vLLM)",
+                                      flag="--vllm-kv-cache-gb",
                                         env="KVMESH_VLLM_KV_CACHE_GB", check=positive, group=_VLLM)  # fmt: skip
     gpu_memory_utilization: float | None = setting(
         None, "fraction of GPU memory vLLM may use", flag="--vllm-gpu-memory-utilization",

@@ -17,8 +17,8 @@ __all__ = ["VllmOptions", "ENV_PREFIX", "default_kv_cache_gb", "model_dtype", "m
 # of vLLM's own default, which wants most of the NUMA node and refuses to start on a
 # shared host.
 KV_CACHE_SHARE = 0.25
-KV_CACHE_MIN_GB = 0.25
-KV_CACHE_MAX_GB = 16.0
+KV_CACHE_MIN_GB = 1  # vLLM reads VLLM_CPU_KVCACHE_SPACE as whole GiB
+KV_CACHE_MAX_GB = 16
 
 
 def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
@@ -33,14 +33,14 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def default_kv_cache_gb(available: int | None) -> float | None:
-    """vLLM's CPU KV cache size (GiB) for a host with ``available`` bytes free, rounded
-    down to 0.05 GiB; None when unknown (vLLM's own default then)."""
+def default_kv_cache_gb(available: int | None) -> int | None:
+    """vLLM's CPU KV cache size in whole GiB (vLLM parses ``VLLM_CPU_KVCACHE_SPACE`` as an
+    integer: "5.55" stops its start) for a host with ``available`` bytes free: a quarter,
+    rounded down, within 1..16; None when unknown (vLLM's own default then)."""
     if available is None:
         return None
-    gb = available * KV_CACHE_SHARE / (1 << 30)
-    gb = min(max(gb, KV_CACHE_MIN_GB), KV_CACHE_MAX_GB)
-    return int(gb * 20) / 20
+    gb = int(available * KV_CACHE_SHARE) >> 30
+    return min(max(gb, KV_CACHE_MIN_GB), KV_CACHE_MAX_GB)
 
 
 def model_dtype(folder: str) -> str | None:
@@ -87,7 +87,7 @@ class VllmOptions:
     enforce_eager: bool = VllmSettings.enforce_eager
     enable_prefix_caching: bool = VllmSettings.enable_prefix_caching
     kv_events: bool = True
-    kv_cache_gb: float | None = VllmSettings.kv_cache_gb
+    kv_cache_gb: int | None = VllmSettings.kv_cache_gb
     gpu_memory_utilization: float | None = VllmSettings.gpu_memory_utilization
     kv_transfer_config: Mapping[str, Any] | None = VllmSettings.kv_transfer_config
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # VllmSettings.engine_args None: none

@@ -259,7 +259,9 @@ class ResponseStream:
                  "on_disconnect", "paused", "_drained", "_ticks", "_tick", "_held", "writes")  # fmt: skip
 
     def __init__(self, conn: _Connection, chunked: bool, keep_alive: bool, ticks: WriteTicks | None = None) -> None:
-        self._transport = conn.transport
+        if conn.transport is None:  # a response starts only on a connection that delivered its request
+            raise RuntimeError("a response needs a connected transport")
+        self._transport: asyncio.Transport = conn.transport
         self._chunked = chunked
         self._keep_alive = keep_alive
         self._head: bytes | None = None  # set by start(), written with the first chunk
@@ -301,14 +303,14 @@ class ResponseStream:
             self._head = b""
         self._tick = ticks.touch()
         self.writes += 1
-        self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
+        self._transport.write(data)
 
     def flush(self) -> None:
         """Send what was held back (called by ``ticks`` at the next iteration)."""
         held, self._held = self._held, None
         if held and not self.disconnected and not self.ended:
             self.writes += 1
-            self._transport.write(b"".join(held))  # type: ignore[union-attr]  # set until disconnected, checked above
+            self._transport.write(b"".join(held))
 
     def end(self, data: bytes = b"") -> None:
         if self.ended:
@@ -326,7 +328,7 @@ class ResponseStream:
             self._head = b""
         if data:
             self.writes += 1
-            self._transport.write(data)  # type: ignore[union-attr]  # set until disconnected, checked above
+            self._transport.write(data)
 
     async def drain(self) -> None:
         while self.paused and not self.disconnected:

@@ -65,6 +65,29 @@ def test_the_least_loaded_worker_of_the_slack_role_moves() -> None:
     assert planner.planned == {A: 0, P: 2, D: 1}
 
 
+def test_full_decode_batches_read_as_decode_pressure_not_prefill() -> None:
+    """Requests waiting on a decode worker make TTFT long; that is the decode side's need
+    (a shifting load's decode-heavy phase), and the idle prefill side gives a worker."""
+    planner = Planner(PlannerConfig(hold_rounds=1, cooldown_s=0))
+    workers = (WorkerView(0, P, True), WorkerView(1, P, True), WorkerView(2, P, True),
+               WorkerView(3, D, True, kv_usage=0.3, running=256, waiting=117))  # fmt: skip
+    plan = planner.plan(obs(0, workers, ttft_p90_ms=10_000.0, itl_p90_ms=14.0))
+    assert plan.prefill_pressure == 0.0 and plan.decode_pressure > 0.9
+    (move,) = plan.actions
+    assert (move.kind, move.role) == (ActionKind.MOVE, D) and move.worker_id in (0, 1, 2)
+
+
+def test_a_donor_that_would_be_pressed_after_the_move_keeps_its_worker() -> None:
+    """Slack now is not enough: the side giving a worker must stay under ``high`` with one
+    worker less, or the next rounds move it back (the flapping seen on the whole trace)."""
+    planner = Planner(PlannerConfig(max_workers=4, hold_rounds=1, cooldown_s=0))
+    workers = fleet(P, P, D, D, kv=0.48)  # decode slack (0.48 < low) but 0.96 with one decode worker
+    assert planner.plan(obs(0, workers, ttft_p90_ms=900.0)).actions == ()  # at the ceiling: no start either
+    roomy = fleet(P, P, D, D, D, kv=0.3)  # 0.3 x 3/2 = 0.45: the move is safe
+    planner = Planner(PlannerConfig(max_workers=5, hold_rounds=1, cooldown_s=0))
+    assert kinds(planner.plan(obs(0, roomy, ttft_p90_ms=900.0)).actions) == [(ActionKind.MOVE, P)]
+
+
 def test_a_role_never_drops_below_its_floor_and_the_fleet_grows_instead() -> None:
     planner = Planner(PlannerConfig(max_workers=3, hold_rounds=1, cooldown_s=0))
     workers = fleet(P, D, kv=0.1)

@@ -8,6 +8,10 @@ carry out. Two pressures drive it::
     prefill = max(ttft_p90 / slo_ttft, queue_tokens / (queue_tokens_per_prefill × prefill workers))
     decode  = max(itl_p90 / slo_itl, mean KV use of the decode (or aggregated) workers)
 
+except that when requests wait on the decode workers (full batches), a disaggregated
+fleet reads TTFT as the wait for a decode slot: decode ≥ high × (1 + waiting / running)
+and prefill is judged by its queue alone.
+
 A pressure at or above ``high`` is a need, below ``low`` is slack. In order:
 
 1. **Replace lost capacity, at once.** When fewer workers of a role are routable than
@@ -18,7 +22,8 @@ A pressure at or above ``high`` is a need, below ``low`` is slack. In order:
 3. **Reshape, with hysteresis and a cool-down**: a signal must hold for
    ``hold_rounds`` consecutive rounds, and ``cooldown_s`` must have passed since the
    last reshaping action. Disaggregated fleets move the least-loaded worker from the
-   slack role to the needy one (keeping at least ``min_prefill`` / ``min_decode``);
+   slack role to the needy one (keeping at least ``min_prefill`` / ``min_decode``),
+   only when the slack role stays below ``high`` with one worker less (no flapping);
    when no role has slack, a worker is started (up to ``max_workers``); when both
    roles are slack, the least-loaded worker is stopped (down to ``min_workers``).
    Not in a round that replaces lost capacity.
@@ -174,12 +179,19 @@ class Planner:
     def _pressures(self, obs: Observation) -> tuple[float, float]:
         c = self.config
         prefill = obs.ttft_p90_ms / c.slo_ttft_ms
-        n_prefill = sum(1 for w in obs.workers if w.role is Role.PREFILL and w.routable)
-        if self._disaggregated():
-            prefill = max(prefill, obs.prefill_queue_tokens / (c.queue_tokens_per_prefill * max(n_prefill, 1)))
         kv_roles = (Role.DECODE,) if self._disaggregated() else (Role.AGGREGATED, Role.DECODE)
-        kv = [w.kv_usage for w in obs.workers if w.role in kv_roles and w.routable]
+        views = [w for w in obs.workers if w.role in kv_roles and w.routable]
+        kv = [w.kv_usage for w in views]
         decode = max(obs.itl_p90_ms / c.slo_itl_ms, sum(kv) / len(kv) if kv else 0.0)
+        if self._disaggregated():
+            n_prefill = sum(1 for w in obs.workers if w.role is Role.PREFILL and w.routable)
+            queue = obs.prefill_queue_tokens / (c.queue_tokens_per_prefill * max(n_prefill, 1))
+            waiting = sum(w.waiting for w in views)
+            if waiting:  # decode batches are full: TTFT measures the wait for a decode slot, not prefill
+                decode = max(decode, c.high * (1.0 + waiting / max(sum(w.running for w in views), 1)))
+                prefill = queue
+            else:
+                prefill = max(prefill, queue)
         return prefill, decode
 
     def _count_streaks(self, prefill: float, decode: float, level: int) -> None:
@@ -236,7 +248,10 @@ class Planner:
         c = self.config
         if self._disaggregated():
             to, frm = (Role.PREFILL, Role.DECODE) if need == "prefill" else (Role.DECODE, Role.PREFILL)
-            slack = (decode if need == "prefill" else prefill) < c.low
+            # slack now, and not pressed once it has one worker less (else the next rounds move it back)
+            left = self._planned[frm]
+            donor_pressure = decode if need == "prefill" else prefill
+            slack = donor_pressure < c.low and donor_pressure * left / max(left - 1, 1) < c.high
             floor = c.min_decode if frm is Role.DECODE else c.min_prefill
             donor = _least_loaded(obs, frm)
             if slack and donor is not None and self._planned[frm] > floor:

@@ -70,11 +70,16 @@ def test_full_decode_batches_read_as_decode_pressure_not_prefill() -> None:
     (a shifting load's decode-heavy phase), and the idle prefill side gives a worker."""
     planner = Planner(PlannerConfig(hold_rounds=1, cooldown_s=0))
     workers = (WorkerView(0, P, True), WorkerView(1, P, True), WorkerView(2, P, True),
-               WorkerView(3, D, True, kv_usage=0.3, running=256, waiting=117))  # fmt: skip
+               WorkerView(3, D, True, kv_usage=0.3, running=256, waiting=117, capacity=256))  # fmt: skip
     plan = planner.plan(obs(0, workers, ttft_p90_ms=10_000.0, itl_p90_ms=14.0))
     assert plan.prefill_pressure == 0.0 and plan.decode_pressure > 0.9
     (move,) = plan.actions
     assert (move.kind, move.role) == (ActionKind.MOVE, D) and move.worker_id in (0, 1, 2)
+    # the same wait beside free slots is a wait for prefill compute: TTFT stays prefill's
+    planner = Planner(PlannerConfig(hold_rounds=1, cooldown_s=0))
+    roomy = workers[:3] + (WorkerView(3, D, True, kv_usage=0.3, running=40, waiting=117, capacity=256),)
+    plan = planner.plan(obs(0, roomy, ttft_p90_ms=10_000.0, itl_p90_ms=14.0))
+    assert plan.prefill_pressure == 20.0 and plan.decode_pressure < 0.9
 
 
 def test_a_donor_that_would_be_pressed_after_the_move_keeps_its_worker() -> None:

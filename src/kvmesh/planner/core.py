@@ -8,9 +8,10 @@ carry out. Two pressures drive it::
     prefill = max(ttft_p90 / slo_ttft, queue_tokens / (queue_tokens_per_prefill × prefill workers))
     decode  = max(itl_p90 / slo_itl, mean KV use of the decode (or aggregated) workers)
 
-except that when requests wait on the decode workers (full batches), a disaggregated
-fleet reads TTFT as the wait for a decode slot: decode ≥ high × (1 + waiting / running)
-and prefill is judged by its queue alone.
+except that when requests wait on decode workers whose batches are full (``capacity``
+known and reached: a request waiting beside free slots waits for prefill compute), a
+disaggregated fleet reads TTFT as the wait for a decode slot: decode ≥ high × (1 +
+waiting / running) and prefill is judged by its queue alone.
 
 A pressure at or above ``high`` is a need, below ``low`` is slack. In order:
 
@@ -62,6 +63,11 @@ class WorkerView:
     kv_usage: float = 0.0  # active / total KV blocks, 0..1
     running: int = 0
     waiting: int = 0
+    capacity: int = 0  # the most sequences its batch holds (0: unknown)
+
+    @property
+    def batch_full(self) -> bool:
+        return 0 < self.capacity <= self.running
 
     @property
     def load(self) -> float:
@@ -186,8 +192,8 @@ class Planner:
         if self._disaggregated():
             n_prefill = sum(1 for w in obs.workers if w.role is Role.PREFILL and w.routable)
             queue = obs.prefill_queue_tokens / (c.queue_tokens_per_prefill * max(n_prefill, 1))
-            waiting = sum(w.waiting for w in views)
-            if waiting:  # decode batches are full: TTFT measures the wait for a decode slot, not prefill
+            waiting = sum(w.waiting for w in views if w.batch_full)
+            if waiting:  # full decode batches: TTFT measures the wait for a decode slot, not prefill
                 decode = max(decode, c.high * (1.0 + waiting / max(sum(w.running for w in views), 1)))
                 prefill = queue
             else:

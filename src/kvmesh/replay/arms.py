@@ -452,7 +452,8 @@ class _DisaggFleet:
             s = n.worker.scheduler
             usage = s.blocks.active_blocks / self.options.num_blocks if n.role is Role.DECODE else 0.0
             waiting = s.num_waiting + (len(self.queue) if n.role is Role.PREFILL else 0)
-            views.append(WorkerView(n.index, n.role, n.moving_to is None, usage, s.num_running, waiting))
+            views.append(WorkerView(n.index, n.role, n.moving_to is None, usage, s.num_running, waiting,
+                                    self.options.max_num_seqs))
         return Observation(
             now_s=t / 1000.0,
             workers=tuple(views),

@@ -80,6 +80,23 @@ def run_async(coro):
     return asyncio.run(coro)
 
 
+def source_arms(repo: Path, base_commit: str | None, specs: Sequence[str], tmp: str) -> list[tuple[str, str, dict[str, str]]]:
+    """A/B arms as (label, src folder, extra environment): ``before`` from ``base_commit``'s
+    src/ (git archive into ``tmp``) if given, then each ``LABEL=SRC[,VAR=VALUE...]``."""
+    arms = []
+    if base_commit:
+        out = Path(tmp) / "before"
+        out.mkdir()
+        archive = subprocess.run(["git", "-C", str(repo), "archive", base_commit, "src"], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+        arms.append(("before", str(out / "src"), {}))
+    for spec in specs:
+        label, _, rest = spec.partition("=")
+        src, *pairs = rest.split(",")
+        arms.append((label, str((repo / src).resolve()), dict(pair.split("=", 1) for pair in pairs)))
+    return arms
+
+
 def check_loopback(url: str) -> tuple[str, int]:
     """Return (host, port) for a loopback http URL; raise ValueError otherwise."""
     parts = urlsplit(url)

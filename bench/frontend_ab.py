@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lib import (  # noqa: E402
+    source_arms,
     Workload,
     free_port,
     kvmesh_command,
@@ -49,19 +49,7 @@ def _parse() -> argparse.Namespace:
 
 
 def _arms(a: argparse.Namespace, tmp: str) -> list[tuple[str, str, dict[str, str]]]:
-    arms = []
-    if a.base_commit:
-        out = Path(tmp) / "before"
-        out.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", a.base_commit, "src"], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-        arms.append(("before", str(out / "src"), {}))
-    for spec in a.arm or (["now=src"] if a.base_commit else ["own=src", "aiohttp=src,KVMESH_HTTP_SERVER=aiohttp"]):
-        label, _, rest = spec.partition("=")
-        src, *pairs = rest.split(",")
-        env = dict(p.split("=", 1) for p in pairs)
-        arms.append((label, str((REPO / src).resolve()), env))
-    return arms
+    return source_arms(REPO, a.base_commit, a.arm or (["now=src"] if a.base_commit else ["own=src", "aiohttp=src,KVMESH_HTTP_SERVER=aiohttp"]), tmp)
 
 
 async def _main(a: argparse.Namespace) -> int:

@@ -33,7 +33,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lib import (  # noqa: E402
+    source_arms,
     HttpConnection,
     build_request,
     check_loopback,
@@ -71,18 +71,7 @@ def _parse() -> argparse.Namespace:
 
 
 def _arms(a: argparse.Namespace, tmp: str) -> list[tuple[str, str, dict[str, str]]]:
-    arms = []
-    if a.base_commit:
-        out = Path(tmp) / "before"
-        out.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", a.base_commit, "src"], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-        arms.append(("before", str(out / "src"), {}))
-    for spec in a.arm or ["now=src"]:
-        label, _, rest = spec.partition("=")
-        src, *pairs = rest.split(",")
-        arms.append((label, str((REPO / src).resolve()), dict(pair.split("=", 1) for pair in pairs)))
-    return arms
+    return source_arms(REPO, a.base_commit, a.arm or ["now=src"], tmp)
 
 
 class Prompts:

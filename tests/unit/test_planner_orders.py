@@ -58,6 +58,8 @@ async def test_a_standby_obeys_signed_newer_orders_only() -> None:
         await put(sign_order(OTHER, key, Order(info.worker_id, "serve", 6)))  # the wrong secret
         await put(sign_order(SECRET, key, Order(info.worker_id + 1, "serve", 7)))  # another worker's
         await discovery.put(key, b"{not json")
+        # oversized: refused before it is decoded (even when signed: a bound, not a trust check)
+        await put(sign_order(SECRET, key, Order(info.worker_id, "serve", 8, "x" * (1 << 20))))
         assert await _next(link) is None
         await put(sign_order(SECRET, key, Order(info.worker_id, "serve", 10)))
         got = await _next(link)

@@ -54,6 +54,9 @@ log = logging.getLogger("kvmesh.planner")
 _encode = msgspec.json.encode
 
 
+MAX_ORDER_BYTES = 4096  # an order is a few fields and a short reason
+
+
 class Order(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the planner tells one standby or serving worker to do."""
 
@@ -124,6 +127,9 @@ class StandbyLink:
                 self._consider(event.value)
 
     def _consider(self, value: bytes) -> None:
+        if len(value) > MAX_ORDER_BYTES:  # bounded before it is decoded: anyone may write to discovery
+            log.warning("ignoring an order of %d bytes at %s (at most %d)", len(value), self._orders, MAX_ORDER_BYTES)
+            return
         try:
             order = msgspec.json.decode(value, type=Order)
         except msgspec.DecodeError:

@@ -5,8 +5,8 @@ Grouped by the channel they travel on:
 * engine / request plane: :class:`PreprocessedRequest` in, :class:`OutputChunk` out,
   :class:`ErrorInfo` for a typed mid-stream failure;
 * model card: :class:`EngineConfig` (what a worker's engine serves);
-* event plane: :class:`KvEvent` (stored / removed / cleared; defined in :mod:`kvmesh.kv.events`)
-  and :class:`LoadReport`.
+* event plane: :class:`KvEventBatch` of :class:`KvEvent` data (stored / removed / cleared;
+  defined in :mod:`kvmesh.kv.events`, with the bounds of a batch) and :class:`LoadReport`.
 
 Structs use ``omit_defaults`` so msgpack frames stay small; chunks are ``gc=False``
 because they are created per token and never form cycles.
@@ -24,6 +24,7 @@ from kvmesh.kv.events import (
     BlockStored,
     KvDump,
     KvEvent,
+    KvEventBatch,
     KvEventData,
     KvEventsSince,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "AllBlocksCleared",
     "KvEventData",
     "KvEvent",
+    "KvEventBatch",
     "LoadReport",
     "KvDump",
     "KvEventsSince",

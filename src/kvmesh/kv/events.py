@@ -1,13 +1,57 @@
 """KV cache event wire types: what an engine's block pool publishes and the router's
-indexer applies (msgspec structs, tagged union). Re-exported by :mod:`kvmesh.protocol`."""
+indexer applies (msgspec structs, tagged union). Re-exported by :mod:`kvmesh.protocol`.
+
+On the event plane (topic ``kv_events``) an envelope's payload is one of:
+
+* a :class:`KvEventBatch` (msgpack array): the consecutive events of one worker that
+  one engine step (one loop tick) produced, ``events[i]`` being event
+  ``first_event_id + i``. What workers send.
+* a :class:`KvEvent` (msgpack map): one event; the older form, still accepted.
+
+:func:`decode_kv_payload` tells them apart by the first byte and returns a batch
+either way. Bounds, on both sides: a batch holds at most :data:`MAX_BATCH_EVENTS`
+events and :data:`MAX_BATCH_BLOCKS` block hashes in all (a publisher starts a new
+batch before it would pass either; one event alone may hold up to
+:data:`MAX_EVENT_BLOCKS`), so a payload stays under ~1.3 MiB; a receiver refuses a
+payload over :data:`MAX_PAYLOAD_BYTES` without decoding it, and the decoder refuses a
+list over its length bound from its header, before allocating it, so a hostile
+payload costs at most ~10× its bytes. Hashes are unsigned 64-bit ints (``ge=0``
+checked while decoding; msgpack has no larger ints).
+"""
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KvDump", "KvEvent", "KvEventData", "KvEventsSince"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KvDump",
+    "KvEvent",
+    "KvEventBatch",
+    "KvEventData",
+    "KvEventsSince",
+    "MAX_BATCH_BLOCKS",
+    "MAX_BATCH_EVENTS",
+    "MAX_EVENT_BLOCKS",
+    "MAX_PAYLOAD_BYTES",
+    "PayloadTooLarge",
+    "decode_kv_payload",
+]
+
+# Hashes in one event at most (an engine stores or frees one request's blocks at a time).
+MAX_EVENT_BLOCKS = 1 << 16
+# Events in one batch at most, and block hashes in all its events at most.
+MAX_BATCH_EVENTS = 1024
+MAX_BATCH_BLOCKS = 1 << 16
+# A kv_events payload's bytes at most: a full batch with token hashes is ~1.3 MiB.
+MAX_PAYLOAD_BYTES = 2 * 1024 * 1024
+
+Hash = Annotated[int, msgspec.Meta(ge=0)]
+Hashes = Annotated[list[Hash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
 
 
 class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True):
@@ -15,13 +59,13 @@ class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True):
     (see :mod:`kvmesh.kv.hashing`), ``token_hashes`` the matching local hashes;
     ``parent_hash`` is the sequence hash of the block before the first one."""
 
-    block_hashes: list[int]
-    token_hashes: list[int] = []
+    block_hashes: Hashes
+    token_hashes: Hashes = []
     parent_hash: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="removed"):
-    block_hashes: list[int]
+    block_hashes: Hashes
 
 
 class AllBlocksCleared(msgspec.Struct, tag="cleared"):
@@ -37,6 +81,37 @@ class KvEvent(msgspec.Struct):
     worker_id: int
     event_id: int
     data: KvEventData
+
+
+class KvEventBatch(msgspec.Struct, array_like=True):
+    """Consecutive KV events of one worker: ``events[i]`` is its event
+    ``first_event_id + i`` (bounds: the module docstring)."""
+
+    worker_id: int
+    first_event_id: Annotated[int, msgspec.Meta(ge=0)]
+    events: Annotated[list[KvEventData], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
+
+
+class PayloadTooLarge(ValueError):
+    """A payload refused for its size alone (not decoded)."""
+
+
+_decode_batch = msgspec.msgpack.Decoder(KvEventBatch).decode
+_decode_event = msgspec.msgpack.Decoder(KvEvent).decode
+
+
+def decode_kv_payload(payload: bytes) -> KvEventBatch:
+    """A ``kv_events`` payload as a batch (a single event: a batch of one). Raises
+    ``ValueError`` for anything else: :class:`PayloadTooLarge` over
+    :data:`MAX_PAYLOAD_BYTES`, ``msgspec.DecodeError``/``ValidationError`` (both
+    ``ValueError``) for what does not decode or breaks a bound."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLarge(f"KV event payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
+    first = payload[0] if payload else 0
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):  # a msgpack map: one KvEvent (the older form)
+        event = _decode_event(payload)
+        return KvEventBatch(event.worker_id, event.event_id, [event.data])
+    return _decode_batch(payload)
 
 
 class KvDump(msgspec.Struct):

@@ -18,6 +18,7 @@ Lifecycle (one caller at a time; the async glue is :mod:`kvmesh.router.service`)
 
     core.add_worker(w) / core.remove_worker(w)      the candidate set follows discovery
     core.apply_event(event)                         each KV event of a worker, in order
+    core.apply_batch(w, first_id, events)           or a batch of them (consecutive ids), up to a gap
     core.load_dump(w, hashes, last_event_id)        repair after a "gap"
     d = core.route(request_id, token_ids, now)      pick a worker, book the request's load
     core.first_token(request_id, now)               its prefill tokens leave the worker
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvmesh.errors import NoWorkers
-from kvmesh.protocol import KvEvent
+from kvmesh.protocol import KvEvent, KvEventData
 from kvmesh.router.approx import ApproxIndexer
 from kvmesh.router.cost import (
     CandidateScore,
@@ -155,6 +156,36 @@ class KvRouterCore:
         if verdict == "apply":
             self._indexer.apply(event.worker_id, event.data)
         return verdict
+
+    def apply_batch(self, worker_id: int, first_event_id: int, events: Sequence[KvEventData]) -> tuple[int, int]:
+        """Apply ``events[i]`` as the worker's event ``first_event_id + i``, in order, as
+        ``apply_event`` each would, up to the first gap. Returns ``(applied, stop)``:
+        how many were applied (stale ones are skipped) and the index of the event after
+        a gap, not applied (``len(events)`` when there was none); the caller repairs and
+        then applies ``events[stop:]``. The common case (the batch follows the last
+        applied id) is one sequencer update and one ``KvIndexer.apply_many``."""
+        n = len(events)
+        if self._indexer is None:
+            return 0, n
+        seq = self._sequencer
+        last = seq.last_event_id(worker_id)
+        if last is not None and first_event_id == last + 1 and n:
+            seq.reset(worker_id, last + n)
+            self._indexer.apply_many(worker_id, events)
+            return n, n
+        applied = 0
+        for i, data in enumerate(events):
+            verdict = seq.accept(worker_id, first_event_id + i)
+            if verdict == "gap":
+                return applied, i
+            if verdict == "apply":
+                self._indexer.apply(worker_id, data)
+                applied += 1
+        return applied, n
+
+    def last_event_id(self, worker_id: int) -> int | None:
+        """The id of the worker's last applied event (None: none yet, or forgotten)."""
+        return self._sequencer.last_event_id(worker_id)
 
     def load_dump(self, worker_id: int, block_hashes: Sequence[int], last_event_id: int) -> None:
         """Replace the worker's blocks with a full dump taken after event ``last_event_id``."""

@@ -50,7 +50,9 @@ without access times. Each eviction batch is O(cap) and frees cap/8 blocks, so t
 cost per stored block stays O(1) amortised. ``evicted`` counts the blocks dropped.
 
 :func:`check_event_data` says why an event payload cannot be applied (a hash that is
-not an unsigned 64-bit int, too many blocks in one event) before anything is changed.
+not an unsigned 64-bit int, too many blocks in one event) before anything is changed;
+:func:`check_events` the same for a batch (and the batch's own bounds, see
+:mod:`kvmesh.kv.events`). ``apply_many`` applies a batch's payloads in order.
 """
 
 from __future__ import annotations
@@ -60,14 +62,20 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
+from kvmesh.kv.events import MAX_BATCH_BLOCKS, MAX_BATCH_EVENTS, MAX_EVENT_BLOCKS
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
 
-__all__ = ["KvIndexer", "EventSequencer", "check_event_data", "DEFAULT_MAX_BLOCKS_PER_WORKER", "MAX_EVENT_BLOCKS"]
+__all__ = [
+    "KvIndexer",
+    "EventSequencer",
+    "check_event_data",
+    "check_events",
+    "DEFAULT_MAX_BLOCKS_PER_WORKER",
+    "MAX_EVENT_BLOCKS",
+]
 
 # A worker's blocks in the index at most (4 Mi blocks: 64 Mi tokens at block size 16).
 DEFAULT_MAX_BLOCKS_PER_WORKER = 1 << 22
-# Hashes in one event at most (an engine stores or frees one request's blocks at a time).
-MAX_EVENT_BLOCKS = 1 << 16
 _U64 = 1 << 64
 
 # Compact a worker's log when it holds more than 2 × live + this many entries.
@@ -110,10 +118,29 @@ def check_event_data(data: KvEventData) -> str | None:
     hashes = data.block_hashes
     if len(hashes) > MAX_EVENT_BLOCKS:
         return "too_many_blocks"
-    for h in hashes:
-        if type(h) is not int or not 0 <= h < _U64:
+    if not hashes:
+        return None
+    try:  # min/max in C; a decoded event holds only ints (the decoder checks their type)
+        if min(hashes) < 0 or max(hashes) >= _U64:
             return "bad_hash"
+    except TypeError:  # not comparable with 0: not numbers
+        return "bad_hash"
     return None
+
+
+def check_events(events: Sequence[KvEventData]) -> str | None:
+    """Why a batch of event payloads must not be applied (its first bad event's reason,
+    or ``too_many_events`` / ``too_many_blocks`` for the batch's own bounds), or None."""
+    if len(events) > MAX_BATCH_EVENTS:
+        return "too_many_events"
+    blocks = 0
+    for data in events:
+        reason = check_event_data(data)
+        if reason is not None:
+            return reason
+        if type(data) is not AllBlocksCleared:
+            blocks += len(data.block_hashes)  # type: ignore[union-attr]
+    return "too_many_blocks" if blocks > MAX_BATCH_BLOCKS else None
 
 
 class KvIndexer:
@@ -211,6 +238,22 @@ class KvIndexer:
                 self._clear(i)
         else:
             raise TypeError(f"not a KV event payload: {type(data).__name__}")
+
+    def apply_many(self, worker_id: int, events: Iterable[KvEventData]) -> None:
+        """Apply several event payloads of ``worker_id`` in order, as ``apply`` each
+        would. A run of consecutive ``BlockStored`` is stored in one pass (one cap check
+        at its end: the worker may pass its cap by that run until then)."""
+        run: list[int] = []
+        for data in events:
+            if type(data) is BlockStored:
+                run += data.block_hashes
+                continue
+            if run:
+                self._store(self._dense(worker_id), run)
+                run = []
+            self.apply(worker_id, data)
+        if run:
+            self._store(self._dense(worker_id), run)
 
     def remove_worker(self, worker_id: int) -> None:
         """Drop all of ``worker_id``'s blocks and free its dense index (no-op if unknown)."""

@@ -2,18 +2,25 @@
 decisions out. The decisions themselves are made by the pure
 :class:`~kvmesh.router.core.KvRouterCore`.
 
-* Events: one event-plane subscription; each envelope's KvEvent goes to
-  ``core.apply_event``. A gap in a worker's event ids is repaired from the worker's
+* Events: one event-plane subscription; each envelope carries a
+  :class:`~kvmesh.kv.events.KvEventBatch` (the events of one engine step; a single
+  ``KvEvent``, the older form, is a batch of one), decoded once and given to
+  ``core.apply_batch``. A gap in a worker's event ids is repaired from the worker's
   event buffer (``kv_events`` endpoint) or, if that no longer reaches back, from a full
-  dump (``kv_dump``); events arriving during a repair are held and applied after it.
+  dump (``kv_dump``); the rest of the batch after the gap, and events arriving during
+  a repair, are held and applied after it.
 * A new worker's cache is loaded from its dump when it appears; a removed worker's
   blocks are dropped.
 * Events are data from the network: each envelope that cannot be decoded, names a
   worker other than its publisher, names no worker of this model, or carries an
-  invalid payload (a hash outside u64, too many blocks) is skipped and counted in
+  invalid payload (a hash outside u64, too many blocks, too many events, over
+  ``MAX_PAYLOAD_BYTES``) is skipped whole and counted (once per envelope) in
   ``kvmesh_router_kv_events_rejected_total{reason}``; the reader never stops on one.
-  Reasons: ``malformed``, ``publisher_mismatch``, ``unknown_worker``, ``bad_hash``,
-  ``too_many_blocks``, ``not_applicable``.
+  Bounds are checked before the payload is decoded (its size) or while it is (list
+  lengths from their headers), so a hostile envelope cannot make the router allocate
+  more than ~10× ``MAX_PAYLOAD_BYTES`` (see :mod:`kvmesh.kv.events`).
+  Reasons: ``malformed``, ``too_large``, ``publisher_mismatch``, ``unknown_worker``,
+  ``bad_hash``, ``too_many_blocks``, ``too_many_events``, ``not_applicable``.
 * Admission (optional): when every worker's in-flight prefill tokens are over
   ``threshold`` × its batch token budget, requests wait in FCFS order; past
   ``max_queue`` waiting requests, a new one is refused with 503 + Retry-After.
@@ -31,9 +38,10 @@ from typing import Any
 import msgspec
 
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
-from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
+from kvmesh.kv.events import PayloadTooLarge, decode_kv_payload
+from kvmesh.protocol import KvDump, KvEvent, KvEventData, KvEventsSince, PreprocessedRequest
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
-from kvmesh.router.indexer import check_event_data
+from kvmesh.router.indexer import check_event_data, check_events
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import Subscription
 from kvmesh.runtime.instances import Instance
@@ -43,10 +51,20 @@ __all__ = ["KvRouterService", "KvPolicy", "AdmissionSettings"]
 
 log = logging.getLogger("kvmesh.router")
 
-_decode_event = msgspec.msgpack.Decoder(KvEvent).decode
 _decode_dump = msgspec.msgpack.Decoder(KvDump).decode
 _decode_since = msgspec.msgpack.Decoder(KvEventsSince).decode
 _encode = msgspec.msgpack.encode
+
+
+def _decode_reason(exc: Exception) -> str:
+    """The rejection reason of a payload that did not decode: which bound it broke
+    (msgspec names the path: ``$[2]`` is a batch's event list), else ``malformed``."""
+    text = str(exc)
+    if "length <=" in text:
+        return "too_many_blocks" if "_hashes`" in text else "too_many_events"
+    if ">= 0" in text and "_hashes[" in text:
+        return "bad_hash"
+    return "malformed"
 
 
 class AdmissionSettings(msgspec.Struct, frozen=True):
@@ -136,22 +154,25 @@ class KvRouterService:
                 self._reject(reason, envelope.publisher_id)
 
     def _on_envelope(self, envelope: Any) -> str | None:
-        """Apply one envelope's event; the reason it was skipped, or None."""
+        """Apply one envelope's events; the reason it was skipped, or None."""
         try:
-            event = _decode_event(envelope.payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
-            return "malformed"
-        if event.worker_id != envelope.publisher_id:
+            batch = decode_kv_payload(envelope.payload)
+        except PayloadTooLarge:
+            return "too_large"
+        except (ValueError, UnicodeDecodeError) as exc:  # msgspec's DecodeError and ValidationError included
+            return _decode_reason(exc)
+        worker, events = batch.worker_id, batch.events
+        if worker != envelope.publisher_id:
             return "publisher_mismatch"
-        if event.worker_id not in self.workers:
+        if worker not in self.workers:
             return "unknown_worker"
-        reason = check_event_data(event.data)
+        reason = check_events(events)
         if reason is not None:
             return reason
         try:
-            self._on_event(event)
+            self._on_events(worker, batch.first_event_id, events)
         except (ValueError, TypeError, OverflowError) as exc:  # NOTE: checked above; a last guard
-            log.warning("KV event of worker %x not applied: %s", event.worker_id, exc)
+            log.warning("KV events of worker %x not applied: %s", worker, exc)
             return "not_applicable"
         return None
 
@@ -161,15 +182,21 @@ class KvRouterService:
         if self.rejected_events & (self.rejected_events - 1) == 0:  # 1st, 2nd, 4th, ...: the log stays small
             log.warning("skipping a KV event from publisher %x (%s); %d skipped so far", publisher_id, reason, self.rejected_events)
 
-    def _on_event(self, event: KvEvent) -> None:
-        worker = event.worker_id
-        if worker not in self.workers:
-            return
+    def _on_events(self, worker: int, first_id: int, events: list[KvEventData]) -> None:
         held = self._repairing.get(worker)
         if held is not None:
-            held.append(event)
+            held.extend(KvEvent(worker, first_id + i, data) for i, data in enumerate(events))
             return
-        self._apply(event)
+        applied, stop = self.core.apply_batch(worker, first_id, events)
+        if applied:
+            last = self.core.last_event_id(worker)
+            if last is not None:
+                self._last_applied[worker] = last
+            self.metrics.events_applied.inc(applied)
+        if stop < len(events):
+            self.metrics.event_gaps.inc()
+            rest = [KvEvent(worker, first_id + i, events[i]) for i in range(stop, len(events))]
+            self._begin_repair(worker, full=False, held=rest)
 
     def _apply(self, event: KvEvent) -> None:
         status = self.core.apply_event(event)
@@ -178,14 +205,13 @@ class KvRouterService:
             self.metrics.events_applied.inc()
         elif status == "gap":
             self.metrics.event_gaps.inc()
-            self._begin_repair(event.worker_id, full=False, first_held=event)
+            self._begin_repair(event.worker_id, full=False, held=[event])
 
-    def _begin_repair(self, worker_id: int, full: bool, first_held: KvEvent | None = None) -> None:
+    def _begin_repair(self, worker_id: int, full: bool, held: list[KvEvent] | None = None) -> None:
         if worker_id in self._repairing:
-            if first_held is not None:
-                self._repairing[worker_id].append(first_held)
+            self._repairing[worker_id].extend(held or ())
             return
-        self._repairing[worker_id] = [first_held] if first_held is not None else []
+        self._repairing[worker_id] = held or []
         self._spawn(self._repair(worker_id, full))
 
     async def _repair(self, worker_id: int, full: bool) -> None:

@@ -24,7 +24,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.distributed import DistributedRuntime, Endpoint
 from kvmesh.runtime.event_plane.base import EventPlane
-from kvmesh.runtime.events import CallbackPublisher, EventPublisher, NullPublisher
+from kvmesh.runtime.events import BatchingPublisher, EventPublisher, NullPublisher
 from kvmesh.runtime.tcp_server import TcpServer
 from kvmesh.runtime.names import GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
 from kvmesh.worker.service import WorkerService
@@ -366,6 +366,6 @@ async def publisher_on(plane: EventPlane, publisher_id: int) -> tuple[EventPubli
     engine-facing publisher and the address subscribers connect to."""
     kv = await plane.publisher(KV_EVENTS_TOPIC, publisher_id)
     load = await plane.publisher(LOAD_TOPIC, publisher_id)
-    encode = msgspec.msgpack.encode
-    publisher = CallbackPublisher(lambda e: kv.publish(encode(e)), lambda r: load.publish(encode(r)))
+    # the KV events of one engine step (one turn of the loop) leave in one envelope
+    publisher = BatchingPublisher(kv.publish, load.publish, asyncio.get_running_loop().call_soon)
     return publisher, kv.address

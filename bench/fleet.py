@@ -210,19 +210,28 @@ def prompts(shape: Shape, n: int, seed: int) -> Iterator[list[int]]:
 # ---------------------------------------------------------------------------- in-process measurements
 
 
-def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list[bytes]]:
-    """KV events per second of one mocker worker kept full, on its modelled clock; and
-    the encoded events (a stream to replay)."""
+def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list[object]]:
+    """KV events per second of one mocker worker kept full, on its modelled clock, as the
+    worker's :class:`~kvmesh.runtime.events.BatchingPublisher` sends them (one batch per
+    engine step: the sim's steps are its loop turns); and the batches (a stream to replay)."""
     from kvmesh.engines.mocker.options import MockerOptions
     from kvmesh.engines.mocker.sim import VirtualWorker
+    from kvmesh.kv.events import decode_kv_payload
     from kvmesh.protocol import PreprocessedRequest, StopConditions
-    from kvmesh.runtime.events import CallbackPublisher
+    from kvmesh.runtime.events import BatchingPublisher
 
-    encode = msgspec.msgpack.encode
-    events: list[bytes] = []
+    batches: list[object] = []
+    sizes: list[int] = []
     loads = [0]
+    turn: list[object] = []  # the flush the publisher scheduled for the end of this turn
+
+    def sent(payload: bytes) -> None:
+        batches.append(decode_kv_payload(payload))
+        sizes.append(len(payload))
+
+    publisher = BatchingPublisher(sent, lambda _r: loads.__setitem__(0, loads[0] + 1), turn.append)
     options = MockerOptions()
-    worker = VirtualWorker(options, CallbackPublisher(lambda e: events.append(encode(e)), lambda r: loads.__setitem__(0, loads[0] + 1)))
+    worker = VirtualWorker(options, publisher)
     warmup_ms = 0.25 * sim_s * 1000  # the first quarter fills the batch and the cache: not counted
     source = prompts(shape, 10**9, seed=7)
     done = [0]
@@ -234,7 +243,7 @@ def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list
 
     for _ in range(options.max_num_seqs):
         submit(0.0)
-    mark: tuple[float, int, int, int] | None = None
+    mark: tuple[float, int, int, int, int] | None = None
     while worker.now_ms < sim_s * 1000:
         t = worker.next_event_time()
         assert t is not None
@@ -242,35 +251,46 @@ def busy_worker_rate(shape: Shape, sim_s: float) -> tuple[dict[str, float], list
             if ev.finish_reason is not None:
                 done[0] += 1
                 submit(worker.now_ms)
+        while turn:  # the turn of the loop ends: the step's events leave in one batch
+            turn.pop()()  # type: ignore[operator]
         if mark is None and worker.now_ms >= warmup_ms:
-            mark = (worker.now_ms, len(events), loads[0], done[0])
+            mark = (worker.now_ms, publisher.events, len(batches), loads[0], done[0])
     assert mark is not None
     seconds = (worker.now_ms - mark[0]) / 1000
+    envelopes = len(batches) - mark[2]
+    events = publisher.events - mark[1]
     rate = {
-        "kv_events_per_s": (len(events) - mark[1]) / seconds,
-        "load_reports_per_s": (loads[0] - mark[2]) / seconds,
-        "requests_per_s": (done[0] - mark[3]) / seconds,
+        "kv_events_per_s": events / seconds,
+        "kv_envelopes_per_s": envelopes / seconds,
+        "events_per_envelope": events / envelopes if envelopes else 0.0,
+        "payload_bytes_mean": sum(sizes[mark[2]:]) / envelopes if envelopes else 0.0,
+        "load_reports_per_s": (loads[0] - mark[3]) / seconds,
+        "requests_per_s": (done[0] - mark[4]) / seconds,
         "max_num_seqs": options.max_num_seqs,
     }
-    return rate, events
+    return rate, batches
 
 
 class WireStream:
-    """The envelopes a router receives from ``workers``, each replaying ``stream`` (one
-    busy worker's events) under its own id: every worker caches the shared prefixes
-    (same hashes); the rest of its blocks are its own (hashes salted per worker, chains
-    kept). Interleaved event by event across workers, as they would arrive."""
+    """What a router receives from ``workers``, each replaying ``stream`` (one busy
+    worker's batches) under its own id: every worker caches the shared prefixes (same
+    hashes); the rest of its blocks are its own (hashes salted per worker, chains kept).
+    Interleaved batch by batch across workers, as they would arrive. ``batched`` False:
+    the same events one per envelope (the older wire form), for the A/B.
 
-    def __init__(self, stream: list[bytes], workers: list[int], shape: Shape) -> None:
+    ``chunk`` gives encoded envelopes (what a socket carries); ``opened`` the envelopes
+    the subscription hands the router (decoded, as its :class:`Opener` does: that part
+    of the cost is the subscription's, measured by :func:`zmq_ingest`)."""
+
+    def __init__(self, stream: list[object], workers: list[int], shape: Shape, batched: bool = True) -> None:
         from kvmesh.kv.hashing import block_hashes
-        from kvmesh.protocol import KvEvent
         from kvmesh.runtime.event_plane.base import Envelope
 
-        self._decode_event = msgspec.msgpack.Decoder(KvEvent).decode
         self._decode_env = msgspec.msgpack.Decoder(Envelope).decode
         self._encode = msgspec.msgpack.Encoder().encode
-        self.events = [self._decode_event(raw) for raw in stream]
+        self.batches = stream
         self.workers = workers
+        self.batched = batched
         self.shared = {h for p in _prefixes(shape, seed=7) for h in block_hashes(p, 16)}
         self.pos = 0
 
@@ -282,36 +302,56 @@ class WireStream:
             parent = data.parent_hash
             if parent is not None and parent not in shared:
                 parent ^= salt
-            return BlockStored([h if h in shared else h ^ salt for h in data.block_hashes], data.token_hashes, parent)
+            salted = [h if h in shared else h ^ salt for h in data.block_hashes]
+            return BlockStored(salted, data.token_hashes, parent)
         if isinstance(data, BlockRemoved):
             return BlockRemoved([h if h in shared else h ^ salt for h in data.block_hashes])
         return data
 
-    def chunk(self, size: int) -> list[bytes]:
-        """The next ``size`` envelopes or so (whole rounds over the workers); [] at the end."""
-        from kvmesh.protocol import KvEvent
+    def chunk(self, size: int) -> tuple[list[bytes], int]:
+        """The next ``size`` envelopes or so (whole rounds over the workers) and the
+        events in them; ([], 0) at the end."""
+        from kvmesh.protocol import KvEvent, KvEventBatch
         from kvmesh.runtime.event_plane.base import Envelope
 
         out: list[bytes] = []
+        events = 0
         encode = self._encode
-        while len(out) < size and self.pos < len(self.events):
-            e = self.events[self.pos]
+        while len(out) < size and self.pos < len(self.batches):
+            b = self.batches[self.pos]
             for w in self.workers:
-                ev = KvEvent(w, e.event_id, self._salted(e.data, (w * 0x9E3779B97F4A7C15) & ((1 << 63) - 1)))
-                out.append(encode(Envelope(w, e.event_id + 1, "kv_events", encode(ev))))
+                salt = (w * 0x9E3779B97F4A7C15) & ((1 << 63) - 1)
+                datas = [self._salted(d, salt) for d in b.events]  # type: ignore[attr-defined]
+                first = b.first_event_id  # type: ignore[attr-defined]
+                if self.batched:
+                    out.append(encode(Envelope(w, first + 1, "kv_events", encode(KvEventBatch(w, first, datas)))))  # type: ignore[arg-type]
+                else:
+                    for i, d in enumerate(datas):
+                        out.append(encode(Envelope(w, first + i + 1, "kv_events", encode(KvEvent(w, first + i, d)))))  # type: ignore[arg-type]
+                events += len(datas)
             self.pos += 1
-        return out
+        return out, events
 
-    def apply(self, core: object, chunk: list[bytes]) -> None:
-        """What the router does per envelope: decode it and its event, check, apply."""
-        from kvmesh.router.indexer import check_event_data
+    def opened(self, size: int) -> tuple[list[object], int]:
+        raw, events = self.chunk(size)
+        return [self._decode_env(r) for r in raw], events
 
-        decode_env, decode_event, apply = self._decode_env, self._decode_event, core.apply_event  # type: ignore[attr-defined]
-        for raw in chunk:
-            env = decode_env(raw)
-            ev = decode_event(env.payload)
-            if ev.worker_id == env.publisher_id and check_event_data(ev.data) is None:
-                apply(ev)
+
+def apply_envelopes(core: object, envelopes: list[object]) -> int:
+    """What the router's service does per envelope the subscription hands it
+    (:meth:`~kvmesh.router.service.KvRouterService._on_envelope`): decode the payload
+    once (the decoder checks the events), check the publisher, apply the batch; returns
+    the events applied."""
+    from kvmesh.kv.events import decode_kv_payload
+
+    apply_batch = core.apply_batch  # type: ignore[attr-defined]
+    applied = 0
+    for env in envelopes:
+        batch = decode_kv_payload(env.payload)  # type: ignore[attr-defined]
+        worker, events = batch.worker_id, batch.events
+        if worker == env.publisher_id:  # type: ignore[attr-defined]
+            applied += apply_batch(worker, batch.first_event_id, events)[0]
+    return applied
 
 
 def _zmq_producer(addresses_out, wire_chunk: list[bytes], publishers: int, go, seconds: float) -> None:  # type: ignore[no-untyped-def]
@@ -344,16 +384,18 @@ def _zmq_producer(addresses_out, wire_chunk: list[bytes], publishers: int, go, s
     ctx.term()
 
 
-def zmq_ingest(stream: list[bytes], shape: Shape, publishers: int, seconds: float) -> dict[str, float]:
-    """The live path's own cost per KV event before decoding: a real
+def zmq_ingest(stream: list[object], shape: Shape, publishers: int, seconds: float) -> dict[str, float]:
+    """The live path's own cost per envelope before the router: a real
     :class:`~kvmesh.runtime.event_plane.zmq.ZmqSubscription` (SUB socket, asyncio reader,
-    inbox) connected to ``publishers`` PUB sockets of a forked producer that sends as fast
-    as it can; CPU time of this thread per envelope taken out of the inbox."""
+    envelope decode, inbox) connected to ``publishers`` PUB sockets of a forked producer
+    that sends batched envelopes as fast as it can; CPU time of this thread per envelope
+    taken out of the inbox, and per event (envelopes × events per envelope)."""
     import multiprocessing as mp
 
     from kvmesh.runtime.event_plane.zmq import ZmqEventPlane
 
-    wire = WireStream(stream, list(range(1, 101)), shape).chunk(20_000)
+    wire, events = WireStream(stream, list(range(1, 101)), shape).chunk(20_000)
+    per_envelope = events / len(wire) if wire else 0.0
     ctx = mp.get_context("fork")
     go = ctx.Event()
     parent, child = ctx.Pipe()
@@ -362,7 +404,7 @@ def zmq_ingest(stream: list[bytes], shape: Shape, publishers: int, seconds: floa
     try:
         addresses = parent.recv()
 
-        async def consume() -> tuple[int, float]:
+        async def consume() -> tuple[int, float, int]:
             plane = ZmqEventPlane("127.0.0.1", secret=None)
             sub = await plane.subscribe("kv_events")
             for address in addresses:
@@ -386,48 +428,68 @@ def zmq_ingest(stream: list[bytes], shape: Shape, publishers: int, seconds: floa
         proc.join(seconds + 5)
         if proc.is_alive():
             proc.kill()
-    return {"envelopes": got, "envelopes_per_cpu_s": got / cpu if cpu else 0.0, "inbox_dropped": dropped}
-
-
-def router_capacity(stream: list[bytes], workers: int, max_seconds: float, shape: Shape) -> dict[str, float]:
-    """One router's ingest rate on this core (CPU time): ``workers`` workers' envelopes
-    (:class:`WireStream`) through the subscription's decode and the service's checks
-    into the core. Then decision p50/p99 on the index it built."""
-    from kvmesh.router.core import KvRouterCore, RouterSettings
-
-    core = KvRouterCore(RouterSettings(block_size=16))
-    for w in range(1, workers + 1):
-        core.add_worker(w)
-    wire = WireStream(stream, list(range(1, workers + 1)), shape)
-    applied = 0
-    busy = 0.0
-    deadline = time.perf_counter() + max_seconds
-    while time.perf_counter() < deadline:
-        chunk = wire.chunk(20_000)
-        if not chunk:
-            break
-        t0 = time.thread_time()
-        wire.apply(core, chunk)
-        busy += time.thread_time() - t0  # CPU time: what one core can do, whatever else runs here
-        applied += len(chunk)
-    times, cpu = [], []
-    for i, tokens in enumerate(prompts(shape, 2000, seed=7)):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        core.route(f"q{i}", tokens, time.monotonic())
-        cpu.append(time.thread_time() - c0)
-        times.append(time.perf_counter() - t0)
-        core.finished(f"q{i}", time.monotonic())
+    rate = got / cpu if cpu else 0.0
     return {
-        "events_per_cpu_s": applied / busy if busy else 0.0,
-        "events": applied,
-        "decision_p50_us": (percentile(times, 50) or 0) * 1e6,
-        "decision_p99_us": (percentile(times, 99) or 0) * 1e6,
-        "decision_cpu_p50_us": (percentile(cpu, 50) or 0) * 1e6,
-        "decision_cpu_p99_us": (percentile(cpu, 99) or 0) * 1e6,
+        "envelopes": got,
+        "envelopes_per_cpu_s": rate,
+        "events_per_envelope": per_envelope,
+        "events_per_cpu_s": rate * per_envelope,
+        "inbox_dropped": dropped,
     }
 
 
-def _shard_main(conn, stream: list[bytes], workers: list[int], shape: Shape, envelopes: int, go) -> None:  # type: ignore[no-untyped-def]
+def router_capacity(stream: list[object], workers: int, max_seconds: float, shape: Shape) -> dict[str, float]:
+    """One router's ingest rate on this core (CPU time of this thread, so other load on
+    the machine does not count): ``workers`` workers' envelopes (:class:`WireStream`)
+    through the service's decode, checks and the core, in two arms fed the same events
+    in alternating rounds (paired A/B): ``batched`` (one envelope per engine step, what
+    workers send) and ``single`` (one event per envelope, the older form), each into its
+    own core. Then decision p50/p99 on the batched arm's index."""
+    from kvmesh.router.core import KvRouterCore, RouterSettings
+
+    arms: dict[str, dict[str, object]] = {}
+    for name, batched in (("batched", True), ("single", False)):
+        core = KvRouterCore(RouterSettings(block_size=16))
+        for w in range(1, workers + 1):
+            core.add_worker(w)
+        arms[name] = {"core": core, "wire": WireStream(stream, list(range(1, workers + 1)), shape, batched),
+                      "events": 0, "envelopes": 0, "cpu": 0.0}  # fmt: skip
+    deadline = time.perf_counter() + max_seconds
+    rounds = 0
+    while time.perf_counter() < deadline:
+        fed = [arm["wire"].opened(1) for arm in arms.values()]  # type: ignore[attr-defined]  # one batch of every worker
+        if not fed[0][0]:
+            break
+        for arm, (envelopes, events) in zip(arms.values(), fed):
+            t0 = time.thread_time()
+            apply_envelopes(arm["core"], envelopes)
+            arm["cpu"] += time.thread_time() - t0  # type: ignore[operator]
+            arm["events"] += events  # type: ignore[operator]
+            arm["envelopes"] += len(envelopes)  # type: ignore[operator]
+        rounds += 1
+    core = arms["batched"]["core"]
+    times, cpu = [], []
+    for i, tokens in enumerate(prompts(shape, 2000, seed=7)):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        core.route(f"q{i}", tokens, time.monotonic())  # type: ignore[attr-defined]
+        cpu.append(time.thread_time() - c0)
+        times.append(time.perf_counter() - t0)
+        core.finished(f"q{i}", time.monotonic())  # type: ignore[attr-defined]
+    out: dict[str, float] = {"rounds": rounds}
+    for name, arm in arms.items():
+        out[f"{name}_events"] = arm["events"]  # type: ignore[assignment]
+        out[f"{name}_envelopes"] = arm["envelopes"]  # type: ignore[assignment]
+        out[f"{name}_events_per_cpu_s"] = arm["events"] / arm["cpu"] if arm["cpu"] else 0.0  # type: ignore[operator]
+    out.update(
+        decision_p50_us=(percentile(times, 50) or 0) * 1e6,
+        decision_p99_us=(percentile(times, 99) or 0) * 1e6,
+        decision_cpu_p50_us=(percentile(cpu, 50) or 0) * 1e6,
+        decision_cpu_p99_us=(percentile(cpu, 99) or 0) * 1e6,
+    )
+    return out
+
+
+def _shard_main(conn, stream: list[object], workers: list[int], shape: Shape, envelopes: int, go) -> None:  # type: ignore[no-untyped-def]
     """One index shard (a forked process): the envelopes of its own workers, applied as
     fast as it can, and between every 64 of them the overlap queries waiting on ``conn``
     (block hashes → ``{worker: leading blocks}`` of its workers)."""
@@ -437,17 +499,18 @@ def _shard_main(conn, stream: list[bytes], workers: list[int], shape: Shape, env
     for w in workers:
         core.add_worker(w)
     wire = WireStream(stream, workers, shape)
-    todo = wire.chunk(envelopes)[:envelopes]
+    todo = wire.opened(envelopes)[0][:envelopes]
     index = core.indexer
     assert index is not None
     conn.send("ready")
     go.wait()
     t0, c0 = time.perf_counter(), time.thread_time()
-    for i in range(0, len(todo), 64):
-        wire.apply(core, todo[i : i + 64])
+    applied = 0
+    for i in range(0, len(todo), 16):
+        applied += apply_envelopes(core, todo[i : i + 16])
         while conn.poll():
             conn.send(index.find_matches(conn.recv()))
-    conn.send(("done", len(todo), time.perf_counter() - t0, time.thread_time() - c0))
+    conn.send(("done", applied, time.perf_counter() - t0, time.thread_time() - c0))
     while True:  # answer queries until told to stop
         msg = conn.recv()
         if msg is None:
@@ -455,7 +518,7 @@ def _shard_main(conn, stream: list[bytes], workers: list[int], shape: Shape, env
         conn.send(index.find_matches(msg))
 
 
-def shard_scaling(stream: list[bytes], workers: int, shards: int, envelopes: int, shape: Shape) -> dict[str, float]:
+def shard_scaling(stream: list[object], workers: int, shards: int, envelopes: int, shape: Shape) -> dict[str, float]:
     """The index sharded by worker over ``shards`` processes (worker ``w`` on shard
     ``w % shards``), ``envelopes`` in all to ingest at once; meanwhile this process routes:
     block hashes to every shard, their overlaps merged, the greedy selection over all

@@ -9,14 +9,18 @@ On the event plane (topic ``kv_events``) an envelope's payload is one of:
 * a :class:`KvEvent` (msgpack map): one event; the older form, still accepted.
 
 :func:`decode_kv_payload` tells them apart by the first byte and returns a batch
-either way. Bounds, on both sides: a batch holds at most :data:`MAX_BATCH_EVENTS`
-events and :data:`MAX_BATCH_BLOCKS` block hashes in all (a publisher starts a new
-batch before it would pass either; one event alone may hold up to
-:data:`MAX_EVENT_BLOCKS`), so a payload stays under ~1.3 MiB; a receiver refuses a
-payload over :data:`MAX_PAYLOAD_BYTES` without decoding it, and the decoder refuses a
-list over its length bound from its header, before allocating it, so a hostile
-payload costs at most ~10× its bytes. Hashes are unsigned 64-bit ints (``ge=0``
-checked while decoding; msgpack has no larger ints).
+either way. Bounds:
+
+* publisher: a batch holds at most :data:`MAX_BATCH_EVENTS` events and
+  :data:`MAX_BATCH_BLOCKS` block hashes in all (it starts a new batch before it would
+  pass either; one event alone may hold up to :data:`MAX_EVENT_BLOCKS`), so a payload
+  stays under ~1.3 MiB even with 9-byte hashes and token hashes;
+* receiver: a payload over :data:`MAX_PAYLOAD_BYTES` is refused without being decoded;
+  the decoder refuses a batch of more than :data:`MAX_BATCH_EVENTS` events, or an event
+  list of more than :data:`MAX_EVENT_BLOCKS` hashes, from the list's header, before
+  allocating it, and checks every hash is an int ``>= 0`` (msgpack has none over u64).
+  So a hostile payload costs at most ~10× its bytes, and a decoded one needs no
+  further check.
 """
 
 from __future__ import annotations

@@ -51,25 +51,27 @@ cost per stored block stays O(1) amortised. ``evicted`` counts the blocks droppe
 
 :func:`check_event_data` says why an event payload cannot be applied (a hash that is
 not an unsigned 64-bit int, too many blocks in one event) before anything is changed;
-:func:`check_events` the same for a batch (and the batch's own bounds, see
-:mod:`kvmesh.kv.events`). ``apply_many`` applies a batch's payloads in order.
+a payload decoded with the types of :mod:`kvmesh.kv.events` has had the same checks
+while it was decoded. ``apply_many`` applies a batch's payloads in order, inline.
 """
 
 from __future__ import annotations
 
 import heapq
 from array import array
+from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import chain, compress, groupby, repeat
+from operator import attrgetter, is_, not_
 from typing import Literal
 
-from kvmesh.kv.events import MAX_BATCH_BLOCKS, MAX_BATCH_EVENTS, MAX_EVENT_BLOCKS
+from kvmesh.kv.events import MAX_EVENT_BLOCKS
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
 
 __all__ = [
     "KvIndexer",
     "EventSequencer",
     "check_event_data",
-    "check_events",
     "DEFAULT_MAX_BLOCKS_PER_WORKER",
     "MAX_EVENT_BLOCKS",
 ]
@@ -128,19 +130,11 @@ def check_event_data(data: KvEventData) -> str | None:
     return None
 
 
-def check_events(events: Sequence[KvEventData]) -> str | None:
-    """Why a batch of event payloads must not be applied (its first bad event's reason,
-    or ``too_many_events`` / ``too_many_blocks`` for the batch's own bounds), or None."""
-    if len(events) > MAX_BATCH_EVENTS:
-        return "too_many_events"
-    blocks = 0
-    for data in events:
-        reason = check_event_data(data)
-        if reason is not None:
-            return reason
-        if type(data) is not AllBlocksCleared:
-            blocks += len(data.block_hashes)  # type: ignore[union-attr]
-    return "too_many_blocks" if blocks > MAX_BATCH_BLOCKS else None
+class _NotPayload(TypeError):
+    pass
+
+
+_HASHES = attrgetter("block_hashes")
 
 
 class KvIndexer:
@@ -240,20 +234,97 @@ class KvIndexer:
             raise TypeError(f"not a KV event payload: {type(data).__name__}")
 
     def apply_many(self, worker_id: int, events: Iterable[KvEventData]) -> None:
-        """Apply several event payloads of ``worker_id`` in order, as ``apply`` each
-        would. A run of consecutive ``BlockStored`` is stored in one pass (one cap check
-        at its end: the worker may pass its cap by that run until then)."""
-        run: list[int] = []
-        for data in events:
-            if type(data) is BlockStored:
-                run += data.block_hashes
-                continue
-            if run:
-                self._store(self._dense(worker_id), run)
-                run = []
-            self.apply(worker_id, data)
-        if run:
-            self._store(self._dense(worker_id), run)
+        """Apply several event payloads of ``worker_id`` in order, as ``apply`` each would.
+
+        The router's hot path: consecutive events of one kind (an engine step stores a
+        run of blocks, or evicts one) are applied as one run, their hashes looked up and
+        written by C loops (``map``, ``compress``, ``dict.update``); Python code runs
+        per run, and per hash only for blocks other workers also hold. Hashes must be
+        valid (a decoded payload's are: :mod:`kvmesh.kv.events` checks them while
+        decoding); an invalid one raises ``ValueError``, the runs before it applied.
+        The cap and the log's compaction are checked once, at the end: until then the
+        worker may pass its cap by this batch's blocks.
+        """
+        i = self._index.get(worker_id)
+        delta, removed = 0, False
+        try:
+            for kind, group in groupby(events, type):
+                if kind is BlockStored:
+                    if i is None:
+                        i = self._dense(worker_id)
+                    delta += self._store_run(i, list(chain.from_iterable(map(_HASHES, group))))
+                elif kind is BlockRemoved:
+                    if i is not None:
+                        delta -= self._remove_run(i, list(chain.from_iterable(map(_HASHES, group))))
+                        removed = True
+                elif kind is AllBlocksCleared:
+                    if i is not None:
+                        self._count[i] += delta
+                        delta = 0
+                        self._clear(i)
+                else:
+                    raise _NotPayload(f"not a KV event payload: {kind.__name__}")
+        except _NotPayload:
+            raise
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"block hashes must be unsigned 64-bit ints: {e}") from None
+        finally:
+            if i is not None:
+                self._settle(i, delta, removed)
+
+    def _store_run(self, i: int, hashes: list[int]) -> int:
+        """Give worker ``i`` the blocks ``hashes``; returns how many it did not hold."""
+        if len(set(hashes)) < len(hashes):
+            hashes = list(dict.fromkeys(hashes))  # a second store of a hash is a no-op
+        nodes, bit = self._nodes, self._bits[i]
+        masks = list(map(nodes.get, hashes))
+        is_new = list(map(is_, masks, repeat(None)))
+        new = list(compress(hashes, is_new))
+        log = self._log[i]
+        log.extend(new)  # first: an invalid hash raises before a node is written
+        nodes.update(zip(new, repeat(bit)))
+        added = len(new)
+        if added < len(hashes):  # blocks other workers hold (or this one already)
+            append = log.append
+            for h, m in compress(zip(hashes, masks), map(not_, is_new)):
+                if m is not None and not m & bit:
+                    append(h)
+                    nodes[h] = m | bit
+                    added += 1
+        return added
+
+    def _remove_run(self, i: int, hashes: list[int]) -> int:
+        """Take worker ``i`` off the blocks ``hashes``; returns how many it held."""
+        if len(set(hashes)) < len(hashes):
+            hashes = list(dict.fromkeys(hashes))  # a second removal of a hash is a no-op
+        nodes, bits = self._nodes, self._bits
+        bit = bits[i]
+        masks = list(map(nodes.get, hashes))
+        mine = list(map(is_, masks, repeat(bit)))  # held by this worker alone
+        alone = list(compress(hashes, mine))
+        deque(map(nodes.__delitem__, alone), 0)
+        gone = len(alone)
+        if gone < len(hashes):  # not held, or held with other workers
+            for h, m in compress(zip(hashes, masks), map(not_, mine)):
+                if m is None or not m & bit:
+                    continue
+                gone += 1
+                m ^= bit
+                if not m:
+                    del nodes[h]
+                elif m & (m - 1) == 0:
+                    nodes[h] = bits[m.bit_length() - 1]  # back to the shared single-bit object
+                else:
+                    nodes[h] = m
+        return gone
+
+    def _settle(self, i: int, delta: int, removed: bool) -> None:
+        """After a batch: worker ``i``'s count, then its cap, then its log's compaction."""
+        self._count[i] += delta
+        if self._count[i] > self.max_blocks_per_worker:
+            self._evict_oldest(i)
+        elif removed and len(self._log[i]) > 2 * self._count[i] + _LOG_SLACK:
+            self._log[i] = array("Q", dict.fromkeys(self._live(i)))
 
     def remove_worker(self, worker_id: int) -> None:
         """Drop all of ``worker_id``'s blocks and free its dense index (no-op if unknown)."""

@@ -104,7 +104,8 @@ class BatchingPublisher:
 
     def publish_kv(self, event: KvEvent) -> None:
         pending = self._pending
-        blocks = 0 if type(event.data) is AllBlocksCleared else len(event.data.block_hashes)  # type: ignore[union-attr]
+        data = event.data
+        blocks = 0 if isinstance(data, AllBlocksCleared) else len(data.block_hashes)
         if pending:
             last = pending[-1]
             if (

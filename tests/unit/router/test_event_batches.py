@@ -136,8 +136,6 @@ async def test_a_hostile_publisher_cannot_make_the_router_allocate_without_bound
         ("too_many_blocks", enc(KvEventBatch(W, 0, [BlockStored([1000 + i % 60_000 for i in range(600_000)])]))),
         # 140 Ki tiny events: refused from the list header
         ("too_many_events", enc(KvEventBatch(W, 0, [AllBlocksCleared()] * 140_000))),
-        # events within their bounds, the batch over MAX_BATCH_BLOCKS in all
-        ("too_many_blocks", _batch_of(MAX_BATCH_EVENTS // 2, 2 * MAX_BATCH_BLOCKS // MAX_BATCH_EVENTS + 1)),
         # negative ids and hashes
         ("malformed", b"\x93\x07\xff\x90"),  # [7, -1, []]
         ("bad_hash", enc(KvEventBatch(W, 0, [BlockStored([5, -3])]))),
@@ -308,3 +306,39 @@ async def test_batches_are_applied_and_a_gap_inside_one_is_repaired(stack: Stack
     stack.pub.publish(enc(KvEvent(W, 6, BlockStored([7]))))  # the older single-event form
     await until(lambda: 7 in stack.blocks())
     assert stack.router.rejected_events == 0
+
+
+def test_apply_many_matches_apply_on_random_batches() -> None:
+    import random
+
+    from kvmesh.router.indexer import KvIndexer
+
+    rng = random.Random(5)
+    one, many = KvIndexer(), KvIndexer()
+    for _ in range(300):
+        batch: list[Any] = []
+        for _ in range(rng.randrange(1, 12)):
+            r = rng.random()
+            hashes = [rng.randrange(40) for _ in range(rng.randrange(0, 4))]
+            batch.append(AllBlocksCleared() if r < 0.03 else BlockRemoved(hashes) if r < 0.45 else BlockStored(hashes))
+        worker = rng.choice((W, W + 1))
+        for data in batch:
+            one.apply(worker, data)
+        many.apply_many(worker, batch)
+        for w in (W, W + 1):
+            assert many.blocks_of(w) == one.blocks_of(w)
+            assert many.worker_block_count(w) == len(many.blocks_of(w))
+    assert many.num_blocks == one.num_blocks
+
+
+def test_apply_many_keeps_the_cap_and_refuses_what_is_not_a_payload() -> None:
+    from kvmesh.router.indexer import KvIndexer
+
+    index = KvIndexer(max_blocks_per_worker=8)
+    index.apply_many(W, [BlockStored([h]) for h in range(20)])
+    assert index.worker_block_count(W) <= 8
+    assert index.blocks_of(W) == set(range(20 - index.worker_block_count(W), 20))  # the newest kept
+    with pytest.raises(TypeError):
+        index.apply_many(W, [object()])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        index.apply_many(W, [BlockStored([-1])])

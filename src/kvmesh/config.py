@@ -200,6 +200,10 @@ class FrontendConfig:
         check=positive, group=_KV,
     )  # fmt: skip
     admission_max_queue: int = setting(1024, "past this many waiting: 503", check=positive, group=_KV)
+    router_shards: int = setting(
+        1, "kv mode: the KV index split by worker over this many processes (1: in the frontend; zmq event plane)",
+        check=positive, group=_KV,
+    )  # fmt: skip
     migration_limit: int = setting(
         3, "times a request may move to another worker after a mid-stream failure (0: never)", check=non_negative
     )

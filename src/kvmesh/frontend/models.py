@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -194,13 +194,26 @@ class ModelRegistry:
             overlap_weight=c.kv_overlap_weight,
             temperature=c.router_temperature,
         )
-        subscription = None
-        if self.event_plane is not None and c.router_mode == "kv":
+        subscription = index = None
+        if c.router_mode == "kv" and c.router_shards > 1:
+            index = await self._start_shards(entry, settings)
+        elif self.event_plane is not None and c.router_mode == "kv":
             subscription = await self.event_plane.subscribe(KV_EVENTS_TOPIC)
         admission = AdmissionSettings(threshold=c.admission_threshold, max_queue=c.admission_max_queue)
-        entry.kv = KvRouterService(settings, subscription, entry.metrics.router, admission)
+        entry.kv = KvRouterService(settings, subscription, entry.metrics.router, admission, index)
         entry.kv.start()
         entry.router.policy = KvPolicy(entry.kv)
+
+    async def _start_shards(self, entry: ModelEntry, settings: Any) -> Any:
+        """The KV index over ``router_shards`` processes (router/shards.py), fed by zmq."""
+        from kvmesh.router.shards import Hello, ShardedKvIndex
+
+        host = getattr(self.event_plane, "host", None)
+        if self.event_plane is None or self.event_plane.name != "zmq" or not isinstance(host, str):
+            raise InvalidArgument("--router-shards above 1 needs the zmq event plane")
+        index = ShardedKvIndex(self.config.router_shards, entry.metrics.router)
+        await index.start(Hello(entry.name, settings.block_size, settings.max_blocks_per_worker, host))
+        return index
 
     async def _model_folder(self, info: InstanceInfo, client: RequestClient) -> str:
         path = info.model_path

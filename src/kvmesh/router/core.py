@@ -205,12 +205,15 @@ class KvRouterCore:
         overlap_weight: float | None = None,
         temperature: float | None = None,
         block_hashes: Sequence[int] | None = None,
+        matches: Mapping[int, int] | None = None,
     ) -> Decision:
         """Pick a worker and book the request's load on it (until first token / finish).
 
         ``weights`` maps worker id → health weight (missing: 1.0); ``overlap_weight`` and
         ``temperature`` override the settings for this request; ``block_hashes`` (the
-        chained hashes of the prompt's full blocks) skips hashing when the caller has them.
+        chained hashes of the prompt's full blocks) skips hashing when the caller has them;
+        ``matches`` (``{worker: leading blocks held}``, from an index elsewhere: a sharded
+        one) replaces this core's own lookup.
         Raises :class:`~kvmesh.errors.NoWorkers` when no worker was added.
         """
         if not self._workers:
@@ -222,8 +225,9 @@ class KvRouterCore:
         self._load.expire(now, s.load_ttl_s)
         hashes = hash_blocks(token_ids, s.block_size) if block_hashes is None else block_hashes
         load = self._load
+        found = self._matches(hashes, now) if matches is None else dict(matches)
         inputs = CostInputs(
-            self._matches(hashes, now), len(token_ids), load.prefill_by_worker, load.blocks_by_worker, s.block_size, ow
+            found, len(token_ids), load.prefill_by_worker, load.blocks_by_worker, s.block_size, ow
         )
         if temp == 0 and len(self._workers) > _FAST_PATH_WORKERS:
             chosen, candidates = select_greedy(self._workers, inputs, weights, self._rng)

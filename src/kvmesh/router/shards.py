@@ -216,6 +216,7 @@ class ShardedKvIndex:
         self._calls: set[asyncio.Task[None]] = set()
         self.late = 0  # queries a shard did not answer in time
         self.timeout_s = QUERY_TIMEOUT_S
+        self._closing = False
 
     async def start(self, hello: Hello) -> None:
         for i in range(self.n):
@@ -317,8 +318,8 @@ class ShardedKvIndex:
         while True:
             frame = await shard.control.recv()
             if frame is None:
-                if shard.proc.returncode is None:
-                    log.warning("KV index shard %d closed its channel", shard.index)
+                if not self._closing:
+                    log.warning("KV index shard %d closed its channel (exit status %s)", shard.index, shard.proc.returncode)
                 return
             if isinstance(frame, Stats):
                 self._account(shard, frame)
@@ -357,6 +358,7 @@ class ShardedKvIndex:
         return sum(s.stats.applied for s in self._shards)
 
     async def close(self) -> None:
+        self._closing = True
         for task in list(self._calls):
             task.cancel()
         for shard in self._shards:

@@ -8,7 +8,8 @@ decisions out. The decisions themselves are made by the pure
   ``core.apply_batch``. A gap in a worker's event ids is repaired from the worker's
   event buffer (``kv_events`` endpoint) or, if that no longer reaches back, from a full
   dump (``kv_dump``); the rest of the batch after the gap, and events arriving during
-  a repair, are held and applied after it.
+  a repair, are held (up to ``MAX_HELD_EVENTS`` per worker; past that they are dropped
+  and the gap they leave is repaired next) and applied after it.
 * A new worker's cache is loaded from its dump when it appears; a removed worker's
   blocks are dropped.
 * Events are data from the network: each envelope that cannot be decoded, names a
@@ -55,6 +56,8 @@ __all__ = ["KvRouterService", "KvPolicy", "AdmissionSettings"]
 
 log = logging.getLogger("kvmesh.router")
 
+# events held per worker while its repair runs, at most (a busy worker sends ~1,400/s)
+MAX_HELD_EVENTS = 16 * 1024
 # envelopes applied before the reader lets the loop run other tasks: a busy mocker's batch
 # (one engine step, ~130 events) takes ~0.1 ms to apply, and a decision must not wait for a backlog
 _ENVELOPES_PER_TURN = 2
@@ -206,7 +209,9 @@ class KvRouterService:
     def _on_events(self, worker: int, first_id: int, events: list[KvEventData]) -> None:
         held = self._repairing.get(worker)
         if held is not None:
-            held.extend(KvEvent(worker, first_id + i, data) for i, data in enumerate(events))
+            if len(held) + len(events) <= MAX_HELD_EVENTS:
+                held.extend(KvEvent(worker, first_id + i, data) for i, data in enumerate(events))
+            # else: dropped; after the repair the next event shows a gap, repaired in turn
             return
         applied, stop = self.core.apply_batch(worker, first_id, events)
         if applied:

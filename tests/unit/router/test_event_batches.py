@@ -342,3 +342,37 @@ def test_apply_many_keeps_the_cap_and_refuses_what_is_not_a_payload() -> None:
         index.apply_many(W, [object()])  # type: ignore[list-item]
     with pytest.raises(ValueError):
         index.apply_many(W, [BlockStored([-1])])
+
+
+async def test_events_held_during_a_repair_are_bounded_and_the_loss_is_repaired(stack: Stack) -> None:
+    from kvmesh.router.service import MAX_HELD_EVENTS
+
+    release = asyncio.Event()
+    answered: list[bytes] = []
+    worker = stack.worker
+    plain = worker.stream
+
+    async def slow(item: Any, decode: Any) -> AsyncIterator[Any]:  # the repair waits until released
+        await release.wait()
+        raw = msgspec.Raw(enc(item))
+        answered.append(bytes(raw))
+        yield decode(raw)
+
+    stack.pub.publish(enc(KvEventBatch(W, 0, [BlockStored([1])])))
+    await until(lambda: stack.applied() == 1)
+    n = MAX_HELD_EVENTS + 10
+    worker.ring = [KvEvent(W, i, BlockStored([1000 + i])) for i in range(1, n + 2)]
+    worker.stream = lambda e, p, c, decode=None: slow(  # type: ignore[method-assign]
+        KvEventsSince([e for e in worker.ring if e.event_id > msgspec.msgpack.decode(p, type=int)][:1], True), decode
+    ) if e == KV_EVENTS else plain(e, p, c, decode)
+    stack.pub.publish(enc(KvEventBatch(W, 2, [BlockStored([1002])])))  # event 1 lost: a repair starts
+    await until(lambda: W in stack.router._repairing)
+    for first in range(3, n + 2, 1000):  # more than MAX_HELD_EVENTS arrive meanwhile
+        stack.pub.publish(enc(KvEventBatch(W, first, [BlockStored([1000 + i]) for i in range(first, min(first + 1000, n + 2))])))
+    await until(lambda: stack.router.subscription.inbox.__len__() == 0)  # type: ignore[union-attr]
+    assert len(stack.router._repairing[W]) <= MAX_HELD_EVENTS
+    worker.stream = plain  # type: ignore[method-assign]
+    release.set()
+    stack.pub.publish(enc(KvEventBatch(W, n + 2, [BlockStored([5])])))  # after the dropped ones: a gap, repaired
+    await until(lambda: stack.router.core.last_event_id(W) == n + 2)
+    assert stack.blocks() >= {1000 + i for i in range(1, n + 2)} | {5}

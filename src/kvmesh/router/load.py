@@ -84,9 +84,9 @@ class ActiveLoad:
             raise ValueError(f"load must be >= 0, got {prefill_tokens} tokens, {decode_blocks} blocks")
         self._drop(request_id)
         self._entries[request_id] = _Entry(worker_id, prefill_tokens, decode_blocks, now)
-        self._prefill[worker_id] = self._prefill.get(worker_id, 0) + prefill_tokens
-        self._blocks[worker_id] = self._blocks.get(worker_id, 0) + decode_blocks
-        self._count[worker_id] = self._count.get(worker_id, 0) + 1
+        self._sub(self._prefill, worker_id, -prefill_tokens)
+        self._sub(self._blocks, worker_id, -decode_blocks)
+        self._sub(self._count, worker_id, -1)
 
     def first_token(self, request_id: str, now: float) -> bool:
         """The request's prefill is done; False if it is unknown (finished or expired)."""
@@ -94,7 +94,7 @@ class ActiveLoad:
         if entry is None:
             return False
         if entry.prefill_tokens:
-            self._prefill[entry.worker_id] -= entry.prefill_tokens
+            self._sub(self._prefill, entry.worker_id, entry.prefill_tokens)
             entry.prefill_tokens = 0
         entry.touched = now
         self._entries.move_to_end(request_id)
@@ -132,7 +132,17 @@ class ActiveLoad:
         if entry is None:
             return False
         w = entry.worker_id
-        self._prefill[w] -= entry.prefill_tokens
-        self._blocks[w] -= entry.decode_blocks
-        self._count[w] -= 1
+        self._sub(self._prefill, w, entry.prefill_tokens)
+        self._sub(self._blocks, w, entry.decode_blocks)
+        self._sub(self._count, w, 1)
         return True
+
+    @staticmethod
+    def _sub(by_worker: dict[int, int], worker_id: int, amount: int) -> None:
+        """Take ``amount`` off a worker's total; a total of 0 leaves the map, so the maps
+        list only loaded workers (the fast selection scores the others as one group)."""
+        left = by_worker.get(worker_id, 0) - amount
+        if left:
+            by_worker[worker_id] = left
+        else:
+            by_worker.pop(worker_id, None)

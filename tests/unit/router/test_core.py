@@ -259,3 +259,23 @@ def test_kv_approx_forgets_a_removed_worker() -> None:
     core.remove_worker(w)
     core.add_worker(w)
     assert all(c.overlap_blocks == 0 for c in core.route("b", PROMPT, 1.0).candidates)
+
+
+def test_load_maps_list_only_loaded_workers() -> None:
+    """A worker whose requests all ended leaves the load maps: the fast selection
+    (select_greedy) then scores it with its overlap group, not one by one."""
+    from kvmesh.router.load import ActiveLoad
+
+    load = ActiveLoad()
+    load.add("a", 1, 32, 3, 0.0)
+    load.add("b", 1, 16, 2, 0.0)
+    load.add("c", 2, 0, 1, 0.0)
+    assert dict(load.prefill_by_worker) == {1: 48} and dict(load.blocks_by_worker) == {1: 5, 2: 1}
+    load.first_token("a", 1.0)
+    load.first_token("b", 1.0)
+    assert dict(load.prefill_by_worker) == {}
+    assert load.decode_blocks(1) == 5 and load.requests(1) == 2
+    for rid in ("a", "b", "c"):
+        load.finished(rid)
+    assert dict(load.prefill_by_worker) == {} and dict(load.blocks_by_worker) == {}
+    assert load.requests(1) == 0 and load.prefill_tokens(2) == 0

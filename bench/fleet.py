@@ -520,15 +520,18 @@ def router_capacity(stream: list[object], workers: int, max_seconds: float, shap
 
 
 class _DumpClient:
-    """A worker's request-plane client as the shards' repair calls need it: an empty dump."""
+    """A worker's request-plane client as the shards' repair calls need it: no event
+    buffer (a gap is repaired from a dump), and an empty dump."""
 
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
 
     async def stream(self, endpoint: str, payload: bytes, ctx: object, decode: object = None) -> object:
-        from kvmesh.protocol import KvDump
+        from kvmesh.protocol import KvDump, KvEventsSince
+        from kvmesh.runtime.names import KV_EVENTS
 
-        raw = msgspec.Raw(msgspec.msgpack.encode(KvDump(self.worker_id, -1, [])))
+        answer = KvEventsSince([], False) if endpoint == KV_EVENTS else KvDump(self.worker_id, -1, [])
+        raw = msgspec.Raw(msgspec.msgpack.encode(answer))
         yield raw if decode is None else decode(raw)  # type: ignore[operator]
 
     async def close(self) -> None:
@@ -661,14 +664,20 @@ async def _sharded(feed, go, workers: int, shards: int, events: int, shape: Shap
         busy_t: list[float] = []
         busy_c: list[float] = []
         backlog: list[int] = []
-        while index.applied < events * 0.999 and time.perf_counter() - t0 < 300:
+        feed_s = math.nan
+        last, still = -1, time.perf_counter()  # the shards' applied count, and since when it has not moved
+        while index.applied < events and time.perf_counter() - t0 < 300:
             decide(busy_t, busy_c)
             backlog.append(sum(s.stats.backlog for s in index._shards))
             await asyncio.sleep(0.002)
             if feed.poll():
                 sent, dropped = feed.recv()
                 feed_s = time.perf_counter() - t0
-        wall = time.perf_counter() - t0
+            if index.applied != last:
+                last, still = index.applied, time.perf_counter()
+            elif not math.isnan(feed_s) and time.perf_counter() - still > 1.5:
+                break  # fed, and nothing more applied for 3 stats reports: drained (some lost: see gaps)
+        wall = (still if index.applied < events else time.perf_counter()) - t0
         cpu = (measure_cpu(pids) - cpu0) / 1000
         feed.send("done")
         applied = index.applied
@@ -677,13 +686,15 @@ async def _sharded(feed, go, workers: int, shards: int, events: int, shape: Shap
             "workers": workers,
             "events_fed": events,
             "events_applied": applied,
-            "feed_s": locals().get("feed_s", math.nan),
+            "feed_s": feed_s,
             "ingest_s": wall,
             "events_per_s": applied / wall,
             "events_per_cpu_s_per_shard": applied / cpu if cpu else 0.0,
             "shard_cpu_s": cpu,
             "backlog_max": max(backlog, default=0),
             "dropped": sum(s.stats.dropped for s in index._shards),
+            "gaps": sum(s.stats.gaps for s in index._shards),
+            "feeder_dropped": locals().get("dropped", 0),
             "late": index.late - late0,
             "decision_idle_p50_us": (percentile(idle_t, 50) or 0) * 1e6,
             "decision_idle_p99_us": (percentile(idle_t, 99) or 0) * 1e6,
@@ -997,7 +1008,7 @@ def print_table(arms: list[ArmResult]) -> None:
 def parse_arms(text: str) -> list[tuple[int, int, int]]:
     """``NxP`` or ``NxPsS``: N workers in P processes, the frontend's index in S shard processes (default 1)."""
     arms = []
-    for part in text.split(","):
+    for part in filter(None, (p.strip() for p in text.split(","))):
         n, _, rest = part.strip().partition("x")
         p, _, s = rest.partition("s")
         arms.append((int(n), int(p or 1), int(s or 1)))
@@ -1100,7 +1111,8 @@ def main() -> int:
             f"  --router-shards {r['shards']} (real shard processes, zmq, {r['workers']:,} workers fed"
             f" {r['events_fed']:,} events at the busy rate in {r['feed_s']:.1f} s): applied {r['events_applied']:,} in"
             f" {r['ingest_s']:.1f} s = {r['events_per_s']:,.0f} events/s, {r['events_per_cpu_s_per_shard']:,.0f} events per"
-            f" shard CPU-s; backlog max {r['backlog_max']} envelopes, dropped {r['dropped']}; decision (queries to every"
+            f" shard CPU-s; backlog max {r['backlog_max']} envelopes, dropped {r['dropped']} at the inboxes and"
+            f" {r['feeder_dropped']} by the feeder's sockets, {r['gaps']} gaps (repaired from dumps); decision (queries to every"
             f" shard + selection) p50/p99 {r['decision_idle_p50_us']:.0f}/{r['decision_idle_p99_us']:.0f} us idle,"
             f" {r['decision_busy_p50_us']:.0f}/{r['decision_busy_p99_us']:.0f} us (CPU p99"
             f" {r['decision_busy_cpu_p99_us']:.0f}) while ingesting; late answers {r['late']}"

@@ -9,7 +9,9 @@ decisions out. The decisions themselves are made by the pure
   event buffer (``kv_events`` endpoint) or, if that no longer reaches back, from a full
   dump (``kv_dump``); the rest of the batch after the gap, and events arriving during
   a repair, are held (up to ``MAX_HELD_EVENTS`` per worker; past that they are dropped
-  and the gap they leave is repaired next) and applied after it.
+  and the gap they leave is repaired next) and applied after it. A repair that fails
+  drops what it held, and the worker's next repair waits ``REPAIR_BACKOFF_S``; so does
+  one whose held events still find a gap (a worker's answer that does not close it).
 * A new worker's cache is loaded from its dump when it appears; a removed worker's
   blocks are dropped.
 * Events are data from the network: each envelope that cannot be decoded, names a
@@ -56,6 +58,8 @@ __all__ = ["KvRouterService", "KvPolicy", "AdmissionSettings"]
 
 log = logging.getLogger("kvmesh.router")
 
+# after a failed repair, a worker's next one waits this long (its events meanwhile are dropped)
+REPAIR_BACKOFF_S = 1.0
 # events held per worker while its repair runs, at most (a busy worker sends ~1,400/s)
 MAX_HELD_EVENTS = 16 * 1024
 # envelopes applied before the reader lets the loop run other tasks: a busy mocker's batch
@@ -101,6 +105,9 @@ class KvRouterService:
         self.workers: dict[int, Instance] = {}
         self._last_applied: dict[int, int] = {}
         self._repairing: dict[int, list[KvEvent]] = {}
+        self._failed_at: dict[int, float] = {}  # worker -> when its last repair failed
+        self.repair_backoff_s = REPAIR_BACKOFF_S
+        self._replaying: int | None = None  # the worker whose held events are being applied after its repair
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
@@ -162,6 +169,7 @@ class KvRouterService:
             self.index.remove_worker(worker_id)
         self._last_applied.pop(worker_id, None)
         self._repairing.pop(worker_id, None)
+        self._failed_at.pop(worker_id, None)
         if self.subscription is not None and instance.info.event_address:
             self.subscription.disconnect(instance.info.event_address)
 
@@ -237,25 +245,44 @@ class KvRouterService:
         if worker_id in self._repairing:
             self._repairing[worker_id].extend(held or ())
             return
+        if worker_id == self._replaying:  # the repair just done left the gap open (a worker's bad answer)
+            self._failed_at[worker_id] = time.monotonic()
+            return
+        failed = self._failed_at.get(worker_id)
+        if failed is not None and time.monotonic() - failed < self.repair_backoff_s and not full:
+            return  # its last repair failed just now: these events wait for the next attempt's repair
         self._repairing[worker_id] = held or []
         self._spawn(self._repair(worker_id, full))
 
     async def _repair(self, worker_id: int, full: bool) -> None:
+        ok = False
         try:
             if not full and await self._repair_from_buffer(worker_id):
                 self.metrics.repairs["buffer"].inc()
             else:
                 await self._repair_from_dump(worker_id)
                 self.metrics.repairs["dump"].inc()
+            ok = True
         except KvmeshError as exc:
             log.warning("KV state of worker %x not repaired: %s", worker_id, exc.message)
         except (ValueError, TypeError, OverflowError) as exc:  # a dump with invalid hashes
             log.warning("KV state of worker %x not repaired: invalid dump: %s", worker_id, exc)
         finally:
             held = self._repairing.pop(worker_id, None) or []
+            if ok:
+                self._failed_at.pop(worker_id, None)
+            else:
+                # the held events follow a gap that is still there: dropped; the first event
+                # after REPAIR_BACKOFF_S starts the next repair (no storm of failing calls)
+                self._failed_at[worker_id] = time.monotonic()
+                held = []
             if worker_id in self.workers:
-                for event in held:
-                    self._apply(event)
+                self._replaying = worker_id
+                try:
+                    for event in held:
+                        self._apply(event)
+                finally:
+                    self._replaying = None
 
     async def _call(self, worker_id: int, endpoint: str, payload: bytes, decode: Any) -> Any:
         instance = self.workers.get(worker_id)

@@ -48,6 +48,7 @@ class FakeWorker:
     def __init__(self) -> None:
         self.dump = KvDump(W, -1, [])
         self.ring: list[KvEvent] = []
+        self.complete = True  # whether the ring reaches back to any id asked for
         self.calls: list[str] = []
 
     async def _one(self, item: Any, decode: Callable[[msgspec.Raw], Any] | None) -> AsyncIterator[Any]:
@@ -60,7 +61,7 @@ class FakeWorker:
             return self._one(self.dump, decode)
         assert endpoint == KV_EVENTS
         since = msgspec.msgpack.decode(payload, type=int)
-        return self._one(KvEventsSince([e for e in self.ring if e.event_id > since], True), decode)
+        return self._one(KvEventsSince([e for e in self.ring if e.event_id > since], self.complete), decode)
 
     async def close(self) -> None:
         pass
@@ -376,3 +377,47 @@ async def test_events_held_during_a_repair_are_bounded_and_the_loss_is_repaired(
     stack.pub.publish(enc(KvEventBatch(W, n + 2, [BlockStored([5])])))  # after the dropped ones: a gap, repaired
     await until(lambda: stack.router.core.last_event_id(W) == n + 2)
     assert stack.blocks() >= {1000 + i for i in range(1, n + 2)} | {5}
+
+
+async def test_a_failing_repair_is_not_retried_for_every_event(stack: Stack) -> None:
+    from kvmesh.errors import CannotConnect
+
+    worker = stack.worker
+    plain = worker.stream
+
+    def failing(endpoint: str, payload: bytes, ctx: Any, decode: Any = None) -> AsyncIterator[Any]:
+        worker.calls.append(endpoint)
+        raise CannotConnect("the worker is gone")
+
+    stack.pub.publish(enc(KvEventBatch(W, 0, [BlockStored([1])])))
+    await until(lambda: stack.applied() == 1)
+    worker.stream = failing  # type: ignore[method-assign]
+    stack.router.repair_backoff_s = 3600.0
+    before = len(worker.calls)
+    for first in range(5, 105):  # every one of these is after the gap
+        stack.pub.publish(enc(KvEventBatch(W, first, [BlockStored([first])])))
+    await until(lambda: len(stack.router.subscription.inbox) == 0 and not stack.router._repairing)  # type: ignore[union-attr]
+    assert len(worker.calls) - before == 1  # one failed attempt, not one per event
+    # once the back-off is over, the next event repairs the worker
+    worker.stream = plain  # type: ignore[method-assign]
+    worker.complete = False  # its buffer no longer reaches back: a dump
+    worker.dump = KvDump(W, 299, [7, 8])
+    stack.router.repair_backoff_s = 0.0
+    stack.pub.publish(enc(KvEventBatch(W, 300, [BlockStored([9])])))
+    await until(lambda: stack.blocks() == {7, 8, 9})
+    assert stack.router.core.last_event_id(W) == 300
+
+
+async def test_a_repair_that_leaves_the_gap_open_is_not_repeated_at_once(stack: Stack) -> None:
+    """A worker whose answers never close the gap (its buffer says complete but lacks the
+    events; its dump is older than its events) costs one repair per back-off, not a loop."""
+    stack.pub.publish(enc(KvEventBatch(W, 0, [BlockStored([1])])))
+    await until(lambda: stack.applied() == 1)
+    stack.router.repair_backoff_s = 3600.0
+    before = len(stack.worker.calls)
+    stack.pub.publish(enc(KvEventBatch(W, 50, [BlockStored([2])])))  # ids 1..49 missing, the ring is empty
+    await until(lambda: len(stack.router.subscription.inbox) == 0 and not stack.router._repairing)  # type: ignore[union-attr]
+    for first in range(51, 60):
+        stack.pub.publish(enc(KvEventBatch(W, first, [BlockStored([first])])))
+    await until(lambda: len(stack.router.subscription.inbox) == 0 and not stack.router._repairing)  # type: ignore[union-attr]
+    assert len(stack.worker.calls) - before == 1

@@ -25,10 +25,13 @@ stopped here, by its PID. Per arm:
   a GET /metrics of 1,000 workers costs the frontend ~0.2 s of CPU, taken out of its
   CPU per request), and how long after the load the router still applied events.
 
-The worker processes run at niceness ``--worker-nice`` (10): they stand for other
-machines, and on this 2-core box they would otherwise preempt the frontend whose
-decision times are measured (the load client runs at normal priority). Decision
-times are reported as wall and as CPU time of the deciding thread.
+Priorities: the worker processes run at niceness ``--worker-nice`` (10) and this
+process, the load client, at ``--client-nice`` (5) during the arms; the frontend (and
+etcd, nats-server) at 0. Workers and clients stand for other machines: on this 2-core
+box they would otherwise preempt the frontend whose decision times are measured.
+Other users of the machine are not under the bench's control. Decision times are
+reported as wall and as CPU time of the deciding thread (CPU is what the router costs;
+wall minus CPU is time the thread was not running).
 
 Before the arms, measurements on the same machine:
 
@@ -777,12 +780,13 @@ class Fleet:
         )
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], nice: int = 0) -> tuple[subprocess.Popen[bytes], Path]:
-        """Start ``kvmesh ARGS`` (at niceness ``nice``: the whole process, its threads included)."""
+        """Start ``kvmesh ARGS`` at niceness ``nice`` (the whole process, its threads
+        included; 0 also when this process runs at another niceness)."""
         path = self.workdir / f"{name}.log"
         with open(path, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvmesh.cli.main", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=(lambda: os.nice(nice)) if nice else None,  # noqa: PLW1509 - nothing but nice() runs there
+                preexec_fn=lambda: _set_nice(nice),  # noqa: PLW1509 - nothing but setpriority runs there
             )  # fmt: skip
         return proc, path
 
@@ -791,6 +795,12 @@ class Fleet:
 
     def etcd_count(self, *args: str) -> int:
         return len([line for line in self.etcd.etcdctl(*args).splitlines() if line.strip()])
+
+
+def _set_nice(value: int) -> None:
+    """This process at niceness ``value`` (lowering it needs root; without, it stays)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, value)
 
 
 def _ready_count(path: Path) -> int:
@@ -1037,6 +1047,8 @@ def main() -> int:
                     help="busy batches per worker (engine steps, from the start) fed to the A/B and to the shards")
     ap.add_argument("--worker-nice", type=int, default=10,
                     help="niceness of the live arms' worker processes (they stand for other machines)")
+    ap.add_argument("--client-nice", type=int, default=5,
+                    help="niceness of this process during the arms: the load client (it stands for remote clients)")
     ap.add_argument("--idle-seconds", type=float, default=3.0)
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--canary-interval", type=float, default=0.0, help="the frontend's canary checks per worker, s (0: off)")
@@ -1065,6 +1077,7 @@ def main() -> int:
             tmp = args.logs
             Path(tmp).mkdir(parents=True, exist_ok=True)
         fleet = Fleet(args, Path(tmp))
+        _set_nice(args.client_nice)  # after etcd and nats-server started: the load client's priority
         try:
             for n, p, s in parse_arms(args.arms):
                 log(f"arm: {n} workers in {p} processes, index in {'the frontend' if s == 1 else f'{s} shards'}")
@@ -1075,7 +1088,8 @@ def main() -> int:
                     results.append(ArmResult(n, p, s, error_samples=[str(exc)]))
         finally:
             fleet.close()
-    print(f"\nkvmesh fleet: one frontend (kv router) + mocker workers; planes: discovery etcd, request {args.request_plane},"
+    print(f"\nkvmesh fleet: one frontend (kv router, nice 0) + mocker workers (nice {args.worker_nice}), load client nice"
+          f" {args.client_nice}; planes: discovery etcd, request {args.request_plane},"
           f" events {args.event_plane}; load: {args.concurrency} streams, {shape.groups} prefixes of {shape.prefix_tokens}"
           f" + {shape.suffix_tokens} unique tokens, {shape.output_tokens} out, mocker speedup {args.speedup:g}")
     print_table(results)

@@ -204,6 +204,10 @@ class FrontendConfig:
         1, "kv mode: the KV index split by worker over this many processes (1: in the frontend; zmq event plane)",
         check=positive, group=_KV,
     )  # fmt: skip
+    router_shard_wait_ms: float = setting(
+        2.0, "with --router-shards: how long a decision waits for the shards' overlaps (a late shard's workers count as "
+        "holding nothing)", check=positive, group=_KV,
+    )  # fmt: skip
     migration_limit: int = setting(
         3, "times a request may move to another worker after a mid-stream failure (0: never)", check=non_negative
     )

@@ -45,16 +45,23 @@ def _hit_rate(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_kv_routing_reuses_more_cache_than_round_robin(tmp_path):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_kv_routing_reuses_more_cache_than_round_robin(tmp_path, shards):
+    """With ``--router-shards 2`` the index lives in two shard processes (router/shards.py)."""
     rates = {}
     for mode in ("round_robin", "kv"):
-        with kvmesh_run(tmp_path, "--router-mode", mode, "--block-size", str(BLOCK), workers=4) as server:
+        # a generous wait for the shards' answers: this checks where requests go, not how fast (bench/fleet.py)
+        extra = ("--router-shards", str(shards), "--router-shard-wait-ms", "200") if mode == "kv" else ()
+        with kvmesh_run(tmp_path, "--router-mode", mode, "--block-size", str(BLOCK), *extra, workers=4) as server:
             _wait_workers(server.url, 4)
             _shared_prefix_load(server.url)
             rates[mode] = _hit_rate(server.url)
             if mode == "kv":
-                text = httpx.get(server.url + "/metrics").text
-                assert _metric(text, "kvmesh_router_kv_events_applied_total") > 0
+                # shards report their counters every 0.5 s (router/shards.py)
+                deadline = time.monotonic() + 10
+                while _metric(text := httpx.get(server.url + "/metrics").text, "kvmesh_router_kv_events_applied_total") == 0:
+                    assert time.monotonic() < deadline, "no KV event applied"
+                    time.sleep(0.05)
                 assert _metric(text, "kvmesh_router_decision_seconds_count") >= 48
                 assert "kvmesh_router_overlap_ratio_bucket" in text
     # 4 families on 4 workers: kv sends a family to the worker that holds its prefix

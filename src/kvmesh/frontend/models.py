@@ -212,6 +212,7 @@ class ModelRegistry:
         if self.event_plane is None or self.event_plane.name != "zmq" or not isinstance(host, str):
             raise InvalidArgument("--router-shards above 1 needs the zmq event plane")
         index = ShardedKvIndex(self.config.router_shards, entry.metrics.router)
+        index.timeout_s = self.config.router_shard_wait_ms / 1000
         await index.start(Hello(entry.name, settings.block_size, settings.max_blocks_per_worker, host))
         return index
 

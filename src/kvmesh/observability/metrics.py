@@ -35,6 +35,7 @@ class RouterMetrics:
         self.overlap = parent.router_overlap.labels(model)
         self.events_applied = parent.router_events.labels(model)
         self.event_gaps = parent.router_gaps.labels(model)
+        self.shard_late = parent.router_shard_late.labels(model)
         self.queue_depth = parent.router_queue.labels(model)
         self.rejected = parent.router_rejected.labels(model)
         self.block_size_mismatch = parent.router_block_mismatch.labels(model)
@@ -149,6 +150,10 @@ class FrontendMetrics:
             registry=r,
         )
         self.router_gaps = Counter("kvmesh_router_kv_event_gaps", "Gaps detected in workers' KV event ids", ["model"], registry=r)
+        self.router_shard_late = Counter(
+            "kvmesh_router_shard_late_answers", "Overlap queries a KV index shard did not answer in time (--router-shards)",
+            ["model"], registry=r,
+        )  # fmt: skip
         self.router_repairs = Counter(
             "kvmesh_router_kv_repairs", "Index repairs by method (buffer or dump)", ["model", "method"], registry=r
         )

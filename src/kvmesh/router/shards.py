@@ -289,6 +289,9 @@ class ShardedKvIndex:
             answer = self._answer(shard, qid, deadline)
             if answer is None:
                 self.late += 1
+                late = getattr(self.metrics, "shard_late", None)
+                if late is not None:
+                    late.inc()
             else:
                 out.update(answer)
         return out

@@ -26,8 +26,8 @@ stopped here, by its PID. Per arm:
   CPU per request), and how long after the load the router still applied events.
 
 Priorities: the worker processes run at niceness ``--worker-nice`` (10) and this
-process, the load client, at ``--client-nice`` (5) during the arms; the frontend (and
-etcd, nats-server) at 0. Workers and clients stand for other machines: on this 2-core
+process, the load client, at ``--client-nice`` (5) during the arms; the frontend at
+``--frontend-nice`` (0), etcd and nats-server at 0. Workers and clients stand for other machines: on this 2-core
 box they would otherwise preempt the frontend whose decision times are measured.
 Other users of the machine are not under the bench's control. Decision times are
 reported as wall and as CPU time of the deciding thread (CPU is what the router costs;
@@ -837,8 +837,8 @@ def run_arm(fleet: Fleet, n: int, procs_n: int, shape: Shape, shards: int = 1) -
         f"{ns}-frontend",
         ["frontend", "--http-port", str(port), "--router-mode", "kv", "--canary-interval", str(args.canary_interval),
          "--worker-wait", "30", "--router-shards", str(shards)],
-        env,
-    )
+        env, nice=args.frontend_nice,
+    )  # fmt: skip
     workers: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
     try:
@@ -1047,6 +1047,9 @@ def main() -> int:
                     help="busy batches per worker (engine steps, from the start) fed to the A/B and to the shards")
     ap.add_argument("--worker-nice", type=int, default=10,
                     help="niceness of the live arms' worker processes (they stand for other machines)")
+    ap.add_argument("--frontend-nice", type=int, default=0,
+                    help="niceness of the frontend (and its index shards); below 0 needs root: for a machine where other"
+                    " users' processes run at a raised priority")
     ap.add_argument("--client-nice", type=int, default=5,
                     help="niceness of this process during the arms: the load client (it stands for remote clients)")
     ap.add_argument("--idle-seconds", type=float, default=3.0)
@@ -1088,7 +1091,8 @@ def main() -> int:
                     results.append(ArmResult(n, p, s, error_samples=[str(exc)]))
         finally:
             fleet.close()
-    print(f"\nkvmesh fleet: one frontend (kv router, nice 0) + mocker workers (nice {args.worker_nice}), load client nice"
+    print(f"\nkvmesh fleet: one frontend (kv router, nice {args.frontend_nice}) + mocker workers (nice {args.worker_nice}),"
+          " load client nice"
           f" {args.client_nice}; planes: discovery etcd, request {args.request_plane},"
           f" events {args.event_plane}; load: {args.concurrency} streams, {shape.groups} prefixes of {shape.prefix_tokens}"
           f" + {shape.suffix_tokens} unique tokens, {shape.output_tokens} out, mocker speedup {args.speedup:g}")

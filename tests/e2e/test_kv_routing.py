@@ -57,7 +57,7 @@ def test_kv_routing_reuses_more_cache_than_round_robin(tmp_path, shards):
             _shared_prefix_load(server.url)
             rates[mode] = _hit_rate(server.url)
             if mode == "kv":
-                # shards report their counters every 0.5 s (router/shards.py)
+                # shards report their counters every 0.2 s (router/shards.py)
                 deadline = time.monotonic() + 10
                 while _metric(text := httpx.get(server.url + "/metrics").text, "kvmesh_router_kv_events_applied_total") == 0:
                     assert time.monotonic() < deadline, "no KV event applied"

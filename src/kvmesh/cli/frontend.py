@@ -31,6 +31,9 @@ def run_frontend(
 
     tracing.setup("kvmesh-frontend")
     atexit.register(tracing.shutdown)
+    if cfg.router_shards > 1 and (cfg.router_mode != "kv" or (not static_workers and rcfg.event_plane != "zmq")):
+        return _fail("--router-shards above 1 needs --router-mode kv and the zmq event plane (the shards subscribe to "
+                     "each worker's own publisher)")
     from kvmesh.cli.worker import event_loop_runner
     from kvmesh.frontend.server import bind_http
 

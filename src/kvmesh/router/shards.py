@@ -70,7 +70,7 @@ __all__ = [
 log = logging.getLogger("kvmesh.router.shards")
 
 QUERY_TIMEOUT_S = 0.002
-STATS_INTERVAL_S = 0.5
+STATS_INTERVAL_S = 0.2
 MAX_CONTROL_FRAME = 128 * 1024 * 1024  # a dump of 4 Mi blocks (the index's cap per worker) is ~40 MiB
 QUERY_BUFFER = 4 * 1024 * 1024  # a query of 64 Ki blocks is ~600 KiB; an answer of 10,000 workers ~100 KiB
 _LEN = struct.Struct("<I")

@@ -15,6 +15,7 @@ from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.distributed import Client, DistributedRuntime, RequestClient, call
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.names import COMPONENT, GENERATE, INFO, PREFILL_COMPONENT
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = ["watch_workers", "StaticWorkers"]
 
@@ -74,9 +75,7 @@ class StaticWorkers:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

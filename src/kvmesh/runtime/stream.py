@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar, cast, overload
 import msgspec
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter
@@ -242,9 +243,22 @@ class StreamTasks:
 
 
 class StreamServer:
-    """What both request servers (TCP, NATS) keep alike: the tasks of their streams."""
+    """What both request servers (TCP, NATS) keep alike: the :class:`StreamHost` state
+    their connections read (limits, credentials, endpoints) and the tasks of their streams.
+    ``secret`` and ``tls`` left at :data:`~kvmesh.runtime.auth.FROM_ENV` are the process's."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, max_frame_bytes: int, max_streams: int, secret: ClusterSecret | None | auth._FromEnv,
+        tls: TlsContexts | None | auth._FromEnv,
+    ) -> None:  # fmt: skip
+        self.max_frame_bytes = max_frame_bytes
+        self.max_streams = max_streams
+        self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
+        self.handshake_timeout_s = auth.HANDSHAKE_TIMEOUT_S  # a caller that has not proven itself by then is dropped
+        self.foreign_frames = 0  # control frames naming no stream of their connection
+        self.endpoints: dict[str, Handler] = {}
+        self.draining = False  # no new streams; those open keep going
         self.tasks = StreamTasks()
 
     @property

@@ -234,20 +234,12 @@ class TcpServer(StreamServer):
         max_streams: int = MAX_STREAMS,
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
-        super().__init__()
+        super().__init__(max_frame_bytes, max_streams, secret, tls)
         self.host = host
         self.port = port
-        self.max_frame_bytes = max_frame_bytes
-        self.max_streams = max_streams
-        self.secret = auth.resolve(secret)
-        self.tls = auth.resolve_tls(tls)
-        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S  # a caller that has not proven itself by then is dropped
-        self.foreign_frames = 0  # control frames naming no stream of their connection
-        self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self.started = False
-        self.draining = False
 
     def register(self, endpoint: str, handler: Handler) -> None:
         self.endpoints[endpoint] = handler

@@ -62,26 +62,17 @@ class NatsRequestServer(StreamServer):
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
-        super().__init__()
-        self.tls = auth.resolve_tls(tls)
+        super().__init__(max_frame_bytes, max_streams, secret, tls)
         self.nc = nc
         self.namespace = namespace
         self.component = component
         self.lease_id = lease_id
         self.connect_timeout = connect_timeout
-        self.max_frame_bytes = max_frame_bytes
-        # read by ServerConnection (a StreamHost)
-        self.secret = auth.resolve(secret)
-        self.channel = "callhome"
-        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
-        self.max_streams = max_streams
-        self.foreign_frames = 0
+        self.channel = "callhome"  # read by ServerConnection (a StreamHost)
         self.unsigned = 0  # requests refused: no valid MAC
-        self.endpoints: dict[str, Handler] = {}
         self._subs: dict[str, Subscription] = {}
         self._by_subject: dict[str, str] = {}
         self._state = "new"  # -> "serving" (start) -> "stopped" (stop_accepting)
-        self.draining = False  # read by ServerConnection (a StreamHost); requests that got through still run
         self._subscribing: set[asyncio.Task[None]] = set()
         self._decode_request = msgspec.msgpack.Decoder(NatsRequest).decode
         # call-home connections by caller address; ``_conns`` is maintained by ServerConnection

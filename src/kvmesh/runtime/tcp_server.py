@@ -33,8 +33,6 @@ from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, ClusterSecret, Handshake, P
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import (
     KILL,
-    MAX_REQUEST_FRAME,
-    MAX_STREAMS,
     STOP,
     Ack,
     Ctl,
@@ -229,12 +227,10 @@ class TcpServer(StreamServer):
         self,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_frame_bytes: int = MAX_REQUEST_FRAME,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
-        max_streams: int = MAX_STREAMS,
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
-        super().__init__(max_frame_bytes, max_streams, secret, tls)
+        super().__init__(secret, tls)
         self.host = host
         self.port = port
         self._server: asyncio.base_events.Server | None = None

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from kvmesh.errors import CannotConnect, ConnectionTimeout, InvalidArgument, KvmeshError
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, TlsContexts
-from kvmesh.runtime.frames import MAX_REQUEST_FRAME, MAX_STREAMS, Req
+from kvmesh.runtime.frames import Req
 from kvmesh.runtime.nats.connect import sync_with_server
 from kvmesh.runtime.nats.wire import (
     ACCEPTED, NatsReply, NatsRequest, reply_mac, request_mac, request_subject, split_address,
@@ -56,13 +56,11 @@ class NatsRequestServer(StreamServer):
         component: str,
         lease_id: int,
         connect_timeout: float = 5.0,
-        max_frame_bytes: int = MAX_REQUEST_FRAME,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
-        max_streams: int = MAX_STREAMS,
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
-        super().__init__(max_frame_bytes, max_streams, secret, tls)
+        super().__init__(secret, tls)
         self.nc = nc
         self.namespace = namespace
         self.component = component

@@ -126,7 +126,6 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
-    transfers: int = 0
 
 
 @dataclass(slots=True)
@@ -435,7 +434,6 @@ class TcpKvConnector(KvConnector):
         stats.bytes_sent += sent
         stats.bytes_received += received
         stats.seconds += time.perf_counter() - started
-        stats.transfers += 1
 
     async def close(self) -> None:
         links, self._links = self._links, {}

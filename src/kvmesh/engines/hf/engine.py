@@ -85,7 +85,6 @@ class EngineStats:
 
     steps: int = 0
     forward_tokens: int = 0
-    sampled_tokens: int = 0
     max_batch: int = 0
     forward_s: float = 0.0
 
@@ -327,7 +326,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             sampled, cpu = await loop.run_in_executor(self._executor, _forward_and_sample, loaded, inputs, params)
         if small:
             self._small_cpu_s = cpu
-        self._count(plan, len(samplers), time.perf_counter() - t0)
+        self._count(plan, time.perf_counter() - t0)
         by_seq = {s.id: r for s, r in zip(samplers, sampled, strict=True)}
         finished, emitted = sched.complete(plan, {sid: r.token for sid, r in by_seq.items()})
         for sid in emitted:
@@ -361,11 +360,10 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             p, banned=seq.banned(), history=history, output=history[seq.prompt_len :], remaining=left
         )
 
-    def _count(self, plan: Plan[Seq], samples: int, seconds: float) -> None:
+    def _count(self, plan: Plan[Seq], seconds: float) -> None:
         st = self.stats
         st.steps += 1
         st.forward_tokens += plan.num_tokens
-        st.sampled_tokens += samples
         st.max_batch = max(st.max_batch, len(plan.entries))
         st.forward_s += seconds
 

@@ -60,6 +60,7 @@ class Tokenizer:
 
     __slots__ = (
         "_tok", "_encode", "_encode_long", "_decode", "vocab_size", "specials", "_plain", "max_token_chars", "_splits",
+        "_framing",
     )  # fmt: skip
 
     def __init__(self, tok: tokenizers.Tokenizer) -> None:
@@ -79,6 +80,7 @@ class Tokenizer:
         # vocabulary entry's length counts its bytes (byte-level BPE) or characters.
         self.max_token_chars: int = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1) or 1
         self._splits = _cuts_are_exact(tok)
+        self._framing = _post_processor_framing(tok)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -110,15 +112,16 @@ class Tokenizer:
 
     def _encode_pieces(self, encode_batch: Callable[..., Any], text: str, add_special_tokens: bool) -> list[int]:
         """``text`` encoded without the GIL; a long one in pieces on all cores when that
-        gives the same ids (not with ``add_special_tokens``: a post-processor would
-        add its tokens to every piece)."""
-        if not self._splits or add_special_tokens or len(text) < _SPLIT_INPUT_CHARS:
+        gives the same ids (the pieces without the post-processor's tokens, which frame
+        the whole once: :func:`_post_processor_framing`)."""
+        framing = self._framing if add_special_tokens else ([], [])
+        if not self._splits or framing is None or len(text) < _SPLIT_INPUT_CHARS:
             return list(encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
-        ids: list[int] = []
+        ids = list(framing[0])
         for enc in encode_batch(split_at_word_starts(text, _SPLIT_PIECE_CHARS, _SPLIT_MAX_PIECES),
                                 add_special_tokens=False):  # fmt: skip
             ids += enc.ids
-        return ids
+        return ids + framing[1]
 
     def has_special(self, text: str) -> bool:
         """Whether ``text`` holds the text of a special token."""
@@ -258,6 +261,20 @@ def _cuts_are_exact(tok: tokenizers.Tokenizer) -> bool:
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     parts = tok.encode_batch(pieces, add_special_tokens=False)
     return len(cuts) > 10 and [x for p in parts for x in p.ids] == whole
+
+
+def _post_processor_framing(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after a single text (e.g. BOS), when
+    it only frames it with fixed ids (checked on two texts); None otherwise."""
+    framings = []
+    for text in ("a", _CUT_PROBE):
+        bare = tok.encode(text, add_special_tokens=False).ids
+        full = tok.encode(text, add_special_tokens=True).ids
+        i = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), -1)
+        if not bare or i < 0:
+            return None
+        framings.append((full[:i], full[i + len(bare) :]))
+    return framings[0] if framings[0] == framings[1] else None
 
 
 _SENTINELS = re.compile("\ue000kvmesh-user-(\\d+)\ue001")

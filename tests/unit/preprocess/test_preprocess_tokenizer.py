@@ -183,3 +183,15 @@ def test_a_tokenizer_that_marks_every_input_is_not_cut() -> None:
     assert not wrapped._splits
     text = " ".join(["a b"] * 20000)
     assert wrapped.encode(text) == raw.encode(text, add_special_tokens=False).ids
+
+
+def test_a_long_prompt_in_pieces_keeps_the_post_processors_tokens() -> None:
+    from tokenizers import processors
+
+    raw = Tokenizer.from_file(bundled_model_path() / "tokenizer.json").raw
+    raw.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|endoftext|>",
+                                                       special_tokens=[("<|im_start|>", 1), ("<|endoftext|>", 0)])  # fmt: skip
+    wrapped = Tokenizer(raw)
+    text = " ".join(f"word{i % 97} and, more: {i}" for i in range(6000))
+    ids = wrapped.encode(text, add_special_tokens=True)
+    assert ids[0] == 1 and ids[-1] == 0 and ids == raw.encode(text, add_special_tokens=True).ids

@@ -67,6 +67,7 @@ from typing import Generic, Literal, TypeVar
 
 from kvmesh.engines.batching.block_manager import BlockManager
 from kvmesh.engines.batching.options import BatchingOptions
+from kvmesh.engines.settings import options_from
 from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
@@ -124,17 +125,9 @@ class SchedulerLimits:
 
     @classmethod
     def of(cls, options: BatchingOptions, *, num_blocks: int, context_length: int) -> SchedulerLimits:
-        """An engine's limits: its options, with the pool size and context it settled on."""
-        return cls(
-            block_size=options.block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            context_length=context_length,
-            enable_prefix_caching=options.enable_prefix_caching,
-            worker_id=options.worker_id,
-            event_ring_capacity=options.event_ring_capacity,
-        )
+        """An engine's limits: its options' fields of the same names, with the pool size
+        and context it settled on."""
+        return options_from(cls, options, num_blocks=num_blocks, context_length=context_length)
 
     def engine_config(self, model: str, served_model_name: str) -> EngineConfig:
         """What a worker running under these limits announces (its model card)."""

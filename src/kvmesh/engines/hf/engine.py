@@ -188,14 +188,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             await asyncio.to_thread(lambda: self._guided_tokenizer().compile(guided))
 
     def _limits(self, loaded: _Loaded) -> SchedulerLimits:
-        options = self.options
-        limits = SchedulerLimits.of(options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
-        return dataclasses.replace(
-            limits,
-            long_prefill_token_threshold=options.long_prefill_token_threshold,
-            max_long_partial_prefills=options.max_long_partial_prefills,
-            max_num_partial_prefills=options.max_num_partial_prefills,
-        )
+        return SchedulerLimits.of(self.options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
 
     @property
     def config(self) -> EngineConfig:

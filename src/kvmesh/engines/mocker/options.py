@@ -62,8 +62,6 @@ class MockerOptions(BatchingOptions):
     # default: a cap shortens short prompts' TTFT beside a long one but costs every
     # decode in those passes (the trace replay's ITL p99, per-request mean: 53 vs 43 ms)
     long_prefill_token_threshold: int = MockerSettings.long_prefill_token_threshold
-    max_long_partial_prefills: int = 1
-    max_num_partial_prefills: int = 0  # 0: no cap on the prefills of one pass
     # KV transfer (disaggregation, migration): the modelled size of one token's KV
     # (kvmesh-tiny in fp32: 4 layers × 2 KV heads × 64 dims × K and V × 4 bytes) and the
     # link's bandwidth; a transfer of n blocks takes n·block_size·kv_bytes_per_token ÷
@@ -76,10 +74,6 @@ class MockerOptions(BatchingOptions):
     def __post_init__(self) -> None:
         BatchingOptions.__post_init__(self)  # no zero-argument super() in a slots dataclass
         check_positive_ints(self, "num_blocks", "vocab_size", "context_length", "load_report_interval_steps", "kv_bytes_per_token")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.max_long_partial_prefills < 1 or self.max_num_partial_prefills < 0:
-            raise ValueError("max_long_partial_prefills must be >= 1 and max_num_partial_prefills >= 0")
         require("kv_bandwidth", self.kv_bandwidth, positive)
         if not self.model:
             raise ValueError("model must be a non-empty string")

@@ -32,7 +32,7 @@ next step with ``error``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvmesh.engines.batching.scheduler import EOS, Finished, Seq, SchedulerLimits, priority_rank
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
@@ -99,13 +99,7 @@ class MockSeq(Seq):
 
 
 def limits_of(options: MockerOptions) -> SchedulerLimits:
-    limits = SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
-    return replace(
-        limits,
-        long_prefill_token_threshold=options.long_prefill_token_threshold,
-        max_long_partial_prefills=options.max_long_partial_prefills,
-        max_num_partial_prefills=options.max_num_partial_prefills,
-    )
+    return SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
 
 
 class Scheduler(BatchScheduler[MockSeq]):

@@ -38,7 +38,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.health.canary import CanaryOutput, agree
 from kvmesh.health.monitor import generate_greedy
 from kvmesh.health.state import CheckKind
-from kvmesh.observability.metrics import PlannerMetrics
+from kvmesh.observability.metrics import PlannerMetrics, count_discovery_refusals
 from kvmesh.planner.core import SERVING, Observation, Planner, PlannerConfig, Role, WorkerView
 from kvmesh.planner.orders import Order, order_key, planner_prefix, sign_order
 from kvmesh.planner.service import PlannerService
@@ -627,6 +627,7 @@ async def _plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfi
     runtime = DistributedRuntime(runtime_cfg)
     await runtime.start()
     metrics = PlannerMetrics()
+    count_discovery_refusals(metrics.registry, runtime.discovery.refused)
     if settings.planner_metrics_port is not None:
         from prometheus_client import start_http_server
 

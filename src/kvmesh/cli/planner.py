@@ -345,9 +345,7 @@ class EmbeddedFleet:
         else:
             weight = self.frontend.registry.weight(worker_id) if self.frontend is not None else 1.0
             routable = m.published and weight > 0
-        r = m.load
-        kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
-        return WorkerView(worker_id, m.role, routable, kv, r.num_running if r else 0, r.num_waiting if r else 0)
+        return _worker_view(worker_id, m.role, routable, m.load, m.info)
 
     async def _poll_loads(self) -> None:
         try:
@@ -576,9 +574,15 @@ class DiscoveryFleet:
         return CanaryOutput(_VET_PROMPT, tokens, top)
 
     def _view(self, worker_id: int, role: Role) -> WorkerView:
-        r = self.loads.get(worker_id)
-        kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
-        return WorkerView(worker_id, role, True, kv, r.num_running if r else 0, r.num_waiting if r else 0)
+        return _worker_view(worker_id, role, True, self.loads.get(worker_id), self._serving[worker_id][1])
+
+
+def _worker_view(worker_id: int, role: Role, routable: bool, r: LoadReport | None, info: InstanceInfo | None) -> WorkerView:
+    """What the planner core sees of a worker: its load report (None: none yet) and its
+    card, whose ``max_num_seqs`` is the batch capacity (the full-decode-batch rule)."""
+    kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
+    capacity = info.engine.max_num_seqs if info is not None else 0
+    return WorkerView(worker_id, role, routable, kv, r.num_running if r else 0, r.num_waiting if r else 0, max(0, capacity))
 
 
 def _align(before: Buckets, now: Buckets) -> tuple[float, ...]:

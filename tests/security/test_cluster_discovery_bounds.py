@@ -8,6 +8,7 @@ is no bound of ours)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -156,8 +157,8 @@ async def test_records_past_the_count_bound_are_refused_counted_and_logged(make_
     assert sorted(got) == [key_of(w) for w in range(1, 9)]  # the first 8 in key order
     await frontend.watch()
     await frontend.until(lambda: len(frontend.attached) == 8, "8 records not attached")
-    await attacker.discovery.put(key_of(0x99), record(0x99))  # a new key past the bound
     await attacker.discovery.put(key_of(1), record(1, hostname="h"))  # an update of a key it has
+    await attacker.discovery.put(key_of(0x99), record(0x99))  # a new key past the bound (seen after the update)
     await frontend.until(lambda: frontend.discovery.refused["too_many"] == 9, "the new key was not refused")
     assert sorted(frontend.attached) == list(range(1, 9)) and frontend.client is not None
     assert frontend.client.known[1].hostname == "h"
@@ -211,3 +212,47 @@ async def test_the_file_backend_does_not_read_an_oversized_entry(tmp_path) -> No
     assert d.refused["too_large"] == 2  # once by get_prefix, once by the watch
     await events.aclose()
     await d.close()
+
+
+async def test_a_watch_catching_up_over_large_records_resumes(etcd: Etcd) -> None:
+    """A watch that resumes after losing etcd gets the changes it missed in one
+    response: three 1.4 MB records put meanwhile made it larger than gRPC takes
+    (4 MiB), and the watch failed the same way on every retry. It re-reads the prefix
+    (in pages) instead, and watches on from there."""
+    from tests.proxy import CuttableProxy
+
+    proxy = CuttableProxy("127.0.0.1", etcd.client_port)
+    await proxy.start()
+    watcher, writer = EtcdDiscovery([proxy.endpoint], retry_max_s=0.3), EtcdDiscovery([etcd.endpoint])
+    await watcher.connect()
+    await writer.connect()
+    seen: list[WatchEvent] = []
+
+    async def collect() -> None:
+        async for event in watcher.watch_prefix("/p/"):
+            seen.append(event)
+
+    async def until_seen(event: WatchEvent) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(20):
+                while event not in seen:
+                    await asyncio.sleep(0.02)
+        assert event in seen, f"{event} not seen: the watch did not resume"
+
+    task = asyncio.get_running_loop().create_task(collect())
+    try:
+        await writer.put("/p/a", b"a")
+        await until_seen(WatchEvent("put", "/p/a", b"a"))
+        await proxy.cut()
+        for i in range(3):
+            await writer.put(f"/p/big{i}", b"x" * BIG)
+        await writer.put("/p/b", b"b")
+        await proxy.restore()
+        await until_seen(WatchEvent("put", "/p/b", b"b"))
+        assert watcher.refused["too_large"] == 3 and [e.key for e in seen] == ["/p/a", "/p/b"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.close()
+        await writer.close()
+        await proxy.cut()

@@ -23,8 +23,8 @@
   (the rest counted as refused, never read): one read of many large values would be
   larger than gRPC takes in one message (4 MiB) and fail every time; a page that is
   is read again in halves (one value always fits: etcd caps them at 1.5 MiB). A watch
-  asks for fragmented responses for the same reason (a catching-up watch gets many
-  revisions in one response).
+  that resumes gets the revisions it missed in one response, which may be as large:
+  it then re-reads the prefix (in pages) and watches on from there.
 
 Keys are UTF-8 encoded; values are bytes as stored.
 
@@ -425,7 +425,7 @@ class EtcdDiscovery(Discovery):
                 if view.stale:
                     for event in view.resync(await self._read(client, prefix, start, end)):
                         yield event
-                watch = await client.watch(start, range_end=end, start_revision=view.revision + 1, fragment=True)
+                watch = await client.watch(start, range_end=end, start_revision=view.revision + 1)
                 backoff.reset()
                 try:
                     async for raw in watch:
@@ -437,7 +437,14 @@ class EtcdDiscovery(Discovery):
                 log.info("etcd watch on %s: %s; re-reading the prefix", prefix, exc)
                 view.stale = True
             except aetcd.ClientError as exc:
-                self._watch_failed(client, prefix, exc, backoff)
+                if not _too_large(exc):
+                    self._watch_failed(client, prefix, exc, backoff)
+                    await self._pause(backoff.next())
+                    continue
+                # the changes missed came in one response, too large for one message: a
+                # read of the prefix (in pages) covers them, and the watch goes on from it
+                log.warning("etcd watch on %s: %s; re-reading the prefix", prefix, exc)
+                view.stale = True
                 await self._pause(backoff.next())
             except asyncio.CancelledError:
                 # close() cancels the gRPC calls in flight: that ends the watch quietly,
@@ -545,6 +552,14 @@ def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _too_large(exc: Exception) -> bool:
+    """Did gRPC refuse a response larger than one message may be (4 MiB)?"""
+    cause = exc.__cause__
+    if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return True
+    return "larger than max" in str(exc)
 
 
 def _lease_not_found(exc: Exception) -> bool:

@@ -286,3 +286,11 @@ async def test_jetstream_counter_leak_is_reconciled_from_the_stream(nats) -> Non
             await q.close()
         for nc in conns:
             await nc.close()  # type: ignore[attr-defined]
+
+
+def test_a_reconcile_round_acts_on_a_difference_seen_twice_in_a_row() -> None:
+    from kvmesh.disagg.queue import _confirmed
+
+    assert _confirmed(0, 1) == 0 and _confirmed(1, 0) == 0  # once: maybe a put on its way
+    assert _confirmed(1, 1) == 1 and _confirmed(3, 2) == 2 and _confirmed(2, 5) == 2  # the part seen both times
+    assert _confirmed(-2, -1) == -1 and _confirmed(-1, 1) == 0 and _confirmed(1, -1) == 0

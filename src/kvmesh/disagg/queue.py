@@ -29,8 +29,8 @@ worker killed between its first delivery and taking the job back) leaves the cou
 off for good, so every holder of the queue **reconciles** it every ``reconcile_s``
 (:meth:`JetStreamPrefillQueue.reconcile`): it reads the counter, then what the stream
 really holds waiting (the durable consumer's pending count, the stream's message
-count before any consumer exists; the tokens from the pending jobs' headers, up to
-:data:`RECONCILE_READ_MAX` of them), and when two rounds in a row found the counter
+count before any consumer exists; while that is off, the tokens from the pending jobs'
+headers, up to :data:`RECONCILE_READ_MAX` of them), and when two rounds in a row found the counter
 off the same way it sets it back by the smaller of the two differences, by
 compare-and-set on the revision it read (a counter that moved meanwhile is left to the
 next round; holders reconciling at once cannot correct twice). Two rounds, because a
@@ -240,8 +240,12 @@ class JetStreamPrefillQueue(PrefillQueue):
         from nats.js.errors import KeyWrongLastSequenceError
 
         jobs, tokens, revision = await self._read_counter()  # first: see the docstring
-        waiting = await self._waiting()
-        drift = (jobs - waiting[0], 0 if waiting[1] is None else tokens - waiting[1])
+        pending, after = await self._pending()
+        # the tokens (a read per pending job) only while something is off: jobs and
+        # tokens leak together, and a round may have fixed the jobs before the tokens
+        off = jobs != pending or self._drift != (0, 0)
+        really = await self._pending_tokens(pending, after) if off else None
+        drift = (jobs - pending, 0 if really is None else tokens - really)
         fix = (_confirmed(self._drift[0], drift[0]), _confirmed(self._drift[1], drift[1]))
         self._drift = drift
         if fix == (0, 0) or revision == 0:
@@ -259,19 +263,26 @@ class JetStreamPrefillQueue(PrefillQueue):
         )  # fmt: skip
         return True
 
-    async def _waiting(self) -> tuple[int, int | None]:
-        """Jobs in the stream not delivered yet, and their tokens (None: too many to read)."""
+    async def _pending(self) -> tuple[int, int]:
+        """Jobs in the stream not delivered yet, and the stream sequence they follow."""
         from nats.js.errors import NotFoundError
 
         js = await self._jetstream()
         try:
             info = await js.consumer_info(self.stream, self.durable)
-            pending, after = int(info.num_pending or 0), int(info.delivered.stream_seq or 0)
+            return int(info.num_pending or 0), int(info.delivered.stream_seq or 0)
         except NotFoundError:  # no prefill worker pulled yet: every job waits
             state = (await js.stream_info(self.stream)).state
-            pending, after = int(state.messages or 0), 0
+            return int(state.messages or 0), 0
+
+    async def _pending_tokens(self, pending: int, after: int) -> int | None:
+        """The tokens of the ``pending`` jobs after stream sequence ``after``, from their
+        headers (None: more than :data:`RECONCILE_READ_MAX` to read)."""
+        from nats.js.errors import NotFoundError
+
         if pending > RECONCILE_READ_MAX:
-            return pending, None
+            return None
+        js = await self._jetstream()
         tokens, seq = 0, after + 1
         for _ in range(pending):
             try:
@@ -280,7 +291,7 @@ class JetStreamPrefillQueue(PrefillQueue):
                 break
             tokens += _header_tokens(msg)
             seq = int(msg.seq) + 1
-        return pending, tokens
+        return tokens
 
     async def _read_counter(self) -> tuple[int, int, int]:
         """(waiting jobs, their tokens, the key's revision; 0: no key yet)."""

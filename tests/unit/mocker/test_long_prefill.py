@@ -111,7 +111,7 @@ def test_max_num_partial_prefills_caps_the_prefills_of_a_pass() -> None:
 def test_the_threshold_reaches_the_shared_limits() -> None:
     limits = limits_of(OPTS)
     assert (limits.long_prefill_token_threshold, limits.max_long_partial_prefills) == (128, 1)
-    assert limits_of(MockerOptions()).long_prefill_token_threshold == 8192 // 16
+    assert limits_of(MockerOptions()).long_prefill_token_threshold == 0  # off by default, as in vLLM
     with pytest.raises(ValueError, match="max_long_partial_prefills"):
         SchedulerLimits(block_size=16, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
                         context_length=128, max_long_partial_prefills=0)  # fmt: skip
@@ -168,13 +168,13 @@ def test_the_three_settings_are_flags_of_the_mocker_and_the_hf_engine() -> None:
 
     p = argparse.ArgumentParser()
     add_replay_args(p)
-    ns = p.parse_args(["t.jsonl", "--long-prefill-token-threshold", "0", "--max-long-partial-prefills", "2",
+    ns = p.parse_args(["t.jsonl", "--long-prefill-token-threshold", "96", "--max-long-partial-prefills", "2",
                        "--max-num-partial-prefills", "3"])  # fmt: skip
     mocker = _config(ns).mocker
-    assert (mocker.long_prefill_threshold, mocker.max_long_partial_prefills, mocker.max_num_partial_prefills) == (0, 2, 3)
-    assert limits_of(mocker).long_prefill_token_threshold == 0
+    assert (mocker.long_prefill_token_threshold, mocker.max_long_partial_prefills, mocker.max_num_partial_prefills) == (96, 2, 3)
+    assert limits_of(mocker).long_prefill_token_threshold == 96
     default = _config(p.parse_args(["t.jsonl"])).mocker
-    assert default.long_prefill_threshold == 8192 // 16  # unset: the budget ÷ 16
+    assert default.long_prefill_token_threshold == 0  # unset: off
     hp = argparse.ArgumentParser()
     add_flags(hp, HfSettings)
     hf = resolve(HfSettings, hp.parse_args(["--hf-long-prefill-token-threshold", "64", "--hf-max-long-partial-prefills", "2"]))

@@ -308,12 +308,12 @@ def test_step_durations_follow_the_timing_model() -> None:
     assert (out.prefill_tokens, out.decode_seqs) == (100, 0)
     assert out.duration_ms == pytest.approx((4.21e-7 * 100**2 + 1.518e-2 * 100 + 16.5) / 2)
     out = sched.step()
-    p = sched.blocks.active_blocks / 64
+    p = 101 / (64 * opts.block_size)  # the decode attends to 100 prompt tokens and 1 generated
     assert (out.prefill_tokens, out.decode_seqs) == (0, 1)
     assert out.duration_ms == pytest.approx((-25.74 * p * p + 54.01 * p + 5.74) / 2)
     sched.add(req("b", range(500, 550), max_tokens=5))
     out = sched.step()
-    p = sched.blocks.active_blocks / 64
+    p = 102 / (64 * opts.block_size)  # "a"'s decode (101 + 1 tokens); "b" prefills and does not count
     assert (out.prefill_tokens, out.decode_seqs) == (50, 1)
     assert out.duration_ms == pytest.approx((base.prefill_ms(50) + base.decode_ms(p)) / 2)
 

@@ -14,10 +14,11 @@ sequence the pass completes, and the core applies the pass: computed tokens adva
 full blocks join the prefix cache, finish rules free the blocks of ended requests.
 
 The step's modelled duration is :meth:`MockerOptions.step_ms` over the pass's new
-prefill tokens (all of its prefills together), its decode count and the KV usage
-after allocation. While other prefills share a pass, a long prompt takes at most
-``long_prefill_threshold`` tokens of it (a sixteenth of the token budget by default),
-and one long prompt prefills at a time, so short requests are admitted beside it.
+prefill tokens (all of its prefills together), its decode count and the KV its decodes
+attend to (:class:`~kvmesh.engines.batching.scheduler.Plan`). With
+``long_prefill_token_threshold`` set (off by default, as in vLLM), a long prompt takes
+at most that many tokens of a pass while other prefills share it, and one long prompt
+prefills at a time, so short requests are admitted beside it.
 
 Finish rules: a natural EOS ends the stream with ``stop`` and is *not* emitted; a
 drawn token in ``stop_token_ids`` ends it with ``stop`` and *is* emitted; both only
@@ -101,7 +102,7 @@ def limits_of(options: MockerOptions) -> SchedulerLimits:
     limits = SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
     return replace(
         limits,
-        long_prefill_token_threshold=options.long_prefill_threshold,
+        long_prefill_token_threshold=options.long_prefill_token_threshold,
         max_long_partial_prefills=options.max_long_partial_prefills,
         max_num_partial_prefills=options.max_num_partial_prefills,
     )

@@ -256,3 +256,18 @@ async def test_a_watch_catching_up_over_large_records_resumes(etcd: Etcd) -> Non
         await watcher.close()
         await writer.close()
         await proxy.cut()
+
+
+async def test_a_malformed_record_at_a_decode_workers_key_is_no_kv_endpoint(caplog) -> None:
+    """A prefill worker looks a decode worker's KV endpoint up in its record: junk
+    there is no endpoint (logged), not an exception out of the lookup."""
+    from types import SimpleNamespace
+
+    from kvmesh.worker.disagg import _metadata_lookup
+
+    discovery = MemoryDiscovery()
+    runtime = SimpleNamespace(config=SimpleNamespace(namespace=NS), discovery=discovery, secret=None)
+    lookup = _metadata_lookup(object(), runtime)  # type: ignore[arg-type]
+    await discovery.put(key_of(0x7), b'{"lease_id": "not a number"')
+    assert await lookup(0x7) is None
+    assert "not an instance record" in caplog.text

@@ -11,6 +11,7 @@ import msgspec
 
 from kvmesh.errors import KvmeshError
 from kvmesh.frontend.models import ModelRegistry
+from kvmesh.observability.metrics import count_discovery_refusals
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.distributed import Client, DistributedRuntime, RequestClient, call
 from kvmesh.runtime.tcp_client import TcpClient
@@ -34,6 +35,7 @@ async def watch_workers(runtime: DistributedRuntime, registry: ModelRegistry) ->
             log.error("cannot serve worker %x: %s", info.worker_id, exc.message)
 
     c = registry.config
+    count_discovery_refusals(registry.metrics.registry, runtime.discovery.refused)
     endpoint = runtime.namespace().component(COMPONENT).endpoint(GENERATE)
     client = endpoint.client(added, registry.detach, c.connect_timeout_s, c.response_timeout_s)
     await client.start()

@@ -55,6 +55,7 @@ from kvmesh.protocol import DisaggThresholds, KvEndpoint, PrefillJob, QueueStatu
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = [
     "Delivery",
@@ -401,10 +402,8 @@ class JetStreamPrefillQueue(PrefillQueue):
         return Delivery(job, msg.ack)
 
     async def close(self) -> None:
-        if self._reconciler is not None:
-            self._reconciler.cancel()
-            await asyncio.gather(self._reconciler, return_exceptions=True)
-            self._reconciler = None
+        reconciler, self._reconciler = self._reconciler, None
+        await cancel_and_wait(reconciler)
         sub, self._sub = self._sub, None
         if sub is not None:
             try:

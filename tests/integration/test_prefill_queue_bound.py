@@ -229,3 +229,68 @@ async def test_prefill_worker_pipelines_its_writes(pipeline: bool) -> None:
         await worker.stop()
         await decode.cleanup()
         await prefill_engine.cleanup()
+
+
+async def test_jetstream_counter_leak_is_reconciled_from_the_stream(nats) -> None:  # type: ignore[no-untyped-def]
+    """A decode worker that dies between counting a job (its compare-and-set) and
+    publishing it leaves the counter a job high for good: the bounded queue shrinks.
+    The leak is simulated exactly (the compare-and-set without the publish). A holder
+    of the queue reconciles it by itself (its periodic loop), from the stream's count
+    before any prefill worker pulled; then, by hand, from the consumer's pending count
+    once one did: a round sets the counter only when two rounds in a row agree."""
+    conns, queues = await _nats_queues(nats.url, 3, "leak")
+    decode, prefill, holder = queues
+    for q in (decode, prefill):
+        q.reconcile_s = 0  # no loop: their rounds are called by hand below
+    holder.reconcile_s = 0.1
+    limits = DisaggThresholds(max_prefill_queue_size=3)
+
+    async def counted() -> tuple[int, int]:
+        status = await decode.status()
+        return status.depth, status.tokens
+
+    async def until_counted(want: tuple[int, int]) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(20):
+                while await counted() != want:
+                    await asyncio.sleep(0.05)
+        assert await counted() == want, "the leaked counter was never reconciled"
+
+    try:
+        assert await decode.offer(_job(1, 100), limits) and await decode.offer(_job(2, 100), limits)
+        assert await decode._add(1, 500, None)  # the dying worker's compare-and-set; no publish
+        assert await counted() == (3, 700)
+        assert not await decode.offer(_job(3, 100), limits)  # the leak takes a place
+        await holder.status()  # the holder uses the queue: its loop runs
+        await until_counted((2, 200))
+        assert holder.repairs >= 1
+        await holder.close()  # by hand from here on
+        assert await decode.offer(_job(3, 100), limits)  # the place is back
+        delivery = await prefill.pull(5.0)  # a consumer exists from here on
+        assert delivery is not None and delivery.job.job_id == "job1"
+        await delivery.ack()
+        assert await counted() == (2, 200)
+        assert await decode._add(2, 50, None)  # two leaked at once
+        assert not await prefill.reconcile()  # one round: maybe puts on their way
+        assert await prefill.reconcile()  # two: a leak
+        assert await counted() == (2, 200) and prefill.repairs == 1
+        assert not await decode.reconcile() and not await decode.reconcile()  # nothing left to repair
+        # the jobs are all there and the counter follows them to 0
+        for want in ("job2", "job3"):
+            d = await prefill.pull(5.0)
+            assert d is not None and d.job.job_id == want
+            await d.ack()
+        assert await counted() == (0, 0)
+    finally:
+        for q in queues:
+            await q.close()
+        for nc in conns:
+            await nc.close()  # type: ignore[attr-defined]
+
+
+def test_a_reconcile_round_acts_on_a_difference_seen_twice_in_a_row() -> None:
+    from kvmesh.disagg.queue import _confirmed
+
+    assert _confirmed(0, 1) == 0 and _confirmed(1, 0) == 0  # once: maybe a put on its way
+    assert _confirmed(1, 1) == 1 and _confirmed(3, 2) == 2 and _confirmed(2, 5) == 2  # the part seen both times
+    assert _confirmed(-2, -1) == -1 and _confirmed(-1, 1) == 0 and _confirmed(1, -1) == 0

@@ -47,8 +47,10 @@ async def fault(payload, ctx):
 FAULTS: list[str] = []
 
 
-async def _server(secret=None, **kw) -> TcpServer:
-    server = TcpServer(secret=secret, **kw)
+async def _server(secret=None, max_streams: int | None = None) -> TcpServer:
+    server = TcpServer(secret=secret)
+    if max_streams is not None:
+        server.max_streams = max_streams
     server.register("count", count)
     server.register("forever", forever)
     server.register("fault", fault)

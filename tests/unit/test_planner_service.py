@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -276,3 +277,39 @@ async def test_a_replacement_that_fails_to_start_is_forgotten_and_the_loss_kept(
     await fleet.on_failed(3, "boom")
     assert 3 not in fleet.members and len(fleet._lost) == 1
     assert (await fleet.observe()).starting == ()
+
+
+async def test_live_planners_see_each_workers_batch_capacity() -> None:
+    """``WorkerView.capacity`` comes from the worker's card (``max_num_seqs``, in its
+    discovery record and its ready line), so the full-decode-batch rule works in the
+    live planners as in replay: 8 running of 8 is a full batch, 7 of 8 is not."""
+    from kvmesh.cli.planner import DiscoveryFleet
+    from kvmesh.config import RuntimeConfig
+    from kvmesh.protocol import LoadReport
+    from kvmesh.runtime.discovery.memory import MemoryDiscovery
+    from kvmesh.runtime.distributed import DistributedRuntime, instance_key
+    from kvmesh.runtime.names import COMPONENT, GENERATE
+
+    fleet, _, _ = await embedded()
+    fleet._polling = True  # no load polling here: the test sets the loads
+    fleet.members[0].load = LoadReport(0, 10, 64, num_waiting=3, num_running=8)
+    fleet.members[1].load = LoadReport(1, 10, 64, num_waiting=3, num_running=7)
+    views = {w.worker_id: w for w in (await fleet.observe()).workers}
+    assert {w: (v.capacity, v.batch_full) for w, v in views.items()} == {0: (8, True), 1: (8, False), 2: (8, False)}
+    await fleet.close()
+
+    discovery = MemoryDiscovery()
+    runtime = DistributedRuntime(RuntimeConfig(discovery="memory", namespace="ns"), discovery, secret=None)
+    await runtime.start()
+    try:
+        wide = EngineConfig("m", "m", 1024, 16, 64, 32, 256)
+        for wid, engine in ((1, ENGINE), (2, wide)):
+            record = InstanceInfo(wid, "127.0.0.1:1", engine)
+            await discovery.put(instance_key("ns", COMPONENT, GENERATE, wid), msgspec.json.encode(record))
+        live = DiscoveryFleet(runtime)
+        await live._scan()
+        live.loads = {1: LoadReport(1, 10, 64, num_waiting=1, num_running=8), 2: LoadReport(2, 10, 64, num_waiting=1, num_running=8)}
+        views = {w.worker_id: w for w in (live._view(w, r) for w, (r, _) in live._serving.items())}
+        assert {w: (v.capacity, v.batch_full) for w, v in views.items()} == {1: (8, True), 2: (32, False)}
+    finally:
+        await runtime.shutdown()

@@ -38,7 +38,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.health.canary import CanaryOutput, agree
 from kvmesh.health.monitor import generate_greedy
 from kvmesh.health.state import CheckKind
-from kvmesh.observability.metrics import PlannerMetrics
+from kvmesh.observability.metrics import PlannerMetrics, count_discovery_refusals
 from kvmesh.planner.core import SERVING, Observation, Planner, PlannerConfig, Role, WorkerView
 from kvmesh.planner.orders import Order, order_key, planner_prefix, sign_order
 from kvmesh.planner.service import PlannerService
@@ -345,9 +345,7 @@ class EmbeddedFleet:
         else:
             weight = self.frontend.registry.weight(worker_id) if self.frontend is not None else 1.0
             routable = m.published and weight > 0
-        r = m.load
-        kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
-        return WorkerView(worker_id, m.role, routable, kv, r.num_running if r else 0, r.num_waiting if r else 0)
+        return _worker_view(worker_id, m.role, routable, m.load, m.info)
 
     async def _poll_loads(self) -> None:
         try:
@@ -576,9 +574,15 @@ class DiscoveryFleet:
         return CanaryOutput(_VET_PROMPT, tokens, top)
 
     def _view(self, worker_id: int, role: Role) -> WorkerView:
-        r = self.loads.get(worker_id)
-        kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
-        return WorkerView(worker_id, role, True, kv, r.num_running if r else 0, r.num_waiting if r else 0)
+        return _worker_view(worker_id, role, True, self.loads.get(worker_id), self._serving[worker_id][1])
+
+
+def _worker_view(worker_id: int, role: Role, routable: bool, r: LoadReport | None, info: InstanceInfo | None) -> WorkerView:
+    """What the planner core sees of a worker: its load report (None: none yet) and its
+    card, whose ``max_num_seqs`` is the batch capacity (the full-decode-batch rule)."""
+    kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
+    capacity = info.engine.max_num_seqs if info is not None else 0
+    return WorkerView(worker_id, role, routable, kv, r.num_running if r else 0, r.num_waiting if r else 0, max(0, capacity))
 
 
 def _align(before: Buckets, now: Buckets) -> tuple[float, ...]:
@@ -627,6 +631,7 @@ async def _plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfi
     runtime = DistributedRuntime(runtime_cfg)
     await runtime.start()
     metrics = PlannerMetrics()
+    count_discovery_refusals(metrics.registry, runtime.discovery.refused)
     if settings.planner_metrics_port is not None:
         from prometheus_client import start_http_server
 

@@ -33,28 +33,19 @@ __all__ = ["add_replay_args", "main", "run_replay"]
 def add_replay_args(p: argparse.ArgumentParser) -> None:
     """The ``replay`` subcommand's arguments (defaults match the mocker's, except the
     512-token blocks of Mooncake traces)."""
+    from kvmesh.engines.settings import MockerSettings
+    from kvmesh.replay.settings import ReplaySettings
+    from kvmesh.settings import add_flags
+
     p.add_argument("trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)")
-    p.add_argument(
-        "--policy", default="round_robin,kv",
-        help="comma-separated policies to compare: round_robin, random, kv, kv-approx (default round_robin,kv)",
-    )  # fmt: skip
-    p.add_argument("--workers", type=int, default=4, help="mocker workers (default 4)")
-    p.add_argument("--clock", default="virtual", choices=("virtual", "real"), help="virtual (fast, deterministic) or real time")
-    p.add_argument("--speed", type=float, default=1.0, help="arrival-time scale: 2 replays the trace twice as fast")
+    add_flags(p, ReplaySettings)  # --policy, --workers, --clock, --speed; the KV router's section
     w = p.add_argument_group("trace slice")
     w.add_argument("--limit", type=int, default=None, help="replay at most N requests (the earliest of the window)")
     w.add_argument("--start-ms", type=float, default=0.0, help="skip requests before this trace timestamp")
     w.add_argument("--duration-ms", type=float, default=None, help="only requests within this long after --start-ms")
     m = p.add_argument_group("mocker workers")
     m.add_argument("--block-size", type=int, default=512, help="KV block size in tokens (default 512, the trace's)")
-    from kvmesh.engines.settings import MockerSettings
-    from kvmesh.settings import add_flags
-
     add_flags(p, MockerSettings, exclude=("fault",))  # the same declarations as `kvmesh run --engine mocker`
-    r = p.add_argument_group("KV router")
-    r.add_argument("--overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the cost (default 1)")
-    r.add_argument("--router-temperature", type=float, default=0.0, help="0: lowest cost wins; > 0: softmax sampling")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random policy and the router's tie-breaking")
     a = p.add_argument_group("deployment arms (instead of --policy; the router is --router)")
     a.add_argument("--arms", default=None,
                    help="comma-separated: aggregated, disagg:<P>p<D>d (P + D = --workers), planner[:<P>p<D>d]")  # fmt: skip
@@ -86,17 +77,7 @@ def _config(ns: argparse.Namespace) -> ReplayConfig:
     from kvmesh.settings import resolve
 
     mocker = MockerOptions.from_settings(resolve(MockerSettings, ns), block_size=ns.block_size)
-    policies = tuple(p.strip() for p in ns.policy.split(",") if p.strip())
-    return ReplayConfig(
-        policies=policies,
-        workers=ns.workers,
-        speed=ns.speed,
-        clock=ns.clock,
-        mocker=mocker,
-        overlap_weight=ns.overlap_weight,
-        router_temperature=ns.router_temperature,
-        seed=ns.seed,
-    )
+    return resolve(ReplayConfig, ns, given={"mocker": mocker})
 
 
 def run_replay(ns: argparse.Namespace) -> int:

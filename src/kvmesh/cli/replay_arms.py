@@ -35,15 +35,15 @@ def run_arms(ns: argparse.Namespace, base: ReplayConfig) -> int:
 
     try:
         setup = _setup(ns, base)
-        arms = parse_arms(ns.arms, ns.workers)
+        arms = parse_arms(ns.arms, base.workers)
     except ValueError as exc:
         return fail(str(exc), 2)
     trace = read_trace(ns)
     if isinstance(trace, int):
         return trace
-    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 / ns.speed
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 / base.speed
     print(
-        f"replaying {len(trace)} requests ({span_s:.1f} s of arrivals at speed {ns.speed:g}) on {ns.workers} mocker "
+        f"replaying {len(trace)} requests ({span_s:.1f} s of arrivals at speed {base.speed:g}) on {base.workers} mocker "
         f"workers, virtual clock, router {ns.router}, arms {', '.join(a.name for a in arms)}"
     )
     results = []
@@ -57,7 +57,7 @@ def run_arms(ns: argparse.Namespace, base: ReplayConfig) -> int:
         print(f"  {arm.name}: replayed in {time.perf_counter() - started:.1f} s wall")
         for line in result.decisions:
             print(f"    planner: {line}")
-    return _output(ns, results, setup[3], len(trace))
+    return _output(ns, results, setup[3], f"{len(trace)} requests, {base.workers} workers")
 
 
 def _setup(ns: argparse.Namespace, config: ReplayConfig) -> _Setup:
@@ -91,7 +91,7 @@ def _one(arm: Arm, trace: Sequence[TraceRequest], ns: argparse.Namespace, setup:
     return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions, run.resources)
 
 
-def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, n: int) -> int:
+def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, title: str) -> int:
     from kvmesh.replay.goodput import format_arms
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_arms
 
@@ -104,7 +104,7 @@ def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, n: i
             print(f"{PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
             return 0
         try:
-            plot_arms(results, ns.plot, slo, title=f"{n} requests, {ns.workers} workers")
+            plot_arms(results, ns.plot, slo, title=title)
         except OSError as exc:
             return fail(f"cannot write {ns.plot}: {exc.strerror or exc}", 1)
         print(f"TTFT and ITL CDFs per arm written to {ns.plot}")

@@ -277,7 +277,10 @@ async def _serve_prefill_queue(
         key = instance_key(ns, COMPONENT, GENERATE, worker_id)
         value = (await runtime.discovery.get_prefix(key)).get(key)
         if value is not None:
-            return decode_info(value).kv
+            try:
+                return decode_info(value).kv
+            except msgspec.DecodeError:
+                return None  # not an instance record (the frontend's watch logs it)
         info = known(worker_id) if known is not None else None
         return None if info is None else info.kv
 

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from kvmesh.disagg.queue import Delivery, PrefillQueue
 from kvmesh.disagg.transfer import KvConnector
@@ -32,6 +33,7 @@ from kvmesh.engines.base import Engine
 from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.observability import tracing
 from kvmesh.protocol import DisaggStats, KvEndpoint, PrefillJob
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = ["PrefillWorker", "KvMetadataCache"]
 
@@ -60,27 +62,22 @@ class KvMetadataCache:
         self._cache.pop(worker_id, None)
 
 
+@dataclass(eq=False)
 class PrefillWorker:
-    def __init__(
-        self,
-        engine: Engine,
-        queue: PrefillQueue,
-        connector: KvConnector,
-        metadata: KvMetadataCache,
-        poll_s: float = 0.5,
-        pipeline: bool = True,
-    ) -> None:
-        self.engine = engine
-        self.queue = queue
-        self.connector = connector
-        self.metadata = metadata
-        self.poll_s = poll_s
-        self.pipeline = pipeline
-        self._writing: asyncio.Task[None] | None = None  # the previous job's write and ack
-        self.stats = DisaggStats(mode="prefill")
-        self._stopping = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._computing = False
+    """Pulls jobs from ``queue`` and prefills them into decode workers' blocks; see the
+    module docstring."""
+
+    engine: Engine
+    queue: PrefillQueue
+    connector: KvConnector
+    metadata: KvMetadataCache
+    poll_s: float = 0.5
+    pipeline: bool = True
+    stats: DisaggStats = field(init=False, default_factory=lambda: DisaggStats(mode="prefill"))
+    _writing: asyncio.Task[None] | None = field(init=False, default=None)  # the previous job's write and ack
+    _stopping: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = field(init=False, default=None)
+    _computing: bool = field(init=False, default=False)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="prefill-worker")
@@ -91,8 +88,7 @@ class PrefillWorker:
         if self._task is not None:
             await asyncio.wait([self._task], timeout=timeout_s)
             if not self._task.done():
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+                await cancel_and_wait(self._task)
         await self.connector.close()
 
     @property

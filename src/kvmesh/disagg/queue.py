@@ -23,10 +23,19 @@ last place. Locally that is a check and an append with no ``await`` between them
 (one event loop); embedded mode's remote queue runs that on the server
 (``prefill_queue_offer``); JetStream keeps the waiting jobs and tokens in a KV-bucket
 key updated by compare-and-set on its revision (a put that lost the race re-reads and
-re-checks), taken back when a job is first delivered. Known limit: a decode worker
-killed between its compare-and-set and its publish leaves one job counted that never
-comes (the bound is then one lower until the counter key is deleted); a failed publish
-gives its place back.
+re-checks), taken back when a job is first delivered. A failed publish gives its place
+back. A decode worker killed between its compare-and-set and its publish (or a prefill
+worker killed between its first delivery and taking the job back) leaves the counter
+off for good, so every holder of the queue **reconciles** it every ``reconcile_s``
+(:meth:`JetStreamPrefillQueue.reconcile`): it reads the counter, then what the stream
+really holds waiting (the durable consumer's pending count, the stream's message
+count before any consumer exists; while that is off, the tokens from the pending jobs'
+headers, up to :data:`RECONCILE_READ_MAX` of them), and when two rounds in a row found the counter
+off the same way it sets it back by the smaller of the two differences, by
+compare-and-set on the revision it read (a counter that moved meanwhile is left to the
+next round; holders reconciling at once cannot correct twice). Two rounds, because a
+put between its compare-and-set and its publish is counted and not yet in the stream
+for a moment; a leak stays.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from kvmesh.protocol import DisaggThresholds, KvEndpoint, PrefillJob, QueueStatu
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = [
     "Delivery",
@@ -74,6 +84,9 @@ KV_METADATA = "kv_metadata"  # a decode worker's KvEndpoint by worker id (embedd
 
 _encode = msgspec.msgpack.encode
 _decode_job = msgspec.msgpack.Decoder(PrefillJob).decode
+
+RECONCILE_S = 30.0  # how often a holder of a JetStream queue reconciles its counter
+RECONCILE_READ_MAX = 1024  # pending jobs read for their tokens; past it only the job count is reconciled
 
 
 @dataclass(slots=True)
@@ -163,8 +176,15 @@ class JetStreamPrefillQueue(PrefillQueue):
     With a cluster secret (:mod:`kvmesh.runtime.auth`) a job is its HMAC (32 bytes)
     followed by its msgpack; a job without a valid one is dropped and logged."""
 
-    def __init__(self, nc: Any, namespace: str = "kvmesh", ack_wait_s: float = 60.0, secret: Any = auth.FROM_ENV) -> None:
+    def __init__(
+        self, nc: Any, namespace: str = "kvmesh", ack_wait_s: float = 60.0, secret: Any = auth.FROM_ENV,
+        reconcile_s: float = RECONCILE_S,
+    ) -> None:  # fmt: skip
         self._secret: ClusterSecret | None = auth.resolve(secret)
+        self.reconcile_s = reconcile_s  # 0: never (from its first use: the loop starts with the counter)
+        self.repairs = 0  # times reconcile() set the counter back
+        self._drift = (0, 0)  # the counter minus what the stream holds, at the last round
+        self._reconciler: asyncio.Task[None] | None = None
         self._nc = nc
         self.stream = f"KVMESH_PREFILL_{namespace}".replace(".", "_").replace("-", "_")
         self.subject = f"{namespace}.prefill_queue"
@@ -204,7 +224,75 @@ class JetStreamPrefillQueue(PrefillQueue):
                     self._kv = await js.create_key_value(KeyValueConfig(bucket=self.bucket, history=1))
                 except BadRequestError:  # created by another worker meanwhile
                     self._kv = await js.key_value(self.bucket)
+            if self._reconciler is None and self.reconcile_s > 0:
+                self._reconciler = asyncio.get_running_loop().create_task(self._reconcile_loop(), name="prefill-queue-reconcile")
         return self._kv
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reconcile_s)
+            try:
+                await self.reconcile()
+            except Exception as exc:  # noqa: BLE001 - NATS out of reach: the next round tries again
+                log.debug("prefill queue counter not reconciled: %r", exc)
+
+    async def reconcile(self) -> bool:
+        """One round (see the module docstring); True when it set the counter."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        jobs, tokens, revision = await self._read_counter()  # first: see the docstring
+        pending, after = await self._pending()
+        # the tokens (a read per pending job) only while something is off: jobs and
+        # tokens leak together, and a round may have fixed the jobs before the tokens
+        off = jobs != pending or self._drift != (0, 0)
+        really = await self._pending_tokens(pending, after) if off else None
+        drift = (jobs - pending, 0 if really is None else tokens - really)
+        fix = (_confirmed(self._drift[0], drift[0]), _confirmed(self._drift[1], drift[1]))
+        self._drift = drift
+        if fix == (0, 0) or revision == 0:
+            return False
+        kv = await self._counter()
+        try:
+            await kv.update(_DEPTH_KEY, _encode((max(0, jobs - fix[0]), max(0, tokens - fix[1]))), last=revision)
+        except KeyWrongLastSequenceError:
+            return False  # moved since it was read: the next round
+        self.repairs += 1
+        self._drift = (drift[0] - fix[0], drift[1] - fix[1])
+        log.warning(
+            "prefill queue counter reconciled: it counted %+d jobs and %+d tokens the stream does not hold"
+            " (a worker that died between counting a job and publishing or taking it)", fix[0], fix[1],
+        )  # fmt: skip
+        return True
+
+    async def _pending(self) -> tuple[int, int]:
+        """Jobs in the stream not delivered yet, and the stream sequence they follow."""
+        from nats.js.errors import NotFoundError
+
+        js = await self._jetstream()
+        try:
+            info = await js.consumer_info(self.stream, self.durable)
+            return int(info.num_pending or 0), int(info.delivered.stream_seq or 0)
+        except NotFoundError:  # no prefill worker pulled yet: every job waits
+            state = (await js.stream_info(self.stream)).state
+            return int(state.messages or 0), 0
+
+    async def _pending_tokens(self, pending: int, after: int) -> int | None:
+        """The tokens of the ``pending`` jobs after stream sequence ``after``, from their
+        headers (None: more than :data:`RECONCILE_READ_MAX` to read)."""
+        from nats.js.errors import NotFoundError
+
+        if pending > RECONCILE_READ_MAX:
+            return None
+        js = await self._jetstream()
+        tokens, seq = 0, after + 1
+        for _ in range(pending):
+            try:
+                msg = await js.get_msg(self.stream, seq, next=True)
+            except NotFoundError:
+                break
+            tokens += _header_tokens(msg)
+            seq = int(msg.seq) + 1
+        return tokens
 
     async def _read_counter(self) -> tuple[int, int, int]:
         """(waiting jobs, their tokens, the key's revision; 0: no key yet)."""
@@ -314,6 +402,8 @@ class JetStreamPrefillQueue(PrefillQueue):
         return Delivery(job, msg.ack)
 
     async def close(self) -> None:
+        reconciler, self._reconciler = self._reconciler, None
+        await cancel_and_wait(reconciler)
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
@@ -326,6 +416,16 @@ _DEPTH_KEY = "waiting"
 _TOKENS_HEADER = "Kvmesh-Tokens"
 _CAS_TRIES = 1000
 _decode_depth = msgspec.msgpack.Decoder(tuple[int, int]).decode
+
+
+def _confirmed(before: int, now: int) -> int:
+    """The part of a counter's difference from the stream seen in two rounds in a row:
+    the smaller of the two when they agree in sign, else 0."""
+    if before > 0 and now > 0:
+        return min(before, now)
+    if before < 0 and now < 0:
+        return max(before, now)
+    return 0
 
 
 def _header_tokens(msg: Any) -> int:

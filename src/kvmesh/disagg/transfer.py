@@ -126,7 +126,6 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
-    transfers: int = 0
 
 
 @dataclass(slots=True)
@@ -137,28 +136,23 @@ class _Expected:
     touched: set[str] = field(default_factory=set)
 
 
+@dataclass(eq=False)
 class KvTransferServer:
-    """A worker's KV-transfer endpoint; see the module docstring."""
+    """A worker's KV-transfer endpoint; see the module docstring. ``secret`` and ``tls``
+    default to the process's (:mod:`kvmesh.runtime.auth`)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
-        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
-    ) -> None:
-        self.engine = engine
-        self.host = host
-        self.port = port
-        self.secret = auth.resolve(secret)
-        self.tls = auth.resolve_tls(tls)
-        self.refused = 0  # operations refused before their payload was read
-        self.stats = TransferStats()
-        self._expected: dict[str, _Expected] = {}
-        self.trace_links: dict[str, str] = {}  # tracing: transfer id → the peer's span (bounded below)
-        self._server: asyncio.AbstractServer | None = None
-        self._conns: dict[asyncio.StreamWriter, asyncio.Task[None] | None] = {}
+    engine: Engine
+    host: str = "127.0.0.1"
+    port: int = 0
+    secret: ClusterSecret | None = field(default_factory=auth.process_secret)
+    tls: TlsContexts | None = field(default_factory=auth.process_tls)
+    refused: int = field(init=False, default=0)  # operations refused before their payload was read
+    stats: TransferStats = field(init=False, default_factory=TransferStats)
+    _expected: dict[str, _Expected] = field(init=False, default_factory=dict)
+    # tracing: transfer id → the peer's span (bounded below)
+    trace_links: dict[str, str] = field(init=False, default_factory=dict)
+    _server: asyncio.AbstractServer | None = field(init=False, default=None)
+    _conns: dict[asyncio.StreamWriter, asyncio.Task[None] | None] = field(init=False, default_factory=dict)
 
     async def start(self) -> None:
         tls = self.tls.server if self.tls is not None else None
@@ -363,22 +357,17 @@ class _Link:
             return reply, payload
 
 
+@dataclass(eq=False)
 class TcpKvConnector(KvConnector):
-    """Bulk KV transfer over TCP, one connection per peer, reused."""
+    """Bulk KV transfer over TCP, one connection per peer, reused. ``secret`` and ``tls``
+    default to the process's (:mod:`kvmesh.runtime.auth`)."""
 
-    def __init__(
-        self,
-        convert: LayoutConverter = convert_layout,
-        connect_timeout_s: float = 5.0,
-        secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
-        tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
-    ) -> None:
-        self.convert = convert
-        self.connect_timeout_s = connect_timeout_s
-        self.secret = auth.resolve(secret)
-        self.tls = auth.resolve_tls(tls)
-        self.stats = TransferStats()
-        self._links: dict[str, _Link] = {}
+    convert: LayoutConverter = convert_layout
+    connect_timeout_s: float = 5.0
+    secret: ClusterSecret | None = field(default_factory=auth.process_secret)
+    tls: TlsContexts | None = field(default_factory=auth.process_tls)
+    stats: TransferStats = field(init=False, default_factory=TransferStats)
+    _links: dict[str, _Link] = field(init=False, default_factory=dict)
 
     async def _link(self, address: str) -> _Link:
         link = self._links.get(address)
@@ -445,7 +434,6 @@ class TcpKvConnector(KvConnector):
         stats.bytes_sent += sent
         stats.bytes_received += received
         stats.seconds += time.perf_counter() - started
-        stats.transfers += 1
 
     async def close(self) -> None:
         links, self._links = self._links, {}

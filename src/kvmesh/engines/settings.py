@@ -79,9 +79,9 @@ class MockerSettings(EngineSettings):
         env="KVMESH_MOCKER_EOS_PROBABILITY", check=within(0.0, 1.0), group=_MOCKER,
     )  # fmt: skip
     # chunked prefill beside short prompts (vLLM V1's names; kvmesh.engines.batching.scheduler)
-    long_prefill_token_threshold: int | None = setting(
-        None, "a prefill with more tokens left than this is long: its chunk is capped at it while other prefills "
-        "share the pass (default: max(block size, token budget / 16); 0: off)",
+    long_prefill_token_threshold: int = setting(
+        0, "a prefill with more tokens left than this is long: its chunk is capped at it while other prefills "
+        "share the pass (0: off, vLLM's default with one partial prefill)",
         env="KVMESH_MOCKER_LONG_PREFILL_TOKEN_THRESHOLD", check=non_negative, group=_MOCKER,
     )  # fmt: skip
     max_long_partial_prefills: int = setting(

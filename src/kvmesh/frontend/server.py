@@ -130,31 +130,26 @@ class StreamingResponse(Protocol):
 Handler = Callable[[Request], Awaitable["Response | StreamingResponse"]]
 
 
+@contextlib.asynccontextmanager
+async def _no_lifespan() -> AsyncIterator[None]:
+    yield
+
+
+@dataclass(eq=False)
 class HttpApp:
     """Routes (path → method → handler); what to answer for 404, 405, a handler's
     exception and a request the server refuses (``protocol_error(status, message)``:
     400 unparsable, 413 declared body over ``max_body_bytes``); a lifespan context
     manager run around serving."""
 
-    def __init__(
-        self,
-        routes: dict[str, dict[str, Handler]],
-        not_found: Callable[[Request], Response],
-        bad_method: Callable[[Request], Response],
-        on_error: Callable[[BaseException], Response],
-        protocol_error: Callable[[int, str], Response],
-        lifespan: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
-        max_body_bytes: int = 4 * 1024 * 1024,
-        limits: HttpLimits | None = None,
-    ) -> None:
-        self.routes = routes
-        self.not_found = not_found
-        self.bad_method = bad_method
-        self.on_error = on_error
-        self.protocol_error = protocol_error
-        self.lifespan = lifespan or _no_lifespan
-        self.max_body_bytes = max_body_bytes
-        self.limits = limits or HttpLimits()
+    routes: dict[str, dict[str, Handler]]
+    not_found: Callable[[Request], Response]
+    bad_method: Callable[[Request], Response]
+    on_error: Callable[[BaseException], Response]
+    protocol_error: Callable[[int, str], Response]
+    lifespan: Callable[[], contextlib.AbstractAsyncContextManager[None]] = _no_lifespan
+    max_body_bytes: int = 4 * 1024 * 1024
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
         methods = self.routes.get(request.path)
@@ -169,11 +164,6 @@ class HttpApp:
             return await handler(request)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
             return self.on_error(exc)
-
-
-@contextlib.asynccontextmanager
-async def _no_lifespan() -> AsyncIterator[None]:
-    yield
 
 
 # ---------------------------------------------------------------------------- writing

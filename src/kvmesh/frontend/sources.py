@@ -11,10 +11,12 @@ import msgspec
 
 from kvmesh.errors import KvmeshError
 from kvmesh.frontend.models import ModelRegistry
+from kvmesh.observability.metrics import count_discovery_refusals
 from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.distributed import Client, DistributedRuntime, RequestClient, call
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.names import COMPONENT, GENERATE, INFO, PREFILL_COMPONENT
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = ["watch_workers", "StaticWorkers"]
 
@@ -33,6 +35,7 @@ async def watch_workers(runtime: DistributedRuntime, registry: ModelRegistry) ->
             log.error("cannot serve worker %x: %s", info.worker_id, exc.message)
 
     c = registry.config
+    count_discovery_refusals(registry.metrics.registry, runtime.discovery.refused)
     endpoint = runtime.namespace().component(COMPONENT).endpoint(GENERATE)
     client = endpoint.client(added, registry.detach, c.connect_timeout_s, c.response_timeout_s)
     await client.start()
@@ -74,9 +77,7 @@ class StaticWorkers:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -24,6 +24,7 @@ import msgspec
 
 from kvmesh.frontend.server import ResponseStream
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = ["ChatChunks", "CompletionChunks", "SSEResponse", "KeepAlive", "DONE", "error_event"]
 
@@ -146,10 +147,8 @@ class KeepAlive:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def register(self, send: Callable[[bytes], None]) -> _Live:
         live = _Live(send)

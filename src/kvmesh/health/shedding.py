@@ -23,6 +23,7 @@ from kvmesh.protocol import LoadReport
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import LOAD, TUNE
+from kvmesh.runtime.tasks import cancel_and_wait
 from kvmesh.observability.metrics import FrontendMetrics
 
 __all__ = ["RateMeter", "LoadShedder"]
@@ -72,9 +73,7 @@ class LoadShedder:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     def admit(self, priority: str | None) -> Decision:
         """Count the arrival, then admit or refuse it at the current level."""

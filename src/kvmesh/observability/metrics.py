@@ -7,12 +7,16 @@ hot path never looks up labels.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client; no *_created series
 
-__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST", "count_discovery_refusals"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -101,6 +105,36 @@ class ModelMetrics:
 
     def finished(self, endpoint: str, status: str) -> None:
         self._requests.labels(self._model, endpoint, status).inc()
+
+
+class _DiscoveryRefusals(Collector):
+    """``kvmesh_discovery_records_refused_total{reason}``, read from a discovery
+    backend's counts at each scrape (runtime/discovery/base.py: the read bounds)."""
+
+    def __init__(self, refused: Mapping[str, int]) -> None:
+        self.refused = refused
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvmesh_discovery_records_refused",
+            "Discovery records refused before they were decoded: too_large (a value over the bound), too_many (a prefix"
+            " past its count of records)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.refused.items()):
+            family.add_metric([reason], count)
+        yield family
+
+    def describe(self) -> Iterator[Metric]:  # its name, so a second registration is refused
+        return self.collect()
+
+
+def count_discovery_refusals(registry: CollectorRegistry, refused: Mapping[str, int]) -> None:
+    """Export ``refused`` (a discovery backend's ``refused``) in ``registry``, once."""
+    try:
+        registry.register(_DiscoveryRefusals(refused))
+    except ValueError:  # "duplicated timeseries": exported already (one discovery per process)
+        pass
 
 
 class FrontendMetrics:

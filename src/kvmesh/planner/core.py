@@ -63,7 +63,7 @@ class WorkerView:
     kv_usage: float = 0.0  # active / total KV blocks, 0..1
     running: int = 0
     waiting: int = 0
-    capacity: int = 0  # the most sequences its batch holds (0: unknown)
+    capacity: int = 0  # the most sequences its batch holds (0: unknown); its card's max_num_seqs
 
     @property
     def batch_full(self) -> bool:

@@ -156,18 +156,6 @@ class Preprocessor:
     def from_folder(cls, path: str | os.PathLike[str], *, name: str | None = None) -> Preprocessor:
         return cls(load_model_folder(path, name=name))
 
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    @property
-    def context_length(self) -> int:
-        return self.info.context_length
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:

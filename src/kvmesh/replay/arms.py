@@ -344,7 +344,7 @@ class _DisaggFleet:
             self.arrived.append(t)
         node = self.nodes[self.router.route(request, t)]
         sched = node.worker.scheduler
-        seq = sched.reserve(request)
+        seq = sched.reserve_request(request)
         if seq is None:  # no room to hold the blocks now: the scheduler queues it
             self._local(node, request, t)
             return

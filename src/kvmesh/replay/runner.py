@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -11,32 +10,23 @@ from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.sim import RequestRecord
 from kvmesh.replay.policies import POLICIES, make_policy
 from kvmesh.replay.report import PolicyResult, summarize
+from kvmesh.replay.settings import CLOCKS, ReplaySettings
 from kvmesh.replay.sim import fleet_options, simulate
 from kvmesh.replay.trace import TokenSynth, TraceRequest, arrivals
 
 __all__ = ["CLOCKS", "ReplayConfig", "fit_context", "replay", "replay_policy"]
-
-CLOCKS = ("virtual", "real")
-
 
 def _default_mocker() -> MockerOptions:
     return MockerOptions(block_size=512)
 
 
 @dataclass(frozen=True)
-class ReplayConfig:
-    """What ``kvmesh replay`` runs. ``mocker`` is every worker's options (its
-    ``worker_id`` is replaced by 0 .. n-1 and ``context_length`` raised to fit the
-    trace); ``seed`` drives ``random`` and the KV router's tie-breaking."""
+class ReplayConfig(ReplaySettings):
+    """What ``kvmesh replay`` runs: its settings, and ``mocker``, every worker's options
+    (its ``worker_id`` is replaced by 0 .. n-1 and ``context_length`` raised to fit the
+    trace)."""
 
-    policies: tuple[str, ...] = ("round_robin", "kv")
-    workers: int = 4
-    speed: float = 1.0
-    clock: str = "virtual"
     mocker: MockerOptions = field(default_factory=_default_mocker)
-    overlap_weight: float = 1.0
-    router_temperature: float = 0.0
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -46,16 +36,7 @@ class ReplayConfig:
                 raise ValueError(f"unknown policy {p!r} (choose from {', '.join(POLICIES)})")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policy names a policy twice: {','.join(self.policies)}")
-        if self.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {self.workers}")
-        if not (math.isfinite(self.speed) and self.speed > 0):
-            raise ValueError(f"--speed must be a positive number, got {self.speed}")
-        if self.clock not in CLOCKS:
-            raise ValueError(f"--clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
-        if not (math.isfinite(self.overlap_weight) and self.overlap_weight >= 0):
-            raise ValueError(f"--overlap-weight must be >= 0, got {self.overlap_weight}")
-        if not (math.isfinite(self.router_temperature) and self.router_temperature >= 0):
-            raise ValueError(f"--router-temperature must be >= 0, got {self.router_temperature}")
+        super().__post_init__()
 
 
 def fit_context(options: MockerOptions, trace: Sequence[TraceRequest]) -> MockerOptions:

@@ -30,9 +30,10 @@ from typing import Any, Protocol, TypeVar, cast, overload
 import msgspec
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter
+from kvmesh.runtime.frames import MAX_FRAME_BYTES, MAX_REQUEST_FRAME, MAX_STREAMS, FrameReader, FrameWriter
 from kvmesh.runtime.sockets import tune_stream_socket
 
 __all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks", "StreamServer", "StreamClient"]
@@ -242,9 +243,21 @@ class StreamTasks:
 
 
 class StreamServer:
-    """What both request servers (TCP, NATS) keep alike: the tasks of their streams."""
+    """What both request servers (TCP, NATS) keep alike: the :class:`StreamHost` state
+    their connections read (limits, credentials, endpoints) and the tasks of their streams.
+    ``secret`` and ``tls`` left at :data:`~kvmesh.runtime.auth.FROM_ENV` are the process's;
+    the limits are the wire's (:mod:`kvmesh.runtime.frames`), lowered per instance in tests."""
 
-    def __init__(self) -> None:
+    max_frame_bytes: int = MAX_REQUEST_FRAME  # the largest frame a caller may send
+    max_streams: int = MAX_STREAMS  # streams open at once on one connection
+
+    def __init__(self, secret: ClusterSecret | None | auth._FromEnv, tls: TlsContexts | None | auth._FromEnv) -> None:
+        self.secret = auth.resolve(secret)
+        self.tls = auth.resolve_tls(tls)
+        self.handshake_timeout_s = auth.HANDSHAKE_TIMEOUT_S  # a caller that has not proven itself by then is dropped
+        self.foreign_frames = 0  # control frames naming no stream of their connection
+        self.endpoints: dict[str, Handler] = {}
+        self.draining = False  # no new streams; those open keep going
         self.tasks = StreamTasks()
 
     @property

@@ -33,8 +33,6 @@ from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, ClusterSecret, Handshake, P
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import (
     KILL,
-    MAX_REQUEST_FRAME,
-    MAX_STREAMS,
     STOP,
     Ack,
     Ctl,
@@ -229,25 +227,15 @@ class TcpServer(StreamServer):
         self,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_frame_bytes: int = MAX_REQUEST_FRAME,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
-        max_streams: int = MAX_STREAMS,
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
-        super().__init__()
+        super().__init__(secret, tls)
         self.host = host
         self.port = port
-        self.max_frame_bytes = max_frame_bytes
-        self.max_streams = max_streams
-        self.secret = auth.resolve(secret)
-        self.tls = auth.resolve_tls(tls)
-        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S  # a caller that has not proven itself by then is dropped
-        self.foreign_frames = 0  # control frames naming no stream of their connection
-        self.endpoints: dict[str, Handler] = {}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self.started = False
-        self.draining = False
 
     def register(self, endpoint: str, handler: Handler) -> None:
         self.endpoints[endpoint] = handler

@@ -116,7 +116,11 @@ def _metadata_lookup(queue: PrefillQueue, runtime: Any) -> Callable[[int], Any]:
         value = found.get(key)
         if value is None:
             return None
-        info = _decode_info(value)
+        try:
+            info = _decode_info(value)
+        except msgspec.DecodeError as exc:  # data from discovery: anyone may have put it there
+            log.warning("ignoring the KV endpoint in %s: not an instance record: %s", key, exc)
+            return None
         if not record_is_signed(runtime.secret, key, info):
             log.warning("ignoring the KV endpoint in %s: not signed with this fleet's cluster secret", key)
             return None

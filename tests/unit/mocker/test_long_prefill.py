@@ -31,7 +31,7 @@ def req(rid: str, tokens: list[int] | range, max_tokens: int = 4) -> Preprocesse
 
 def test_a_lone_long_prompt_prefills_at_the_full_budget() -> None:
     sched = Scheduler(OPTS)
-    sid = sched.add(req("long", range(3000)))
+    sid = sched.submit(req("long", range(3000)))
     chunks = []
     while sid not in (out := sched.step()).tokens:
         chunks.append(out.prefill_tokens)
@@ -41,10 +41,10 @@ def test_a_lone_long_prompt_prefills_at_the_full_budget() -> None:
 
 def test_a_short_prompt_is_admitted_beside_a_long_prefill() -> None:
     sched = Scheduler(OPTS)
-    long_id = sched.add(req("long", range(8000)))
+    long_id = sched.submit(req("long", range(8000)))
     first = sched.step()
     assert first.prefill_tokens == 1024  # alone: the whole budget
-    short_id = sched.add(req("short", range(10_000, 10_100)))
+    short_id = sched.submit(req("short", range(10_000, 10_100)))
     out = sched.step()
     # the short prompt's first token comes from the very next pass; the long one took
     # only its capped chunk of that pass and is still prefilling
@@ -55,9 +55,9 @@ def test_a_short_prompt_is_admitted_beside_a_long_prefill() -> None:
 
 def test_without_a_threshold_the_short_prompt_waits_for_the_long_one() -> None:
     sched = Scheduler(dataclasses.replace(OPTS, long_prefill_token_threshold=0))
-    long_id = sched.add(req("long", range(8000)))
+    long_id = sched.submit(req("long", range(8000)))
     sched.step()
-    short_id = sched.add(req("short", range(10_000, 10_300)))
+    short_id = sched.submit(req("short", range(10_000, 10_300)))
     passes = 1
     while short_id not in (out := sched.step()).tokens:
         passes += 1
@@ -67,34 +67,34 @@ def test_without_a_threshold_the_short_prompt_waits_for_the_long_one() -> None:
 
 def test_a_prompt_over_the_threshold_counts_as_long() -> None:
     sched = Scheduler(OPTS)
-    sched.add(req("long", range(8000)))
+    sched.submit(req("long", range(8000)))
     sched.step()
-    mid = sched.add(req("mid", range(10_000, 10_300)))  # 300 > 128: long, waits for the slot
+    mid = sched.submit(req("mid", range(10_000, 10_300)))  # 300 > 128: long, waits for the slot
     out = sched.step()
     assert mid not in out.tokens and sched.num_waiting == 1
 
 
 def test_one_long_prefill_at_a_time_and_shorter_ones_pass_it() -> None:
     sched = Scheduler(OPTS)
-    a = sched.add(req("a", range(5000)))
-    b = sched.add(req("b", range(20_000, 25_000)))
-    c = sched.add(req("c", range(40_000, 40_100)))
+    a = sched.submit(req("a", range(5000)))
+    b = sched.submit(req("b", range(20_000, 25_000)))
+    c = sched.submit(req("c", range(40_000, 40_100)))
     out = sched.step()
     assert c in out.tokens  # admitted past the long b, which keeps its place
     assert out.prefill_tokens == 128 + 100  # a's capped chunk and all of c
-    assert sched.core.get(b) is not None and sched.core.get(b).num_computed == 0  # type: ignore[union-attr]
+    assert sched.get(b) is not None and sched.get(b).num_computed == 0  # type: ignore[union-attr]
     assert sched.num_waiting == 1
     # once a is done prefilling, b starts
     while a not in (out := sched.step()).tokens:
-        assert sched.core.get(b).num_computed == 0  # type: ignore[union-attr]
+        assert sched.get(b).num_computed == 0  # type: ignore[union-attr]
     sched.step()
-    assert sched.core.get(b).num_computed > 0  # type: ignore[union-attr]
+    assert sched.get(b).num_computed > 0  # type: ignore[union-attr]
 
 
 def test_max_long_partial_prefills_lets_two_long_prompts_share() -> None:
     sched = Scheduler(dataclasses.replace(OPTS, max_long_partial_prefills=2))
-    sched.add(req("a", range(5000)))
-    sched.add(req("b", range(20_000, 25_000)))
+    sched.submit(req("a", range(5000)))
+    sched.submit(req("b", range(20_000, 25_000)))
     out = sched.step()
     assert out.prefill_tokens == 1024  # two capped chunks, then topped up to the budget
     assert sched.num_waiting == 0
@@ -102,7 +102,7 @@ def test_max_long_partial_prefills_lets_two_long_prompts_share() -> None:
 
 def test_max_num_partial_prefills_caps_the_prefills_of_a_pass() -> None:
     sched = Scheduler(dataclasses.replace(OPTS, max_num_partial_prefills=1))
-    ids = [sched.add(req(f"s{i}", range(1000 * i, 1000 * i + 100))) for i in range(3)]
+    ids = [sched.submit(req(f"s{i}", range(1000 * i, 1000 * i + 100))) for i in range(3)]
     out = sched.step()
     assert list(out.tokens) == [ids[0]]
     assert sched.num_waiting == 2
@@ -111,7 +111,7 @@ def test_max_num_partial_prefills_caps_the_prefills_of_a_pass() -> None:
 def test_the_threshold_reaches_the_shared_limits() -> None:
     limits = limits_of(OPTS)
     assert (limits.long_prefill_token_threshold, limits.max_long_partial_prefills) == (128, 1)
-    assert limits_of(MockerOptions()).long_prefill_token_threshold == 8192 // 16
+    assert limits_of(MockerOptions()).long_prefill_token_threshold == 0  # off by default, as in vLLM
     with pytest.raises(ValueError, match="max_long_partial_prefills"):
         SchedulerLimits(block_size=16, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
                         context_length=128, max_long_partial_prefills=0)  # fmt: skip
@@ -125,37 +125,37 @@ def test_the_next_long_prompt_starts_in_the_pass_where_the_last_one_ends_beside_
     # its budget to the next long prompt (fewer, fuller prefill passes) instead of
     # leaving it unused
     sched = Scheduler(OPTS)
-    d = sched.add(req("d", range(50_000, 50_016), max_tokens=100))
+    d = sched.submit(req("d", range(50_000, 50_016), max_tokens=100))
     sched.step()  # d prefills and samples: it decodes from now on
-    a = sched.add(req("a", range(3000)))
-    b = sched.add(req("b", range(20_000, 25_000)))
+    a = sched.submit(req("a", range(3000)))
+    b = sched.submit(req("b", range(20_000, 25_000)))
     assert sched.step().prefill_tokens == 1023 and sched.step().prefill_tokens == 1023  # d's decode beside a
     out = sched.step()
     assert a in out.tokens and d in out.tokens
     assert out.prefill_tokens == 1023  # 954 of a, 69 of b: the budget stays full
-    assert sched.core.get(b).num_computed == 69  # type: ignore[union-attr]
+    assert sched.get(b).num_computed == 69  # type: ignore[union-attr]
 
 
 def test_without_decodes_the_next_long_prompt_waits_for_the_next_pass() -> None:
     # no decode pays for an extra pass, and a smaller pass lets arrivals in sooner
     sched = Scheduler(OPTS)
-    a = sched.add(req("a", range(3000)))
-    b = sched.add(req("b", range(20_000, 25_000)))
+    a = sched.submit(req("a", range(3000)))
+    b = sched.submit(req("b", range(20_000, 25_000)))
     sched.step(), sched.step()
     out = sched.step()
     assert a in out.tokens and out.prefill_tokens == 952
-    assert sched.core.get(b).num_computed == 0  # type: ignore[union-attr]
+    assert sched.get(b).num_computed == 0  # type: ignore[union-attr]
 
 
 def test_a_short_prompt_still_caps_the_long_chunk_after_the_handover() -> None:
     sched = Scheduler(OPTS)
-    sched.add(req("a", range(1100)))
-    b = sched.add(req("b", range(20_000, 25_000)))
+    sched.submit(req("a", range(1100)))
+    b = sched.submit(req("b", range(20_000, 25_000)))
     sched.step()  # a: 1024
-    short = sched.add(req("short", range(40_000, 40_050)))
+    short = sched.submit(req("short", range(40_000, 40_050)))
     out = sched.step()  # a's last 76, the short prompt's 50, then b capped at 128 (a short one shares the pass)
     assert short in out.tokens
-    assert sched.core.get(b).num_computed == 128  # type: ignore[union-attr]
+    assert sched.get(b).num_computed == 128  # type: ignore[union-attr]
 
 
 def test_the_three_settings_are_flags_of_the_mocker_and_the_hf_engine() -> None:
@@ -168,13 +168,13 @@ def test_the_three_settings_are_flags_of_the_mocker_and_the_hf_engine() -> None:
 
     p = argparse.ArgumentParser()
     add_replay_args(p)
-    ns = p.parse_args(["t.jsonl", "--long-prefill-token-threshold", "0", "--max-long-partial-prefills", "2",
+    ns = p.parse_args(["t.jsonl", "--long-prefill-token-threshold", "96", "--max-long-partial-prefills", "2",
                        "--max-num-partial-prefills", "3"])  # fmt: skip
     mocker = _config(ns).mocker
-    assert (mocker.long_prefill_threshold, mocker.max_long_partial_prefills, mocker.max_num_partial_prefills) == (0, 2, 3)
-    assert limits_of(mocker).long_prefill_token_threshold == 0
+    assert (mocker.long_prefill_token_threshold, mocker.max_long_partial_prefills, mocker.max_num_partial_prefills) == (96, 2, 3)
+    assert limits_of(mocker).long_prefill_token_threshold == 96
     default = _config(p.parse_args(["t.jsonl"])).mocker
-    assert default.long_prefill_threshold == 8192 // 16  # unset: the budget ÷ 16
+    assert default.long_prefill_token_threshold == 0  # unset: off
     hp = argparse.ArgumentParser()
     add_flags(hp, HfSettings)
     hf = resolve(HfSettings, hp.parse_args(["--hf-long-prefill-token-threshold", "64", "--hf-max-long-partial-prefills", "2"]))

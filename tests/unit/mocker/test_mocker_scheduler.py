@@ -71,7 +71,7 @@ def run(sched: Scheduler, max_steps: int = 20_000) -> Run:
 def solo(request: PreprocessedRequest, options: MockerOptions = FAST) -> tuple[list[int], Finished]:
     """Tokens and finish of ``request`` run alone on a fresh scheduler."""
     sched = Scheduler(options)
-    sid = sched.add(request)
+    sid = sched.submit(request)
     result = run(sched)
     return result.tokens.get(sid, []), result.finished[sid]
 
@@ -137,10 +137,10 @@ def test_options_timing_polynomials_and_speedup() -> None:
 
 def test_shared_prefix_is_a_cache_hit() -> None:
     sched = Scheduler(FAST)
-    first = sched.add(req("a", range(64)))
+    first = sched.submit(req("a", range(64)))
     run(sched)
     shared = list(range(48)) + [1000 + i for i in range(20)]  # 3 shared blocks, then new
-    sid = sched.add(req("b", shared))
+    sid = sched.submit(req("b", shared))
     out = sched.step()
     assert out.prefill_tokens == len(shared) - 48
     result = run(sched)
@@ -150,9 +150,9 @@ def test_shared_prefix_is_a_cache_hit() -> None:
 
 def test_identical_prompt_recomputes_at_least_its_last_token() -> None:
     sched = Scheduler(FAST)
-    sched.add(req("a", range(64)))
+    sched.submit(req("a", range(64)))
     run(sched)
-    sid = sched.add(req("b", range(64)))
+    sid = sched.submit(req("b", range(64)))
     out = sched.step()
     # 64 tokens = 4 full blocks, but the last token must run to sample from it.
     assert out.prefill_tokens == 16
@@ -163,9 +163,9 @@ def test_identical_prompt_recomputes_at_least_its_last_token() -> None:
 def test_no_prefix_hits_without_prefix_caching() -> None:
     opts = dataclasses.replace(FAST, enable_prefix_caching=False)
     sched = Scheduler(opts)
-    sched.add(req("a", range(64)))
+    sched.submit(req("a", range(64)))
     run(sched)
-    sid = sched.add(req("b", range(64)))
+    sid = sched.submit(req("b", range(64)))
     assert sched.step().prefill_tokens == 64
     assert run(sched).finished[sid].usage.cached_tokens == 0
 
@@ -173,7 +173,7 @@ def test_no_prefix_hits_without_prefix_caching() -> None:
 def test_generated_blocks_are_cached_during_decode() -> None:
     pub = RecordingPublisher()
     sched = Scheduler(dataclasses.replace(FAST, block_size=4), pub)
-    sched.add(req("a", range(6), max_tokens=10))
+    sched.submit(req("a", range(6), max_tokens=10))
     sched.step()  # prefill 6 tokens: 1 full block cached
     assert len(sched.kv_dump()) == 1
     sched.step()  # token 7 computed: nothing new
@@ -191,7 +191,7 @@ def test_generated_blocks_are_cached_during_decode() -> None:
 def test_chunked_prefill_respects_the_budget() -> None:
     opts = dataclasses.replace(FAST, max_num_batched_tokens=32)
     sched = Scheduler(opts)
-    sid = sched.add(req("long", range(100), max_tokens=20))
+    sid = sched.submit(req("long", range(100), max_tokens=20))
     chunks = []
     while sid not in (out := sched.step()).tokens:
         chunks.append(out.prefill_tokens)
@@ -199,7 +199,7 @@ def test_chunked_prefill_respects_the_budget() -> None:
     assert chunks == [32, 32, 32, 4]
     # New arrivals share the budget with running decodes, which go first.
     for i in range(3):
-        sched.add(req(f"r{i}", [500 + i] * 70, max_tokens=10))
+        sched.submit(req(f"r{i}", [500 + i] * 70, max_tokens=10))
     result = run(sched)
     for step in result.steps:
         assert step.prefill_tokens + step.decode_seqs <= 32
@@ -210,7 +210,7 @@ def test_chunked_prefill_respects_the_budget() -> None:
 def test_max_num_seqs_caps_the_running_set() -> None:
     sched = Scheduler(dataclasses.replace(FAST, max_num_seqs=2))
     for i in range(5):
-        sched.add(req(f"r{i}", [i] * 10, max_tokens=5))
+        sched.submit(req(f"r{i}", [i] * 10, max_tokens=5))
     peak = 0
     while sched.has_work:
         sched.step()
@@ -221,7 +221,7 @@ def test_max_num_seqs_caps_the_running_set() -> None:
 
 def test_waiting_requests_are_admitted_first_come_first_served() -> None:
     sched = Scheduler(dataclasses.replace(FAST, max_num_seqs=1))
-    sids = [sched.add(req(f"r{i}", [i] * 10, max_tokens=3)) for i in range(4)]
+    sids = [sched.submit(req(f"r{i}", [i] * 10, max_tokens=3)) for i in range(4)]
     result = run(sched)
     first_token_step = {sid: next(i for i, s in enumerate(result.steps) if sid in s.tokens) for sid in sids}
     assert sorted(sids, key=first_token_step.__getitem__) == sids
@@ -231,7 +231,7 @@ def test_preemption_under_block_pressure_keeps_the_tokens() -> None:
     opts = dataclasses.replace(FAST, block_size=4, num_blocks=8)
     reqs = [req("a", range(8), max_tokens=12), req("b", range(100, 108), max_tokens=12)]
     sched = Scheduler(opts)
-    sids = [sched.add(r) for r in reqs]
+    sids = [sched.submit(r) for r in reqs]
     result = run(sched)
     preempted = [sid for step in result.steps for sid in step.preempted]
     assert preempted and preempted[0] == sids[1]  # the most recently admitted gives way
@@ -248,7 +248,7 @@ def test_heavy_preemption_still_completes_every_request(caching: bool) -> None:
     )
     reqs = [req(f"r{i}", [i % 3] * (5 + i), max_tokens=14) for i in range(8)]
     sched = Scheduler(opts)
-    sids = [sched.add(r) for r in reqs]
+    sids = [sched.submit(r) for r in reqs]
     result = run(sched)
     assert sum(len(step.preempted) for step in result.steps) > 0
     for sid, r in zip(sids, reqs):
@@ -259,10 +259,10 @@ def test_heavy_preemption_still_completes_every_request(caching: bool) -> None:
 def test_requests_that_can_never_fit_fail() -> None:
     opts = dataclasses.replace(FAST, block_size=4, num_blocks=8)
     sched = Scheduler(opts)
-    too_long = sched.add(req("big", range(40)))  # 40 tokens > 32 slots
-    grows_too_long = sched.add(req("grows", range(8), max_tokens=100))
-    empty = sched.add(req("empty", []))
-    zero = sched.add(req("zero", range(4), max_tokens=0))
+    too_long = sched.submit(req("big", range(40)))  # 40 tokens > 32 slots
+    grows_too_long = sched.submit(req("grows", range(8), max_tokens=100))
+    empty = sched.submit(req("empty", []))
+    zero = sched.submit(req("zero", range(4), max_tokens=0))
     result = run(sched)
     for sid in (too_long, empty, zero):
         assert result.finished[sid].reason == "error"
@@ -286,8 +286,8 @@ def test_prompt_filling_the_context_fails_and_max_tokens_defaults_to_the_rest() 
 
 def test_abort_frees_blocks_wherever_the_request_is() -> None:
     sched = Scheduler(dataclasses.replace(FAST, max_num_seqs=1))
-    running = sched.add(req("a", range(40), max_tokens=50))
-    waiting = sched.add(req("b", range(40, 80), max_tokens=50))
+    running = sched.submit(req("a", range(40), max_tokens=50))
+    waiting = sched.submit(req("b", range(40, 80), max_tokens=50))
     sched.step()
     assert sched.blocks.active_blocks > 0
     assert sched.abort(waiting) and sched.abort(running)
@@ -303,17 +303,17 @@ def test_step_durations_follow_the_timing_model() -> None:
     opts = MockerOptions(eos_rate=0.0, num_blocks=64, speedup=2.0)
     base = dataclasses.replace(opts, speedup=1.0)
     sched = Scheduler(opts)
-    sched.add(req("a", range(100), max_tokens=30))
+    sched.submit(req("a", range(100), max_tokens=30))
     out = sched.step()
     assert (out.prefill_tokens, out.decode_seqs) == (100, 0)
     assert out.duration_ms == pytest.approx((4.21e-7 * 100**2 + 1.518e-2 * 100 + 16.5) / 2)
     out = sched.step()
-    p = sched.blocks.active_blocks / 64
+    p = 101 / (64 * opts.block_size)  # the decode attends to 100 prompt tokens and 1 generated
     assert (out.prefill_tokens, out.decode_seqs) == (0, 1)
     assert out.duration_ms == pytest.approx((-25.74 * p * p + 54.01 * p + 5.74) / 2)
-    sched.add(req("b", range(500, 550), max_tokens=5))
+    sched.submit(req("b", range(500, 550), max_tokens=5))
     out = sched.step()
-    p = sched.blocks.active_blocks / 64
+    p = 102 / (64 * opts.block_size)  # "a"'s decode (101 + 1 tokens); "b" prefills and does not count
     assert (out.prefill_tokens, out.decode_seqs) == (50, 1)
     assert out.duration_ms == pytest.approx((base.prefill_ms(50) + base.decode_ms(p)) / 2)
 
@@ -454,7 +454,7 @@ def test_kv_events_replay_into_the_dump(workload: list[tuple[str, int, int, int]
     sids: list[int] = []
     for kind, a, b, c in workload:
         if kind == "add":
-            sids.append(sched.add(req(f"r{len(sids)}", families[a][:b] + [99] * (b % 3), c, ignore_eos=False)))
+            sids.append(sched.submit(req(f"r{len(sids)}", families[a][:b] + [99] * (b % 3), c, ignore_eos=False)))
         elif kind == "step":
             for _ in range(a):
                 if sched.has_work:
@@ -473,8 +473,8 @@ def test_kv_events_replay_into_the_dump(workload: list[tuple[str, int, int, int]
 
 def test_load_report_counts() -> None:
     sched = Scheduler(dataclasses.replace(FAST, max_num_seqs=1, worker_id=4))
-    sched.add(req("a", range(40)))
-    sched.add(req("b", range(40)))
+    sched.submit(req("a", range(40)))
+    sched.submit(req("b", range(40)))
     sched.step()
     report = sched.load_report(timestamp_ms=12.5)
     assert (report.worker_id, report.num_running, report.num_waiting) == (4, 1, 1)
@@ -493,7 +493,7 @@ def test_premium_requests_wait_ahead_of_standard_and_best_effort():
         routing = RoutingHints(priority=priority) if priority else None
         req = PreprocessedRequest(request_id=name, model="m", token_ids=[5, 6, 7], routing=routing,
                                   stop=StopConditions(max_tokens=2, ignore_eos=True))  # fmt: skip
-        return sched.add(req)
+        return sched.submit(req)
 
     order = [add("be1", "best_effort"), add("std1", None), add("prem1", "premium"), add("std2", "standard"), add("prem2", "premium")]
     finished: list[str] = []
@@ -517,7 +517,7 @@ def test_premium_arrival_preempts_the_least_urgent_running_request_which_still_c
     def add(name: str, priority: str) -> None:
         req = PreprocessedRequest(request_id=name, model="m", token_ids=[5, 6, 7, 8], routing=RoutingHints(priority=priority),
                                   stop=StopConditions(max_tokens=6, ignore_eos=True))  # fmt: skip
-        sched.add(req)
+        sched.submit(req)
 
     add("std", "standard")
     add("be", "best_effort")
@@ -544,7 +544,7 @@ def test_batch_multiplier_caps_running_sequences():
     sched = Scheduler(MockerOptions(max_num_seqs=4, eos_rate=0.0))
     sched.set_batch_multiplier(0.5)
     for i in range(6):
-        sched.add(PreprocessedRequest(request_id=str(i), model="m", token_ids=[5, 6, 7], stop=StopConditions(max_tokens=3, ignore_eos=True)))
+        sched.submit(PreprocessedRequest(request_id=str(i), model="m", token_ids=[5, 6, 7], stop=StopConditions(max_tokens=3, ignore_eos=True)))
     sched.step()
     assert sched.num_running == 2 and sched.num_waiting == 4
     sched.set_batch_multiplier(1.0)
@@ -562,11 +562,11 @@ def test_reduced_batch_still_lets_premium_fill_the_full_batch():
     sched = Scheduler(MockerOptions(max_num_seqs=4, eos_rate=0.0))
     sched.set_batch_multiplier(0.5)
     for i in range(3):
-        sched.add(PreprocessedRequest(request_id=f"s{i}", model="m", token_ids=[5, 6, 7], stop=StopConditions(max_tokens=9, ignore_eos=True)))
+        sched.submit(PreprocessedRequest(request_id=f"s{i}", model="m", token_ids=[5, 6, 7], stop=StopConditions(max_tokens=9, ignore_eos=True)))
     sched.step()
     assert sched.num_running == 2  # standard requests get the reduced batch
     for i in range(3):
-        sched.add(PreprocessedRequest(request_id=f"p{i}", model="m", token_ids=[5, 6, 7], routing=RoutingHints(priority="premium"),
+        sched.submit(PreprocessedRequest(request_id=f"p{i}", model="m", token_ids=[5, 6, 7], routing=RoutingHints(priority="premium"),
                                       stop=StopConditions(max_tokens=9, ignore_eos=True)))  # fmt: skip
     sched.step()
     assert sched.num_running == 4  # premium fills up to max_num_seqs

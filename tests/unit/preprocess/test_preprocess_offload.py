@@ -86,7 +86,7 @@ async def test_preprocess_async_builds_the_same_request(big: Preprocessor) -> No
 
     from kvmesh.frontend.pipeline import preprocess
 
-    entry = SimpleNamespace(preprocessor=big, context_length=big.context_length, info=big.info, name="m")
+    entry = SimpleNamespace(preprocessor=big, context_length=big.info.context_length, info=big.info, name="m")
     text = _huge_text(20_000)
     for body in (
         {"model": "m", "prompt": text, "max_tokens": 4},

@@ -28,9 +28,9 @@ def test_public_api() -> None:
 
 
 def test_model_facts(pre: Preprocessor) -> None:
-    assert pre.name == "kvmesh-tiny"
-    assert pre.context_length == 2048
-    assert pre.vocab_size == 2048
+    assert pre.info.name == "kvmesh-tiny"
+    assert pre.info.context_length == 2048
+    assert pre.info.vocab_size == 2048
     assert pre.eos_token_ids == frozenset({0, 2})
 
 

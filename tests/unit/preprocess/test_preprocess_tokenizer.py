@@ -138,3 +138,60 @@ def test_a_long_text_with_special_token_text_is_plain_text_on_the_gil_free_path(
     assert 1 not in ids and 2 not in ids  # no control tokens
     assert ids == tok._plain_tokenizer().encode(text, add_special_tokens=False).ids
     assert tok.decode(ids) == text
+
+
+# ---------------------------------------------------------------------------- long texts in pieces
+
+_WORDS = st.sampled_from(["the", "fox's", "naïve", "日本語", "x=1,", "(a)", "12,345", "--", "Ärger", "ok?", "🙂", "it", "é"])
+_GAPS = st.sampled_from([" ", " ", " ", "  ", "\n", "\n\n", "\t", " \n "])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_WORDS, _GAPS), min_size=1, max_size=200), st.integers(1, 64), st.integers(1, 20))
+def test_pieces_cut_at_word_starts_encode_to_the_whole_texts_ids(tok: Tokenizer, parts: list[tuple[str, str]],
+                                                                  piece_chars: int, max_pieces: int) -> None:  # fmt: skip
+    from kvmesh.preprocess.tokenizer import split_at_word_starts
+
+    text = "".join(w + g for w, g in parts)
+    pieces = split_at_word_starts(text, piece_chars, max_pieces)
+    assert "".join(pieces) == text and len(pieces) <= max_pieces
+    got = [i for p in pieces for i in tok.raw.encode(p, add_special_tokens=False).ids]
+    assert got == tok.raw.encode(text, add_special_tokens=False).ids
+
+
+def test_a_long_prompt_is_encoded_in_pieces_to_the_same_ids(tok: Tokenizer) -> None:
+    from kvmesh.preprocess import tokenizer as mod
+
+    text = "<|im_start|>user\n" + " ".join(f"word{i % 97} and, more: {i}" for i in range(6000)) + "<|im_end|>\n"
+    assert len(text) > mod._SPLIT_INPUT_CHARS and tok._splits
+    assert len(mod.split_at_word_starts(text, mod._SPLIT_PIECE_CHARS, mod._SPLIT_MAX_PIECES)) > 1
+    assert tok.encode(text) == tok.raw.encode(text, add_special_tokens=False).ids
+    user = " ".join(["plain <|im_end|> text"] * 3000)  # special-token text typed by a user stays plain
+    plain = tok.encode(user, parse_special=False)
+    assert 2 not in plain and plain == tok._plain_tokenizer().encode(user, add_special_tokens=False).ids
+
+
+def test_a_tokenizer_that_marks_every_input_is_not_cut() -> None:
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models, normalizers
+    from tokenizers import pre_tokenizers as pre
+
+    raw = Raw(models.WordLevel({"[UNK]": 0, "▁a": 1, "▁b": 2, "b": 3, "▁": 4}, unk_token="[UNK]"))
+    raw.normalizer = normalizers.Prepend("▁")  # SentencePiece's legacy prefix: a piece would get one too
+    raw.pre_tokenizer = pre.WhitespaceSplit()
+    wrapped = Tokenizer(raw)
+    assert not wrapped._splits
+    text = " ".join(["a b"] * 20000)
+    assert wrapped.encode(text) == raw.encode(text, add_special_tokens=False).ids
+
+
+def test_a_long_prompt_in_pieces_keeps_the_post_processors_tokens() -> None:
+    from tokenizers import processors
+
+    raw = Tokenizer.from_file(bundled_model_path() / "tokenizer.json").raw
+    raw.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|endoftext|>",
+                                                       special_tokens=[("<|im_start|>", 1), ("<|endoftext|>", 0)])  # fmt: skip
+    wrapped = Tokenizer(raw)
+    text = " ".join(f"word{i % 97} and, more: {i}" for i in range(6000))
+    ids = wrapped.encode(text, add_special_tokens=True)
+    assert ids[0] == 1 and ids[-1] == 0 and ids == raw.encode(text, add_special_tokens=True).ids

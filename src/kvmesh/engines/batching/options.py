@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.config import WorkerConfig
+from kvmesh.settings import non_negative, positive, require
 
 __all__ = ["BatchingOptions", "check_positive_ints"]
 
@@ -24,11 +25,19 @@ class BatchingOptions:
     worker_id: int = 0
     enable_prefix_caching: bool = True
     event_ring_capacity: int = 1024
+    # chunked prefill beside short prompts (vLLM's knobs; the scheduler's limits): a
+    # prefill with more than long_prefill_token_threshold tokens left is long (0: none is)
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
+    max_num_partial_prefills: int = 0  # 0: no cap on the prefills of one pass
 
     def __post_init__(self) -> None:
         check_positive_ints(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "event_ring_capacity")
         if self.worker_id < 0:
             raise ValueError(f"worker_id must be >= 0, got {self.worker_id}")
+        require("long_prefill_token_threshold", self.long_prefill_token_threshold, non_negative)
+        require("max_num_partial_prefills", self.max_num_partial_prefills, non_negative)
+        require("max_long_partial_prefills", self.max_long_partial_prefills, positive)
 
 
 def check_positive_ints(options: object, *names: str) -> None:

@@ -67,6 +67,7 @@ from typing import Generic, Literal, TypeVar
 
 from kvmesh.engines.batching.block_manager import BlockManager
 from kvmesh.engines.batching.options import BatchingOptions
+from kvmesh.engines.settings import options_from
 from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
@@ -124,17 +125,9 @@ class SchedulerLimits:
 
     @classmethod
     def of(cls, options: BatchingOptions, *, num_blocks: int, context_length: int) -> SchedulerLimits:
-        """An engine's limits: its options, with the pool size and context it settled on."""
-        return cls(
-            block_size=options.block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            context_length=context_length,
-            enable_prefix_caching=options.enable_prefix_caching,
-            worker_id=options.worker_id,
-            event_ring_capacity=options.event_ring_capacity,
-        )
+        """An engine's limits: its options' fields of the same names, with the pool size
+        and context it settled on."""
+        return options_from(cls, options, num_blocks=num_blocks, context_length=context_length)
 
     def engine_config(self, model: str, served_model_name: str) -> EngineConfig:
         """What a worker running under these limits announces (its model card)."""
@@ -231,8 +224,10 @@ class Finished:
 
 @dataclass(slots=True)
 class Plan(Generic[S]):
-    """One pass: ``entries`` are (sequence, new tokens) in pass order. ``kv_usage`` is
-    the pool's use once the pass's blocks are allocated (the mocker's timing input)."""
+    """One pass: ``entries`` are (sequence, new tokens) in pass order. ``kv_usage`` (the
+    mocker's timing input for the decode part) is the KV the pass's decodes attend to:
+    their context tokens (a shared prefix once per sequence, as attention reads it) over
+    the pool's token slots, at most 1; sequences that prefill do not count."""
 
     entries: list[tuple[S, int]] = field(default_factory=list)
     failed: list[Finished] = field(default_factory=list)
@@ -241,6 +236,7 @@ class Plan(Generic[S]):
     prefill_tokens: int = 0
     decode_seqs: int = 0
     kv_usage: float = 0.0
+    decode_context: int = 0  # the decodes' context tokens (kv_usage's numerator)
     # the new tokens of each sequence that prefills in this pass, in pass order (their
     # sum is ``prefill_tokens``)
     prefill_chunks: list[int] = field(default_factory=list)
@@ -265,6 +261,7 @@ class Plan(Generic[S]):
         # last prompt token after a remote prefill (or a prefix hit of all but one token)
         if n == 1 and seq.num_computed == target - 1:
             self.decode_seqs += 1
+            self.decode_context += target
         else:
             self.prefill_tokens += n
             self.prefill_chunks.append(n)
@@ -544,7 +541,8 @@ class Scheduler(Generic[S]):
             # work costs every decode in it the step's fixed prefill cost, so fewer,
             # fuller ones keep ITL down; without decodes, smaller passes keep TTFT down)
             self._admit_waiting(plan)
-        plan.kv_usage = self.blocks.usage
+        blocks = self.blocks
+        plan.kv_usage = min(1.0, plan.decode_context / (blocks.num_blocks * blocks.block_size))
         plan.failed.extend(self._end(seq, "error", self._too_big(seq)) for seq in too_big)
         self._batch_tokens += _BATCH_EMA * (plan.prefill_tokens + plan.decode_seqs - self._batch_tokens)
         self._in_flight = {s.id for s, _ in plan.entries}

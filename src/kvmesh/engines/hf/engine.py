@@ -85,7 +85,6 @@ class EngineStats:
 
     steps: int = 0
     forward_tokens: int = 0
-    sampled_tokens: int = 0
     max_batch: int = 0
     forward_s: float = 0.0
 
@@ -189,14 +188,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             await asyncio.to_thread(lambda: self._guided_tokenizer().compile(guided))
 
     def _limits(self, loaded: _Loaded) -> SchedulerLimits:
-        options = self.options
-        limits = SchedulerLimits.of(options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
-        return dataclasses.replace(
-            limits,
-            long_prefill_token_threshold=options.long_prefill_token_threshold,
-            max_long_partial_prefills=options.max_long_partial_prefills,
-            max_num_partial_prefills=options.max_num_partial_prefills,
-        )
+        return SchedulerLimits.of(self.options, num_blocks=loaded.pool.num_blocks, context_length=loaded.context_length)
 
     @property
     def config(self) -> EngineConfig:
@@ -327,7 +319,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             sampled, cpu = await loop.run_in_executor(self._executor, _forward_and_sample, loaded, inputs, params)
         if small:
             self._small_cpu_s = cpu
-        self._count(plan, len(samplers), time.perf_counter() - t0)
+        self._count(plan, time.perf_counter() - t0)
         by_seq = {s.id: r for s, r in zip(samplers, sampled, strict=True)}
         finished, emitted = sched.complete(plan, {sid: r.token for sid, r in by_seq.items()})
         for sid in emitted:
@@ -361,11 +353,10 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             p, banned=seq.banned(), history=history, output=history[seq.prompt_len :], remaining=left
         )
 
-    def _count(self, plan: Plan[Seq], samples: int, seconds: float) -> None:
+    def _count(self, plan: Plan[Seq], seconds: float) -> None:
         st = self.stats
         st.steps += 1
         st.forward_tokens += plan.num_tokens
-        st.sampled_tokens += samples
         st.max_batch = max(st.max_batch, len(plan.entries))
         st.forward_s += seconds
 

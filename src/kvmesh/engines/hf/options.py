@@ -48,6 +48,3 @@ class HfOptions(BatchingOptions):
         if self.num_blocks is not None:
             require("num_blocks", self.num_blocks, positive)
         require("threads", self.threads, non_negative)
-        require("long_prefill_token_threshold", self.long_prefill_token_threshold, non_negative)
-        require("max_num_partial_prefills", self.max_num_partial_prefills, non_negative)
-        require("max_long_partial_prefills", self.max_long_partial_prefills, positive)

@@ -136,7 +136,7 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
 
     @property
     def config(self) -> EngineConfig:
-        return self._scheduler.core.limits.engine_config(self.options.model, self.options.served_name)
+        return self._scheduler.limits.engine_config(self.options.model, self.options.served_name)
 
     async def cleanup(self) -> None:
         if await self._stop_loop():
@@ -165,7 +165,7 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
         return self._scheduler.blocks.active_blocks
 
     def _core(self) -> BatchScheduler[MockSeq]:
-        return self._scheduler.core
+        return self._scheduler
 
 
     # ------------------------------------------------------------------ KV blocks
@@ -188,10 +188,10 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
         )
 
     def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
-        seq = self._scheduler.reserve(request)
+        seq = self._scheduler.reserve_request(request)
         if seq is None:
             return None
-        return KvReservation(request.request_id, self._scheduler.block_ids(seq), len(seq.tokens), seq.num_computed)
+        return KvReservation(request.request_id, self._scheduler.block_table(seq), len(seq.tokens), seq.num_computed)
 
     def kv_release(self, request_id: str) -> None:
         self._scheduler.release(request_id)
@@ -259,18 +259,18 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
         if sid is None or box is None:
             return None
         # a step in progress may have sampled a token not delivered yet: it is dropped
-        seq = self._scheduler.detach(sid, box.pushed)
+        seq = self._scheduler.detach_delivered(sid, box.pushed)
         if seq is None:
             return None
         del self._boxes[sid]
         box.cancel()
-        return KvReservation(request_id, self._scheduler.block_ids(seq), len(seq.tokens), seq.num_computed)
+        return KvReservation(request_id, self._scheduler.block_table(seq), len(seq.tokens), seq.num_computed)
 
     def _locate(self, block_ids: Sequence[int]) -> list[tuple[MockSeq, int]]:
         """(reservation sequence, index in its block table) of each block id."""
         where: dict[int, tuple[MockSeq, int]] = {}
         for seq in self._scheduler.reservations():
-            for index, b in enumerate(self._scheduler.block_ids(seq)):
+            for index, b in enumerate(self._scheduler.block_table(seq)):
                 where[b] = (seq, index)
         try:
             return [where[b] for b in block_ids]
@@ -282,7 +282,7 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
     def _admit(self, request: PreprocessedRequest) -> int:
         if request.guided is not None and self._scheduler.guided is None:
             raise InvalidArgument("structured outputs on the mocker need its model folder's tokenizer.json")
-        sid = self._scheduler.add(request)
+        sid = self._scheduler.submit(request)
         n = request.output.logprobs
         self._scored = None if n is None else (request_key(request), len(request.token_ids), n)
         return sid
@@ -322,7 +322,7 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
         deadline = loop.time()
         steps = 0
         while True:
-            if await self._idle(sched.core, wake):
+            if await self._idle(sched, wake):
                 deadline = loop.time()
                 continue
             out = sched.step()

@@ -3,7 +3,7 @@ plus a token oracle and a timing model. Pure: no asyncio, no clock.
 
 Lifecycle (the engine or the virtual-clock driver calls, one at a time)::
 
-    sid = scheduler.add(request)      queue a request; returns its sequence id
+    sid = scheduler.submit(request)   queue a request; returns its sequence id
     out = scheduler.step()            plan and "run" one forward pass, return what it made
     scheduler.abort(sid)              drop a request wherever it is, freeing its blocks
 
@@ -14,10 +14,11 @@ sequence the pass completes, and the core applies the pass: computed tokens adva
 full blocks join the prefix cache, finish rules free the blocks of ended requests.
 
 The step's modelled duration is :meth:`MockerOptions.step_ms` over the pass's new
-prefill tokens (all of its prefills together), its decode count and the KV usage
-after allocation. While other prefills share a pass, a long prompt takes at most
-``long_prefill_threshold`` tokens of it (a sixteenth of the token budget by default),
-and one long prompt prefills at a time, so short requests are admitted beside it.
+prefill tokens (all of its prefills together), its decode count and the KV its decodes
+attend to (:class:`~kvmesh.engines.batching.scheduler.Plan`). With
+``long_prefill_token_threshold`` set (off by default, as in vLLM), a long prompt takes
+at most that many tokens of a pass while other prefills share it, and one long prompt
+prefills at a time, so short requests are admitted beside it.
 
 Finish rules: a natural EOS ends the stream with ``stop`` and is *not* emitted; a
 drawn token in ``stop_token_ids`` ends it with ``stop`` and *is* emitted; both only
@@ -31,7 +32,7 @@ next step with ``error``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvmesh.engines.batching.scheduler import EOS, Finished, Seq, SchedulerLimits, priority_rank
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
@@ -46,7 +47,7 @@ from kvmesh.engines.mocker.tokens import (
 )
 from kvmesh.engines.mocker.guided import guided_token
 from kvmesh.preprocess.guided import Guide, GuidedTokenizer
-from kvmesh.protocol import LoadReport, PreprocessedRequest
+from kvmesh.protocol import PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher
 
 __all__ = ["Scheduler", "StepOutput", "Finished", "MockSeq"]
@@ -98,60 +99,35 @@ class MockSeq(Seq):
 
 
 def limits_of(options: MockerOptions) -> SchedulerLimits:
-    limits = SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
-    return replace(
-        limits,
-        long_prefill_token_threshold=options.long_prefill_threshold,
-        max_long_partial_prefills=options.max_long_partial_prefills,
-        max_num_partial_prefills=options.max_num_partial_prefills,
-    )
+    return SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
 
 
-class Scheduler:
-    """One simulated worker: the shared scheduler and KV pool, with each pass's tokens
-    drawn by the oracle and its duration by the timing model."""
+class Scheduler(BatchScheduler[MockSeq]):
+    """One simulated worker: the shared scheduler and KV pool (the batching core, typed
+    for :class:`MockSeq`), with each pass's tokens drawn by the oracle and its duration
+    by the timing model. Requests come in as :class:`PreprocessedRequest`
+    (:meth:`submit`, :meth:`reserve_request`); the rest is the core's."""
 
     def __init__(self, options: MockerOptions, publisher: EventPublisher | None = None) -> None:
+        super().__init__(limits_of(options), publisher)
         self.options = options
-        self.core: BatchScheduler[MockSeq] = BatchScheduler(limits_of(options), publisher)
-        self.blocks = self.core.blocks
         self._eos_threshold = eos_threshold(options.eos_rate)
         self.guided: GuidedTokenizer | None = None  # set by the engine on the first guided request
 
-    # ------------------------------------------------------------------ queries
-
-    @property
-    def has_work(self) -> bool:
-        return self.core.has_work
-
-    @property
-    def num_waiting(self) -> int:
-        return self.core.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self.core.num_running
-
-    def load_report(self, timestamp_ms: float = 0.0) -> LoadReport:
-        return self.core.load_report(timestamp_ms)
-
-    def kv_dump(self) -> set[int]:
-        return self.core.kv_dump()
-
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: PreprocessedRequest) -> int:
+    def submit(self, request: PreprocessedRequest) -> int:
         """Queue ``request`` (FCFS within its priority tier) and return its sequence id.
         A request that can never run is not queued; it finishes with ``error`` at the
-        next :meth:`step`. A request with a reservation (:meth:`reserve`) is queued with
-        its blocks and computed tokens."""
-        seq = self.core.adopt(request.request_id)
+        next :meth:`step`. A request with a reservation (:meth:`reserve_request`) is
+        queued with its blocks and computed tokens."""
+        seq = self.adopt(request.request_id)
         if seq is not None:
             return seq.id
         seq, problem = self._new_seq(request)
         if problem is not None:
-            return self.core.reject(seq, problem)
-        return self.core.add(seq)
+            return self.reject(seq, problem)
+        return self.add(seq)
 
     def _new_seq(self, request: PreprocessedRequest) -> tuple[MockSeq, str | None]:
         opts = self.options
@@ -181,60 +157,31 @@ class Scheduler:
             return f"prompt of {prompt_len} tokens exceeds the KV cache ({opts.total_tokens} tokens)"
         return None
 
-    def abort(self, seq_id: int) -> bool:
-        """Drop a request and free its blocks; False if it is unknown or already ended."""
-        return self.core.abort(seq_id)
-
-    def reset(self) -> list[int]:
-        """Abort everything and clear the prefix cache (emits ``AllBlocksCleared``);
-        returns the aborted sequence ids."""
-        return self.core.reset()
-
-    def set_batch_multiplier(self, multiplier: float) -> None:
-        self.core.set_batch_multiplier(multiplier)
-
     # ------------------------------------------------------------------ reservations
 
-    def reserve(self, request: PreprocessedRequest) -> MockSeq | None:
+    def reserve_request(self, request: PreprocessedRequest) -> MockSeq | None:
         """Allocate blocks for all of ``request``'s prompt without queueing it (prefix
         hits reused, at least one token left to compute). None when the pool is short
-        or the request could never run. The next :meth:`add` of the same request id
+        or the request could never run. The next :meth:`submit` of the same request id
         queues it with these blocks; :meth:`release` gives them back."""
-        if self.core.reservation(request.request_id) is not None:
+        if self.reservation(request.request_id) is not None:
             raise ValueError(f"request {request.request_id!r} already holds a reservation")
         seq, problem = self._new_seq(request)
         if problem is not None:
-            self.core.assign_id(seq)
+            self.assign_id(seq)
             return None
-        return seq if self.core.reserve(seq) else None
+        return seq if self.reserve(seq) else None
 
-    def reservation(self, request_id: str) -> MockSeq | None:
-        return self.core.reservation(request_id)
-
-    def reservations(self) -> list[MockSeq]:
-        return self.core.reservations()
-
-    def block_ids(self, seq: MockSeq) -> list[int]:
-        return self.core.block_table(seq)
-
-    def commit_reserved(self, request_id: str, computed_tokens: int) -> None:
-        self.core.commit_reserved(request_id, computed_tokens)
-
-    def release(self, request_id: str) -> bool:
-        """Give back a reservation's blocks; False if there is none."""
-        return self.core.release(request_id)
-
-    def detach(self, seq_id: int, delivered: int) -> MockSeq | None:
-        """Take a queued or running request out of the schedule, keeping its blocks and
-        computed tokens as a reservation (KV migration's source side). Output tokens
-        beyond the first ``delivered`` are forgotten, and the last kept token counts as
-        not computed (whoever resumes computes it, to sample from)."""
-        seq = self.core.get(seq_id)
+    def detach_delivered(self, seq_id: int, delivered: int) -> MockSeq | None:
+        """:meth:`detach` (KV migration's source side), forgetting the output tokens
+        beyond the first ``delivered`` (a step in progress may have drawn one the
+        client never got); the last kept token counts as not computed."""
+        seq = self.get(seq_id)
         if seq is None or not self.blocks.held_blocks(seq_id):
             return None
         kept = seq.tokens[seq.prompt_len + delivered :]
         del seq.tokens[seq.prompt_len + delivered :]
-        if self.core.detach(seq_id) is None:
+        if self.detach(seq_id) is None:
             seq.tokens.extend(kept)
             return None
         return seq
@@ -243,9 +190,9 @@ class Scheduler:
 
     def step(self) -> StepOutput:
         """Schedule and execute one forward pass (see the module docstring)."""
-        plan = self.core.schedule()
+        plan = self.schedule()
         drawn = {seq.id: self._draw(seq) for seq in plan.samples}
-        finished, emitted = self.core.complete(plan, drawn)
+        finished, emitted = self.complete(plan, drawn)
         return StepOutput(
             tokens={sid: drawn[sid] for sid in emitted},
             finished=plan.failed + finished,

@@ -138,7 +138,7 @@ class VirtualWorker:
             self._clock = max(self._clock, now_ms)
         record = RequestRecord(request.request_id, self.worker_id, now_ms, len(request.token_ids))
         self.records[request.request_id] = record
-        self._by_seq[self.scheduler.add(request)] = record
+        self._by_seq[self.scheduler.submit(request)] = record
         return record
 
     def next_event_time(self) -> float | None:

@@ -42,6 +42,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from types import ModuleType
 from typing import Any
 
 from kvmesh.engines.base import Engine
@@ -289,51 +290,13 @@ class VllmEngine(Engine):
 # ---------------------------------------------------------------------------- helpers
 
 
-class _Vllm:
-    """The few vLLM names the engine uses, imported once."""
-
-    def __init__(self) -> None:
-        from vllm.config import KVEventsConfig, KVTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.exceptions import GracefulHTTPError, VLLMClientError
-        try:  # a rendered token input skips vLLM's raw-prompt path (0.32 and later)
-            from vllm.inputs import tokens_input as prompt
-        except ImportError:
-            from vllm.inputs import TokensPrompt
-
-            def prompt(ids: list[int]) -> Any:
-                return TokensPrompt(prompt_token_ids=ids)
-
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.exceptions import EngineDeadError
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        self.KVEventsConfig = KVEventsConfig
-        self.KVTransferConfig = KVTransferConfig
-        self.AsyncEngineArgs = AsyncEngineArgs
-        self.AsyncLLM = AsyncLLM
-        self.prompt = prompt
-        self.SamplingParams = SamplingParams
-        self.StructuredOutputsParams = StructuredOutputsParams
-        self.RequestOutputKind = RequestOutputKind
-        self.StatLoggerBase = StatLoggerBase
-        self.EngineDeadError = EngineDeadError
-        self.VLLMClientError = VLLMClientError
-        self.GracefulHTTPError = GracefulHTTPError
-
-
-_VLLM: _Vllm | None = None
-
-
-def _import_vllm() -> _Vllm:
-    global _VLLM
-    if _VLLM is None:
-        try:
-            _VLLM = _Vllm()
-        except ImportError as exc:
-            raise EngineShutdown(f"the vllm engine cannot import vLLM ({exc}): {VLLM_INSTALL_HINT}") from exc
-    return _VLLM
+def _import_vllm() -> ModuleType:
+    """:mod:`kvmesh.engines.vllm.api`, imported on first use (it imports vLLM)."""
+    try:
+        from kvmesh.engines.vllm import api
+    except ImportError as exc:
+        raise EngineShutdown(f"the vllm engine cannot import vLLM ({exc}): {VLLM_INSTALL_HINT}") from exc
+    return api
 
 
 def _shutdown_orphan(building: asyncio.Future[Any]) -> None:
@@ -342,7 +305,7 @@ def _shutdown_orphan(building: asyncio.Future[Any]) -> None:
         building.result().shutdown()
 
 
-def _configs(vllm: _Vllm, opts: VllmOptions, bridge: VllmKvEventBridge | None) -> dict[str, Any]:
+def _configs(vllm: ModuleType, opts: VllmOptions, bridge: VllmKvEventBridge | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if bridge is not None:
         out["kv_events_config"] = vllm.KVEventsConfig(
@@ -374,7 +337,7 @@ def _map_output(mapper: OutputMapper, out: Any) -> OutputChunk:
     )
 
 
-def _kvmesh_error(vllm: _Vllm, exc: BaseException) -> KvmeshError:
+def _kvmesh_error(vllm: ModuleType, exc: BaseException) -> KvmeshError:
     """vLLM's exception classes → kvmesh's tree (the cause chain is kept by the caller)."""
     if isinstance(exc, vllm.EngineDeadError):
         return EngineShutdown(f"vLLM engine core died: {exc}")

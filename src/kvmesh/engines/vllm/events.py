@@ -36,6 +36,7 @@ import zmq.asyncio
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEvent, KvEventData
 from kvmesh.engines.vllm.kv_events import VllmEventConverter
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = ["VllmKvEventBridge"]
 
@@ -93,8 +94,7 @@ class VllmKvEventBridge:
     async def close(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
             self._emit(AllBlocksCleared())
         if self._sock is not None:
             self._sock.close(linger=0)

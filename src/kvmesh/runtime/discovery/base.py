@@ -27,18 +27,42 @@ Contract (every backend):
    It ends only when the consumer stops iterating or the backend is closed.
 
 Keys are ``str``; values are ``bytes``.
+
+Read bounds (every backend, every consumer): discovery values are data anyone with
+write access to the store can put, so what :meth:`Discovery.get_prefix` and
+:meth:`Discovery.watch_prefix` hand out is bounded here, once, before any consumer
+decodes it. A value over ``max_value_bytes`` is refused; a prefix holds at most
+``max_records`` keys (a read stops there; a watch refuses new keys past it, keeps
+updating the keys it has, and a delete frees a slot). Each refusal is logged (a
+flood: the first, then every 1000th) and counted in ``refused`` by reason
+(``too_large``, ``too_many``; exported as ``kvmesh_discovery_records_refused_total``).
+A watched key whose new value is refused is reported deleted: its consumer drops
+the old value. A key refused for the count stays unseen until it is put again.
+Backends implement ``_get_prefix`` / ``_watch_prefix``; the etcd one also reads in
+pages and stops at ``max_records``, so an oversized prefix is never read whole.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["WatchEvent", "Lease", "Discovery", "LeaseTasks"]
+__all__ = ["WatchEvent", "Lease", "Discovery", "LeaseTasks", "MAX_VALUE_BYTES", "MAX_RECORDS"]
+
+log = logging.getLogger("kvmesh.discovery")
+
+# An instance record is about 1 KB (a KV layout, addresses, the engine card); an order
+# or a thresholds record less. etcd itself takes values of up to 1.5 MiB.
+MAX_VALUE_BYTES = 64 * 1024
+# Keys under one watched prefix: well above the largest fleet run (bench/fleet.py: 1,000).
+MAX_RECORDS = 10_000
+_LOG_EVERY = 1000  # past the first, one warning per this many refusals of one reason
 
 
 class WatchEvent(msgspec.Struct, frozen=True):
@@ -65,6 +89,11 @@ class Lease(abc.ABC):
 class Discovery(abc.ABC):
     name: str = "abstract"
 
+    def __init__(self) -> None:
+        self.max_value_bytes = MAX_VALUE_BYTES
+        self.max_records = MAX_RECORDS
+        self.refused: dict[str, int] = {"too_large": 0, "too_many": 0}  # since start, by reason
+
     @abc.abstractmethod
     async def connect(self) -> None: ...
 
@@ -80,11 +109,61 @@ class Discovery(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: str) -> None: ...
 
-    @abc.abstractmethod
-    async def get_prefix(self, prefix: str) -> dict[str, bytes]: ...
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        """A snapshot of ``prefix``, bounded (see the module docstring): the first
+        ``max_records`` keys in key order whose values are not too large."""
+        found: dict[str, bytes] = {}
+        for key, value in sorted((await self._get_prefix(prefix)).items()):
+            if len(found) >= self.max_records:
+                self.refuse("too_many", key, f"{prefix} holds more than {self.max_records} keys")
+            elif len(value) > self.max_value_bytes:
+                self.refuse("too_large", key, f"{len(value)} bytes (at most {self.max_value_bytes})")
+            else:
+                found[key] = value
+        return found
+
+    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        """The backend's watch (the contract above), bounded (see the module docstring)."""
+        admitted: set[str] = set()
+        async with contextlib.aclosing(self._watch_prefix(prefix)) as events:
+            async for event in events:
+                out = self._admit(prefix, admitted, event)
+                if out is not None:
+                    yield out
+
+    def _admit(self, prefix: str, admitted: set[str], event: WatchEvent) -> WatchEvent | None:
+        """What a watcher gets of ``event`` (None: nothing); ``admitted``: the keys it has."""
+        key = event.key
+        if event.kind == "delete" or len(event.value) > self.max_value_bytes:
+            if event.kind == "put":
+                self.refuse("too_large", key, f"{len(event.value)} bytes (at most {self.max_value_bytes})")
+            if key not in admitted:
+                return None
+            admitted.discard(key)
+            return WatchEvent("delete", key)
+        if key not in admitted and len(admitted) >= self.max_records:
+            self.refuse("too_many", key, f"{prefix} holds {self.max_records} keys already")
+            return None
+        admitted.add(key)
+        return event
+
+    def refuse(self, reason: Literal["too_large", "too_many"], key: str, why: str, count: int = 1) -> None:
+        """Count ``count`` refused records; log the first and every 1000th after it."""
+        before = self.refused[reason]
+        self.refused[reason] = before + count
+        if before == 0 or before // _LOG_EVERY != (before + count) // _LOG_EVERY:
+            log.warning(
+                "%s discovery: refusing record %s: %s (%d refused so far: %s)",
+                self.name, key[:200], why, before + count, reason,
+            )  # fmt: skip
 
     @abc.abstractmethod
-    def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]: ...
+    async def _get_prefix(self, prefix: str) -> dict[str, bytes]:
+        """The backend's snapshot of ``prefix`` (bounded by :meth:`get_prefix`)."""
+
+    @abc.abstractmethod
+    def _watch_prefix(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
+        """The backend's watch of ``prefix`` (bounded by :meth:`watch_prefix`)."""
 
 
 class LeaseTasks:

@@ -19,6 +19,12 @@
   + 1; if that revision was compacted it re-reads the prefix and yields the
   difference from what it had yielded (deletes for vanished keys, puts for new or
   modified ones). Nothing is yielded while etcd is unreachable.
+* A prefix is read in pages of keys at one revision, at most ``max_records`` keys
+  (the rest counted as refused, never read): one read of many large values would be
+  larger than gRPC takes in one message (4 MiB) and fail every time; a page that is
+  is read again in halves (one value always fits: etcd caps them at 1.5 MiB). A watch
+  that resumes gets the revisions it missed in one response, which may be as large:
+  it then re-reads the prefix (in pages) and watches on from there.
 
 Keys are UTF-8 encoded; values are bytes as stored.
 
@@ -35,12 +41,13 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
+import aetcd.exceptions
 import aetcd.rpc
 import aetcd.watcher
 import grpc
@@ -68,6 +75,18 @@ _CHANNEL_OPTIONS = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
 }
+
+_PAGE = 256  # keys per read of a prefix (halved while a page is too large for one message)
+
+
+class _Read:
+    """A prefix read: its keys, values and their revisions in key order, and the
+    revision it was read at."""
+
+    def __init__(self) -> None:
+        self.kvs: list[tuple[str, bytes, int]] = []
+        self.revision = 0
+        self.last = b""  # the last key read (refused ones too)
 
 
 @dataclass(frozen=True)
@@ -169,6 +188,7 @@ class EtcdDiscovery(Discovery):
     ) -> None:
         if not endpoints:
             raise ValueError("etcd discovery needs at least one endpoint")
+        super().__init__()
         self._credentials = credentials or EtcdCredentials()
         self._endpoints = [_parse_endpoint(e) for e in endpoints]
         self._timeout = request_timeout_s
@@ -350,13 +370,52 @@ class EtcdDiscovery(Discovery):
     async def delete(self, key: str) -> None:
         await self._call(lambda c: c.delete(key.encode()))
 
-    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+    async def _get_prefix(self, prefix: str) -> dict[str, bytes]:
         start, end = _prefix_range(prefix.encode())
-        result = await self._call(lambda c: c.get_range(start, end))
-        return {kv.key.decode(): kv.value for kv in result}
+        result = await self._call(lambda c: self._read(c, prefix, start, end))
+        return {key: value for key, value, _ in result.kvs}
+
+    async def _read(self, client: aetcd.Client, prefix: str, start: bytes, end: bytes) -> _Read:
+        """[start, end) in pages at one revision: at most ``max_records`` keys, values
+        over ``max_value_bytes`` refused here (never held past their page)."""
+        read, page, key = _Read(), _PAGE, start
+        while True:
+            want = min(page, max(1, self.max_records - len(read.kvs)))
+            try:
+                reply = await self._range(client, key, end, want, read.revision)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or want == 1:
+                    aetcd.exceptions._handle_exception(exc)  # aetcd's own mapping to its errors
+                page = max(1, want // 2)  # more bytes than one message takes: smaller pages
+                continue
+            read.revision = read.revision or reply.header.revision
+            for kv in reply.kvs:
+                self._keep(read, kv)
+            if not reply.more:
+                return read
+            if len(read.kvs) >= self.max_records:
+                rest = reply.count - len(reply.kvs)
+                self.refuse("too_many", f"{prefix}...", f"{prefix} holds more than {self.max_records} keys", rest)
+                return read
+            key = read.last + b"\0"
+
+    def _keep(self, read: _Read, kv: Any) -> None:
+        read.last = kv.key
+        name = _key(kv.key)
+        if name is None:
+            return
+        if len(kv.value) > self.max_value_bytes:
+            self.refuse("too_large", name, f"{len(kv.value)} bytes (at most {self.max_value_bytes})")
+            return
+        read.kvs.append((name, kv.value, kv.mod_revision))
+
+    async def _range(self, client: aetcd.Client, key: bytes, end: bytes, limit: int, revision: int) -> Any:
+        await client.connect()
+        request = aetcd.rpc.RangeRequest(key=key, range_end=end, limit=limit, revision=revision)
+        return await client.kvstub.Range(request, timeout=self._timeout, metadata=client.metadata)
 
     # ------------------------------------------------------------------ watch
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def _watch_prefix(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         start, end = _prefix_range(prefix.encode())
         view = _View()
         backoff = _Backoff(0.05, self._retry_max_s)
@@ -364,20 +423,28 @@ class EtcdDiscovery(Discovery):
             client = self._client()
             try:
                 if view.stale:
-                    for event in view.resync(await client.get_range(start, end)):
+                    for event in view.resync(await self._read(client, prefix, start, end)):
                         yield event
                 watch = await client.watch(start, range_end=end, start_revision=view.revision + 1)
                 backoff.reset()
                 try:
                     async for raw in watch:
-                        yield view.apply(raw)
+                        if (change := view.apply(raw)) is not None:
+                            yield change
                 finally:
                     await self._cancel_watch(watch)
             except aetcd.RevisionCompactedError as exc:
                 log.info("etcd watch on %s: %s; re-reading the prefix", prefix, exc)
                 view.stale = True
             except aetcd.ClientError as exc:
-                self._watch_failed(client, prefix, exc, backoff)
+                if not _too_large(exc):
+                    self._watch_failed(client, prefix, exc, backoff)
+                    await self._pause(backoff.next())
+                    continue
+                # the changes missed came in one response, too large for one message: a
+                # read of the prefix (in pages) covers them, and the watch goes on from it
+                log.warning("etcd watch on %s: %s; re-reading the prefix", prefix, exc)
+                view.stale = True
                 await self._pause(backoff.next())
             except asyncio.CancelledError:
                 # close() cancels the gRPC calls in flight: that ends the watch quietly,
@@ -406,28 +473,40 @@ class _View:
     """What one watch has yielded so far, and the revision it has seen up to."""
 
     def __init__(self) -> None:
-        self.known: dict[str, tuple[bytes, int]] = {}  # key -> (value, mod_revision)
+        self.known: dict[str, int] = {}  # key -> mod_revision
         self.revision = 0
         self.stale = True  # True: read a snapshot before watching
 
-    def resync(self, snapshot: aetcd.GetRange) -> list[WatchEvent]:
+    def resync(self, snapshot: _Read) -> list[WatchEvent]:
         """Adopt a fresh read of the prefix; return the changes from the old view."""
-        fresh = {kv.key.decode(): (kv.value, kv.mod_revision) for kv in snapshot}
+        fresh = {key: rev for key, _, rev in snapshot.kvs}
         events = [WatchEvent("delete", key) for key in self.known if key not in fresh]
-        events += [WatchEvent("put", k, v) for k, (v, rev) in fresh.items() if self.known.get(k, (b"", 0))[1] != rev]
+        events += [WatchEvent("put", k, v) for k, v, rev in snapshot.kvs if self.known.get(k, 0) != rev]
         self.known = fresh
-        self.revision = snapshot.header.revision
+        self.revision = snapshot.revision
         self.stale = False
         return events
 
-    def apply(self, raw: aetcd.Event) -> WatchEvent:
-        key = raw.kv.key.decode()
+    def apply(self, raw: aetcd.Event) -> WatchEvent | None:
         self.revision = raw.kv.mod_revision
+        key = _key(raw.kv.key)
+        if key is None:
+            return None
         if raw.kind == aetcd.EventKind.PUT:
-            self.known[key] = (raw.kv.value, raw.kv.mod_revision)
+            self.known[key] = raw.kv.mod_revision
             return WatchEvent("put", key, raw.kv.value)
         self.known.pop(key, None)
         return WatchEvent("delete", key)
+
+
+def _key(raw: bytes) -> str | None:
+    """A key as text; None (logged) for one that is not UTF-8 (no kvmesh process
+    writes one: someone else put it there)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        log.warning("etcd discovery: ignoring key %r: not UTF-8", raw[:200])
+        return None
 
 
 class _Backoff:
@@ -473,6 +552,14 @@ def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _too_large(exc: Exception) -> bool:
+    """Did gRPC refuse a response larger than one message may be (4 MiB)?"""
+    cause = exc.__cause__
+    if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return True
+    return "larger than max" in str(exc)
 
 
 def _lease_not_found(exc: Exception) -> bool:

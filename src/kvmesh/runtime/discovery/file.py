@@ -32,7 +32,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -55,6 +55,10 @@ class _Record(msgspec.Struct, array_like=True, frozen=True):
 
 _encode_record = msgspec.msgpack.Encoder().encode
 _decode_record = msgspec.msgpack.Decoder(_Record).decode
+_RECORD_OVERHEAD = 16  # msgpack: the array, the lease id, the value's header
+# what _read_record returns for a file larger than the bound (its lease is not read):
+# the entry's value is then one byte over the bound, so the read bound refuses it
+_OVERSIZED = _Record(0, b"")
 
 
 class _Touch(enum.Enum):
@@ -78,6 +82,7 @@ class FileDiscovery(Discovery):
     def __init__(self, directory: str | os.PathLike[str], *, poll_interval_s: float = 0.1) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
+        super().__init__()
         root = Path(directory)
         self._root = root
         self._keys = root / "keys"
@@ -85,6 +90,7 @@ class FileDiscovery(Discovery):
         self._poll_interval_s = poll_interval_s
         self._heartbeats = LeaseTasks("file")
         self._ttls: dict[int, float] = {}  # lease id -> TTL read from its heartbeat file
+        self._oversized = b""  # the value of an entry over the read bound (see _live_value)
         self._closed = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -179,7 +185,7 @@ class FileDiscovery(Discovery):
     async def delete(self, key: str) -> None:
         _unlink(self._keys / _key_name(key))
 
-    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+    async def _get_prefix(self, prefix: str) -> dict[str, bytes]:
         return self._scan(prefix)
 
     def _scan(self, prefix: str) -> dict[str, bytes]:
@@ -197,7 +203,11 @@ class FileDiscovery(Discovery):
         return found
 
     def _live_value(self, entry: os.DirEntry[str], alive: dict[int, bool], now: float) -> bytes | None:
-        record = _read_record(entry.path)
+        record = _read_record(entry.path, self.max_value_bytes + _RECORD_OVERHEAD)
+        if record is _OVERSIZED:
+            if len(self._oversized) != self.max_value_bytes + 1:
+                self._oversized = bytes(self.max_value_bytes + 1)
+            return self._oversized  # the same value each scan: a watch sees it once
         if record is None or not record.lease_id:
             return None if record is None else record.value
         if record.lease_id not in alive:
@@ -210,12 +220,12 @@ class FileDiscovery(Discovery):
     def _drop_keys_of(self, lease_id: int) -> None:
         with os.scandir(self._keys) as entries:
             for entry in entries:
-                record = None if entry.name.startswith(".") else _read_record(entry.path)
+                record = None if entry.name.startswith(".") else _read_record(entry.path, self.max_value_bytes + _RECORD_OVERHEAD)
                 if record is not None and record.lease_id == lease_id:
                     _collect(entry)
 
     # ------------------------------------------------------------------ watch
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def _watch_prefix(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         known: dict[str, bytes] = {}
         while not self._closed.is_set():
             try:
@@ -272,10 +282,12 @@ def _key_name(key: str) -> str:
     return name
 
 
-def _read_record(path: str) -> _Record | None:
+def _read_record(path: str, limit: int) -> _Record | None:
+    """The record in ``path``; ``_OVERSIZED`` if it is over ``limit`` bytes (not read)."""
     try:
         with open(path, "rb") as f:
-            return _decode_record(f.read())
+            data = f.read(limit + 1)
+        return _OVERSIZED if len(data) > limit else _decode_record(data)
     except FileNotFoundError:
         return None  # deleted between listing and reading
     except msgspec.DecodeError:

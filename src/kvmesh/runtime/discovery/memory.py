@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
@@ -93,6 +93,7 @@ class MemoryDiscovery(Discovery):
     name = "memory"
 
     def __init__(self, store: MemoryStore | None = None) -> None:
+        super().__init__()
         self.store = store if store is not None else MemoryStore()
         self._watchers: set[_Watcher] = set()
         self._closed = False
@@ -126,10 +127,10 @@ class MemoryDiscovery(Discovery):
     async def delete(self, key: str) -> None:
         self.store.delete(key)
 
-    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+    async def _get_prefix(self, prefix: str) -> dict[str, bytes]:
         return self.store.snapshot(prefix)
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def _watch_prefix(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         if self._closed:
             return
         watcher, snapshot = self.store.add_watcher(prefix)

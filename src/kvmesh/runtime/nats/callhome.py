@@ -18,6 +18,7 @@ from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.frames import KILL, MAX_FRAME_BYTES, Ack, Ctl, End, Err, Out
 from kvmesh.runtime.stream import FramedConnection, Mailbox
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = ["CallHomeServer", "CallHomeStream"]
 
@@ -222,10 +223,8 @@ class CallHomeServer:
 
     async def close(self) -> None:
         """Stop listening and drop every connection; open streams end as Disconnected."""
-        if self._starting is not None:
-            self._starting.cancel()
-            await asyncio.gather(self._starting, return_exceptions=True)
-            self._starting = None
+        starting, self._starting = self._starting, None
+        await cancel_and_wait(starting)
         server, self._server = self._server, None
         if server is not None:
             server.close()

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from kvmesh.errors import CannotConnect, ConnectionTimeout, InvalidArgument, KvmeshError
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, TlsContexts
-from kvmesh.runtime.frames import MAX_REQUEST_FRAME, MAX_STREAMS, Req
+from kvmesh.runtime.frames import Req
 from kvmesh.runtime.nats.connect import sync_with_server
 from kvmesh.runtime.nats.wire import (
     ACCEPTED, NatsReply, NatsRequest, reply_mac, request_mac, request_subject, split_address,
@@ -56,32 +56,21 @@ class NatsRequestServer(StreamServer):
         component: str,
         lease_id: int,
         connect_timeout: float = 5.0,
-        max_frame_bytes: int = MAX_REQUEST_FRAME,
         secret: ClusterSecret | None | auth._FromEnv = auth.FROM_ENV,
-        max_streams: int = MAX_STREAMS,
         tls: TlsContexts | None | auth._FromEnv = auth.FROM_ENV,
     ) -> None:
         request_subject(namespace, component, "x", lease_id)  # validates the names
-        super().__init__()
-        self.tls = auth.resolve_tls(tls)
+        super().__init__(secret, tls)
         self.nc = nc
         self.namespace = namespace
         self.component = component
         self.lease_id = lease_id
         self.connect_timeout = connect_timeout
-        self.max_frame_bytes = max_frame_bytes
-        # read by ServerConnection (a StreamHost)
-        self.secret = auth.resolve(secret)
-        self.channel = "callhome"
-        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
-        self.max_streams = max_streams
-        self.foreign_frames = 0
+        self.channel = "callhome"  # read by ServerConnection (a StreamHost)
         self.unsigned = 0  # requests refused: no valid MAC
-        self.endpoints: dict[str, Handler] = {}
         self._subs: dict[str, Subscription] = {}
         self._by_subject: dict[str, str] = {}
         self._state = "new"  # -> "serving" (start) -> "stopped" (stop_accepting)
-        self.draining = False  # read by ServerConnection (a StreamHost); requests that got through still run
         self._subscribing: set[asyncio.Task[None]] = set()
         self._decode_request = msgspec.msgpack.Decoder(NatsRequest).decode
         # call-home connections by caller address; ``_conns`` is maintained by ServerConnection

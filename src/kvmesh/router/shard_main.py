@@ -38,6 +38,7 @@ from kvmesh.router.shards import (
 )
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import KV_EVENTS_TOPIC
+from kvmesh.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("kvmesh.router.shard")
 
@@ -115,7 +116,7 @@ class Shard:
             await self._serve()
         finally:
             loop.remove_reader(self.query.fileno())
-            stats.cancel()
+            await cancel_and_wait(stats)
             await self.service.close()
             await plane.close()
 

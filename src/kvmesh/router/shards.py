@@ -49,6 +49,7 @@ from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.instances import Instance
+from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = [
     "ShardedKvIndex",
@@ -374,10 +375,7 @@ class ShardedKvIndex:
                 with contextlib.suppress(ProcessLookupError):
                     shard.proc.kill()
                 await shard.proc.wait()
-            if shard.reader is not None:
-                shard.reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await shard.reader
+            await cancel_and_wait(shard.reader)
         self._shards.clear()
 
 

@@ -140,3 +140,20 @@ async def test_a_slow_shard_costs_a_decision_its_overlaps_not_its_time(fleet) ->
         shard.proc.send_signal(18)  # SIGCONT
     index.timeout_s = 1.0
     await _until(lambda: index.find_matches(hashes) == {WORKERS[0]: 4})  # its late answer was dropped, not mistaken
+
+
+async def test_a_shard_that_dies_is_started_again_with_its_workers(fleet) -> None:  # type: ignore[no-untyped-def]
+    router, index, workers, _ = fleet
+    for worker in workers:
+        router.add_worker(Instance(worker.info, worker.client))
+    await workers[0].generate(1)
+    hashes = block_hashes(_prompt(1), BLOCK)
+    await _until(lambda: index.find_matches(hashes) == {WORKERS[0]: 4})
+    victim = index._shards[index.shard_of(WORKERS[0])]  # type: ignore[index]
+    victim.proc.kill()  # SIGKILL, for real
+    await _until(lambda: index.respawns == 1)
+    # the new shard has the worker again, its cache loaded from its dump
+    await _until(lambda: index.find_matches(hashes) == {WORKERS[0]: 4})
+    assert index._shards[victim.index] is not victim
+    await workers[0].generate(5)  # and its events flow to the new shard
+    await _until(lambda: index.find_matches(block_hashes(_prompt(5), BLOCK)) == {WORKERS[0]: 4})

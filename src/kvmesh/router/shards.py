@@ -23,7 +23,9 @@ pair of Unix sockets per shard, inherited by the child): *control*, length-prefi
 msgpack frames of :data:`Down` / :data:`Up` (at most :data:`MAX_CONTROL_FRAME` bytes),
 read by one task on each side; *query*, ``SOCK_SEQPACKET`` datagrams of :class:`Query`
 / :class:`Matches`, strictly one answer per question, matched by id (a late answer is
-dropped). A shard exits when its control channel closes (the frontend went away).
+dropped). A shard exits when its control channel closes (the frontend went away); a
+shard that ends on its own is started again and given its workers back (their caches
+reloaded from their dumps), with a doubling back-off.
 
 Only the zmq event plane is supported (NATS subjects carry every worker's events to
 every subscriber: a shard would decode them all).
@@ -216,10 +218,13 @@ class ShardedKvIndex:
         self._ids = itertools.count(1)
         self._calls: set[asyncio.Task[None]] = set()
         self.late = 0  # queries a shard did not answer in time
+        self.respawns = 0  # shards started again after they ended on their own
+        self._hello: Hello | None = None
         self.timeout_s = QUERY_TIMEOUT_S
         self._closing = False
 
     async def start(self, hello: Hello) -> None:
+        self._hello = hello
         for i in range(self.n):
             self._shards.append(await self._spawn(i, hello))
         if hasattr(self.metrics, "event_backlog"):
@@ -323,7 +328,7 @@ class ShardedKvIndex:
             frame = await shard.control.recv()
             if frame is None:
                 if not self._closing:
-                    log.warning("KV index shard %d closed its channel (exit status %s)", shard.index, shard.proc.returncode)
+                    await self._respawn(shard)
                 return
             if isinstance(frame, Stats):
                 self._account(shard, frame)
@@ -331,6 +336,24 @@ class ShardedKvIndex:
                 task = asyncio.get_running_loop().create_task(self._call(shard, frame))
                 self._calls.add(task)
                 task.add_done_callback(self._calls.discard)
+
+    async def _respawn(self, old: _Shard) -> None:
+        """A shard ended on its own: a new process takes its place and its workers (each
+        loaded from its dump again). Back-off: 0.1 s doubling per respawn, at most 5 s."""
+        await old.proc.wait()
+        log.warning("KV index shard %d ended (exit status %s); starting it again", old.index, old.proc.returncode)
+        old.control.close()
+        old.query.close()
+        await asyncio.sleep(min(5.0, 0.1 * 2**self.respawns))
+        self.respawns += 1
+        if self._closing or self._hello is None:
+            return
+        new = await self._spawn(old.index, self._hello)
+        new.workers = old.workers
+        self._shards[old.index] = new
+        for w in new.workers:
+            self._of[w] = new
+            new.control.send(AddWorker(self._instances[w].info))
 
     async def _call(self, shard: _Shard, req: Call) -> None:
         instance = self._instances.get(req.worker_id)

@@ -1,7 +1,8 @@
 """The KV index sharded by worker over processes: ``kvmesh frontend --router-shards S``.
 
-One router process ingests ~1 M KV events per CPU-second (``bench/fleet.py``); 1,000
-busy workers publish ~1.4 M. With ``S`` > 1 the frontend keeps the decisions (load
+One router process ingests ~0.8 M KV events per CPU-second (``bench/fleet.py``), about
+what 1,000 busy mocker workers publish (0.83 M/s; 1.4 M/s with an earlier timing model):
+no margin. With ``S`` > 1 the frontend keeps the decisions (load
 booking, cost, selection: :class:`~kvmesh.router.core.KvRouterCore`) and ``S`` shard
 processes (:mod:`kvmesh.router.shard_main`) keep the index, each for its own workers:
 

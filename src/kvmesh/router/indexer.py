@@ -305,17 +305,7 @@ class KvIndexer:
         deque(map(nodes.__delitem__, alone), 0)
         gone = len(alone)
         if gone < len(hashes):  # not held, or held with other workers
-            for h, m in compress(zip(hashes, masks), map(not_, mine)):
-                if m is None or not m & bit:
-                    continue
-                gone += 1
-                m ^= bit
-                if not m:
-                    del nodes[h]
-                elif m & (m - 1) == 0:
-                    nodes[h] = bits[m.bit_length() - 1]  # back to the shared single-bit object
-                else:
-                    nodes[h] = m
+            gone += self._clear_bit(bit, compress(zip(hashes, masks), map(not_, mine)))
         return gone
 
     def _settle(self, i: int, delta: int, removed: bool) -> None:
@@ -433,12 +423,18 @@ class KvIndexer:
 
     def _unmark(self, i: int, hashes: Iterable[int]) -> int:
         """Clear bit ``i`` on those of ``hashes`` that have it; returns how many did."""
+        get = self._nodes.get
+        # (a mask read lazily: a hash listed twice finds its bit cleared the second time)
+        gone = self._clear_bit(self._bits[i], ((h, get(h)) for h in hashes))
+        self._count[i] -= gone
+        return gone
+
+    def _clear_bit(self, bit: int, held: Iterable[tuple[int, int | None]]) -> int:
+        """Clear ``bit`` on the nodes of those (hash, mask) pairs whose mask has it;
+        returns how many had it."""
         nodes, bits = self._nodes, self._bits
-        bit = bits[i]
-        get = nodes.get
         gone = 0
-        for h in hashes:
-            m = get(h)
+        for h, m in held:
             if m is None or not m & bit:
                 continue  # not held (or listed twice)
             gone += 1
@@ -449,7 +445,6 @@ class KvIndexer:
                 nodes[h] = bits[m.bit_length() - 1]  # back to the shared single-bit object
             else:
                 nodes[h] = m
-        self._count[i] -= gone
         return gone
 
 

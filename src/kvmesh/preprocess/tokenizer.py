@@ -206,7 +206,6 @@ class IncrementalDetokenizer:
         return text[len(prefix) :]
 
 
-_SENTINEL = "\ue000kvmesh-user-{}\ue001"
 def split_at_word_starts(text: str, piece_chars: int, max_pieces: int) -> list[str]:
     """``text`` cut into at most ``max_pieces`` pieces of about ``piece_chars`` or more,
     each cut just before a space that follows a non-space and precedes a letter (the
@@ -276,6 +275,8 @@ def _post_processor_framing(tok: tokenizers.Tokenizer) -> tuple[list[int], list[
         framings.append((full[:i], full[i + len(bare) :]))
     return framings[0] if framings[0] == framings[1] else None
 
+
+_SENTINEL = "\ue000kvmesh-user-{}\ue001"
 
 _SENTINELS = re.compile("\ue000kvmesh-user-(\\d+)\ue001")
 

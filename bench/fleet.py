@@ -65,7 +65,6 @@ import math
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -81,6 +80,7 @@ sys.path.insert(0, str(REPO))
 import msgspec  # noqa: E402
 
 from _lib import free_port, measure_cpu, percentile, read_mem, run_load_async  # noqa: E402
+from tests.helpers import stop_process  # noqa: E402
 
 MODEL = "kvmesh-tiny"
 BUSY_WORKERS = 1000
@@ -186,17 +186,6 @@ def connections(pids: list[int], ports: dict[str, int]) -> dict[str, int]:
                 if entry[2] == "01" and entry[1] == port:
                     counts[name] += 1
     return counts
-
-
-def stop_pid(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    """SIGTERM, then SIGKILL: only this process, by its PID."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 # ---------------------------------------------------------------------------- workload
@@ -387,18 +376,26 @@ def apply_envelopes(core: object, envelopes: list[object]) -> int:
     return applied
 
 
+def _bind_publishers(ctx, count: int, hwm: int) -> list:  # type: ignore[no-untyped-def,type-arg]
+    """``count`` zmq PUB sockets on free loopback ports, send high-water mark ``hwm``."""
+    import zmq
+
+    socks = []
+    for _ in range(count):
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.bind("tcp://127.0.0.1:*")
+        socks.append(sock)
+    return socks
+
+
 def _zmq_producer(addresses_out, wire_chunk: list[bytes], publishers: int, go, seconds: float) -> None:  # type: ignore[no-untyped-def]
     """Forked: ``publishers`` zmq PUB sockets (as many workers would have) sending the
     prepared envelopes round-robin, as fast as they go, for ``seconds``."""
     import zmq
 
     ctx = zmq.Context()
-    socks = []
-    for _ in range(publishers):
-        sock = ctx.socket(zmq.PUB)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.bind("tcp://127.0.0.1:*")
-        socks.append(sock)
+    socks = _bind_publishers(ctx, publishers, 100_000)
     addresses_out.send([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks])
     go.wait()
     deadline = time.perf_counter() + seconds
@@ -568,12 +565,7 @@ def _feeder(conn, payloads: list[list[bytes]], workers: list[int], rate: float, 
 
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
-    socks = []
-    for _ in workers:
-        sock = ctx.socket(zmq.PUB)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.bind("tcp://127.0.0.1:*")
-        socks.append(sock)
+    socks = _bind_publishers(ctx, len(workers), 10_000)
     conn.send([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks])
     go.wait()
     encode = msgspec.msgpack.Encoder().encode
@@ -865,8 +857,8 @@ def run_arm(fleet: Fleet, n: int, procs_n: int, shape: Shape, shards: int = 1) -
         )
     finally:
         for proc in workers:
-            stop_pid(proc)
-        stop_pid(frontend)
+            stop_process(proc, 20.0)
+        stop_process(frontend, 20.0)
         res.worker_warnings = sum(p.read_bytes().count(b" WARNING ") + p.read_bytes().count(b" ERROR ") for p in logs)
     return res
 

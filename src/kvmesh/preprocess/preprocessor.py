@@ -9,9 +9,10 @@ runs the smallest waiting prompt first and keeps one thread free of prompts of
 either (FIFO made a 900-token prompt wait a second behind 250k tokens of a trace burst).
 Long prompts themselves go in the order they came: the order prompts leave the pool is
 the order they are routed and reach a worker's queue, and smallest-first among long ones
-put the longest prompt of every burst last in its worker's queue (the trace's TTFT p99
-rose 13 % in a replay: 736 → 833 ms; small-first then long-in-arrival-order: 735 ms,
-with TTFT p50 115 → 96 ms).
+put the longest prompt of every burst last in its worker's queue (``kvmesh replay`` of the
+Mooncake conversation trace, kv router, bursts ordered smallest first: TTFT p99 833 ms
+against 736 ms in arrival order; smaller than about 8k tokens first, then the rest in
+arrival order: 728 ms, with TTFT p50 115 → 96 ms).
 Threads suffice: ``tokenizers`` releases the GIL in ``encode_batch_fast``, the call
 :meth:`~kvmesh.preprocess.tokenizer.Tokenizer.encode` uses for long inputs
 (``bench/tokenize_gil.py`` measures it), and rendering a template is cheap next to
@@ -41,10 +42,10 @@ __all__ = ["Preprocessor", "OFFLOAD_CHARS", "LONG_CHARS", "SizedPool", "preproce
 # Prompts shorter than this (characters of text) are built on the caller's thread:
 # they take well under a millisecond, less than a hop to the pool and back.
 OFFLOAD_CHARS = 2048
-# Prompts this large (about 7k tokens of English, some 10 ms of tokenizing) never take the
+# Prompts this large (about 4k tokens of English, some 5 ms of tokenizing) never take the
 # pool's last free thread (it stays for smaller ones), and wait in arrival order, after
 # every smaller prompt.
-LONG_CHARS = 32 * 1024
+LONG_CHARS = 16 * 1024
 
 _pool: SizedPool | None = None
 _pool_lock = threading.Lock()

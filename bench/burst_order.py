@@ -72,7 +72,7 @@ def reordered(trace: Sequence[TraceRequest], order: Order, rng: random.Random, g
 def one(trace: Sequence[TraceRequest], policy: str) -> tuple[float, float, float, float]:
     mocker = MockerOptions(block_size=FLEET["block_size"], speedup=FLEET["speedup"], num_blocks=FLEET["num_blocks"],
                            max_num_seqs=FLEET["max_num_seqs"], max_num_batched_tokens=FLEET["max_num_batched_tokens"])  # fmt: skip
-    records = replay_policy(policy, trace, ReplayConfig(policies=(policy,), workers=FLEET["workers"], mocker=mocker))
+    records = replay_policy(policy, trace, ReplayConfig(policies=(policy,), workers=int(FLEET["workers"]), mocker=mocker))
     ttft = [r.ttft_ms for r in records if r.ttft_ms is not None]
     itl = [(r.token_times_ms[-1] - r.token_times_ms[0]) / (len(r.token_times_ms) - 1)
            for r in records if len(r.token_times_ms) > 1]  # fmt: skip

@@ -771,14 +771,17 @@ class Fleet:
             KVMESH_LEASE_TTL=str(self.args.lease_ttl),
         )
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str], nice: int = 0) -> tuple[subprocess.Popen[bytes], Path]:
+    def spawn(
+        self, name: str, args: list[str], env: dict[str, str], nice: int = 0, idle: bool = False
+    ) -> tuple[subprocess.Popen[bytes], Path]:
         """Start ``kvmesh ARGS`` at niceness ``nice`` (the whole process, its threads
-        included; 0 also when this process runs at another niceness)."""
+        included; 0 also when this process runs at another niceness), in ``SCHED_IDLE``
+        if ``idle`` (else ``SCHED_OTHER``, also when this process runs idle)."""
         path = self.workdir / f"{name}.log"
         with open(path, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvmesh.cli.main", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=lambda: _set_nice(nice),  # noqa: PLW1509 - nothing but setpriority runs there
+                preexec_fn=lambda: _set_priority(nice, idle),  # noqa: PLW1509 - nothing but the scheduler calls run there
             )  # fmt: skip
         return proc, path
 
@@ -789,8 +792,13 @@ class Fleet:
         return len([line for line in self.etcd.etcdctl(*args).splitlines() if line.strip()])
 
 
-def _set_nice(value: int) -> None:
-    """This process at niceness ``value`` (lowering it needs root; without, it stays)."""
+def _set_priority(value: int, idle: bool = False) -> None:
+    """This thread (and the threads and processes it starts) at niceness ``value``
+    (lowering it needs root; without, it stays), in the ``SCHED_IDLE`` class if ``idle``
+    (it runs only when no normal task wants the core, and never preempts one), else in
+    ``SCHED_OTHER``."""
+    with contextlib.suppress(OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, value)
 
@@ -840,7 +848,7 @@ def run_arm(fleet: Fleet, n: int, procs_n: int, shape: Shape, shards: int = 1) -
         t0 = time.perf_counter()
         for i, k in enumerate(per):
             w_args = ["worker", "--replicas", str(k), "--speedup", str(args.speedup), "--grace", "2"]
-            proc, path = fleet.spawn(f"{ns}-workers{i}", w_args, env, nice=args.worker_nice)
+            proc, path = fleet.spawn(f"{ns}-workers{i}", w_args, env, nice=args.worker_nice, idle=args.background == "idle")
             workers.append(proc)
             logs.append(path)
         everyone = [frontend, *workers]
@@ -1044,6 +1052,10 @@ def main() -> int:
                     " users' processes run at a raised priority")
     ap.add_argument("--client-nice", type=int, default=5,
                     help="niceness of this process during the arms: the load client (it stands for remote clients)")
+    ap.add_argument("--background", default="idle", choices=["idle", "nice"],
+                    help="idle: the worker processes and the load client run in the SCHED_IDLE class (they stand for other"
+                    " machines: they take a core only when the frontend does not want it, and never preempt it); nice: at"
+                    " --worker-nice / --client-nice in SCHED_OTHER (they may preempt the frontend mid-decision)")
     ap.add_argument("--idle-seconds", type=float, default=3.0)
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--canary-interval", type=float, default=0.0, help="the frontend's canary checks per worker, s (0: off)")
@@ -1072,7 +1084,7 @@ def main() -> int:
             tmp = args.logs
             Path(tmp).mkdir(parents=True, exist_ok=True)
         fleet = Fleet(args, Path(tmp))
-        _set_nice(args.client_nice)  # after etcd and nats-server started: the load client's priority
+        _set_priority(args.client_nice, args.background == "idle")  # after etcd and nats-server started: the load client's
         try:
             for n, p, s in parse_arms(args.arms):
                 log(f"arm: {n} workers in {p} processes, index in {'the frontend' if s == 1 else f'{s} shards'}")
@@ -1083,11 +1095,17 @@ def main() -> int:
                     results.append(ArmResult(n, p, s, error_samples=[str(exc)]))
         finally:
             fleet.close()
-    print(f"\nkvmesh fleet: one frontend (kv router, nice {args.frontend_nice}) + mocker workers (nice {args.worker_nice}),"
-          " load client nice"
-          f" {args.client_nice}; planes: discovery etcd, request {args.request_plane},"
+    others = (
+        "SCHED_IDLE" if args.background == "idle" else f"nice {args.worker_nice}",
+        "SCHED_IDLE" if args.background == "idle" else f"nice {args.client_nice}",
+    )
+    print(f"\nkvmesh fleet: one frontend (kv router, SCHED_OTHER nice {args.frontend_nice}) + mocker workers ({others[0]}),"
+          f" load client {others[1]}; planes: discovery etcd, request {args.request_plane},"
           f" events {args.event_plane}; load: {args.concurrency} streams, {shape.groups} prefixes of {shape.prefix_tokens}"
           f" + {shape.suffix_tokens} unique tokens, {shape.output_tokens} out, mocker speedup {args.speedup:g}")
+    if args.background == "idle":
+        print("  (workers and client stand for other machines: in SCHED_IDLE they use the cores the frontend leaves and"
+              " never preempt it, as if the frontend had its own core; --background nice for the nice-only setting)")
     print_table(results)
     print(
         f"\nbusy worker (max_num_seqs={busy['max_num_seqs']} in flight, {busy_shape.output_tokens} tokens out, modelled speed):"

@@ -163,14 +163,15 @@ class KvRouterCore:
         how many were applied (stale ones are skipped) and the index of the event after
         a gap, not applied (``len(events)`` when there was none); the caller repairs and
         then applies ``events[stop:]``. The common case (the batch follows the last
-        applied id) is one sequencer update and one ``KvIndexer.apply_many``."""
+        applied id, or is the first seen of the worker) is one sequencer update and one
+        ``KvIndexer.apply_many``."""
         n = len(events)
         if self._indexer is None:
             return 0, n
         seq = self._sequencer
         last = seq.last_event_id(worker_id)
-        if last is not None and first_event_id == last + 1 and n:
-            seq.reset(worker_id, last + n)
+        if n and (last is None or first_event_id == last + 1):  # the first seen is applied, whatever its id
+            seq.reset(worker_id, first_event_id + n - 1)
             self._indexer.apply_many(worker_id, events)
             return n, n
         applied = 0

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.kv.events import (
     MAX_BATCH_BLOCKS,
@@ -421,3 +423,35 @@ async def test_a_repair_that_leaves_the_gap_open_is_not_repeated_at_once(stack: 
         stack.pub.publish(enc(KvEventBatch(W, first, [BlockStored([first])])))
     await until(lambda: len(stack.router.subscription.inbox) == 0 and not stack.router._repairing)  # type: ignore[union-attr]
     assert len(stack.worker.calls) - before == 1
+
+
+_payload = st.one_of(
+    st.builds(BlockStored, st.lists(st.integers(0, 30), max_size=6)),
+    st.builds(BlockRemoved, st.lists(st.integers(0, 30), max_size=6)),
+    st.just(AllBlocksCleared()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches=st.lists(st.tuples(st.integers(0, 3), st.lists(_payload, max_size=8)), max_size=25))
+def test_apply_many_is_apply_with_shared_and_repeated_hashes(batches: list[tuple[int, list[Any]]]) -> None:
+    """Runs of one kind of event, one probe per hash: blocks shared by several workers,
+    repeated within a run, stored twice or removed when not held, end as ``apply``
+    leaves them; the log (which may hold repeats) still drops exactly a worker's blocks."""
+    from kvmesh.router.indexer import KvIndexer
+
+    one, many = KvIndexer(), KvIndexer()
+    for worker, batch in batches:
+        for data in batch:
+            one.apply(worker, data)
+        many.apply_many(worker, batch)
+        for w in range(4):
+            assert many.blocks_of(w) == one.blocks_of(w)
+            assert many.worker_block_count(w) == one.worker_block_count(w)
+        assert many.num_blocks == one.num_blocks
+        assert all(many.find_matches([h]) == one.find_matches([h]) for h in range(31))
+    for w in range(4):
+        many.remove_worker(w)
+        one.remove_worker(w)
+        assert many.num_blocks == one.num_blocks
+    assert many.num_blocks == 0

@@ -364,12 +364,12 @@ def apply_envelopes(core: object, envelopes: list[object]) -> int:
     (:meth:`~kvmesh.router.service.KvRouterService._on_envelope`): decode the payload
     once (the decoder checks the events), check the publisher, apply the batch; returns
     the events applied."""
-    from kvmesh.kv.events import decode_kv_payload
+    from kvmesh.kv.events import decode_kv_view
 
     apply_batch = core.apply_batch  # type: ignore[attr-defined]
     applied = 0
     for env in envelopes:
-        batch = decode_kv_payload(env.payload)  # type: ignore[attr-defined]
+        batch = decode_kv_view(env.payload)  # type: ignore[attr-defined]
         worker, events = batch.worker_id, batch.events
         if worker == env.publisher_id:  # type: ignore[attr-defined]
             applied += apply_batch(worker, batch.first_event_id, events)[0]

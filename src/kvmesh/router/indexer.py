@@ -65,8 +65,8 @@ from itertools import chain, compress, groupby, repeat
 from operator import attrgetter, is_not, ne
 from typing import Literal
 
-from kvmesh.kv.events import MAX_EVENT_BLOCKS
-from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
+from kvmesh.kv.events import MAX_EVENT_BLOCKS, KvEventView, StoredHashes
+from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
     "KvIndexer",
@@ -113,7 +113,7 @@ def _bit_indices(mask: int) -> list[int]:
     return out
 
 
-def check_event_data(data: KvEventData) -> str | None:
+def check_event_data(data: KvEventView) -> str | None:
     """Why ``data`` must not be applied (a short reason, a metric label), or None."""
     if isinstance(data, AllBlocksCleared):
         return None
@@ -218,9 +218,9 @@ class KvIndexer:
 
     # ------------------------------------------------------------------ mutations
 
-    def apply(self, worker_id: int, data: KvEventData) -> None:
+    def apply(self, worker_id: int, data: KvEventView) -> None:
         """Apply one KV event payload of ``worker_id`` (see the module docstring)."""
-        if isinstance(data, BlockStored):
+        if isinstance(data, StoredHashes):  # a BlockStored, or what the router decodes of one
             self._store(self._dense(worker_id), data.block_hashes)
         elif isinstance(data, BlockRemoved):
             i = self._index.get(worker_id)
@@ -233,7 +233,7 @@ class KvIndexer:
         else:
             raise TypeError(f"not a KV event payload: {type(data).__name__}")
 
-    def apply_many(self, worker_id: int, events: Iterable[KvEventData]) -> None:
+    def apply_many(self, worker_id: int, events: Iterable[KvEventView]) -> None:
         """Apply several event payloads of ``worker_id`` in order, as ``apply`` each would.
 
         The router's hot path: consecutive events of one kind (an engine step stores a
@@ -249,7 +249,7 @@ class KvIndexer:
         delta, removed = 0, False
         try:
             for kind, group in groupby(events, type):
-                if kind is BlockStored:
+                if kind is StoredHashes or kind is BlockStored:
                     if i is None:
                         i = self._dense(worker_id)
                     delta += self._store_run(i, list(chain.from_iterable(map(_HASHES, group))))
@@ -486,7 +486,7 @@ class EventSequencer:
         self._last: dict[int, int] = {}
 
     def accept(
-        self, worker_id: int, event_id: int, data: KvEventData | None = None
+        self, worker_id: int, event_id: int, data: KvEventView | None = None
     ) -> Literal["apply", "stale", "gap"]:
         last = self._last.get(worker_id)
         if last is None or event_id == last + 1:

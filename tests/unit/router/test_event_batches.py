@@ -26,8 +26,11 @@ from kvmesh.kv.events import (
     KvDump,
     KvEvent,
     KvEventBatch,
+    KvEventBatchView,
     KvEventsSince,
+    StoredHashes,
     decode_kv_payload,
+    decode_kv_view,
 )
 from kvmesh.observability.metrics import FrontendMetrics
 from kvmesh.protocol import EngineConfig, InstanceInfo
@@ -455,3 +458,22 @@ def test_apply_many_is_apply_with_shared_and_repeated_hashes(batches: list[tuple
         one.remove_worker(w)
         assert many.num_blocks == one.num_blocks
     assert many.num_blocks == 0
+
+
+def test_the_routers_view_of_a_batch_skips_what_it_does_not_use() -> None:
+    """decode_kv_view reads the same wire bytes as decode_kv_payload: stored events keep
+    their block hashes (checked), their token hashes and parent hash are skipped (not
+    built, not checked); the older single-event form and the bounds are the same."""
+    full = [BlockStored([1, 2], [3, 4], 9), BlockRemoved([1]), AllBlocksCleared(), BlockStored([5])]
+    view = decode_kv_view(enc(KvEventBatch(W, 3, full)))  # type: ignore[arg-type]
+    assert view == KvEventBatchView(W, 3, [StoredHashes([1, 2]), BlockRemoved([1]), AllBlocksCleared(), StoredHashes([5])])
+    assert decode_kv_payload(enc(KvEventBatch(W, 3, full))).events == full  # type: ignore[arg-type]
+    assert decode_kv_view(enc(KvEventBatch(W, 0, [BlockStored([7], [-1])]))).events == [StoredHashes([7])]
+    one = decode_kv_view(enc(KvEvent(W, 5, BlockStored([1, 2], [3, 4]))))
+    assert (one.worker_id, one.first_event_id, [e.block_hashes for e in one.events]) == (W, 5, [[1, 2]])  # type: ignore[union-attr]
+    with pytest.raises(msgspec.ValidationError):
+        decode_kv_view(enc(KvEventBatch(W, 0, [BlockStored([5, -3])])))
+    with pytest.raises(msgspec.ValidationError):
+        decode_kv_view(enc(KvEventBatch(W, 0, [BlockStored(list(range(MAX_EVENT_BLOCKS + 1)))])))
+    with pytest.raises(ValueError):
+        decode_kv_view(b"\x93" + b"\x00" * (MAX_PAYLOAD_BYTES + 1))

@@ -608,6 +608,13 @@ def sharded_ingest(stream: list[object], workers: int, shards: int, positions: i
     shard processes on real zmq streams) fed ``workers`` busy workers' batches at
     ``rate`` envelopes per second by a forked feeder, while this process decides
     (overlap queries to every shard + the core's selection) every 2 ms."""
+    return _with_feeder(stream, workers, positions, rate, shape, lambda feed, go, events: _sharded(feed, go, workers, shards, events, shape))
+
+
+def _with_feeder(stream: list[object], workers: int, positions: int, rate: float, shape: Shape, body) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Fork a :func:`_feeder` of the first ``positions`` busy batches of ``workers``
+    workers at ``rate`` envelopes per second, and run ``body(feed, go, events)`` (a
+    coroutine: the feeder's pipe, its start event, the events it will send) to the end."""
     import multiprocessing as mp
 
     payloads = _feed_payloads(stream, list(range(1, workers + 1)), shape, positions)
@@ -619,7 +626,7 @@ def sharded_ingest(stream: list[object], workers: int, shards: int, positions: i
     feeder.start()
     del payloads
     try:
-        return asyncio.run(_sharded(parent, go, workers, shards, events, shape))
+        return asyncio.run(body(parent, go, events))  # type: ignore[no-any-return]
     finally:
         feeder.join(10)
         if feeder.is_alive():
@@ -705,14 +712,19 @@ async def _sharded(feed, go, workers: int, shards: int, events: int, shape: Shap
             "gaps": sum(s.stats.gaps for s in index._shards),
             "feeder_dropped": locals().get("dropped", 0),
             "late": index.late - late0,
-            "decision_idle_p50_us": (percentile(idle_t, 50) or 0) * 1e6,
-            "decision_idle_p99_us": (percentile(idle_t, 99) or 0) * 1e6,
-            "decision_busy_p50_us": (percentile(busy_t, 50) or 0) * 1e6,
-            "decision_busy_p99_us": (percentile(busy_t, 99) or 0) * 1e6,
-            "decision_busy_cpu_p99_us": (percentile(busy_c, 99) or 0) * 1e6,
+            **_decision_figures(idle_t, busy_t, busy_c),
         }
     finally:
         await index.close()
+
+
+def _decision_figures(idle: list[float], busy: list[float], busy_cpu: list[float]) -> dict[str, float]:
+    """Decision p50/p99 in µs: wall idle and while ingesting, CPU while ingesting."""
+    out = {}
+    for name, times in (("idle", idle), ("busy", busy), ("busy_cpu", busy_cpu)):
+        for q in (50, 99):
+            out[f"decision_{name}_p{q}_us"] = (percentile(times, q) or 0) * 1e6
+    return out
 
 
 def one_core_ingest(stream: list[object], workers: int, positions: int, rate: float, shape: Shape) -> dict[str, float]:
@@ -722,22 +734,7 @@ def one_core_ingest(stream: list[object], workers: int, positions: int, rate: fl
     second by a forked feeder, while this thread also decides (the
     service's ``route``, the product's decision) every 2 ms. Backlog: envelopes received
     by the subscription and not yet applied (its inbox), sampled at every decision."""
-    import multiprocessing as mp
-
-    payloads = _feed_payloads(stream, list(range(1, workers + 1)), shape, positions)
-    events = sum(len(b.events) for b in stream[:positions]) * workers  # type: ignore[attr-defined]
-    ctx = mp.get_context("fork")
-    go = ctx.Event()
-    parent, child = ctx.Pipe()
-    feeder = ctx.Process(target=_feeder, args=(child, payloads, list(range(1, workers + 1)), rate, go), daemon=True)
-    feeder.start()
-    del payloads
-    try:
-        return asyncio.run(_one_core(parent, go, workers, events, shape))
-    finally:
-        feeder.join(10)
-        if feeder.is_alive():
-            feeder.kill()
+    return _with_feeder(stream, workers, positions, rate, shape, lambda feed, go, events: _one_core(feed, go, workers, events, shape))
 
 
 async def _one_core(feed, go, workers: int, events: int, shape: Shape) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -830,12 +827,7 @@ async def _one_core(feed, go, workers: int, events: int, shape: Shape) -> dict[s
             "feeder_dropped": dropped,
             "feeder_sent": sent,
             "decisions": len(busy_t),
-            "decision_idle_p50_us": (percentile(idle_t, 50) or 0) * 1e6,
-            "decision_idle_p99_us": (percentile(idle_t, 99) or 0) * 1e6,
-            "decision_busy_p50_us": (percentile(busy_t, 50) or 0) * 1e6,
-            "decision_busy_p99_us": (percentile(busy_t, 99) or 0) * 1e6,
-            "decision_busy_cpu_p50_us": (percentile(busy_c, 50) or 0) * 1e6,
-            "decision_busy_cpu_p99_us": (percentile(busy_c, 99) or 0) * 1e6,
+            **_decision_figures(idle_t, busy_t, busy_c),
         }
     finally:
         await service.close()

@@ -36,14 +36,18 @@ __all__ = [
     "KvDump",
     "KvEvent",
     "KvEventBatch",
+    "KvEventBatchView",
     "KvEventData",
+    "KvEventView",
     "KvEventsSince",
     "MAX_BATCH_BLOCKS",
     "MAX_BATCH_EVENTS",
     "MAX_EVENT_BLOCKS",
     "MAX_PAYLOAD_BYTES",
     "PayloadTooLarge",
+    "StoredHashes",
     "decode_kv_payload",
+    "decode_kv_view",
 ]
 
 # Hashes in one event at most (an engine stores or frees one request's blocks at a time).
@@ -58,12 +62,19 @@ Hash = Annotated[int, msgspec.Meta(ge=0)]
 Hashes = Annotated[list[Hash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
 
 
-class BlockStored(msgspec.Struct, tag="stored", omit_defaults=True):
+class StoredHashes(msgspec.Struct, tag="stored", omit_defaults=True):
+    """What the router reads of a :class:`BlockStored` (which is one): the chained
+    hashes. Decoded from a ``BlockStored`` on the wire by :func:`decode_kv_view`, which
+    skips the other fields instead of building them."""
+
+    block_hashes: Hashes
+
+
+class BlockStored(StoredHashes, tag="stored", omit_defaults=True):
     """Full blocks became cached. ``block_hashes`` are chained sequence hashes
     (see :mod:`kvmesh.kv.hashing`), ``token_hashes`` the matching local hashes;
     ``parent_hash`` is the sequence hash of the block before the first one."""
 
-    block_hashes: Hashes
     token_hashes: Hashes = []
     parent_hash: int | None = None
 
@@ -77,6 +88,8 @@ class AllBlocksCleared(msgspec.Struct, tag="cleared"):
 
 
 KvEventData = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+# what the router applies: an event as :func:`decode_kv_view` gives it (a KvEventData is one)
+KvEventView = Union[StoredHashes, BlockRemoved, AllBlocksCleared]
 
 
 class KvEvent(msgspec.Struct):
@@ -96,12 +109,29 @@ class KvEventBatch(msgspec.Struct, array_like=True):
     events: Annotated[list[KvEventData], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
 
 
+class KvEventBatchView(msgspec.Struct, array_like=True):
+    """A :class:`KvEventBatch` as the router reads it (:func:`decode_kv_view`)."""
+
+    worker_id: int
+    first_event_id: Annotated[int, msgspec.Meta(ge=0)]
+    events: Annotated[list[KvEventView], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
+
+
 class PayloadTooLarge(ValueError):
     """A payload refused for its size alone (not decoded)."""
 
 
 _decode_batch = msgspec.msgpack.Decoder(KvEventBatch).decode
+_decode_view = msgspec.msgpack.Decoder(KvEventBatchView).decode
 _decode_event = msgspec.msgpack.Decoder(KvEvent).decode
+
+
+def _is_single(payload: bytes) -> bool:
+    """Whether ``payload`` (under the size bound) is one :class:`KvEvent`: a msgpack map."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLarge(f"KV event payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
+    first = payload[0] if payload else 0
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
 
 
 def decode_kv_payload(payload: bytes) -> KvEventBatch:
@@ -109,13 +139,20 @@ def decode_kv_payload(payload: bytes) -> KvEventBatch:
     ``ValueError`` for anything else: :class:`PayloadTooLarge` over
     :data:`MAX_PAYLOAD_BYTES`, ``msgspec.DecodeError``/``ValidationError`` (both
     ``ValueError``) for what does not decode or breaks a bound."""
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise PayloadTooLarge(f"KV event payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
-    first = payload[0] if payload else 0
-    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):  # a msgpack map: one KvEvent (the older form)
+    if _is_single(payload):  # the older form
         event = _decode_event(payload)
         return KvEventBatch(event.worker_id, event.event_id, [event.data])
     return _decode_batch(payload)
+
+
+def decode_kv_view(payload: bytes) -> KvEventBatchView:
+    """:func:`decode_kv_payload` for the router: a batch's stored events come as
+    :class:`StoredHashes` (their token hashes and parent hash skipped, not built, nor
+    checked: the router does not use them); the same bounds and errors otherwise."""
+    if _is_single(payload):
+        event = _decode_event(payload)
+        return KvEventBatchView(event.worker_id, event.event_id, [event.data])
+    return _decode_view(payload)
 
 
 class KvDump(msgspec.Struct):

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvmesh.errors import NoWorkers
-from kvmesh.protocol import KvEvent, KvEventData
+from kvmesh.kv.events import KvEventView
+from kvmesh.protocol import KvEvent
 from kvmesh.router.approx import ApproxIndexer
 from kvmesh.router.cost import (
     CandidateScore,
@@ -150,27 +151,32 @@ class KvRouterCore:
     def apply_event(self, event: KvEvent) -> Literal["apply", "stale", "gap"]:
         """Apply one worker's KV event; returns ``"apply"``, ``"stale"`` or ``"gap"``
         (on a gap the event is not applied; repair with ``load_dump``/``replay``)."""
+        return self.apply_one(event.worker_id, event.event_id, event.data)
+
+    def apply_one(self, worker_id: int, event_id: int, data: KvEventView) -> Literal["apply", "stale", "gap"]:
+        """``apply_event`` of the worker's event ``event_id`` carrying ``data``."""
         if self._indexer is None:
             return "stale"
-        verdict = self._sequencer.accept(event.worker_id, event.event_id)
+        verdict = self._sequencer.accept(worker_id, event_id)
         if verdict == "apply":
-            self._indexer.apply(event.worker_id, event.data)
+            self._indexer.apply(worker_id, data)
         return verdict
 
-    def apply_batch(self, worker_id: int, first_event_id: int, events: Sequence[KvEventData]) -> tuple[int, int]:
+    def apply_batch(self, worker_id: int, first_event_id: int, events: Sequence[KvEventView]) -> tuple[int, int]:
         """Apply ``events[i]`` as the worker's event ``first_event_id + i``, in order, as
         ``apply_event`` each would, up to the first gap. Returns ``(applied, stop)``:
         how many were applied (stale ones are skipped) and the index of the event after
         a gap, not applied (``len(events)`` when there was none); the caller repairs and
         then applies ``events[stop:]``. The common case (the batch follows the last
-        applied id) is one sequencer update and one ``KvIndexer.apply_many``."""
+        applied id, or is the first seen of the worker) is one sequencer update and one
+        ``KvIndexer.apply_many``."""
         n = len(events)
         if self._indexer is None:
             return 0, n
         seq = self._sequencer
         last = seq.last_event_id(worker_id)
-        if last is not None and first_event_id == last + 1 and n:
-            seq.reset(worker_id, last + n)
+        if n and (last is None or first_event_id == last + 1):  # the first seen is applied, whatever its id
+            seq.reset(worker_id, first_event_id + n - 1)
             self._indexer.apply_many(worker_id, events)
             return n, n
         applied = 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 __all__ = ["CandidateScore", "CostInputs", "check_knobs", "new_blocks", "score", "score_all", "select", "select_greedy", "uncached_tokens"]
@@ -200,16 +201,16 @@ def select_greedy(
     n_blocks = -(-prompt_tokens // block_size)
     get_overlap, get_prefill, get_active, get_weight = overlaps.get, prefill_load_tokens.get, active_blocks.get, weights.get
 
-    def cost_of(overlap: int, prefill: int = 0, active: int = 0) -> float:
-        return _cost(overlap, prefill, active, prompt_tokens, n_blocks, block_size, overlap_weight)
+    def cost_of(overlap: int) -> float:  # an unloaded worker's
+        return _cost(overlap, 0, 0, prompt_tokens, n_blocks, block_size, overlap_weight)
 
     # one by one: loaded workers (few: in-flight requests) and those of a weight other
     # than 1; grouped by overlap: the matched others (up to the whole fleet, when every
     # worker caches a popular prefix); one group: the rest (weight 1, idle, nothing cached)
-    odd = [w for w, v in weights.items() if v != 1.0]  # weights may list every worker, most at 1
+    odd = [w for w, v in weights.items() if v != 1.0] if weights else []  # weights may list every worker, most at 1
     single = [w for w in {*prefill_load_tokens, *active_blocks, *odd} if w in workers and w not in zero]
-    single_set = set(single)
-    skip = single_set | zero
+    skip = set(single)
+    skip |= zero
     groups: dict[int, list[int]] = {}
     for w, o in overlaps.items():
         if w in workers and w not in skip:
@@ -218,34 +219,33 @@ def select_greedy(
                 groups[o] = [w]
             else:
                 group.append(w)
-    # effective cost (select's rule): (cost + 1) / weight
-    single_cost = [cost_of(get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)) for w in single]
-    single_eff = [(c + 1.0) / get_weight(w, 1.0) for c, w in zip(single_cost, single)]
+    # effective cost (select's rule): (cost + 1) / weight; the cost is _cost's, inline
+    single_cost = [
+        overlap_weight * (p + (prompt_tokens - o * block_size if prompt_tokens > o * block_size else 0)) / block_size
+        + a + (n_blocks - o if n_blocks > o else 0)
+        for o, p, a in zip(map(get_overlap, single, repeat(0)), map(get_prefill, single, repeat(0)), map(get_active, single, repeat(0)))
+    ]
+    single_eff = [(c + 1.0) / get_weight(w, 1.0) for c, w in zip(single_cost, single)] if weights else [c + 1.0 for c in single_cost]
     group_eff = {o: cost_of(o) + 1.0 for o in groups}
-    matched = sum(len(g) for g in groups.values())
-    has_idle = len(single) + matched + len(zero) < len(workers)
+    matched = sum(map(len, groups.values()))
+    idle = len(workers) - len(single) - matched - len(zero)  # weight 1, no load, nothing cached
     idle_eff = cost_of(0) + 1.0
-    best = min(min(single_eff, default=math.inf), min(group_eff.values(), default=math.inf), idle_eff if has_idle else math.inf)
+    best = min(min(single_eff, default=math.inf), min(group_eff.values(), default=math.inf), idle_eff if idle else math.inf)
     limit = best + _TIE_RTOL * max(1.0, abs(best))
 
     # ties: the highest weight, then the fewest cached blocks, then chance decide
     tied_single = [w for w, e in zip(single, single_eff) if e <= limit]
     tied_groups = [o for o, e in group_eff.items() if e <= limit]
-    idle_ties = has_idle and idle_eff <= limit  # idle workers hold nothing: overlap 0
+    idle_ties = idle if idle and idle_eff <= limit else 0  # idle workers hold nothing: overlap 0
     top = 1.0 if tied_groups or idle_ties else max(get_weight(w, 1.0) for w in tied_single)
     tied_single = [w for w in tied_single if get_weight(w, 1.0) == top]
     fewest = 0 if idle_ties else min([get_overlap(w, 0) for w in tied_single] + tied_groups)
     ties = [w for w in tied_single if get_overlap(w, 0) == fewest]
     if fewest in tied_groups:
         ties += groups[fewest]
-    if idle_ties:
-        ties += [w for w in workers if w not in skip and w not in overlaps]
+    pick = 0 if len(ties) + idle_ties == 1 else rng.randrange(len(ties) + idle_ties)
+    winner = ties[pick] if pick < len(ties) else _idle_worker(workers, skip, overlaps, rng)
 
-    def scored(w: int) -> CandidateScore:
-        o, p, a = get_overlap(w, 0), get_prefill(w, 0), get_active(w, 0)
-        return score(w, o, prompt_tokens, p, a, block_size, overlap_weight, get_weight(w, 1.0))
-
-    chosen = scored(ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))])
     # the ``keep`` cheapest of the scored-one-by-one and matched workers, for explanations
     cheapest = sorted(zip(single_cost, single))[:keep]
     for o in sorted(groups, key=group_eff.__getitem__):
@@ -253,10 +253,27 @@ def select_greedy(
             break
         cheapest += [(group_eff[o] - 1.0, w) for w in groups[o][:keep]]
         cheapest.sort()
-    shown = [scored(w) for _, w in cheapest[:keep]]
-    if chosen not in shown:
-        shown.append(chosen)
+    ids = [w for _, w in cheapest[:keep]]
+    if winner not in ids:
+        ids.append(winner)
+    shown = score_all(ids, inputs)  # :func:`score` of each, unrolled
+    if weights:
+        shown = [c._replace(weight=get_weight(c.worker_id, 1.0)) for c in shown]
+    chosen = shown[ids.index(winner)]
     return chosen, shown
+
+
+def _idle_worker(workers: Collection[int], taken: set[int], overlaps: Mapping[int, int], rng: random.Random) -> int:
+    """One of ``workers`` in neither ``taken`` nor ``overlaps``, each equally likely (the
+    caller knows there is one): drawn at random until one is (most workers of a big
+    fleet are idle), after 16 misses from the list of all of them."""
+    pool = workers if isinstance(workers, Sequence) else list(workers)
+    for _ in range(16):
+        w = pool[rng.randrange(len(pool))]
+        if w not in taken and w not in overlaps:
+            return w
+    rest = [w for w in pool if w not in taken and w not in overlaps]
+    return rest[rng.randrange(len(rest))]
 
 
 def _cost(overlap: int, prefill: int, active: int, prompt_tokens: int, n_blocks: int, block_size: int, ow: float) -> float:

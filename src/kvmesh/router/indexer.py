@@ -62,11 +62,11 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, groupby, repeat
-from operator import attrgetter, is_, not_
+from operator import attrgetter, is_not, ne
 from typing import Literal
 
-from kvmesh.kv.events import MAX_EVENT_BLOCKS
-from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEventData
+from kvmesh.kv.events import MAX_EVENT_BLOCKS, KvEventView, StoredHashes
+from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
     "KvIndexer",
@@ -113,7 +113,7 @@ def _bit_indices(mask: int) -> list[int]:
     return out
 
 
-def check_event_data(data: KvEventData) -> str | None:
+def check_event_data(data: KvEventView) -> str | None:
     """Why ``data`` must not be applied (a short reason, a metric label), or None."""
     if isinstance(data, AllBlocksCleared):
         return None
@@ -218,9 +218,9 @@ class KvIndexer:
 
     # ------------------------------------------------------------------ mutations
 
-    def apply(self, worker_id: int, data: KvEventData) -> None:
+    def apply(self, worker_id: int, data: KvEventView) -> None:
         """Apply one KV event payload of ``worker_id`` (see the module docstring)."""
-        if isinstance(data, BlockStored):
+        if isinstance(data, StoredHashes):  # a BlockStored, or what the router decodes of one
             self._store(self._dense(worker_id), data.block_hashes)
         elif isinstance(data, BlockRemoved):
             i = self._index.get(worker_id)
@@ -233,7 +233,7 @@ class KvIndexer:
         else:
             raise TypeError(f"not a KV event payload: {type(data).__name__}")
 
-    def apply_many(self, worker_id: int, events: Iterable[KvEventData]) -> None:
+    def apply_many(self, worker_id: int, events: Iterable[KvEventView]) -> None:
         """Apply several event payloads of ``worker_id`` in order, as ``apply`` each would.
 
         The router's hot path: consecutive events of one kind (an engine step stores a
@@ -249,7 +249,7 @@ class KvIndexer:
         delta, removed = 0, False
         try:
             for kind, group in groupby(events, type):
-                if kind is BlockStored:
+                if kind is StoredHashes or kind is BlockStored:
                     if i is None:
                         i = self._dense(worker_id)
                     delta += self._store_run(i, list(chain.from_iterable(map(_HASHES, group))))
@@ -273,39 +273,46 @@ class KvIndexer:
                 self._settle(i, delta, removed)
 
     def _store_run(self, i: int, hashes: list[int]) -> int:
-        """Give worker ``i`` the blocks ``hashes``; returns how many it did not hold."""
-        if len(set(hashes)) < len(hashes):
-            hashes = list(dict.fromkeys(hashes))  # a second store of a hash is a no-op
+        """Give worker ``i`` the blocks ``hashes``; returns how many it did not hold.
+
+        One probe per hash (``setdefault`` writes the worker's bit where there was no
+        node, the common case); the log takes the whole run first (an invalid hash
+        raises before a node is written). Hashes the worker held already, or that
+        repeat in the run, leave duplicate log entries: harmless (see ``_live``), and
+        compacted with the rest (``_settle``)."""
         nodes, bit = self._nodes, self._bits[i]
-        masks = list(map(nodes.get, hashes))
-        is_new = list(map(is_, masks, repeat(None)))
-        new = list(compress(hashes, is_new))
-        log = self._log[i]
-        log.extend(new)  # first: an invalid hash raises before a node is written
-        nodes.update(zip(new, repeat(bit)))
-        added = len(new)
-        if added < len(hashes):  # blocks other workers hold (or this one already)
-            append = log.append
-            for h, m in compress(zip(hashes, masks), map(not_, is_new)):
-                if m is not None and not m & bit:
-                    append(h)
+        self._log[i].fromlist(hashes)  # (all or nothing: an invalid hash leaves the log as it was)
+        before = len(nodes)
+        masks = list(map(nodes.setdefault, hashes, repeat(bit)))
+        added = len(nodes) - before
+        if added < len(hashes):  # blocks other workers hold (or this one already, or repeated)
+            for h in compress(hashes, map(is_not, masks, repeat(bit))):
+                m = nodes[h]  # read again: a hash may repeat in the run
+                if not m & bit:
                     nodes[h] = m | bit
                     added += 1
         return added
 
     def _remove_run(self, i: int, hashes: list[int]) -> int:
-        """Take worker ``i`` off the blocks ``hashes``; returns how many it held."""
-        if len(set(hashes)) < len(hashes):
-            hashes = list(dict.fromkeys(hashes))  # a second removal of a hash is a no-op
+        """Take worker ``i`` off the blocks ``hashes``; returns how many it held.
+
+        One probe per hash: every node is popped, and those other workers hold too
+        are put back without the worker's bit (a hash repeated in the run pops as
+        absent the second time)."""
         nodes, bits = self._nodes, self._bits
         bit = bits[i]
-        masks = list(map(nodes.get, hashes))
-        mine = list(map(is_, masks, repeat(bit)))  # held by this worker alone
-        alone = list(compress(hashes, mine))
-        deque(map(nodes.__delitem__, alone), 0)
-        gone = len(alone)
+        masks = list(map(nodes.pop, hashes, repeat(None)))
+        gone = masks.count(bit)  # held by this worker alone (the interned bit: see _clear_bit)
         if gone < len(hashes):  # not held, or held with other workers
-            gone += self._clear_bit(bit, compress(zip(hashes, masks), map(not_, mine)))
+            for h, m in compress(zip(hashes, masks), map(ne, masks, repeat(bit))):
+                if m is None:
+                    continue
+                if m & bit:
+                    gone += 1
+                    m ^= bit
+                    nodes[h] = bits[m.bit_length() - 1] if m & (m - 1) == 0 else m
+                else:
+                    nodes[h] = m  # not this worker's: put back as it was
         return gone
 
     def _settle(self, i: int, delta: int, removed: bool) -> None:
@@ -313,7 +320,7 @@ class KvIndexer:
         self._count[i] += delta
         if self._count[i] > self.max_blocks_per_worker:
             self._evict_oldest(i)
-        elif removed and len(self._log[i]) > 2 * self._count[i] + _LOG_SLACK:
+        elif len(self._log[i]) > 2 * self._count[i] + _LOG_SLACK:
             self._log[i] = array("Q", dict.fromkeys(self._live(i)))
 
     def remove_worker(self, worker_id: int) -> None:
@@ -479,7 +486,7 @@ class EventSequencer:
         self._last: dict[int, int] = {}
 
     def accept(
-        self, worker_id: int, event_id: int, data: KvEventData | None = None
+        self, worker_id: int, event_id: int, data: KvEventView | None = None
     ) -> Literal["apply", "stale", "gap"]:
         last = self._last.get(worker_id)
         if last is None or event_id == last + 1:

@@ -44,9 +44,9 @@ from typing import Any
 import msgspec
 
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
-from kvmesh.kv.events import PayloadTooLarge, decode_kv_payload
+from kvmesh.kv.events import KvEventView, PayloadTooLarge, decode_kv_view
 from kvmesh.kv.hashing import block_hashes as hash_blocks
-from kvmesh.protocol import KvDump, KvEvent, KvEventData, KvEventsSince, PreprocessedRequest
+from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
 from kvmesh.router.indexer import check_event_data
 from kvmesh.runtime.distributed import call
@@ -104,7 +104,7 @@ class KvRouterService:
         self.admission = admission or AdmissionSettings()
         self.workers: dict[int, Instance] = {}
         self._last_applied: dict[int, int] = {}
-        self._repairing: dict[int, list[KvEvent]] = {}
+        self._repairing: dict[int, list[tuple[int, KvEventView]]] = {}  # worker -> its held (event id, event)
         self._failed_at: dict[int, float] = {}  # worker -> when its last repair failed
         self.repair_backoff_s = REPAIR_BACKOFF_S
         self._replaying: int | None = None  # the worker whose held events are being applied after its repair
@@ -190,7 +190,7 @@ class KvRouterService:
     def _on_envelope(self, envelope: Any) -> str | None:
         """Apply one envelope's events; the reason it was skipped, or None."""
         try:
-            batch = decode_kv_payload(envelope.payload)
+            batch = decode_kv_view(envelope.payload)  # (a stored event's token hashes are skipped)
         except PayloadTooLarge:
             return "too_large"
         except (ValueError, UnicodeDecodeError) as exc:  # msgspec's DecodeError and ValidationError included
@@ -214,11 +214,11 @@ class KvRouterService:
         if self.rejected_events & (self.rejected_events - 1) == 0:  # 1st, 2nd, 4th, ...: the log stays small
             log.warning("skipping a KV event from publisher %x (%s); %d skipped so far", publisher_id, reason, self.rejected_events)
 
-    def _on_events(self, worker: int, first_id: int, events: list[KvEventData]) -> None:
+    def _on_events(self, worker: int, first_id: int, events: list[KvEventView]) -> None:
         held = self._repairing.get(worker)
         if held is not None:
             if len(held) + len(events) <= MAX_HELD_EVENTS:
-                held.extend(KvEvent(worker, first_id + i, data) for i, data in enumerate(events))
+                held.extend(enumerate(events, first_id))
             # else: dropped; after the repair the next event shows a gap, repaired in turn
             return
         applied, stop = self.core.apply_batch(worker, first_id, events)
@@ -229,19 +229,19 @@ class KvRouterService:
             self.metrics.events_applied.inc(applied)
         if stop < len(events):
             self.metrics.event_gaps.inc()
-            rest = [KvEvent(worker, first_id + i, events[i]) for i in range(stop, len(events))]
+            rest = list(enumerate(events[stop:], first_id + stop))
             self._begin_repair(worker, full=False, held=rest)
 
-    def _apply(self, event: KvEvent) -> None:
-        status = self.core.apply_event(event)
+    def _apply(self, worker: int, event_id: int, data: KvEventView) -> None:
+        status = self.core.apply_one(worker, event_id, data)
         if status == "apply":
-            self._last_applied[event.worker_id] = event.event_id
+            self._last_applied[worker] = event_id
             self.metrics.events_applied.inc()
         elif status == "gap":
             self.metrics.event_gaps.inc()
-            self._begin_repair(event.worker_id, full=False, held=[event])
+            self._begin_repair(worker, full=False, held=[(event_id, data)])
 
-    def _begin_repair(self, worker_id: int, full: bool, held: list[KvEvent] | None = None) -> None:
+    def _begin_repair(self, worker_id: int, full: bool, held: list[tuple[int, KvEventView]] | None = None) -> None:
         if worker_id in self._repairing:
             self._repairing[worker_id].extend(held or ())
             return
@@ -279,8 +279,8 @@ class KvRouterService:
             if worker_id in self.workers:
                 self._replaying = worker_id
                 try:
-                    for event in held:
-                        self._apply(event)
+                    for event_id, data in held:
+                        self._apply(worker_id, event_id, data)
                 finally:
                     self._replaying = None
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.kv.events import (
     MAX_BATCH_BLOCKS,
@@ -24,8 +26,11 @@ from kvmesh.kv.events import (
     KvDump,
     KvEvent,
     KvEventBatch,
+    KvEventBatchView,
     KvEventsSince,
+    StoredHashes,
     decode_kv_payload,
+    decode_kv_view,
 )
 from kvmesh.observability.metrics import FrontendMetrics
 from kvmesh.protocol import EngineConfig, InstanceInfo
@@ -421,3 +426,54 @@ async def test_a_repair_that_leaves_the_gap_open_is_not_repeated_at_once(stack: 
         stack.pub.publish(enc(KvEventBatch(W, first, [BlockStored([first])])))
     await until(lambda: len(stack.router.subscription.inbox) == 0 and not stack.router._repairing)  # type: ignore[union-attr]
     assert len(stack.worker.calls) - before == 1
+
+
+_payload = st.one_of(
+    st.builds(BlockStored, st.lists(st.integers(0, 30), max_size=6)),
+    st.builds(BlockRemoved, st.lists(st.integers(0, 30), max_size=6)),
+    st.just(AllBlocksCleared()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches=st.lists(st.tuples(st.integers(0, 3), st.lists(_payload, max_size=8)), max_size=25))
+def test_apply_many_is_apply_with_shared_and_repeated_hashes(batches: list[tuple[int, list[Any]]]) -> None:
+    """Runs of one kind of event, one probe per hash: blocks shared by several workers,
+    repeated within a run, stored twice or removed when not held, end as ``apply``
+    leaves them; the log (which may hold repeats) still drops exactly a worker's blocks."""
+    from kvmesh.router.indexer import KvIndexer
+
+    one, many = KvIndexer(), KvIndexer()
+    for worker, batch in batches:
+        for data in batch:
+            one.apply(worker, data)
+        many.apply_many(worker, batch)
+        for w in range(4):
+            assert many.blocks_of(w) == one.blocks_of(w)
+            assert many.worker_block_count(w) == one.worker_block_count(w)
+        assert many.num_blocks == one.num_blocks
+        assert all(many.find_matches([h]) == one.find_matches([h]) for h in range(31))
+    for w in range(4):
+        many.remove_worker(w)
+        one.remove_worker(w)
+        assert many.num_blocks == one.num_blocks
+    assert many.num_blocks == 0
+
+
+def test_the_routers_view_of_a_batch_skips_what_it_does_not_use() -> None:
+    """decode_kv_view reads the same wire bytes as decode_kv_payload: stored events keep
+    their block hashes (checked), their token hashes and parent hash are skipped (not
+    built, not checked); the older single-event form and the bounds are the same."""
+    full = [BlockStored([1, 2], [3, 4], 9), BlockRemoved([1]), AllBlocksCleared(), BlockStored([5])]
+    view = decode_kv_view(enc(KvEventBatch(W, 3, full)))  # type: ignore[arg-type]
+    assert view == KvEventBatchView(W, 3, [StoredHashes([1, 2]), BlockRemoved([1]), AllBlocksCleared(), StoredHashes([5])])
+    assert decode_kv_payload(enc(KvEventBatch(W, 3, full))).events == full  # type: ignore[arg-type]
+    assert decode_kv_view(enc(KvEventBatch(W, 0, [BlockStored([7], [-1])]))).events == [StoredHashes([7])]
+    one = decode_kv_view(enc(KvEvent(W, 5, BlockStored([1, 2], [3, 4]))))
+    assert (one.worker_id, one.first_event_id, [e.block_hashes for e in one.events]) == (W, 5, [[1, 2]])  # type: ignore[union-attr]
+    with pytest.raises(msgspec.ValidationError):
+        decode_kv_view(enc(KvEventBatch(W, 0, [BlockStored([5, -3])])))
+    with pytest.raises(msgspec.ValidationError):
+        decode_kv_view(enc(KvEventBatch(W, 0, [BlockStored(list(range(MAX_EVENT_BLOCKS + 1)))])))
+    with pytest.raises(ValueError):
+        decode_kv_view(b"\x93" + b"\x00" * (MAX_PAYLOAD_BYTES + 1))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.router.cost import _TIE_RTOL, CostInputs, score_all, select_greedy
 
@@ -77,3 +79,31 @@ def test_ties_are_spread_over_every_tied_worker() -> None:
     rng = random.Random(3)
     picks = {select_greedy(workers, CostInputs(overlaps, 256, {}, {}, 16, 1.0), None, rng)[0].worker_id for _ in range(2000)}
     assert len(picks) > 90
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(33, 300),
+    idle_left=st.integers(0, 40),
+    loaded_cost=st.sampled_from([0, 16, 64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_idle_ties_are_drawn_from_exactly_the_idle_workers(n: int, idle_left: int, loaded_cost: int, seed: int) -> None:
+    """Idle workers tied for the best are drawn at random without listing them (most of
+    a big fleet is idle) and from the list when few are: either way the pick is one
+    select could make, and over many draws every tied worker comes up."""
+    rng = random.Random(seed)
+    workers = dict.fromkeys(rng.sample(range(1, 100_000), n))
+    ids = list(workers)
+    busy = ids[: n - idle_left]
+    # the busy ones: loaded with 0 tokens left to prefill (ties with idle at cost 0 when loaded_cost is 0)
+    prefill = {w: loaded_cost for w in busy[::2] if loaded_cost}
+    active = {w: loaded_cost for w in busy[1::2] if loaded_cost}
+    overlaps = {w: 1 for w in busy if w not in prefill and w not in active}
+    inputs = CostInputs(overlaps, 0, prefill, active, 16, 1.0)  # an empty prompt: overlap does not lower the cost
+    allowed = _allowed(workers, overlaps, 0, prefill, active, 1.0)
+    draw = random.Random(seed ^ 1)
+    picks = {select_greedy(workers, inputs, None, draw)[0].worker_id for _ in range(min(40 * len(allowed), 300))}
+    assert picks <= allowed
+    if len(allowed) <= 6:
+        assert picks == allowed

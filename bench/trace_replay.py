@@ -20,9 +20,13 @@ words, so prompts share the prefixes the trace says they share), ``max_tokens`` 
 ``output_length`` with ``ignore_eos``, streaming with usage. ITL is per request, as
 aiperf defines it: (last token − first token) ÷ (output tokens − 1).
 
+With ``--client aiperf`` NVIDIA's aiperf replays the trace instead (fixed schedule, its own
+prompts from the hash ids; see :func:`aiperf_replay`).
+
 Printed per arm: TTFT p50/p90/p99 overall and by prompt length (<1k, 1k–4k, 4k–16k,
 ≥16k tokens), ITL p50/p99, errors, prefix-cache hit rate (kvmesh: cached ÷ prompt
-tokens from its metrics), migrations, health transitions, and the routing split; then
+tokens from its metrics), the prompt tokens the server counted ÷ the trace's (1.000:
+both fleets prefill the same tokens), migrations, health transitions, and the routing split; then
 the ratios health-on ÷ health-off (and kvmesh ÷ Dynamo). The "physics" line is what
 the mocker's timing model alone gives prompts under 1k tokens (an idle worker, no
 cache hit): the floor TTFT could reach.
@@ -153,7 +157,13 @@ def kvmesh_arm(arm: Arm, a: argparse.Namespace, model_path: str, log_dir: str): 
     extra = ["--model-path", model_path, "--block-size", str(FLEET["block_size"]),
              "--num-blocks", str(FLEET["num_blocks"]), "--max-num-seqs", str(FLEET["max_num_seqs"]),
              "--max-num-batched-tokens", str(FLEET["max_num_batched_tokens"]),
-             "--canary-interval", str(a.canary_interval if arm.health else 0), "--admin"]  # fmt: skip
+             "--canary-interval", str(a.canary_interval if arm.health else 0), "--admin",
+             # aiperf writes a special token's text (<|im_end|>) at the start of every 512-token block
+             # of a trace prompt; Dynamo (as vLLM) reads it as one control token, kvmesh's default reads a
+             # user's special-token text as plain characters (8 tokens here: +1.4 % prompt tokens). The
+             # client is trusted here, so kvmesh parses them too: both fleets get the same token ids
+             # (the "prompt/trace" column checks it).
+             "--allow-special-tokens"]  # fmt: skip
     cmd = kvmesh_command(port, FLEET["workers"], FLEET["speedup"], arm.mode, extra)
     return launch_server(cmd, port, os.path.join(log_dir, arm.name.replace(" ", "-") + ".log"))
 
@@ -212,6 +222,7 @@ class ArmResult:
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
     hit_rate: float | None = None
+    prompt_tokens: float | None = None  # prompt tokens the server counted (usage, or kvmesh's metrics)
     migrations: float | None = None
     transitions: float | None = None
     transitions_detail: list[str] = field(default_factory=list)
@@ -287,12 +298,13 @@ def aiperf_env(model_path: str, log_dir: str) -> dict[str, str]:
 
 
 def aiperf_replay(url: str, trace, model_path: str, log_dir: str, arm: Arm,  # type: ignore[no-untyped-def]
-                  a: argparse.Namespace) -> tuple[list[Sample], float, float | None]:
+                  a: argparse.Namespace) -> tuple[list[Sample], float, float | None, float]:
     """The trace slice replayed by NVIDIA's aiperf (mooncake_trace dataset, fixed
     schedule: each request at its timestamp; prompts built from the hash ids in blocks
     of 512 tokens; ``max_tokens`` = output_length with ``ignore_eos``). Returns the
-    samples, aiperf's benchmark duration and the prefix-cache hit rate the server
-    reported in usage (cached ÷ prompt tokens; None if it reports none)."""
+    samples, aiperf's benchmark duration, the prefix-cache hit rate the server
+    reported in usage (cached ÷ prompt tokens; None if it reports none) and the prompt
+    tokens it reported."""
     out = Path(log_dir) / ("aiperf-" + arm.name.replace(" ", "-") + f"-{time.monotonic_ns()}")
     out.mkdir()
     sliced = out / "trace.jsonl"
@@ -322,7 +334,7 @@ def _metric(m: dict, key: str) -> float | None:  # type: ignore[type-arg]
     return float(v["value"]) if isinstance(v, dict) and v.get("value") is not None else None
 
 
-def _aiperf_samples(out: Path, n: int) -> tuple[list[Sample], float, float | None]:
+def _aiperf_samples(out: Path, n: int) -> tuple[list[Sample], float, float | None, float]:
     samples: list[Sample] = []
     prompt = cached = 0.0
     for line in (out / "profile_export.jsonl").read_text().splitlines():
@@ -341,7 +353,7 @@ def _aiperf_samples(out: Path, n: int) -> tuple[list[Sample], float, float | Non
     samples += [Sample(0, 0, error="no record from aiperf") for _ in range(n - len(samples))]
     summary = json.loads((out / "profile_export_aiperf.json").read_text())
     duration = summary.get("benchmark_duration", {}).get("avg") or 0.0
-    return samples, float(duration), (cached / prompt if prompt and cached else None)
+    return samples, float(duration), (cached / prompt if prompt and cached else None), prompt
 
 
 def run_arm(arm: Arm, a: argparse.Namespace, trace, synth: PromptSynth, model_path: str, log_dir: str) -> ArmResult:  # type: ignore[no-untyped-def]
@@ -357,7 +369,8 @@ def run_arm(arm: Arm, a: argparse.Namespace, trace, synth: PromptSynth, model_pa
                 time.sleep(1.0)
         before = run_async(_metrics(srv.url)) if arm.system == "kvmesh" else ""
         if a.client == "aiperf":
-            res.samples, res.wall_s, res.hit_rate = aiperf_replay(srv.url, trace, model_path, log_dir, arm, a)
+            res.samples, res.wall_s, res.hit_rate, res.prompt_tokens = aiperf_replay(
+                srv.url, trace, model_path, log_dir, arm, a)
         else:
             res.samples, res.wall_s = run_async(replay(srv.url, trace, synth, a))
         if arm.system == "kvmesh":
@@ -376,6 +389,8 @@ def _kvmesh_counters(res: ArmResult, before: str, after: str) -> None:
     cached = delta(r'kvmesh_frontend_cached_tokens_total\{model="[^"]+"\} ([0-9.e+]+)')
     if res.hit_rate is None:
         res.hit_rate = cached / prompt if prompt else None
+    if not res.prompt_tokens:
+        res.prompt_tokens = prompt
     res.migrations = delta(r"kvmesh_migration_total\{[^}]*\} ([0-9.e+]+)")
     res.transitions = delta(r"kvmesh_health_transitions_total\{[^}]*\} ([0-9.e+]+)")
     res.transitions_detail = [
@@ -389,7 +404,7 @@ def _kvmesh_counters(res: ArmResult, before: str, after: str) -> None:
 # ---------------------------------------------------------------------------- report
 
 
-def summary(res: ArmResult) -> dict[str, object]:
+def summary(res: ArmResult, trace_tokens: int) -> dict[str, object]:
     ok = [s for s in res.samples if s.ok]
     ttft = [s.ttft_ms for s in ok if s.ttft_ms is not None]
     itl = [s.itl_ms for s in ok if s.itl_ms is not None]
@@ -399,6 +414,7 @@ def summary(res: ArmResult) -> dict[str, object]:
         "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
         "hit_rate": res.hit_rate, "migrations": res.migrations, "transitions": res.transitions,
         "transitions_detail": res.transitions_detail, "split": res.split, "wall_s": res.wall_s,
+        "prompt_ratio": res.prompt_tokens / trace_tokens if res.prompt_tokens and trace_tokens else None,
     }  # fmt: skip
     for lo, hi, name in BUCKETS:
         b = [s.ttft_ms for s in ok if lo <= s.input_length < hi and s.ttft_ms is not None]
@@ -433,7 +449,8 @@ def table(rows: list[dict[str, object]]) -> str:
             ("ttft_p99", "p99", 0)]  # fmt: skip
     cols += [(f"ttft_p50 {n}", f"p50 {n}", 0) for _, _, n in BUCKETS]
     cols += [(f"ttft_p90 <1k", "p90 <1k", 0), ("itl_p50", "ITL p50", 1), ("itl_p99", "ITL p99", 1),
-             ("hit_rate", "hit", 3), ("migrations", "migr", 0), ("transitions", "health tr", 0)]  # fmt: skip
+             ("hit_rate", "hit", 3), ("prompt_ratio", "prompt/trace", 3), ("migrations", "migr", 0),
+             ("transitions", "health tr", 0)]  # fmt: skip
     head = " | ".join(h for _, h, _ in cols)
     lines = [f"| {head} |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -526,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm in arms:
                 t0 = time.monotonic()
                 res = run_arm(arm, a, trace, synth, model_path, tmp)
-                row = summary(res)
+                row = summary(res, sum(r.input_length for r in trace))
                 row["round"] = rnd + 1
                 rows.append(row)
                 log(f"round {rnd + 1} {arm.name}: TTFT p50 {_f(row['ttft_p50'])} ms p99 {_f(row['ttft_p99'])} ms, "

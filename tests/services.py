@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 from pathlib import Path
 
-from tests.helpers import free_port
+from tests.helpers import service_port
 
 _PACKAGES = {"etcd": "etcd-server", "etcdctl": "etcd-client", "nats-server": "nats-server"}
 _SBIN = ("/usr/sbin", "/usr/bin", "/usr/local/bin", "/usr/local/sbin")
@@ -79,8 +79,9 @@ class Etcd:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        # not ephemeral: a restart needs the same ports back (see service_port)
+        self.client_port = service_port()
+        self.peer_port = service_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -120,7 +121,7 @@ class Etcd:
 class Nats:
     def __init__(self, workdir: Path, jetstream: bool = True) -> None:
         self.workdir = workdir
-        self.port = free_port()
+        self.port = service_port()  # not ephemeral: a restart needs the same port back
         self.jetstream = jetstream
         self.proc: subprocess.Popen[bytes] | None = None
 

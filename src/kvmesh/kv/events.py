@@ -62,7 +62,12 @@ Hash = Annotated[int, msgspec.Meta(ge=0)]
 Hashes = Annotated[list[Hash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
 
 
-class StoredHashes(msgspec.Struct, tag="stored", omit_defaults=True):
+# The event payloads are untracked by the cyclic GC (gc=False: they hold only ints and
+# lists of ints, so they cannot be part of a cycle): a router decodes ~100 per envelope,
+# and tracked ones would set off a young-generation collection every few envelopes.
+
+
+class StoredHashes(msgspec.Struct, tag="stored", omit_defaults=True, gc=False):
     """What the router reads of a :class:`BlockStored` (which is one): the chained
     hashes. Decoded from a ``BlockStored`` on the wire by :func:`decode_kv_view`, which
     skips the other fields instead of building them."""
@@ -79,11 +84,11 @@ class BlockStored(StoredHashes, tag="stored", omit_defaults=True):
     parent_hash: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag="removed"):
+class BlockRemoved(msgspec.Struct, tag="removed", gc=False):
     block_hashes: Hashes
 
 
-class AllBlocksCleared(msgspec.Struct, tag="cleared"):
+class AllBlocksCleared(msgspec.Struct, tag="cleared", gc=False):
     pass
 
 

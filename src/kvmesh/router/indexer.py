@@ -32,8 +32,9 @@ Representation (memory matters: the bench indexes 10 million blocks):
 * ``_log[i]``: an append-only ``array('Q')`` of the hashes worker ``i`` was given
   (8 bytes each, where a set would cost ~60), so removing a worker, loading a dump
   and listing its blocks are O(that worker's blocks) rather than O(index). An entry
-  is live while bit ``i`` is set on its node; removals leave dead entries behind,
-  and the log is compacted once it is over twice its live count (amortised O(1)).
+  is live while bit ``i`` is set on its node; removals leave dead entries behind (and
+  a batch's store of a block held already a repeat), and the log is compacted once it
+  is over twice its live count (amortised O(1)).
   Hashes are therefore unsigned 64-bit ints (as :mod:`kvmesh.kv.hashing` makes
   them); anything else is a ``ValueError``.
 
@@ -59,7 +60,6 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import chain, compress, groupby, repeat
 from operator import attrgetter, is_not, ne
@@ -246,7 +246,7 @@ class KvIndexer:
         worker may pass its cap by this batch's blocks.
         """
         i = self._index.get(worker_id)
-        delta, removed = 0, False
+        delta = 0
         try:
             for kind, group in groupby(events, type):
                 if kind is StoredHashes or kind is BlockStored:
@@ -256,7 +256,6 @@ class KvIndexer:
                 elif kind is BlockRemoved:
                     if i is not None:
                         delta -= self._remove_run(i, list(chain.from_iterable(map(_HASHES, group))))
-                        removed = True
                 elif kind is AllBlocksCleared:
                     if i is not None:
                         self._count[i] += delta
@@ -270,7 +269,7 @@ class KvIndexer:
             raise ValueError(f"block hashes must be unsigned 64-bit ints: {e}") from None
         finally:
             if i is not None:
-                self._settle(i, delta, removed)
+                self._settle(i, delta)
 
     def _store_run(self, i: int, hashes: list[int]) -> int:
         """Give worker ``i`` the blocks ``hashes``; returns how many it did not hold.
@@ -315,7 +314,7 @@ class KvIndexer:
                     nodes[h] = m  # not this worker's: put back as it was
         return gone
 
-    def _settle(self, i: int, delta: int, removed: bool) -> None:
+    def _settle(self, i: int, delta: int) -> None:
         """After a batch: worker ``i``'s count, then its cap, then its log's compaction."""
         self._count[i] += delta
         if self._count[i] > self.max_blocks_per_worker:
@@ -379,7 +378,8 @@ class KvIndexer:
         return out
 
     def _live(self, i: int) -> Iterable[int]:
-        """Worker ``i``'s live log entries (a hash stored, removed, stored again may repeat)."""
+        """Worker ``i``'s live log entries (a hash stored twice, or stored, removed and
+        stored again, may repeat)."""
         nodes, bit = self._nodes, self._bits[i]
         get = nodes.get
         return (h for h in self._log[i] if get(h, 0) & bit)

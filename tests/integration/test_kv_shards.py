@@ -120,13 +120,19 @@ async def test_shards_index_their_workers_and_every_decision_asks_them_all(fleet
     await _until(lambda: WORKERS[1] not in index.find_matches(block_hashes(_prompt(2), BLOCK)))
 
 
-async def test_a_slow_shard_costs_a_decision_its_overlaps_not_its_time(fleet) -> None:  # type: ignore[no-untyped-def]
+async def _cached_on_first_worker(fleet):  # type: ignore[no-untyped-def]
+    """Every worker routed; the first one's prompt cached and seen by its shard: (index, hashes)."""
     router, index, workers, _ = fleet
     for worker in workers:
         router.add_worker(Instance(worker.info, worker.client))
     await workers[0].generate(1)
     hashes = block_hashes(_prompt(1), BLOCK)
     await _until(lambda: index.find_matches(hashes) == {WORKERS[0]: 4})
+    return index, hashes
+
+
+async def test_a_slow_shard_costs_a_decision_its_overlaps_not_its_time(fleet) -> None:  # type: ignore[no-untyped-def]
+    index, hashes = await _cached_on_first_worker(fleet)
     shard = index._shards[index.shard_of(WORKERS[0])]  # type: ignore[index]
     shard.proc.send_signal(19)  # SIGSTOP: the shard cannot answer
     try:
@@ -142,12 +148,8 @@ async def test_a_slow_shard_costs_a_decision_its_overlaps_not_its_time(fleet) ->
 
 
 async def test_a_shard_that_dies_is_started_again_with_its_workers(fleet) -> None:  # type: ignore[no-untyped-def]
-    router, index, workers, _ = fleet
-    for worker in workers:
-        router.add_worker(Instance(worker.info, worker.client))
-    await workers[0].generate(1)
-    hashes = block_hashes(_prompt(1), BLOCK)
-    await _until(lambda: index.find_matches(hashes) == {WORKERS[0]: 4})
+    index, hashes = await _cached_on_first_worker(fleet)
+    workers = fleet[2]
     victim = index._shards[index.shard_of(WORKERS[0])]  # type: ignore[index]
     victim.proc.kill()  # SIGKILL, for real
     await _until(lambda: index.respawns == 1)

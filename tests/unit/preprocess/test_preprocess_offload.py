@@ -111,16 +111,22 @@ def _job(log: list[str], name: str, gate: threading.Event | None = None, started
     return build
 
 
-def test_the_pool_builds_the_smallest_waiting_prompt_first() -> None:
-    pool = pre_mod.SizedPool(1, long_chars=10**9)
+def _built_order(pool: pre_mod.SizedPool, jobs: tuple[tuple[str, int], ...]) -> list[str]:
+    """The order a one-thread ``pool`` builds ``jobs`` (name, size) queued while it is busy."""
     log: list[str] = []
     gate, started = threading.Event(), threading.Event()
     first = pool.submit(_job(log, "busy", gate, started), 10)
     assert started.wait(30)  # the only thread is taken; the rest queue
-    futs = [pool.submit(_job(log, name), size) for name, size in (("500", 500), ("100", 100), ("300", 300))]
+    futs = [pool.submit(_job(log, name), size) for name, size in jobs]
     gate.set()
     for f in [first, *futs]:
         f.result(30)
+    return log
+
+
+def test_the_pool_builds_the_smallest_waiting_prompt_first() -> None:
+    pool = pre_mod.SizedPool(1, long_chars=10**9)
+    log = _built_order(pool, (("500", 500), ("100", 100), ("300", 300)))
     assert log == ["busy", "100", "300", "500"]
 
 
@@ -128,15 +134,8 @@ def test_long_prompts_wait_after_smaller_ones_in_the_order_they_came() -> None:
     # smallest-first among long prompts would put the longest of a burst last in its
     # worker's queue (the order prompts leave the pool is the order they are routed)
     pool = pre_mod.SizedPool(1, long_chars=1000)
-    log: list[str] = []
-    gate, started = threading.Event(), threading.Event()
-    first = pool.submit(_job(log, "busy", gate, started), 10)
-    assert started.wait(30)
     order = (("long 50k", 50_000), ("long 2k", 2_000), ("short 900", 900), ("long 1k", 1_000), ("short 20", 20))
-    futs = [pool.submit(_job(log, name), size) for name, size in order]
-    gate.set()
-    for f in [first, *futs]:
-        f.result(30)
+    log = _built_order(pool, order)
     assert log == ["busy", "short 20", "short 900", "long 50k", "long 2k", "long 1k"]
 
 

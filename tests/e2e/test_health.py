@@ -118,6 +118,9 @@ def test_corrupting_worker_is_removed_then_recovers_through_half_open(tmp_path):
         url = server.url
         _wait(lambda: len(_workers(url)) == 2 and all(w["status"] == "healthy" for w in _workers(url).values()), 20, "2 healthy")
         bad, _ = sorted(_workers(url))
+        # the fleet agrees on the canary answers first (HEALTHY is where a worker starts):
+        # corrupted before that, one worker of two has no majority to be judged against
+        _wait(lambda: _canary_checks(url, bad) >= 1, 30, "the canary set recorded and a first check")
         _fault(url, bad, "corrupt")
         _wait(lambda: _workers(url)[bad]["status"] == "unhealthy", 30, "corruption detected")
         assert _workers(url)[bad]["weight"] == 0.0

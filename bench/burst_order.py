@@ -13,11 +13,17 @@ as aiperf defines it: (last − first token) ÷ (tokens − 1)), for each routin
 * ``arrival``: the trace's own order (what a FIFO pool gives);
 * ``smallest``: smallest prompt first (a shortest-job-first pool);
 * ``small<N``: prompts under N tokens smallest first, then the rest in arrival order
+  (the pool before it put long prompts largest first);
+* ``small<N+largest``: prompts under N tokens smallest first, then the rest largest first
   (what :class:`kvmesh.preprocess.preprocessor.SizedPool` does with ``LONG_CHARS``);
 * ``largest``: largest first.
 
+``--shuffle``: each burst first in a random order of its own, as a client with several
+connections sends it (aiperf does), so "arrival" is the client's order, not the trace's.
+
     python bench/burst_order.py                       # 1,000 requests, the trace_replay fleet
     python bench/burst_order.py --orders arrival,small<8000 --seeds 3
+    python bench/burst_order.py --shuffle --orders small<7000,small<10500+largest --seeds 4
 """
 
 from __future__ import annotations
@@ -52,18 +58,28 @@ def order_named(name: str) -> Order:
     if name == "largest":
         return lambda burst: sorted(burst, key=lambda r: -r.input_length)
     if name.startswith("small<"):
-        limit = int(name[len("small<"):])
+        limit_text, _, rest = name[len("small<"):].partition("+")
+        limit = int(limit_text)
+        if rest not in ("", "largest"):
+            raise SystemExit(f"unknown order {name!r}")
+        sign = -1 if rest else 0  # 0: the long ones keep their order (sorted is stable)
         return lambda burst: (sorted((r for r in burst if r.input_length < limit), key=lambda r: r.input_length)
-                              + [r for r in burst if r.input_length >= limit])  # fmt: skip
+                              + sorted((r for r in burst if r.input_length >= limit),
+                                       key=lambda r: sign * r.input_length))  # fmt: skip
     raise SystemExit(f"unknown order {name!r}")
 
 
-def reordered(trace: Sequence[TraceRequest], order: Order, rng: random.Random, gap_ms: float) -> list[TraceRequest]:
-    """Each burst (same timestamp) in ``order``, its requests a random 0.1–``gap_ms`` ms apart."""
+def reordered(trace: Sequence[TraceRequest], order: Order, rng: random.Random, gap_ms: float,
+              shuffle: bool = False) -> list[TraceRequest]:  # fmt: skip
+    """Each burst (same timestamp) in ``order`` (after a random shuffle with ``shuffle``),
+    its requests a random 0.1–``gap_ms`` ms apart."""
     out: list[TraceRequest] = []
-    for ts, burst in itertools.groupby(trace, key=lambda r: r.timestamp_ms):
+    for ts, group in itertools.groupby(trace, key=lambda r: r.timestamp_ms):
+        burst = list(group)
+        if shuffle:
+            rng.shuffle(burst)
         t = ts
-        for r in order(list(burst)):
+        for r in order(burst):
             t += rng.uniform(0.1, gap_ms)
             out.append(replace(r, timestamp_ms=t))
     return out
@@ -88,17 +104,21 @@ def main() -> int:
     ap.add_argument("--policies", default="kv,round_robin")
     ap.add_argument("--seeds", type=int, default=2, help="random spreads per order (medians are printed)")
     ap.add_argument("--gap-ms", type=float, default=3.0, help="largest gap between a burst's requests")
+    ap.add_argument("--shuffle", action="store_true", help="each burst in a random client order first")
     a = ap.parse_args()
     trace = load_trace(a.trace, limit=a.requests)
     print(f"{len(trace)} requests of {Path(a.trace).name}; {FLEET['workers']} mocker workers, block "
           f"{FLEET['block_size']}, {FLEET['num_blocks']} blocks, speedup {FLEET['speedup']:g}; medians of "
           f"{a.seeds} spreads; times in ms\n")  # fmt: skip
-    print("| order | policy | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |\n|---|---|---|---|---|---|")
+    print("| order | policy | TTFT p50 | TTFT p99 (range) | ITL p50 | ITL p99 |\n|---|---|---|---|---|---|")
     for name in a.orders.split(","):
         for policy in a.policies.split(","):
-            runs = [one(reordered(trace, order_named(name), random.Random(s), a.gap_ms), policy) for s in range(a.seeds)]
+            runs = [one(reordered(trace, order_named(name), random.Random(s), a.gap_ms, a.shuffle), policy)
+                    for s in range(a.seeds)]  # fmt: skip
             med = [statistics.median(col) for col in zip(*runs)]
-            print(f"| {name} | {policy} | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.2f} | {med[3]:.2f} |", flush=True)
+            p99s = sorted(r[1] for r in runs)
+            print(f"| {name} | {policy} | {med[0]:.1f} | {med[1]:.1f} ({p99s[0]:.0f}–{p99s[-1]:.0f}) | {med[2]:.2f} "
+                  f"| {med[3]:.2f} |", flush=True)  # fmt: skip
     return 0
 
 

@@ -7,12 +7,16 @@ the machine), so a short prompt, built inline, never waits behind a long one. Th
 runs the smallest waiting prompt first and keeps one thread free of prompts of
 ``LONG_CHARS`` or more, so a mid-sized prompt does not queue behind a burst of huge ones
 either (FIFO made a 900-token prompt wait a second behind 250k tokens of a trace burst).
-Long prompts themselves go in the order they came: the order prompts leave the pool is
-the order they are routed and reach a worker's queue, and smallest-first among long ones
-put the longest prompt of every burst last in its worker's queue (``kvmesh replay`` of the
-Mooncake conversation trace, kv router, bursts ordered smallest first: TTFT p99 833 ms
-against 736 ms in arrival order; smaller than about 8k tokens first, then the rest in
-arrival order: 728 ms, with TTFT p50 115 → 96 ms).
+Long prompts themselves go largest first. The order prompts leave the pool is the order
+they are routed and reach a worker's queue: shortest first keeps the many short prompts'
+wait low, while among long ones, whose prefills occupy a worker for a long time, largest
+first is the classic LPT rule for spreading jobs over parallel machines (the cost-based
+router sends each to the least loaded worker), and a burst's long prompts reach the fleet
+in an order that does not depend on how the client happened to send them. ``kvmesh
+replay`` of the Mooncake conversation trace, each burst in a random client order
+(``bench/burst_order.py --shuffle``, 6 seeds), long ones after the rest in the order they
+came: kv router TTFT p99 712–787 ms, round robin 852–959 ms; largest first (about 10k
+tokens and up): 711–716 and 850–866 ms, and TTFT p50 94 → 83 and 84 → 75 ms.
 Threads suffice: ``tokenizers`` releases the GIL in ``encode_batch_fast``, the call
 :meth:`~kvmesh.preprocess.tokenizer.Tokenizer.encode` uses for long inputs
 (``bench/tokenize_gil.py`` measures it), and rendering a template is cheap next to
@@ -42,10 +46,10 @@ __all__ = ["Preprocessor", "OFFLOAD_CHARS", "LONG_CHARS", "SizedPool", "preproce
 # Prompts shorter than this (characters of text) are built on the caller's thread:
 # they take well under a millisecond, less than a hop to the pool and back.
 OFFLOAD_CHARS = 2048
-# Prompts this large (about 4k tokens of English, some 5 ms of tokenizing) never take the
-# pool's last free thread (it stays for smaller ones), and wait in arrival order, after
-# every smaller prompt.
-LONG_CHARS = 16 * 1024
+# Prompts this large (about 6k tokens of English, 10k of the trace benches' text; some
+# 8 ms of tokenizing) never take the pool's last free thread (it stays for smaller ones),
+# and wait after every smaller prompt, the largest first.
+LONG_CHARS = 24 * 1024
 
 _pool: SizedPool | None = None
 _pool_lock = threading.Lock()
@@ -54,9 +58,9 @@ _pool_lock = threading.Lock()
 class SizedPool:
     """Threads that build prompts: the smallest waiting one first (shortest job first:
     a job's size is its characters), except that jobs of ``long_chars`` or more come after
-    every smaller one and among themselves in the order they were submitted; at most
-    ``workers - 1`` of them run at once (at least 1). Threads start on demand and live as
-    long as the process (daemons)."""
+    every smaller one and among themselves the largest first; at most ``workers - 1`` of
+    them run at once (at least 1). Threads start on demand and live as long as the process
+    (daemons)."""
 
     def __init__(self, workers: int, long_chars: int = LONG_CHARS, name: str = "kvmesh-preprocess") -> None:
         if workers < 1:
@@ -65,7 +69,8 @@ class SizedPool:
         self.long_chars = long_chars
         self._name = name
         self._cv = threading.Condition()
-        self._heap: list[tuple[int, int, Callable[[], list[int]], Future[list[int]]]] = []
+        # (long?, rank, arrival, build, future): short jobs by size, then long ones by size, largest first
+        self._heap: list[tuple[bool, int, int, Callable[[], list[int]], Future[list[int]]]] = []
         self._order = itertools.count()
         self._threads = 0
         self._idle = 0
@@ -78,20 +83,20 @@ class SizedPool:
     def submit(self, build: Callable[[], list[int]], size: int) -> Future[list[int]]:
         fut: Future[list[int]] = Future()
         with self._cv:
-            rank = min(size, self.long_chars)  # long jobs share one rank: first come, first served
-            heapq.heappush(self._heap, (rank, next(self._order), build, fut))
+            is_long = size >= self.long_chars
+            heapq.heappush(self._heap, (is_long, -size if is_long else size, next(self._order), build, fut))
             if self._idle == 0 and self._threads < self.workers:
                 self._threads += 1
                 threading.Thread(target=self._work, name=f"{self._name}-{self._threads}", daemon=True).start()
             self._cv.notify_all()
         return fut
 
-    def _take(self) -> tuple[int, Callable[[], list[int]], Future[list[int]]]:
-        """(called holding the lock) The smallest job allowed to start now; waits."""
+    def _take(self) -> tuple[bool, Callable[[], list[int]], Future[list[int]]]:
+        """(called holding the lock) The first job allowed to start now; waits."""
         while True:
-            if self._heap and (self._heap[0][0] < self.long_chars or self._long_running < self.long_slots):
-                size, _, build, fut = heapq.heappop(self._heap)
-                return size, build, fut
+            if self._heap and (not self._heap[0][0] or self._long_running < self.long_slots):
+                is_long, _, _, build, fut = heapq.heappop(self._heap)
+                return is_long, build, fut
             self._idle += 1
             self._cv.wait()
             self._idle -= 1
@@ -99,8 +104,7 @@ class SizedPool:
     def _work(self) -> None:
         while True:
             with self._cv:
-                size, build, fut = self._take()
-                is_long = size >= self.long_chars
+                is_long, build, fut = self._take()
                 self._long_running += is_long
             try:
                 if fut.set_running_or_notify_cancel():

@@ -130,11 +130,11 @@ def test_the_pool_builds_the_smallest_waiting_prompt_first() -> None:
     assert log == ["busy", "100", "300", "500"]
 
 
-def test_long_prompts_wait_after_smaller_ones_in_the_order_they_came() -> None:
-    # smallest-first among long prompts would put the longest of a burst last in its
-    # worker's queue (the order prompts leave the pool is the order they are routed)
+def test_long_prompts_wait_after_smaller_ones_largest_first() -> None:
+    # the order prompts leave the pool is the order they are routed: long ones largest
+    # first, whatever order the client sent them in
     pool = pre_mod.SizedPool(1, long_chars=1000)
-    order = (("long 50k", 50_000), ("long 2k", 2_000), ("short 900", 900), ("long 1k", 1_000), ("short 20", 20))
+    order = (("long 2k", 2_000), ("long 50k", 50_000), ("short 900", 900), ("long 1k", 1_000), ("short 20", 20))
     log = _built_order(pool, order)
     assert log == ["busy", "short 20", "short 900", "long 50k", "long 2k", "long 1k"]
 

@@ -47,7 +47,7 @@ __all__ = ["Preprocessor", "OFFLOAD_CHARS", "LONG_CHARS", "SizedPool", "preproce
 # they take well under a millisecond, less than a hop to the pool and back.
 OFFLOAD_CHARS = 2048
 # Prompts this large (about 6k tokens of English, 10k of the trace benches' text; some
-# 8 ms of tokenizing) never take the pool's last free thread (it stays for smaller ones),
+# 5-10 ms of tokenizing) never take the pool's last free thread (it stays for smaller ones),
 # and wait after every smaller prompt, the largest first.
 LONG_CHARS = 24 * 1024
 

@@ -97,7 +97,30 @@ class MockerSettings(EngineSettings):
         check(self)
 
 
-_HF = "hf engine (PyTorch on the CPU)"
+_HF = "hf engine (PyTorch on the CPU or a CUDA GPU)"
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _device_ok(value: object) -> str | None:
+    text = str(value)
+    base, _, index = text.partition(":")
+    if base in _DEVICES and (not index or (base == "cuda" and index.isdigit())):
+        return None
+    return "must be auto, cpu, cuda or cuda:N"
+
+
+def _dtype_ok(value: object) -> str | None:
+    return None if value in _DTYPES else f"must be one of {', '.join(_DTYPES)}"
+
+
+# the shapes of kvmesh.engines.hf.shapes (named here: this module imports no torch)
+RANDOM_SHAPES = ("llama-1b", "llama-8b")
+
+
+def _shape_ok(value: object) -> str | None:
+    return None if not value or value in RANDOM_SHAPES else f"must be one of {', '.join(RANDOM_SHAPES)}"
 
 
 @dataclass(frozen=True)
@@ -131,6 +154,29 @@ class HfSettings(EngineSettings):
     max_num_partial_prefills: int = setting(
         0, "prefills in one pass (0: no cap)", flag="--hf-max-num-partial-prefills",
         env="KVMESH_HF_MAX_NUM_PARTIAL_PREFILLS", check=non_negative, group=_HF,
+    )  # fmt: skip
+
+    device: str = setting(
+        "auto", "where the model runs: cpu, cuda, cuda:N (auto: cuda when a GPU is visible)", flag="--device",
+        env="KVMESH_HF_DEVICE", check=_device_ok, group=_HF,
+    )  # fmt: skip
+    dtype: str = setting(
+        "auto", "weights and KV dtype: bfloat16, float16, float32 (auto: float32 on the CPU, the model's 16-bit "
+        "dtype on a GPU, else bfloat16)", flag="--dtype", env="KVMESH_HF_DTYPE", check=_dtype_ok, group=_HF,
+    )  # fmt: skip
+    gpu_memory_fraction: float = setting(
+        0.9, "GPU: the share of the card's memory this worker may fill (weights, KV pool, activations); the KV "
+        "pool gets what is left of it after loading (two workers on one card: 0.45 each)",
+        flag="--gpu-memory-fraction", env="KVMESH_HF_GPU_MEMORY_FRACTION", check=within(0.01, 1.0), group=_HF,
+    )  # fmt: skip
+    random_weights: str = setting(
+        "", "synthetic weights in a known shape (llama-1b, llama-8b) for benchmarks without the model files; "
+        "the model folder gives only the tokenizer (the text is noise)", flag="--random-weights",
+        env="KVMESH_HF_RANDOM_WEIGHTS", check=_shape_ok, group=_HF,
+    )  # fmt: skip
+    enforce_eager: bool = setting(
+        False, "GPU: no CUDA graphs (decode passes are captured per batch size at start otherwise)",
+        flag="--enforce-eager", env="KVMESH_HF_ENFORCE_EAGER", group=_HF,
     )  # fmt: skip
 
     def __post_init__(self) -> None:

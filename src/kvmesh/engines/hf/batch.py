@@ -8,6 +8,11 @@ touches scheduler state. The common shapes need no gather or mask at all:
   packed rows as they are (``q_index`` and ``out_rows`` None);
 * every sequence's context of the same length ``L`` and ``Q == 1``, or one sequence
   prefilled from position 0: no mask (``mask`` None; ``causal`` for the prefill).
+
+:func:`make_paged_inputs` builds the GPU's pass instead (``StepInputs.paged``): nothing is
+padded; the one-token chunks are decode rows read through their block tables, every
+longer chunk a prefill span of its own. :class:`DecodeBuffers` holds the fixed tensors a
+CUDA graph replays from, and fills them for one decode batch.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engines.hf.model import StepInputs
+from kvmesh.engines.hf.model import DecodeRows, PrefillSpan, StepInputs
 
-__all__ = ["Chunk", "make_inputs"]
+__all__ = ["Chunk", "make_inputs", "make_paged_inputs", "DecodeBuffers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +114,148 @@ def _mask(chunks: Sequence[Chunk], lengths: list[int], ends: list[int], width: i
     for b, (c, n) in enumerate(zip(chunks, lengths, strict=True)):
         q_pos[b, :n] = torch.arange(c.start, c.start + n)
     return (torch.arange(keys)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+
+
+# ---------------------------------------------------------------------------- paged (GPU)
+
+
+def _slot(table: Sequence[int], position: int, bs: int) -> int:
+    return table[position // bs] * bs + position % bs
+
+
+def make_paged_inputs(chunks: Sequence[Chunk], block_size: int, device: torch.device | str = "cpu") -> StepInputs:
+    """A paged pass for ``chunks`` (at least one, each with at least one token), its
+    tensors on ``device``."""
+    if not chunks or any(not c.tokens for c in chunks):
+        raise ValueError("a forward pass needs at least one chunk, each with tokens")
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    decode_rows: list[int] = []
+    decode_chunks: list[Chunk] = []
+    spans: list[tuple[int, Chunk]] = []
+    for c in chunks:
+        first, n = len(ids), len(c.tokens)
+        ids.extend(c.tokens)
+        positions.extend(range(c.start, c.start + n))
+        slots.extend(_slot(c.block_table, p, block_size) for p in range(c.start, c.start + n))
+        if n == 1:
+            decode_rows.append(first)
+            decode_chunks.append(c)
+        else:
+            spans.append((first, c))
+        if c.wants_logits:
+            sample_rows.append(first + n - 1)
+
+    def dev(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    decode = None
+    if decode_chunks:
+        every = len(decode_rows) == len(ids)
+        decode = DecodeRows(
+            rows=None if every else dev(decode_rows),
+            block_tables=_tables(decode_chunks, block_size).to(device, non_blocking=True),
+            seq_lens=torch.tensor([c.start + 1 for c in decode_chunks], dtype=torch.int32).to(device, non_blocking=True),
+        )
+    return StepInputs(
+        input_ids=dev(ids),
+        positions=dev(positions),
+        slots=dev(slots),
+        key_slots=torch.empty(0, dtype=torch.long, device=device),
+        batch=len(chunks),
+        width=1,
+        max_position=max(c.start + len(c.tokens) for c in chunks) - 1,
+        q_index=None,
+        out_rows=None,
+        mask=None,
+        causal=False,
+        sample_index=dev(sample_rows),
+        paged=True,
+        decode=decode,
+        prefills=tuple(_span(first, c, block_size, device) for first, c in spans),
+    )
+
+
+def _tables(chunks: Sequence[Chunk], bs: int, width: int = 0) -> torch.Tensor:
+    """(n, width) int32: each chunk's blocks up to its new token, padded with block 0."""
+    need = [-(-(c.start + len(c.tokens)) // bs) for c in chunks]
+    width = max(width, *need)
+    rows = [list(c.block_table[:n]) + [0] * (width - n) for c, n in zip(chunks, need, strict=True)]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _span(first: int, c: Chunk, bs: int, device: torch.device | str) -> PrefillSpan:
+    n = len(c.tokens)
+    if c.start == 0:
+        return PrefillSpan(first, n, None, None)
+    end = c.start + n
+    key_slots = [_slot(c.block_table, p, bs) for p in range(end)]
+    mask = torch.arange(end)[None, :] <= torch.arange(c.start, end)[:, None]
+    return PrefillSpan(
+        first, n, torch.tensor(key_slots, dtype=torch.long).to(device), mask.to(device, non_blocking=True)
+    )
+
+
+class DecodeBuffers:
+    """The fixed input tensors of the decode graphs: room for ``max_batch`` rows of up to
+    ``max_blocks`` blocks each, on ``device``. :meth:`fill` copies one decode batch in
+    (rows past it are padding: token 0 at position 0, KV to the pool's scratch block,
+    one key); :meth:`inputs` is the pass over the first ``batch`` rows, every tensor a
+    view of the buffers, so a graph captured from it replays whatever was filled."""
+
+    def __init__(self, max_batch: int, max_blocks: int, scratch_block: int, block_size: int, device: torch.device) -> None:
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.scratch, self.block_size = scratch_block, block_size
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.rows = torch.arange(max_batch, dtype=torch.long, device=device)
+        # the host side of all five, one pinned buffer sent in one transfer
+        self._host = torch.zeros(max_batch, 4 + max_blocks, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._np = self._host.numpy()
+
+    def inputs(self, batch: int) -> StepInputs:
+        return StepInputs(
+            input_ids=self.ids[:batch],
+            positions=self.positions[:batch],
+            slots=self.slots[:batch],
+            key_slots=self.slots[:0],
+            batch=batch,
+            width=1,
+            max_position=0,  # the rope table covers the context: no growth inside a graph
+            q_index=None,
+            out_rows=None,
+            mask=None,
+            causal=False,
+            sample_index=self.rows[:batch],
+            paged=True,
+            decode=DecodeRows(None, self.tables[:batch], self.lens[:batch]),
+        )
+
+    def fits(self, chunks: Sequence[Chunk]) -> bool:
+        limit = self.max_blocks * self.block_size
+        return len(chunks) <= self.max_batch and all(len(c.tokens) == 1 and c.start < limit for c in chunks)
+
+    def fill(self, chunks: Sequence[Chunk], batch: int) -> None:
+        """Copy the decode ``chunks`` (one token each, ``fits``) into the first ``batch``
+        rows, padding the rest. Only the table columns in use travel (the kernel reads a
+        row's blocks up to its length)."""
+        bs, n = self.block_size, len(chunks)
+        width = max((c.start // bs + 1 for c in chunks), default=1)
+        host = self._np[:batch]
+        host[n:, :4] = (0, 0, self.scratch * bs, 1)  # padding rows: KV into the scratch block
+        host[n:, 4 : 4 + width] = self.scratch
+        for i, c in enumerate(chunks):
+            need = c.start // bs + 1
+            host[i, :4] = (c.tokens[0], c.start, _slot(c.block_table, c.start, bs), c.start + 1)
+            host[i, 4 : 4 + need] = c.block_table[:need]
+        dev = self._host[:batch, : 4 + width].to(self.ids.device, non_blocking=True)
+        self.ids[:batch].copy_(dev[:, 0])
+        self.positions[:batch].copy_(dev[:, 1])
+        self.slots[:batch].copy_(dev[:, 2])
+        self.lens[:batch].copy_(dev[:, 3])
+        self.tables[:batch, :width].copy_(dev[:, 4:])

@@ -1,4 +1,4 @@
-"""``HfEngine``: a Llama-family Hugging Face model on the CPU, behind the Engine contract.
+"""``HfEngine``: a Llama-family Hugging Face model on the CPU or a CUDA GPU, behind the Engine contract.
 
 Shape (one event loop, one forward thread)::
 
@@ -7,6 +7,12 @@ Shape (one event loop, one forward thread)::
         │                               │ forward + sample (the one "hf-forward" thread)
         └── one-slot mailbox ◀──────────┘ complete: stop rules, KV events (loop)
 
+* **Device** (:mod:`.device`): ``--device``/``--dtype``; on a GPU the weights load
+  straight onto it, the KV pool takes what ``--gpu-memory-fraction`` of the card leaves,
+  a pass is *paged* (decode rows through the paged decode kernel, prefill chunks on
+  their own: :func:`~.batch.make_paged_inputs`) and decode batches replay CUDA graphs
+  captured at start (:attr:`HfEngine.graph_capture_s`). ``--random-weights SHAPE``:
+  synthetic weights in a Llama shape (:mod:`.shapes`), logged as such.
 * **Continuous batching**: every pass runs the decode token of every running request
   and prefill chunks of new ones as one packed forward (:mod:`.model`); requests
   join and leave between passes. :attr:`HfEngine.stats` counts passes and tokens.
@@ -51,10 +57,11 @@ import torch
 
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.engines.batching.mailbox import Mailbox
-from kvmesh.engines.hf.batch import Chunk, make_inputs
+from kvmesh.engines.hf.batch import Chunk, make_inputs, make_paged_inputs
 from kvmesh.engines.hf.cpus import auto_threads
+from kvmesh.engines.hf.device import DecodeGraphs, gpu_kv_bytes, profile_peak, resolve_device, resolve_dtype
 from kvmesh.engines.hf.kv import KvPool
-from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs
+from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs, load_weights
 from kvmesh.engines.hf.options import HfOptions
 from kvmesh.engines.hf.sampling import Sampled, SampleParams, params_for, sample
 from kvmesh.engines.batching.scheduler import priority_rank
@@ -115,6 +122,27 @@ class _Loaded:
     context_length: int
     eos_ids: frozenset[int]
     name: str
+    graphs: DecodeGraphs | None = None
+    sample_vocab: int = 0  # logits columns the sampler sees (the tokenizer's, under synthetic weights); 0: all
+    paged: bool = False  # paged passes (a GPU's; the CPU's are packed)
+
+    def prepare(self, chunks: list[Chunk], block_size: int) -> StepInputs | tuple[int, list[Chunk]]:
+        """A pass's inputs: a graph's bucket and its chunks when a decode graph replays
+        them, else the tensors of a packed (CPU) or paged (GPU) pass."""
+        if not self.paged:
+            return make_inputs(chunks, block_size)
+        bucket = self.graphs.bucket(chunks) if self.graphs is not None else None
+        if bucket is not None:
+            return bucket, chunks
+        return make_paged_inputs(chunks, block_size, self.model.device)
+
+    def forward(self, work: StepInputs | tuple[int, list[Chunk]]) -> torch.Tensor:
+        if isinstance(work, StepInputs):
+            logits = self.model.forward(work, self.pool)
+        else:
+            assert self.graphs is not None
+            logits = self.graphs.run(work[1], work[0])
+        return logits[:, : self.sample_vocab] if self.sample_vocab else logits
 
 
 class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
@@ -139,7 +167,8 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
     async def start(self) -> EngineConfig:
         if self._task is not None:
             return self.config
-        torch.set_num_threads(self.options.threads or auto_threads())
+        if resolve_device(self.options.device).type == "cpu":
+            torch.set_num_threads(self.options.threads or auto_threads())
         self._loaded = await asyncio.to_thread(self._load)
         loaded = self._loaded
         self._scheduler = Scheduler(self._limits(loaded), self._publisher)
@@ -152,24 +181,68 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
         return self.config
 
     def _load(self) -> _Loaded:
-        """Read the folder and the weights, size and allocate the KV pool (a thread)."""
+        """Read the folder and the weights, size and allocate the KV pool, capture the
+        decode graphs on a GPU (a thread)."""
         from kvmesh.preprocess.model import load_model_folder
 
         opts = self.options
         info = load_model_folder(opts.model_path, name=opts.served_model_name)
-        model = LlamaModel.from_folder(opts.model_path)
+        device = resolve_device(opts.device)
+        dtype = resolve_dtype(opts.dtype, device, opts.model_path)
+        model = self._model(device, dtype)
         spec = model.spec
-        context = min(info.context_length, spec.max_position_embeddings)
-        num_blocks = opts.num_blocks or self._auto_blocks(spec, context)
-        pool = KvPool(num_blocks, opts.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        context = spec.max_position_embeddings if opts.random_weights else min(info.context_length, spec.max_position_embeddings)
+        num_blocks = opts.num_blocks or self._auto_blocks(model, context)
+        pool = KvPool(
+            num_blocks, opts.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device
+        )
         context = min(context, num_blocks * opts.block_size)
-        _log.info("hf engine: %s, %d KV blocks of %d tokens, context %d", info.name, num_blocks, opts.block_size, context)
-        return _Loaded(model, pool, context, frozenset(info.eos_token_ids), info.name)
+        graphs = None
+        if device.type == "cuda" and not opts.enforce_eager:
+            graphs = DecodeGraphs(model, pool, opts.max_num_seqs, context)
+            graphs.capture()
+            _log.info("hf engine: %d decode CUDA graphs captured in %.2f s", len(graphs.buckets), graphs.capture_s)
+        _log.info(
+            "hf engine: %s on %s (%s), %d KV blocks of %d tokens, context %d",
+            info.name, device, str(dtype).removeprefix("torch."), num_blocks, opts.block_size, context,
+        )  # fmt: skip
+        vocab = info.vocab_size if opts.random_weights and info.vocab_size < spec.vocab_size else 0
+        paged = device.type == "cuda"
+        return _Loaded(model, pool, context, frozenset(info.eos_token_ids), info.name, graphs, vocab, paged)
 
-    def _auto_blocks(self, spec: LlamaSpec, context: int) -> int:
+    def _model(self, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+        """The folder's model on ``device`` as ``dtype``, or synthetic weights in a named shape."""
         opts = self.options
-        per_block = KvPool.bytes_per_block_for(opts.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        budget = (opts.kv_cache_mb << 20) // per_block
+        if not opts.random_weights:
+            spec = LlamaSpec.from_folder(opts.model_path)
+            return LlamaModel(spec, load_weights(opts.model_path, spec, device=device, dtype=dtype))
+        from kvmesh.engines.hf.shapes import random_weights, shape_config
+
+        spec = LlamaSpec.from_config(shape_config(opts.random_weights), f"--random-weights {opts.random_weights}")
+        _log.warning(
+            "hf engine: SYNTHETIC weights in the %s shape (random values, seed %d): the text is noise; the model "
+            "folder gives only the tokenizer", opts.random_weights, opts.seed or 0,
+        )  # fmt: skip
+        return LlamaModel(spec, random_weights(spec, seed=opts.seed or 0, device=device, dtype=dtype))
+
+    def _auto_blocks(self, model: LlamaModel, context: int) -> int:
+        """KV blocks when ``--hf-num-blocks`` is not given: ``--hf-kv-cache-mb`` on the CPU,
+        what ``--gpu-memory-fraction`` leaves on a GPU; never more than ``max_num_seqs``
+        full contexts."""
+        opts, spec = self.options, model.spec
+        item = model.dtype.itemsize
+        per_block = KvPool.bytes_per_block_for(opts.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, item)
+        if model.device.type == "cuda":
+            peak = profile_peak(model, min(opts.max_num_batched_tokens, context), opts.block_size)
+            budget = gpu_kv_bytes(model.device, opts.gpu_memory_fraction, peak, opts.max_num_seqs, spec.vocab_size)
+            if budget < per_block:
+                raise ResourceExhausted(
+                    f"--gpu-memory-fraction {opts.gpu_memory_fraction} leaves no room for the KV cache on "
+                    f"{model.device} after the weights and a pass's activations ({peak >> 20} MiB)"
+                )
+            budget //= per_block
+        else:
+            budget = (opts.kv_cache_mb << 20) // per_block
         enough = opts.max_num_seqs * -(-context // opts.block_size)
         return max(1, min(budget, enough))
 
@@ -217,6 +290,16 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
     @property
     def scheduler(self) -> Scheduler:
         return self._started_core()
+
+    @property
+    def graph_capture_s(self) -> float | None:
+        """Seconds the decode CUDA graphs took to capture at start (None: none captured)."""
+        graphs = self._loaded.graphs if self._loaded is not None else None
+        return graphs.capture_s if graphs is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        return self._require().model.device
 
     # ------------------------------------------------------------------ requests
 
@@ -306,11 +389,11 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
     async def _step(self, sched: Scheduler, plan: Plan[Seq]) -> None:
         """Run one planned pass in the forward thread and apply its results."""
         samplers = plan.samples
-        inputs = make_inputs(self._chunks(sched, plan), self.options.block_size)
-        params = [self._row_params(s) for s in samplers]
         loaded = self._require()
+        inputs = loaded.prepare(self._chunks(sched, plan), self.options.block_size)
+        params = [self._row_params(s) for s in samplers]
         t0 = time.perf_counter()
-        small = plan.num_tokens <= _INLINE_TOKENS
+        small = plan.num_tokens <= _INLINE_TOKENS and loaded.model.device.type == "cpu"  # a GPU waits off the loop
         inline = small and self._small_cpu_s < _INLINE_CPU_S
         if inline:
             sampled, cpu = _forward_and_sample(loaded, inputs, params)
@@ -371,7 +454,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
             block_size=pool.block_size,
             num_blocks=pool.num_blocks,
             block_shape=pool.block_shape,
-            dtype="float32",
+            dtype=pool.dtype_name,
             bytes_per_block=pool.bytes_per_block,
             wire_bytes_per_block=pool.bytes_per_block,
         )
@@ -469,9 +552,9 @@ def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
 
 @torch.inference_mode()
 def _forward_and_sample(
-    loaded: _Loaded, inputs: StepInputs, params: list[SampleParams]
+    loaded: _Loaded, inputs: StepInputs | tuple[int, list[Chunk]], params: list[SampleParams]
 ) -> tuple[list[Sampled], float]:
     """The forward thread's whole job for one pass: the tokens, and the CPU seconds it took."""
     c0 = time.thread_time()
-    logits = loaded.model.forward(inputs, loaded.pool)
+    logits = loaded.forward(inputs)
     return (sample(logits, params) if params else []), time.thread_time() - c0

@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engines.hf.kv import KvPool
+from kvmesh.engines.hf.paged_attention import decode_attention
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["LlamaSpec", "LlamaModel", "StepInputs", "load_weights"]
+__all__ = ["LlamaSpec", "LlamaModel", "StepInputs", "DecodeRows", "PrefillSpan", "load_weights", "expected_shapes"]
 
 _ARCHITECTURES = ("LlamaForCausalLM",)
 _MODEL_TYPES = ("llama",)
@@ -148,9 +149,11 @@ def _llama3_frequencies(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 # ---------------------------------------------------------------------------- weights
 
 
-def load_weights(folder: str | Path, spec: LlamaSpec) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's ``*.safetensors`` files, as fp32, checked against
-    ``spec`` (names as transformers saves them)."""
+def load_weights(
+    folder: str | Path, spec: LlamaSpec, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's ``*.safetensors`` files, read straight onto ``device``
+    as ``dtype``, checked against ``spec`` (names as transformers saves them)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -160,13 +163,13 @@ def load_weights(folder: str | Path, spec: LlamaSpec) -> dict[str, torch.Tensor]
         )
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        for name, t in load_file(str(f)).items():
-            tensors[name.removeprefix("model.")] = t.to(torch.float32)
+        for name, t in load_file(str(f), device=str(device)).items():
+            tensors[name.removeprefix("model.")] = t.to(dtype)
     _check_shapes(tensors, spec, str(folder))
     return tensors
 
 
-def _expected_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
+def expected_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     q, ff = spec.num_heads * spec.head_dim, spec.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, h), "norm.weight": (h,)}
@@ -187,7 +190,7 @@ def _expected_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], spec: LlamaSpec, where: str) -> None:
-    for name, shape in _expected_shapes(spec).items():
+    for name, shape in expected_shapes(spec).items():
         t = tensors.get(name)
         if t is None:
             raise InvalidArgument(f"{where}: weight {name!r} is missing from the safetensors files")
@@ -201,9 +204,34 @@ def _check_shapes(tensors: dict[str, torch.Tensor], spec: LlamaSpec, where: str)
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The decode tokens of a paged pass (one new token per sequence, :mod:`.paged_attention`):
+    the attention reads each one's context in place through its block table."""
+
+    rows: torch.Tensor | None  # (n,) long, their rows in T; None: every row of the pass
+    block_tables: torch.Tensor  # (n, max_blocks) int32
+    seq_lens: torch.Tensor  # (n,) int32, keys of each (its context, the new token included)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """A prefill chunk of a paged pass: rows ``first .. first + count`` of T."""
+
+    first: int
+    count: int
+    key_slots: torch.Tensor | None  # (start + count,) long, its context's slots; None: start 0, keys are the new ones
+    mask: torch.Tensor | None  # (count, start + count) bool, query i sees keys <= start + i; None with key_slots None
+
+
+@dataclass(frozen=True, slots=True)
 class StepInputs:
     """One packed forward pass (see the module docstring and :mod:`.batch`). ``T`` new
-    tokens, ``B`` sequences, ``Q`` the longest chunk, ``L`` the longest context."""
+    tokens, ``B`` sequences, ``Q`` the longest chunk, ``L`` the longest context.
+
+    A *paged* pass (``paged``; the GPU's) attends per kind of chunk instead of padding
+    every sequence to ``Q`` and ``L``: the decode tokens (``decode``) through the paged
+    decode kernel, each prefill chunk (``prefills``) on its own; the padded fields are
+    then unused."""
 
     input_ids: torch.Tensor  # (T,) long
     positions: torch.Tensor  # (T,) long, absolute position of each new token
@@ -217,6 +245,9 @@ class StepInputs:
     mask: torch.Tensor | None  # (B, 1, Q, L) bool; None: every query sees every key (or causal)
     causal: bool  # one sequence from position 0: SDPA's own causal mask
     sample_index: torch.Tensor  # (S,) long, rows of T whose logits are wanted
+    paged: bool = False
+    decode: DecodeRows | None = None
+    prefills: tuple[PrefillSpan, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +268,7 @@ class _Layer:
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w (+ bias)`` for a weight stored (in, out)."""
+    """``x @ w (+ bias)`` for a weight stored (in, out) (the CPU's layout)."""
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
@@ -246,49 +277,66 @@ def _t(w: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
-    """The weights of one model and its packed forward pass over a :class:`KvPool`."""
+    """The weights of one model and its packed forward pass over a :class:`KvPool`.
 
-    def __init__(self, spec: LlamaSpec, weights: dict[str, torch.Tensor]) -> None:
+    On the CPU every matrix is stored (in, out) (:class:`_Layer`); on a GPU as saved,
+    (out, in), which is cuBLAS's own layout for ``F.linear``. The weights' device and
+    dtype are the model's."""
+
+    def __init__(self, spec: LlamaSpec, weights: dict[str, torch.Tensor], *, transposed: bool | None = None) -> None:
+        """``transposed``: store matrices (in, out); None: on the CPU only."""
         self.spec = spec
-        # the output head (hidden, vocab); a tied model looks its embeddings up in it
-        self.lm_head = _t(weights["embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"])
-        self.embed = None if spec.tie_word_embeddings else weights["embed_tokens.weight"]
+        first = weights["embed_tokens.weight"]
+        self.device, self.dtype = first.device, first.dtype
+        self.transposed = self.device.type == "cpu" if transposed is None else transposed
+        head = weights["embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+        # the output head; a tied CPU model looks its embeddings up in its columns
+        self.lm_head = self._prep(head)
+        self.embed = None if spec.tie_word_embeddings and self.transposed else weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
         self.inv_freq = inv_frequencies(spec)
         self._cos, self._sin = self._rope_table(spec.max_position_embeddings)
 
-    @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
+    def _prep(self, w: torch.Tensor) -> torch.Tensor:
+        return _t(w) if self.transposed else w.contiguous()
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _matmul(x, w, bias) if self.transposed else F.linear(x, w, bias)
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> _Layer:
         p = f"layers.{i}."
         a = p + "self_attn."
         biases = [b for n in "qkv" if (b := w.get(a + f"{n}_proj.bias")) is not None]
         return _Layer(
             # q, k and v (and gate, up) as one matmul each: their rows stacked
-            qkv=_t(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
+            qkv=self._prep(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
             qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
-            o=_t(w[a + "o_proj.weight"]),
+            o=self._prep(w[a + "o_proj.weight"]),
             o_bias=w.get(a + "o_proj.bias"),
-            gate_up=_t(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            down=_t(w[p + "mlp.down_proj.weight"]),
+            gate_up=self._prep(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            down=self._prep(w[p + "mlp.down_proj.weight"]),
             norm_in=w[p + "input_layernorm.weight"],
             norm_post=w[p + "post_attention_layernorm.weight"],
         )
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> LlamaModel:
+    def from_folder(
+        cls, folder: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> LlamaModel:
         spec = LlamaSpec.from_folder(folder)
-        return cls(spec, load_weights(folder, spec))
+        return cls(spec, load_weights(folder, spec, device=device, dtype=dtype))
 
     def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and *signed* sin (the first half negated: ``rotate_half(x) · sin`` is
-        ``roll(x) · signed_sin``) of positions 0..n-1, (n, head_dim) each."""
+        ``roll(x) · signed_sin``) of positions 0..n-1, (n, head_dim) each, computed in
+        fp32 and stored in the model's dtype (as transformers applies them)."""
         freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
         half = self.spec.head_dim // 2
         sin[:, :half].neg_()
-        return emb.cos(), sin
+        return emb.cos().to(self.device, self.dtype), sin.to(self.device, self.dtype)
 
     def _rope(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, 1, head_dim) cos and signed sin of the pass's positions."""
@@ -298,7 +346,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, pool: KvPool) -> torch.Tensor:
-        """Write the new tokens' KV into ``pool``; return logits (S, vocab) fp32."""
+        """Write the new tokens' KV into ``pool``; return logits (S, vocab) in the model's dtype."""
         eps = self.spec.rms_norm_eps
         hidden = (self.spec.hidden_size,)
         x = self._embed(inp.input_ids)
@@ -307,12 +355,12 @@ class LlamaModel:
             x += self._attention(layer, i, F.rms_norm(x, hidden, layer.norm_in, eps), cos, sin, inp, pool)
             x += self._mlp(layer, F.rms_norm(x, hidden, layer.norm_post, eps))
         last = F.rms_norm(x.index_select(0, inp.sample_index), hidden, self.norm, eps)
-        return torch.mm(last, self.lm_head)
+        return self._linear(last, self.lm_head)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return F.embedding(ids, self.embed)
-        return self.lm_head.index_select(1, ids).t().contiguous()  # tied: columns of the head
+        return self.lm_head.index_select(1, ids).t().contiguous()  # tied on the CPU: columns of the head
 
     def _attention(
         self, layer: _Layer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inp: StepInputs, pool: KvPool
@@ -320,13 +368,16 @@ class LlamaModel:
         s = self.spec
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
         nq, nqk = heads * d, (heads + kv_heads) * d
-        qkv = _matmul(x, layer.qkv, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
         qk = qkv[:, :nqk].view(-1, heads + kv_heads, d)
         rotated = qk * cos  # q and k rotated together: x·cos + rotate_half(x)·sin
         rotated.addcmul_(qk.roll(d // 2, -1), sin)
         q, k = rotated[:, :heads], rotated[:, heads:]
         v = qkv[:, nqk:].view(-1, kv_heads, d)
         pool.write(index, inp.slots, k, v)
+        if inp.paged:
+            out = self._paged_attention(index, q, k, v, inp, pool)
+            return self._linear(out.view(-1, nq), layer.o, layer.o_bias)
         b, w = inp.batch, inp.width
         if inp.causal:  # one prompt from position 0: its keys are exactly the new ones
             keys, values = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
@@ -339,11 +390,52 @@ class LlamaModel:
         packed = out.transpose(1, 2).reshape(b * w, nq)
         if inp.out_rows is not None:
             packed = packed.index_select(0, inp.out_rows)
-        return _matmul(packed, layer.o, layer.o_bias)
+        return self._linear(packed, layer.o, layer.o_bias)
+
+    def _paged_attention(
+        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInputs, pool: KvPool
+    ) -> torch.Tensor:
+        """(T, heads, d): the decode rows through the paged decode kernel, each prefill
+        chunk with SDPA over its own keys (no padding to a longest chunk or context)."""
+        dec = inp.decode
+        if dec is not None and dec.rows is None and not inp.prefills:  # a decode batch (what graphs replay)
+            return self._decode(index, q, dec, pool)
+        out = torch.empty_like(q)
+        if dec is not None:
+            assert dec.rows is not None
+            out.index_copy_(0, dec.rows, self._decode(index, q.index_select(0, dec.rows), dec, pool))
+        for span in inp.prefills:
+            rows = slice(span.first, span.first + span.count)
+            out[rows] = self._prefill(index, q[rows], k[rows], v[rows], span, pool)
+        return out
+
+    def _decode(self, index: int, q: torch.Tensor, dec: DecodeRows, pool: KvPool) -> torch.Tensor:
+        kv = pool.data[index]
+        splits = max(1, min(8, 256 // (q.shape[0] * self.spec.num_kv_heads)))
+        return decode_attention(
+            q, kv[0], kv[1], dec.block_tables, dec.seq_lens, pool.block_size, self.spec.head_dim**-0.5,
+            num_splits=splits,
+        )  # fmt: skip
+
+    def _prefill(
+        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan, pool: KvPool
+    ) -> torch.Tensor:
+        """One chunk's queries (n, heads, d) over its context: the new keys alone and SDPA's
+        causal mask from position 0, else the context read from the pool and the span's mask."""
+        if span.key_slots is not None:
+            kv = pool.data[index].index_select(1, span.key_slots)  # (2, L, kv_heads, d)
+            k, v = kv[0], kv[1]
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        if group > 1:  # K/V per query head: SDPA's fastest kernels take no grouped heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=span.mask, is_causal=span.mask is None
+        )  # (heads, n, d)
+        return out.transpose(0, 1)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.mm(x, layer.gate_up)
+        gate_up = self._linear(x, layer.gate_up)
         ff = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :ff])
         act.mul_(gate_up[:, ff:])
-        return torch.mm(act, layer.down)
+        return self._linear(act, layer.down)

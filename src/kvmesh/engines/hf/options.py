@@ -25,7 +25,13 @@ class HfOptions(BatchingOptions):
     ``kv_cache_mb`` MiB (at most enough for ``max_num_seqs`` full contexts).
     ``max_num_batched_tokens`` bounds the tokens of one forward pass (long prompts are
     prefilled in chunks of it). ``threads`` 0: one per CPU this process may use (:func:`~kvmesh.engines.hf.cpus.auto_threads`).
-    ``seed`` seeds the sampler of requests that bring no seed of their own.
+    ``seed`` seeds the sampler of requests that bring no seed of their own (and the
+    synthetic weights of ``random_weights``).
+    ``device`` ``auto``: the first CUDA GPU when one is visible, else the CPU; ``dtype``
+    ``auto``: float32 on the CPU, the model's 16-bit dtype (else bfloat16) on a GPU. On a
+    GPU the KV pool fills what ``gpu_memory_fraction`` of the card leaves after the
+    weights and the largest pass's activations (unless ``num_blocks`` is given), and
+    decode passes replay CUDA graphs unless ``enforce_eager``.
     """
 
     model_path: str = field(kw_only=False)
@@ -39,6 +45,12 @@ class HfOptions(BatchingOptions):
     long_prefill_token_threshold: int = HfSettings.long_prefill_token_threshold
     max_long_partial_prefills: int = HfSettings.max_long_partial_prefills
     max_num_partial_prefills: int = HfSettings.max_num_partial_prefills
+    # the device (kvmesh.engines.hf.device): where, in what dtype, how much of a GPU
+    device: str = HfSettings.device
+    dtype: str = HfSettings.dtype
+    gpu_memory_fraction: float = HfSettings.gpu_memory_fraction
+    random_weights: str = HfSettings.random_weights
+    enforce_eager: bool = HfSettings.enforce_eager
 
     def __post_init__(self) -> None:
         BatchingOptions.__post_init__(self)  # no zero-argument super() in a slots dataclass

@@ -17,6 +17,11 @@ carries its :class:`SampleParams`. Order for one row (vLLM's):
 
 A seeded request has its own generator, so its draws depend only on its seed and its
 logits, not on what else is in the batch.
+
+On a GPU the logits stay on the device: bans, penalties, grammar masks, argmax and
+logprobs run there, and a greedy batch costs one device→host copy (its token ids). A
+sampled row is drawn on the host, from its float32 probabilities, with the request's
+CPU generator: the same seed draws the same tokens on either device.
 """
 
 from __future__ import annotations
@@ -110,8 +115,9 @@ def _check(ok: bool, message: str) -> None:
 
 
 def sample(logits: torch.Tensor, params: list[SampleParams]) -> list[Sampled]:
-    """One token (and its logprobs, when asked) per row of ``logits`` (S, vocab)."""
-    logits = _adjust(logits, params)
+    """One token (and its logprobs, when asked) per row of ``logits`` (S, vocab), any
+    device and float dtype (read as float32)."""
+    logits = _adjust(logits.float(), params)
     greedy_ids = logits.argmax(dim=-1).tolist()
     out = []
     for i, p in enumerate(params):
@@ -134,7 +140,7 @@ def _adjust(logits: torch.Tensor, params: list[SampleParams]) -> torch.Tensor:
         if p.penalised:
             _penalise(row, p)
         if p.banned:
-            row[list(p.banned)] = float("-inf")
+            row[torch.tensor(p.banned, dtype=torch.long, device=row.device)] = float("-inf")
     guided = [i for i, p in enumerate(params) if p.guide is not None]
     if guided:
         _guide(logits, guided, params)
@@ -153,7 +159,7 @@ def _guide(logits: torch.Tensor, rows: list[int], params: list[SampleParams]) ->
         allowed = p.guide.allowed(p.remaining)
         n = min(vocab, allowed.shape[0])
         masks[k, :n] = allowed[:n]
-    allowed_t = torch.from_numpy(masks)
+    allowed_t = torch.from_numpy(masks).to(logits.device)
     whole = len(rows) == logits.shape[0]
     sub = logits if whole else logits[rows]
     sub.masked_fill_(allowed_t.logical_not(), float("-inf"))
@@ -166,18 +172,18 @@ def _guide(logits: torch.Tensor, rows: list[int], params: list[SampleParams]) ->
 
 def _penalise(row: torch.Tensor, p: SampleParams) -> None:
     if p.repetition_penalty != 1.0 and p.history:
-        seen = torch.tensor(sorted(set(p.history)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(p.history)), dtype=torch.long, device=row.device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and p.output:
         counts = Counter(p.output)
-        ids = torch.tensor(list(counts), dtype=torch.long)
-        n = torch.tensor(list(counts.values()), dtype=row.dtype)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
+        n = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
         row[ids] -= p.frequency_penalty * n + p.presence_penalty
 
 
 def _draw(row: torch.Tensor, p: SampleParams) -> int:
-    scaled = row / p.temperature
+    scaled = row.cpu() / p.temperature  # the request's generator is a CPU one (a no-op on the CPU)
     if p.top_k:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -72,6 +72,9 @@ class Engine(abc.ABC):
     # Whether ``generate`` honours ``PreprocessedRequest.guided`` (structured outputs);
     # the worker refuses a guided request with InvalidArgument (a 400) when it does not.
     supports_guided: bool = False
+    # Whether ``kv_layout`` gives a layout once started (disaggregation, KV migration) for
+    # an engine whose layout, sized at start, is None before it (the hf engine's).
+    moves_kv: bool = False
 
     @abc.abstractmethod
     async def start(self) -> EngineConfig:

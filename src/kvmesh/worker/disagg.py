@@ -68,7 +68,7 @@ class Roles:
 
 async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: Any = None) -> Roles:
     """Build the worker's role around ``engine`` (``runtime`` None: static/embedded mode)."""
-    if engine.kv_layout() is None:
+    if not engine.moves_kv and engine.kv_layout() is None:
         if cfg.mode != "aggregated":
             raise ValueError(f"--mode {cfg.mode} needs an engine that moves KV blocks; {cfg.engine} does not")
         return Roles(engine, COMPONENT)

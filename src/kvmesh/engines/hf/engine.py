@@ -150,6 +150,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
 
     engine_name = "hf"
     supports_guided = True
+    moves_kv = True
 
     def __init__(self, options: HfOptions, publisher: EventPublisher | None = None) -> None:
         super().__init__(publisher)

@@ -325,7 +325,7 @@ def _combine_kernel(
     m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
     l = tl.load(l_ptr + part, mask=ok, other=0.0)  # noqa: E741
     acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]
+    weight = tl.exp(m - tl.max(m, 0))  # [SPLITS_PAD]
     o = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dims * stride_od, o.to(out_ptr.dtype.element_ty))
 

@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 from kvmesh.engines.hf import paged_attention as pa  # noqa: E402
 
 F = torch.nn.functional
-Args = tuple  # (q, k_cache, v_cache, block_tables, seq_lens, block_size, scale)
 
 
 @dataclass(frozen=True)
@@ -37,11 +36,13 @@ class Case:
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}-d{self.head_dim}-kv{self.kv_heads}-g{self.group}-bs{self.block_size}-{self.layout}-L{max(self.lens)}"
+        shape = f"d{self.head_dim}-kv{self.kv_heads}-g{self.group}-bs{self.block_size}"
+        return f"{dtype}-{shape}-{self.layout}-L{max(self.lens)}"
 
 
-def make_args(case: Case, device: str | torch.device = "cpu") -> Args:
-    """One call's arguments: shuffled blocks, NaN wherever no sequence has a key."""
+def make_args(case: Case, device: str | torch.device = "cpu") -> tuple:
+    """(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale) for one call:
+    shuffled blocks, random table padding, NaN wherever no sequence has a key."""
     gen = torch.Generator().manual_seed(case.seed)
     bs, kvh, d = case.block_size, case.kv_heads, case.head_dim
     need = [-(-n // bs) for n in case.lens]
@@ -94,16 +95,20 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 # --------------------------------------------------------------------------- reference (CPU)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_reference_matches_naive_attention(group, dtype):
+def test_reference_matches_naive_attention(group, dtype, device):
     for case in (
         Case(group=group, dtype=dtype),
         Case(group=group, dtype=dtype, kv_heads=3, head_dim=128, block_size=8, pad_blocks=0, seed=1),
         Case(group=group, dtype=dtype, lens=(5, 1, 33), block_size=32, layout="heads_major", seed=2),
         Case(group=group, dtype=dtype, lens=(7, 100), kv_heads=1, block_size=12, layout="dim_strided", seed=3),
     ):
-        args = make_args(case)
+        args = make_args(case, device)
         got = pa.decode_attention_ref(*args)
         assert got.shape == args[0].shape and got.dtype == dtype
         assert_close(got, naive_attention(*args), dtype)
@@ -141,7 +146,8 @@ def test_reference_is_graph_safe():
 
     with Record():
         pa.decode_attention_ref(*make_args(Case(lens=(3, 40))))
-    assert seen and not seen & {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "repeat_interleave"}
+    syncing = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "repeat_interleave"}
+    assert seen and not seen & syncing, seen & syncing
 
 
 # --------------------------------------------------------------------------- Triton kernel
@@ -159,25 +165,22 @@ KERNEL_DEVICE = _kernel_device()
 needs_kernel = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA and triton (or TRITON_INTERPRET=1)")
 
 KERNEL_CASES = [
-    pytest.param(Case(dtype=dtype, head_dim=d, group=g), splits, id=f"{Case(dtype=dtype, head_dim=d, group=g)}-s{splits}")
+    (Case(dtype=dtype, head_dim=d, group=g), splits)
     for dtype in (torch.bfloat16, torch.float16, torch.float32)
     for d in (64, 128)
     for g in (1, 2, 4)
     for splits in (1, 4)
 ] + [
-    pytest.param(case, splits, id=f"{case}-s{splits}")
-    for case, splits in (
-        (Case(dtype=torch.bfloat16, lens=(1, 2, 3), group=8), 16),  # more splits than tiles: empty splits
-        (Case(dtype=torch.bfloat16, lens=(64, 128, 129, 1000), kv_heads=1, group=16, head_dim=128), 3),
-        (Case(dtype=torch.bfloat16, head_dim=16, kv_heads=2, group=3, block_size=8), 2),  # the test models' shape
-        (Case(dtype=torch.float32, layout="heads_major", block_size=32, pad_blocks=0, group=2), 2),
-        (Case(dtype=torch.bfloat16, layout="dim_strided", block_size=12, group=4, head_dim=128), 1),
-    )
+    (Case(dtype=torch.bfloat16, lens=(1, 2, 3), group=8), 16),  # more splits than tiles: empty splits
+    (Case(dtype=torch.bfloat16, lens=(64, 128, 129, 1000), kv_heads=1, group=16, head_dim=128), 3),
+    (Case(dtype=torch.bfloat16, head_dim=16, kv_heads=2, group=3, block_size=8), 2),  # the test models' shape
+    (Case(dtype=torch.float32, layout="heads_major", block_size=32, pad_blocks=0, group=2), 2),
+    (Case(dtype=torch.bfloat16, layout="dim_strided", block_size=12, group=4, head_dim=128), 1),
 ]
 
 
 @needs_kernel
-@pytest.mark.parametrize("case, splits", KERNEL_CASES)
+@pytest.mark.parametrize("case, splits", [pytest.param(c, s, id=f"{c}-s{s}") for c, s in KERNEL_CASES])
 def test_triton_kernel_matches_reference(case, splits):
     q, k, v, tables, lens, bs, scale = make_args(case, KERNEL_DEVICE)
     want = pa.decode_attention_ref(q, k, v, tables, lens, bs, scale)
@@ -185,6 +188,15 @@ def test_triton_kernel_matches_reference(case, splits):
     got = pa._launch_triton(q, k, v, tables, lens, bs, scale, out, splits)  # a strided `out`
     assert got is out
     assert_close(got, want, case.dtype)
+
+
+@pytest.mark.skipif(KERNEL_DEVICE != "cuda", reason="needs CUDA and triton")
+def test_decode_attention_dispatches_to_the_kernel_on_cuda(monkeypatch):
+    args = make_args(Case(dtype=torch.bfloat16, group=4), "cuda")
+    want = pa.decode_attention_ref(*args)
+    monkeypatch.setattr(pa, "decode_attention_ref", None)  # the CUDA path must not reach it
+    for splits in (1, 2):
+        assert_close(pa.decode_attention(*args, num_splits=splits), want, torch.bfloat16)
 
 
 @needs_kernel

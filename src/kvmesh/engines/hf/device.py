@@ -118,15 +118,12 @@ class DecodeGraphs:
         """Capture every bucket (largest first, one shared memory pool); the seconds taken."""
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.model.device)
         for batch in sorted(self.buckets, reverse=True):
             self.buffers.fill([], batch)
             inputs = self.buffers.inputs(batch)
-            side.wait_stream(torch.cuda.current_stream(self.model.device))
-            with torch.cuda.stream(side):  # warm up (Triton compiles, cuBLAS picks) off the capture
-                for _ in range(2):
-                    self.model.forward(inputs, self.pool)
-            torch.cuda.current_stream(self.model.device).wait_stream(side)
+            for _ in range(2):  # warm up before the capture: Triton compiles, cuBLAS picks its kernels
+                self.model.forward(inputs, self.pool)
+            torch.cuda.synchronize(self.model.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
                 logits = self.model.forward(inputs, self.pool)

@@ -428,10 +428,10 @@ class LlamaModel:
         group = self.spec.num_heads // self.spec.num_kv_heads
         if group > 1:  # K/V per query head: SDPA's fastest kernels take no grouped heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=span.mask, is_causal=span.mask is None
-        )  # (heads, n, d)
-        return out.transpose(0, 1)
+        # (1, heads, n, d): the fused kernels (flash for the causal case) take 4-d inputs only
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=span.mask, is_causal=span.mask is None)
+        return out[0].transpose(0, 1)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear(x, layer.gate_up)

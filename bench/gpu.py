@@ -65,9 +65,14 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
+OUT_PATH: Path | None = None  # --out: rewritten after every row, so a run cut short keeps what it measured
+
+
 def row(what: str, figure: str, note: str = "") -> None:
     ROWS.append((what, figure, note))
     log(f"{what}: {figure} {note}")
+    if OUT_PATH is not None:
+        OUT_PATH.write_text(table())
 
 
 DEVICE = "cuda"  # --device cpu: a dry run of the serve and disagg sections on a machine without a GPU
@@ -107,7 +112,8 @@ def _prompts(n: int, length: int, seed: int, vocab: int = 2048) -> list[list[int
 
 
 def hf_options(**kw: Any) -> HfOptions:
-    base: dict[str, Any] = dict(device="cuda", dtype="bfloat16", seed=0, max_num_seqs=256,
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    base: dict[str, Any] = dict(device=DEVICE, dtype=dtype, seed=0, max_num_seqs=256,
                                 max_num_batched_tokens=8192, gpu_memory_fraction=0.85)  # fmt: skip
     return HfOptions(str(bundled_model_path()), **(base | kw))
 
@@ -134,7 +140,7 @@ async def engine_figures(shape: str, quick: bool, greedy_prompts: list[list[int]
         made = sum(len(r[0]) for r in results)
         out["batch"] = f"{n} x {plen} -> {new}"
         out["batch_tok_s"], out["batch_s"], out["batch_steps"] = made / wall, wall, eng.stats.steps - steps0
-        long_len = 4096
+        long_len = 4096 if DEVICE == "cuda" else 200
         await _generate(eng, _prompts(1, long_len, 98)[0], "warm4k", 1)
         _, ttft, _ = await _generate(eng, _prompts(1, long_len, 3)[0], "t4k", 1)
         out["ttft_4k_ms"] = ttft * 1000
@@ -152,11 +158,11 @@ def _kv_round_trip(pool: Any) -> float:
     """GB/s of export (device → host bytes) + import (host → device) of 256 blocks: the
     TCP path's two device crossings."""
     ids = list(range(min(256, pool.num_blocks // 2)))
-    torch.cuda.synchronize()
+    free_gpu()
     t0 = time.perf_counter()
     data = pool.export(ids)
     pool.import_([i + len(ids) for i in ids], data)
-    torch.cuda.synchronize()
+    free_gpu()
     return 2 * len(data) / (time.perf_counter() - t0) / 1e9
 
 
@@ -209,20 +215,23 @@ def section_shape(args: argparse.Namespace, shape: str, bandwidth: float) -> Non
 
     cfg = shape_config(shape)
     spec = LlamaSpec.from_config(cfg)
-    weights = random_weights(spec, seed=0, device="cuda", dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    weights = random_weights(spec, seed=0, device=DEVICE, dtype=dtype)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     limit = bandwidth * 1e9 / weight_bytes
     row(f"{shape}: weights / bandwidth limit, batch-1 decode", f"{weight_bytes / 2**30:.2f} GiB / {limit:,.0f} tok/s")
-    model = gpu_anchor.build_hf_model(cfg, hf_state_dict(spec, weights), torch.bfloat16)
+    model = gpu_anchor.build_hf_model(cfg, hf_state_dict(spec, weights), dtype, device=DEVICE)
     del weights
     want_greedy = shape == "llama-1b"
     greedy_prompts = _prompts(10, 24, 11, vocab=spec.vocab_size) if want_greedy else None
     try:
-        hf1 = gpu_anchor.hf_generate_tps(model, 128, 32 if args.quick else 256)
+        hf1 = gpu_anchor.hf_generate_tps(model, 128, 32 if args.quick else 256, reps=1)
         row(f"{shape}: transformers generate, batch 1", f"{hf1['tokens_per_s']:,.1f} tok/s",
             f"{hf1['tokens_per_s'] / limit:.1%} of the limit")  # fmt: skip
         n, plen, new = (32, 512, 32) if args.quick else (256, 512, 128)
-        hfb = gpu_anchor.hf_generate_batch_tps(model, n, plen, new)
+        hfb = {"tokens_per_s": float("nan"), "seconds": float("nan")}
+        if DEVICE == "cuda":  # on the CPU it sizes its cache from the host's memory
+            hfb = gpu_anchor.hf_generate_batch_tps(model, n, plen, new)
         row(f"{shape}: transformers generate_batch {n} x {plen} -> {new}", f"{hfb['tokens_per_s']:,.0f} out tok/s",
             f"{hfb['seconds']:.1f} s")  # fmt: skip
         theirs = gpu_anchor.hf_greedy_tokens(model, greedy_prompts, 32) if greedy_prompts else None
@@ -230,7 +239,7 @@ def section_shape(args: argparse.Namespace, shape: str, bandwidth: float) -> Non
         del model
         free_gpu()
     ours = asyncio.run(engine_figures(shape, args.quick, greedy_prompts))
-    row(f"{shape}: kvmesh engine start (graph capture)", f"{ours['start_s']:.1f} s ({ours['capture_s']:.1f} s)",
+    row(f"{shape}: kvmesh engine start (graph capture)", f"{ours['start_s']:.1f} s ({ours['capture_s'] or 0:.1f} s)",
         f"{ours['kv_blocks']} KV blocks")  # fmt: skip
     row(f"{shape}: kvmesh batch-1 decode", f"{ours['b1_tok_s']:,.1f} tok/s",
         f"{ours['b1_tok_s'] / limit:.1%} of the limit ({ours['b1_decode_tok_s']:,.1f} decode only); "
@@ -271,7 +280,7 @@ def _serve(extra: list[str], seconds: float, concurrency: int, texts: list[str] 
         if texts is not None:
             out["texts"] = [_complete(server.url, model, t) for t in texts]
         res = run_load(server.url, model, concurrency, requests=100_000, prompt_tokens=128, output_tokens=64,
-                       max_seconds=seconds, warmup=concurrency)  # fmt: skip
+                       max_seconds=seconds, warmup=concurrency, request_timeout=30)  # fmt: skip
         out |= {"ok": res.ok, "failures": res.failures, "tok_s": res.output_tok_per_s,
                 "ttft_p50": res.ttft_p50_ms, "itl_p50": res.itl_p50_ms, "errors": res.errors}  # fmt: skip
         out["metrics"] = _get(server.url + "/metrics")
@@ -304,15 +313,15 @@ TEXTS = [
 ]
 
 
-def section_serve(args: argparse.Namespace, state: dict[str, Any]) -> None:
+def section_serve(args: argparse.Namespace, state: dict[str, Any], shape: str) -> None:
     seconds = 10 if args.quick else args.load_s
-    common = ["--gpu-memory-fraction", "0.4", "--hf-max-num-seqs", "64", "--hf-max-num-batched-tokens", "2048"]
-    tiny = _serve(common, seconds / 2 if not args.quick else seconds, 32, TEXTS)
-    state["aggregated_texts"] = tiny["texts"]
-    _serve_rows("bundled model", tiny)
-    if not args.quick:
-        big = _serve([*common, "--random-weights", "llama-1b"], seconds, 32, None)
-        _serve_rows("llama-1b (synthetic)", big)
+    extra = ["--gpu-memory-fraction", "0.4", "--hf-max-num-seqs", "64", "--hf-max-num-batched-tokens", "2048"]
+    if shape:
+        extra += ["--random-weights", shape]
+    res = _serve(extra, seconds, 32, None if shape else TEXTS)
+    if not shape:
+        state["aggregated_texts"] = res["texts"]
+    _serve_rows(f"{shape} (synthetic)" if shape else "bundled model", res)
 
 
 def _serve_rows(what: str, res: dict[str, Any]) -> None:
@@ -383,6 +392,16 @@ def run_section(name: str, est_s: float, args: argparse.Namespace, fn: Callable[
         return None
 
 
+def _dry_run_shapes() -> None:
+    """--device cpu: the shapes shrunk to a few MB, so the sections' code runs here."""
+    from kvmesh.engines.hf import shapes
+
+    small = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096, "max_position_embeddings": 4096}  # fmt: skip
+    for name in shapes.SHAPES:
+        shapes.SHAPES[name] = shapes.SHAPES[name] | small
+
+
 def table() -> str:
     card = "no GPU (dry run)"
     if torch.cuda.is_available():
@@ -413,32 +432,39 @@ def _version(name: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, 1B only, short loads (~2 minutes)")
-    ap.add_argument("--budget-s", type=float, default=460.0, help="skip sections that would end past this")
-    ap.add_argument("--load-s", type=float, default=60.0, help="seconds of HTTP load per kvmesh run")
+    ap.add_argument("--budget-s", type=float, default=360.0, help="skip sections that would end past this")
+    ap.add_argument("--load-s", type=float, default=20.0, help="seconds of HTTP load per kvmesh run")
     ap.add_argument("--sections", default="checks,bandwidth,llama-1b,llama-8b,serve,disagg")
     ap.add_argument("--out", default="", help="also write the table here (markdown)")
     ap.add_argument("--device", default="cuda", help="cpu: dry-run the serve and disagg sections without a GPU")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, OUT_PATH
     DEVICE = args.device
-    if DEVICE == "cpu":
-        args.sections = ",".join(s for s in args.sections.split(",") if s in ("serve", "disagg"))
+    OUT_PATH = Path(args.out) if args.out else None
+    if DEVICE == "cpu":  # a dry run: sections that need no GPU kernel, tiny sizes
+        args.sections = ",".join(s for s in args.sections.split(",") if s not in ("checks", "bandwidth"))
+        _dry_run_shapes()
     elif not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA GPU", file=sys.stderr)
         return 2
     os.environ.setdefault("KVMESH_LOG_LEVEL", "warning")
     wanted = args.sections.split(",")
     state: dict[str, Any] = {}
-    if "checks" in wanted:
-        run_section("checks", 20, args, lambda: section_checks(args))
+    # the most telling first: a run cut short (budget, device time) keeps what it measured
     bandwidth = run_section("bandwidth", 5, args, lambda: section_bandwidth(args)) if "bandwidth" in wanted else None
-    for shape, est in (("llama-1b", 60), ("llama-8b", 130)):
+    if DEVICE == "cpu":
+        bandwidth = 10.0
+    for shape, est in (("llama-1b", 90), ("llama-8b", 130)):
         if shape in wanted and not (args.quick and shape == "llama-8b") and bandwidth:
             run_section(shape, 20 if args.quick else est, args, lambda s=shape: section_shape(args, s, bandwidth))
+    if "checks" in wanted:
+        run_section("checks", 30, args, lambda: section_checks(args))
     if "serve" in wanted:
-        run_section("serve", 40 if args.quick else 60 + 1.5 * args.load_s, args, lambda: section_serve(args, state))
+        run_section("serve", 50 + args.load_s, args, lambda: section_serve(args, state, ""))
     if "disagg" in wanted:
-        run_section("disagg", 40, args, lambda: section_disagg(args, state))
+        run_section("disagg", 45, args, lambda: section_disagg(args, state))
+    if "serve" in wanted and not args.quick:
+        run_section("serve llama-1b", 60 + args.load_s, args, lambda: section_serve(args, state, "llama-1b"))
     text = table()
     print("\n" + text, flush=True)
     if args.out:

@@ -28,6 +28,7 @@ Pure computation: no asyncio, no I/O after loading.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvmesh.engines.hf.kv import KvPool
 from kvmesh.engines.hf.paged_attention import decode_attention
@@ -44,6 +46,9 @@ from kvmesh.errors import InvalidArgument
 __all__ = ["LlamaSpec", "LlamaModel", "StepInputs", "DecodeRows", "PrefillSpan", "load_weights", "expected_shapes"]
 
 _ARCHITECTURES = ("LlamaForCausalLM",)
+# a GPU's prefill attention: not cuDNN's, which builds a plan per new sequence length
+# (milliseconds of CPU per layer the first time a prompt length is seen)
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _MODEL_TYPES = ("llama",)
 
 
@@ -430,7 +435,8 @@ class LlamaModel:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         # (1, heads, n, d): the fused kernels (flash for the causal case) take 4-d inputs only
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=span.mask, is_causal=span.mask is None)
+        with sdpa_kernel(_PREFILL_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=span.mask, is_causal=span.mask is None)
         return out[0].transpose(0, 1)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:

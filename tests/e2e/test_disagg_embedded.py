@@ -39,3 +39,35 @@ def test_embedded_prefill_and_decode_workers(tmp_path) -> None:
         assert (s.mode, s.remote_prefills, s.local_prefills) == ("decode", 2, 1), s
         assert s.kv_bytes_received == (44 + 57) * 16 * 4096  # blocks written (699 and 899 tokens), modelled bytes
     assert len(set(texts)) == 3
+
+
+def test_hf_engine_disaggregated_gives_the_aggregated_text(tmp_path) -> None:
+    """The real model (the hf engine, its KV sized at start) in a prefill and a decode
+    worker: every prompt prefilled remotely, its real KV moved over the transfer plane,
+    and the greedy text the same as one aggregated worker's."""
+    prompts = [
+        "def read_config(path):\n    \"\"\"Read a TOML file and return a dict.\"\"\"\n",
+        "import os\nimport sys\n\n\nclass Cache:\n    \"\"\"A small LRU cache.\"\"\"\n\n    def",
+    ]
+
+    def texts(server) -> list[str]:  # type: ignore[no-untyped-def]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        try:
+            return [
+                client.completions.create(model="kvmesh-tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in prompts
+            ]
+        finally:
+            client.close()
+
+    hf = ("--engine", "hf", "--device", "cpu", "--hf-threads", "1", "--canary-interval", "0")
+    with kvmesh_run(tmp_path, *hf, workers=1) as server:
+        aggregated = texts(server)
+    disagg = ("--admin", "--prefill-workers", "1", "--decode-workers", "1", "--max-local-prefill-length", "4")
+    with kvmesh_run(tmp_path, *hf, *disagg, workers=1) as server:
+        remote = texts(server)
+        workers = httpx.get(server.url + "/admin/workers").json()["workers"]
+        s = asyncio.run(stats(workers[0]["address"], RUN_SECRET))
+    assert (s.mode, s.remote_prefills, s.local_prefills) == ("decode", 2, 0), s
+    assert s.kv_bytes_received > 0
+    assert remote == aggregated and all(aggregated)

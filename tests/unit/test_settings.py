@@ -186,3 +186,22 @@ def test_log_level_static_workers_and_model_are_declared_settings():
     assert resolve(WorkerConfig, parse(["run"]), env={"KVMESH_MODEL": "smollm2"}).model == "smollm2"
     with pytest.raises(ValueError, match="not both"):
         _worker_config(parse(["worker", "--model", "smollm2", "--model-path", "/m"]), {})
+
+
+def test_the_hf_engines_device_flags_land_in_its_settings_and_bad_ones_are_refused(capsys):
+    ns = build_parser().parse_args(
+        ["worker", "--static", "--engine", "hf", "--device", "cuda:1", "--dtype", "bfloat16", "--gpu-memory-fraction",
+         "0.45", "--random-weights", "llama-8b", "--enforce-eager"]
+    )  # fmt: skip
+    assert _worker_config(ns, {}).engine_options == HfSettings(
+        device="cuda:1", dtype="bfloat16", gpu_memory_fraction=0.45, random_weights="llama-8b", enforce_eager=True
+    )
+    for flag, value, said in [
+        ("--device", "tpu", "must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        ("--device", "cuda:x", "must be auto, cpu, cuda or cuda:N"),
+        ("--dtype", "float8", "must be one of auto, bfloat16, float16, float32, got 'float8'"),
+        ("--gpu-memory-fraction", "1.5", "must be within [0.01, 1]"),
+        ("--random-weights", "llama-70b", "must be one of llama-1b, llama-8b"),
+    ]:
+        assert main(["run", "--engine", "hf", flag, value]) == 2
+        assert said in capsys.readouterr().err

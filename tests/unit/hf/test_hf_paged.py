@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.engines.hf import HfEngine, HfOptions
 from kvmesh.engines.hf.batch import Chunk, DecodeBuffers, make_inputs, make_paged_inputs
-from kvmesh.engines.hf.device import graph_buckets, resolve_device, resolve_dtype
+from kvmesh.engines.hf.device import graph_buckets, kv_budget, resolve_device, resolve_dtype
 from kvmesh.engines.hf.kv import KvPool
 from kvmesh.engines.hf.model import LlamaModel, LlamaSpec
 from kvmesh.errors import InvalidArgument
@@ -197,3 +197,13 @@ async def test_synthetic_weights_sample_only_the_tokenizers_ids(tmp_path, monkey
         assert len(out) == 40 and max(out) < 2048
     finally:
         await eng.cleanup()
+
+
+def test_the_kv_budget_takes_the_fraction_less_what_is_held_and_never_more_than_is_free():
+    gib = 1 << 30
+    mib256 = 256 << 20
+    # 80 GiB card, 0.9 of it, 17 GiB held (weights + context), 3 GiB of activations reserved
+    assert kv_budget(80 * gib, 62 * gib, 17 * gib, 0.9, 3 * gib) == int(72 * gib) - 20 * gib - mib256
+    # a second worker at 0.45 while the first holds 40 GiB: the free memory binds
+    assert kv_budget(80 * gib, 20 * gib, 3 * gib, 0.45, gib) == 19 * gib - mib256
+    assert kv_budget(80 * gib, 1 * gib, 3 * gib, 0.45, gib) == 0

@@ -30,7 +30,7 @@ from kvmesh.engines.hf.kv import KvPool
 from kvmesh.engines.hf.model import LlamaModel
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["resolve_device", "resolve_dtype", "gpu_kv_bytes", "profile_peak", "DecodeGraphs", "graph_buckets"]
+__all__ = ["resolve_device", "resolve_dtype", "gpu_kv_bytes", "kv_budget", "profile_peak", "DecodeGraphs", "graph_buckets"]
 
 _log = logging.getLogger(__name__)
 
@@ -89,10 +89,18 @@ def profile_peak(model: LlamaModel, tokens: int, block_size: int) -> int:
 
 
 def gpu_kv_bytes(device: torch.device, fraction: float, activation_peak: int, logits_rows: int, vocab: int) -> int:
-    """The KV pool's budget on ``device`` (see the module docstring); 0 when nothing is left."""
+    """The KV pool's budget on ``device`` now (see :func:`kv_budget`)."""
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device) + _CONTEXT_BYTES
-    reserve = activation_peak + 4 * logits_rows * vocab * 4 + (256 << 20)  # + the sampler's rows, graphs' pool
+    return kv_budget(total, free, held, fraction, activation_peak + 4 * logits_rows * vocab * 4)
+
+
+def kv_budget(total: int, free: int, held: int, fraction: float, reserve: int) -> int:
+    """Bytes for the KV pool: ``fraction`` of the card's ``total`` less what this process
+    ``held`` already and the ``reserve`` its passes need (activations, the sampler's rows;
+    plus 256 MiB for the graphs' pool), never more than is ``free`` less that reserve
+    (another process may share the card); 0 when nothing is left."""
+    reserve += 256 << 20
     return max(0, min(int(total * fraction) - held - reserve, free - reserve))
 
 

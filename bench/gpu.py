@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -41,7 +42,7 @@ import re
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -300,31 +301,40 @@ def _common(a: list[int], b: list[int]) -> list[int]:
     return out
 
 
-def _serve(extra: list[str], seconds: float, concurrency: int, texts: list[str] | None) -> dict[str, Any]:
-    from _lib import free_port, kvmesh_command, launch_server, run_load, wait_ready
+@contextlib.contextmanager
+def _server(cmd: list[str], port: int) -> Iterator[tuple[Any, str]]:
+    """A ``kvmesh run`` process, ready: (its LaunchedServer, the served model). Its log's
+    tail is printed when the body fails; it is stopped by PID in any case."""
+    from _lib import launch_server, wait_ready
 
-    port = free_port()
-    cmd = kvmesh_command(port, workers=2, router_mode="kv", extra=["--engine", "hf", "--device", DEVICE, *extra])
-    cmd = [a for a in cmd if a not in ("--speedup", "1000000000.0")]
-    t0 = time.perf_counter()
     server = launch_server(cmd, port)
-    out: dict[str, Any] = {}
     try:
-        model, ready = wait_ready(server.url, timeout=240, proc=server.proc)
-        out["ready_s"] = ready - t0
-        if texts is not None:
-            out["texts"] = [_complete(server.url, model, t) for t in texts]
-        res = run_load(server.url, model, concurrency, requests=100_000, prompt_tokens=128, output_tokens=64,
-                       max_seconds=seconds, warmup=concurrency, request_timeout=30)  # fmt: skip
-        out |= {"ok": res.ok, "failures": res.failures, "tok_s": res.output_tok_per_s,
-                "ttft_p50": res.ttft_p50_ms, "itl_p50": res.itl_p50_ms, "errors": res.errors}  # fmt: skip
-        out["metrics"] = _get(server.url + "/metrics")
+        model, _ = wait_ready(server.url, timeout=240, proc=server.proc)
+        yield server, model
     except Exception:
         print(server.log_tail(60), flush=True)
         raise
     finally:
         server.stop()
         server.remove_temp_log()
+
+
+def _serve(extra: list[str], seconds: float, concurrency: int, texts: list[str] | None) -> dict[str, Any]:
+    from _lib import free_port, kvmesh_command, run_load
+
+    port = free_port()
+    cmd = kvmesh_command(port, workers=2, router_mode="kv", extra=["--engine", "hf", "--device", DEVICE, *extra])
+    cmd = [a for a in cmd if a not in ("--speedup", "1000000000.0")]
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+    with _server(cmd, port) as (server, model):
+        out["ready_s"] = time.perf_counter() - t0
+        if texts is not None:
+            out["texts"] = [_complete(server.url, model, t) for t in texts]
+        res = run_load(server.url, model, concurrency, requests=100_000, prompt_tokens=128, output_tokens=64,
+                       max_seconds=seconds, warmup=concurrency, request_timeout=30)  # fmt: skip
+        out |= {"ok": res.ok, "failures": res.failures, "tok_s": res.output_tok_per_s,
+                "ttft_p50": res.ttft_p50_ms, "itl_p50": res.itl_p50_ms, "errors": res.errors}  # fmt: skip
     return out
 
 
@@ -366,24 +376,16 @@ def _serve_rows(what: str, res: dict[str, Any]) -> None:
 
 
 def section_disagg(args: argparse.Namespace, state: dict[str, Any]) -> None:
-    from _lib import free_port, launch_server, wait_ready
+    from _lib import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "kvmesh.cli.main", "run", "--engine", "hf", "--device", DEVICE,
            "--prefill-workers", "1", "--decode-workers", "1", "--max-local-prefill-length", "4",
            "--gpu-memory-fraction", "0.4", "--hf-max-num-seqs", "64", "--hf-max-num-batched-tokens", "2048",
            "--http-host", "127.0.0.1", "--http-port", str(port)]  # fmt: skip
-    server = launch_server(cmd, port)
-    try:
-        model, _ = wait_ready(server.url, timeout=240, proc=server.proc)
+    with _server(cmd, port) as (server, model):
         texts = [_complete(server.url, model, t) for t in TEXTS]
         metrics = _get(server.url + "/metrics")
-    except Exception:
-        print(server.log_tail(60), flush=True)
-        raise
-    finally:
-        server.stop()
-        server.remove_temp_log()
     agg = state.get("aggregated_texts")
     same = sum(a == b for a, b in zip(texts, agg or [], strict=False))
     row("disaggregated 1P + 1D: greedy text == aggregated", f"{same}/{len(TEXTS)}" if agg else "no aggregated run",

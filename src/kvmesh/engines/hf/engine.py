@@ -192,7 +192,9 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
         dtype = resolve_dtype(opts.dtype, device, opts.model_path)
         model = self._model(device, dtype)
         spec = model.spec
-        context = spec.max_position_embeddings if opts.random_weights else min(info.context_length, spec.max_position_embeddings)
+        context = spec.max_position_embeddings
+        if not opts.random_weights:  # synthetic weights: the shape's context, not the tokenizer folder's
+            context = min(info.context_length, context)
         num_blocks = opts.num_blocks or self._auto_blocks(model, context)
         pool = KvPool(
             num_blocks, opts.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device
@@ -297,10 +299,6 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
         """Seconds the decode CUDA graphs took to capture at start (None: none captured)."""
         graphs = self._loaded.graphs if self._loaded is not None else None
         return graphs.capture_s if graphs is not None else None
-
-    @property
-    def device(self) -> torch.device:
-        return self._require().model.device
 
     # ------------------------------------------------------------------ requests
 

@@ -335,7 +335,16 @@ def _serve(extra: list[str], seconds: float, concurrency: int, texts: list[str] 
                        max_seconds=seconds, warmup=concurrency, request_timeout=30)  # fmt: skip
         out |= {"ok": res.ok, "failures": res.failures, "tok_s": res.output_tok_per_s,
                 "ttft_p50": res.ttft_p50_ms, "itl_p50": res.itl_p50_ms, "errors": res.errors}  # fmt: skip
+        out["canaries"] = _canary_results(_get(server.url + "/metrics"))
     return out
+
+
+def _canary_results(metrics: str) -> dict[str, int]:
+    """Canary checks so far by result (ok, wrong_tokens, logit_out_of_range, ...), every worker."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r'health_check_duration_seconds_count\{check_type="canary",result="(\w+)"[^}]*\} ([0-9.e+]+)', metrics):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + int(float(m.group(2)))
+    return counts
 
 
 def _get(url: str) -> str:
@@ -360,7 +369,8 @@ TEXTS = [
 
 def section_serve(args: argparse.Namespace, state: dict[str, Any], shape: str) -> None:
     seconds = 10 if args.quick else args.load_s
-    extra = ["--gpu-memory-fraction", "0.4", "--hf-max-num-seqs", "64", "--hf-max-num-batched-tokens", "2048"]
+    extra = ["--gpu-memory-fraction", "0.4", "--hf-max-num-seqs", "64", "--hf-max-num-batched-tokens", "2048",
+             "--canary-interval", "2"]  # the canaries' token and logprob checks on real logits, under the load
     if shape:
         extra += ["--random-weights", shape]
     res = _serve(extra, seconds, 32, None if shape else TEXTS)
@@ -370,6 +380,10 @@ def section_serve(args: argparse.Namespace, state: dict[str, Any], shape: str) -
 
 
 def _serve_rows(what: str, res: dict[str, Any]) -> None:
+    checks = res.get("canaries") or {}
+    bad = sum(v for k, v in checks.items() if k != "ok")
+    row(f"kvmesh run, {what}: canary checks (tokens + top logprob, real logits)", f"{checks.get('ok', 0)} ok, {bad} not",
+        ", ".join(f"{k} {v}" for k, v in sorted(checks.items())))  # fmt: skip
     row(f"kvmesh run, 2 workers, kv router, {what}", f"{res['tok_s']:,.0f} out tok/s",
         f"{res['ok']} ok, {res['failures']} failed; TTFT p50 {res['ttft_p50'] or 0:.0f} ms, ITL p50 "
         f"{res['itl_p50'] or 0:.1f} ms; ready in {res['ready_s']:.0f} s {res['errors'][:2] or ''}")  # fmt: skip

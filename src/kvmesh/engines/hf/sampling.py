@@ -116,18 +116,47 @@ def _check(ok: bool, message: str) -> None:
 
 def sample(logits: torch.Tensor, params: list[SampleParams]) -> list[Sampled]:
     """One token (and its logprobs, when asked) per row of ``logits`` (S, vocab), any
-    device and float dtype (read as float32)."""
+    device and float dtype (read as float32). The rows' argmaxes and every asked-for
+    log-probability table come to the host together (:class:`_Logprobs`): no copy per row."""
     logits = _adjust(logits.float(), params)
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    out = []
+    greedy = logits.argmax(dim=-1)
+    tables = _Logprobs(logits, params, greedy)
+    greedy_ids = greedy.tolist()
+    tokens = []
     for i, p in enumerate(params):
         token = greedy_ids[i] if p.greedy else _draw(logits[i], p)
         if p.guide is not None:
             token = p.guide.settle(token, p.remaining)
-        out.append(Sampled(token, None if p.logprobs is None else _logprob(logits[i], token, p.logprobs)))
-        if p.guide is not None:
             p.guide.consume(token)
-    return out
+        tokens.append(token)
+    return [Sampled(t, tables.of(i, t)) for i, t in enumerate(tokens)]
+
+
+class _Logprobs:
+    """The log-softmax top-n of the rows that ask for logprobs, computed on the logits'
+    device for all of them at once; :meth:`of` a row's entry for the token it got (its
+    top-1 when that is the token, else one gather for those rows)."""
+
+    def __init__(self, logits: torch.Tensor, params: list[SampleParams], greedy: torch.Tensor) -> None:
+        self.params = params
+        self.rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self.where = {row: k for k, row in enumerate(self.rows)}
+        if not self.rows:
+            return
+        index = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
+        self.logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
+        n = max(1, max(params[i].logprobs or 0 for i in self.rows))
+        values, ids = torch.topk(self.logp, min(n, self.logp.shape[1]))
+        self.top_values, self.top_ids = values.tolist(), ids.tolist()
+
+    def of(self, row: int, token: int) -> TokenLogprob | None:
+        k = self.where.get(row)
+        if k is None:
+            return None
+        n = self.params[row].logprobs or 0
+        top = list(zip(self.top_ids[k][:n], self.top_values[k][:n], strict=True))
+        value = self.top_values[k][0] if self.top_ids[k][0] == token else float(self.logp[k, token])
+        return TokenLogprob(token, value, top)
 
 
 def _adjust(logits: torch.Tensor, params: list[SampleParams]) -> torch.Tensor:
@@ -196,12 +225,3 @@ def _draw(row: torch.Tensor, p: SampleParams) -> int:
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=p.generator).item())
-
-
-def _logprob(row: torch.Tensor, token: int, n: int) -> TokenLogprob:
-    logp = torch.log_softmax(row, dim=-1)
-    top: list[tuple[int, float]] = []
-    if n > 0:
-        values, ids = torch.topk(logp, n)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(logp[token]), top)

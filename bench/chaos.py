@@ -19,8 +19,9 @@ undisturbed run (the mocker is deterministic: each prompt's text is taken once
 before the load), failed, the longest stall a client saw between two chunks, and
 what discovery did. Scenarios, in order:
 
-    cut_c          host c's link down mid-load, then back: its streams migrate to b,
-                   discovery drops c within its lease TTL (plus an election, and
+    cut_c          host c's link down mid-load (10 s, and until every request it may have
+                   had has ended: "streams ended while c was cut"), then back: its
+                   streams migrate to b, discovery drops c within its lease TTL (plus an election, and
                    the leases extended by it, when c's etcd member was the leader),
                    c rejoins (same process, new lease) and takes traffic
     etcd_member    one etcd member SIGKILLed, restarted later: nothing fails, no churn
@@ -62,7 +63,8 @@ MAX_TOKENS = 48
 DISTINCT_PROMPTS = 8
 CONCURRENCY = 8
 SPEEDUP = "1"  # the mocker at real speed: streams last long enough to be cut mid-way
-CUT_S = 10.0  # how long host c stays cut off
+CUT_S = 10.0  # how long host c stays cut off, at least
+CUT_WAIT_S = 30.0  # ... and at most this much longer, while requests it may have had are still open
 LEADER_AT_CUT = os.environ.get("CHAOS_LEADER", "")  # "" leaves etcd's choice
 
 
@@ -121,6 +123,7 @@ async def _load(urls: list[str], count: int, stop_file: str) -> dict:
         n = worker
         while state["sent"] < count and not os.path.exists(stop_file):
             state["sent"] += 1
+            print(f"open {n}", flush=True)
             try:
                 text = await request(n)
                 state["completed"] += 1
@@ -128,7 +131,7 @@ async def _load(urls: list[str], count: int, stop_file: str) -> dict:
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 state["failed"] += 1
                 state["errors"].append(repr(exc)[:300])
-            print(f"progress {state['completed']} {state['failed']}", flush=True)
+            print(f"progress {state['completed']} {state['failed']} {n}", flush=True)
             n += CONCURRENCY
 
     async def poll_health() -> None:
@@ -206,6 +209,7 @@ class Load:
         self.proc = fleet.hosts.spawn("a", argv, "load.log", env=fleet.env_common, stdout=subprocess.PIPE)
         self.completed = 0
         self.failed = 0
+        self._open: set[int] = set()  # requests sent and not yet ended, by number
         self.started = threading.Event()
         self.result: dict | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -217,8 +221,11 @@ class Load:
             line = raw.decode(errors="replace").strip()
             if line == "started":
                 self.started.set()
+            elif line.startswith("open "):
+                self._open.add(int(line.split()[1]))
             elif line.startswith("progress "):
-                _, done, failed = line.split()
+                _, done, failed, n = line.split()
+                self._open.discard(int(n))
                 self.completed, self.failed = int(done), int(failed)
             elif line.startswith("RESULT "):
                 self.result = json.loads(line[len("RESULT ") :])
@@ -226,6 +233,19 @@ class Load:
     def wait_started(self, timeout: float = 120) -> None:
         if not self.started.wait(timeout):
             raise TimeoutError("the load generator did not start")
+
+    def in_flight(self) -> set[int]:
+        """The requests under way now (as far as the generator's output has been read)."""
+        return set(self._open)
+
+    def wait_ended(self, requests: set[int], timeout: float) -> bool:
+        """Until every one of ``requests`` has ended; False if one is still open past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while requests & self._open:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def wait_more(self, n: int, timeout: float = 90) -> None:
         """Until ``n`` more requests completed than now."""
@@ -465,11 +485,17 @@ def cut_c(fleet: Fleet) -> Report:
         report.notes["etcd leader"] = fleet.leader()
         fleet.hosts.cut("c")
         cut = time.monotonic()
+        caught = load.in_flight()  # c's streams among them
         report.notes["c dropped after (s)"] = _until(lambda: c_id not in fleet.registered(), 30, "c dropped")
+        caught |= load.in_flight()  # and any sent to c before discovery dropped it
         load.wait_more(30)
         # c stays away long enough for its connections to be found dead (its streams
-        # then migrate to b), not just for TCP to retransmit over a short gap
+        # then migrate to b), not just for TCP to retransmit over a short gap; and until
+        # every request that may have gone to c has ended, or CUT_WAIT_S: one still
+        # waiting for c then would only end once c is back
         time.sleep(max(0.0, CUT_S - (time.monotonic() - cut)))
+        report.notes["streams ended while c was cut"] = load.wait_ended(caught, CUT_WAIT_S)
+        report.notes["c cut for (s)"] = round(time.monotonic() - cut, 1)
         fleet.hosts.restore("c")
         report.notes["c back after (s)"] = _until(lambda: c_id in fleet.registered(), 30, "c re-registered")
         before = fleet.routed("c")

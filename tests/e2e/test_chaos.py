@@ -67,8 +67,11 @@ def test_cut_host_c_streams_migrate_discovery_drops_it_and_it_rejoins(fleet) -> 
     assert report.workers_min == 1 and report.workers_max == 2
     assert report.notes["moved to b"] > 0, "nothing moved off c"
     # streams cut mid-way moved to b once their connections were found dead (TCP
-    # keep-alive, ~5 s), not when c came back (TCP retransmits would resume them then)
-    assert report.stall_s < chaos.CUT_S - 1, "c's streams waited for it instead of moving to b"
+    # keep-alive, ~5 s), not when c came back (TCP retransmits would resume them then):
+    # c stays cut until every request under way at the cut, or sent before discovery
+    # dropped c, has ended (or chaos.CUT_WAIT_S more): an order, not a stall length
+    # (report.stall_s, printed in the row, is the bench's measure)
+    assert report.notes["streams ended while c was cut"], "c's streams waited for it instead of moving to b"
 
 
 def test_one_etcd_member_killed_and_restarted_no_failure_no_churn(fleet) -> None:  # type: ignore[no-untyped-def]

@@ -48,6 +48,13 @@ def _canary_checks(url: str, worker: str) -> int:
     return int(sum(float(v) for v in re.findall(pattern, text)))
 
 
+def _results(url: str, worker: str, result: str) -> int:
+    """Canary checks of ``worker`` that ended in ``result`` (ok, wrong_tokens, ...)."""
+    text = httpx.get(url + "/metrics").text
+    pattern = rf'kvmesh_health_check_duration_seconds_count\{{check_type="canary",result="{result}",worker_id="{worker}"\}} ([0-9.e+]+)'
+    return int(sum(float(v) for v in re.findall(pattern, text)))
+
+
 def _fault(url: str, worker: str, spec: str) -> None:
     r = httpx.post(url + "/admin/fault", json={"worker": worker, "fault": spec})
     assert r.status_code == 200, r.text
@@ -169,3 +176,24 @@ def test_canary_record_then_check_against_the_file(tmp_path):
         assert all(w["status"] == "healthy" for w in _workers(server.url).values())
         text = httpx.get(server.url + "/metrics").text
         assert re.search(r'kvmesh_health_check_duration_seconds_count\{check_type="canary",result="ok",worker_id="[0-9a-f]+"\} [1-9]', text)
+    # the file decides, not the fleet: against a file recorded elsewhere (its first canary's
+    # answer differs from these workers'), a worker fails, though without the file a lone
+    # worker's own answers would become the canaries it passes
+    import msgspec
+
+    from kvmesh.health.canary import save_canaries
+
+    first = recorded.canaries[0]
+    other = tmp_path / "other-fleet.json"
+    save_canaries(other, msgspec.structs.replace(recorded, canaries=[
+        msgspec.structs.replace(first, expected_token_ids=[t + 1 for t in first.expected_token_ids]), *recorded.canaries[1:],
+    ]))  # fmt: skip
+    with kvmesh_run(tmp_path, *HEALTH_ARGS, "--canaries", str(other), workers=1) as server:
+        url = server.url
+        _wait(lambda: len(_workers(url)) == 1, 20, "1 worker")
+        (w,) = _workers(url)
+        _wait(lambda: _results(url, w, "wrong_tokens") + _results(url, w, "ok") >= 1, 60, "a canary verdict")
+        assert _results(url, w, "ok") == 0, "a worker that disagrees with the file passed its canary"
+        assert _results(url, w, "wrong_tokens") >= 1
+        _wait(lambda: _workers(url)[w]["status"] == "unhealthy", 30, lambda: f"the worker judged wrong (now {_workers(url)[w]})")
+        assert _workers(url)[w]["weight"] == 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Awaitable
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from tests.helpers import kvmesh_run
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 INTERVAL = 0.5
+MAX_NUM_SEQS = 4
 LONG_PROMPT = " ".join(f"word{i % 97} value{i % 13}" for i in range(250))  # ~1,400 tokens
 
 
@@ -34,6 +36,14 @@ def _sum(text: str, pattern: str) -> float:
 
 def _canaries_ok(text: str, worker: str) -> float:
     return _sum(text, rf'kvmesh_health_check_duration_seconds_count\{{check_type="canary",result="ok",worker_id="{worker}"\}} ([0-9.e+]+)')
+
+
+def _schedulers(text: str) -> dict[str, tuple[float, float]]:
+    """Each worker's (running, waiting) requests, as the frontend's /metrics shows them."""
+    gauge = r'kvmesh_worker_{}_requests\{{[^}}]*worker_id="([0-9a-f]+)"[^}}]*\}} ([0-9.e+]+)'
+    running = dict(re.findall(gauge.format("running"), text))
+    waiting = dict(re.findall(gauge.format("waiting"), text))
+    return {w: (float(running[w]), float(waiting[w])) for w in running.keys() & waiting.keys()}
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -73,11 +83,30 @@ async def _closed_loop(url: str, clients: int, until: float, max_requests: int, 
     return done, failures
 
 
+async def _sampling_schedulers(url: str, load: Awaitable[tuple[int, list]]) -> tuple[int, list, list[dict]]:
+    """``load``'s result, and the workers' schedulers (:func:`_schedulers`) sampled from
+    /metrics every 0.2 s while it ran."""
+    samples: list[dict] = []
+
+    async def sample() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            while True:
+                samples.append(_schedulers((await http.get("/metrics")).text))
+                await asyncio.sleep(0.2)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        done, failures = await load
+    finally:
+        sampler.cancel()
+    return done, failures, samples
+
+
 @pytest.mark.timeout(240)
 def test_saturated_fleet_keeps_every_worker_healthy(tmp_path):
     # 2 workers of 4 sequences each, 32 clients: most requests wait in the workers'
     # queues, every step carries long prefills; canaries every 0.5 s.
-    args = ("--canary-interval", str(INTERVAL), "--canary-timeout", "1", "--max-num-seqs", "4",
+    args = ("--canary-interval", str(INTERVAL), "--canary-timeout", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
             "--max-num-batched-tokens", "1024", "--admin")  # fmt: skip
     with kvmesh_run(tmp_path, *args, workers=2, speedup="4") as server:
         url = server.url
@@ -85,11 +114,15 @@ def test_saturated_fleet_keeps_every_worker_healthy(tmp_path):
         ids = sorted(_workers(url))
         _wait(lambda: all(_canaries_ok(_metrics(url), w) >= 2 for w in ids), 30, "idle baselines")
         before = _metrics(url)
-        done, failures = asyncio.run(_closed_loop(url, clients=32, until=time.monotonic() + 12, max_requests=3000, at_least=64))
+        load = _closed_loop(url, clients=32, until=time.monotonic() + 12, max_requests=3000, at_least=64)
+        done, failures, samples = asyncio.run(_sampling_schedulers(url, load))
         after = _metrics(url)
         assert failures == [] and done >= 64
         # it was saturated: requests queued behind the batch, and canaries were judged under that load
         assert _sum(after, r'kvmesh_frontend_time_to_first_token_seconds_sum\{model="kvmesh-tiny"\} ([0-9.e+]+)') > 0
+        full = {w for sample in samples for w, (running, waiting) in sample.items() if running == MAX_NUM_SEQS and waiting > 0}
+        peaks = {w: max((sample[w] for sample in samples if w in sample), default=None) for w in ids}
+        assert full == set(ids), f"not every worker ran a full batch with a queue behind it: (running, waiting) peaks {peaks}"
         assert all(_canaries_ok(after, w) - _canaries_ok(before, w) >= 5 for w in ids), "canaries did not run under load"
         transitions = re.findall(r'kvmesh_health_transitions_total\{cause="([^"]*)",to="([a-z]+)",worker_id="[0-9a-f]+"\} ([0-9.e+]+)', after)
         assert [t for t in transitions if float(t[2]) > 0] == [], transitions

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.helpers import KvmeshProcess, free_port, kvmesh_run, wait_healthy
+from tests.helpers import KvmeshProcess, ServerProcess, free_port, kvmesh_run, wait_healthy
 
 pytestmark = pytest.mark.processes
 
@@ -57,6 +58,9 @@ def test_kv_routing_reuses_more_cache_than_round_robin(tmp_path, shards):
             _shared_prefix_load(server.url)
             rates[mode] = _hit_rate(server.url)
             if mode == "kv":
+                # the index lives where the flag says: S shard processes, children of the
+                # frontend (`kvmesh run`), or none (the frontend's own index)
+                assert len(_shard_processes(server)) == (shards if shards > 1 else 0), server.log()
                 # shards report their counters every 0.2 s (router/shards.py)
                 deadline = time.monotonic() + 10
                 while _metric(text := httpx.get(server.url + "/metrics").text, "kvmesh_router_kv_events_applied_total") == 0:
@@ -67,6 +71,12 @@ def test_kv_routing_reuses_more_cache_than_round_robin(tmp_path, shards):
     # 4 families on 4 workers: kv sends a family to the worker that holds its prefix
     assert rates["kv"] > rates["round_robin"] + 0.2, rates
     assert rates["kv"] > 0.6, rates
+
+
+def _shard_processes(server: ServerProcess) -> list[str]:
+    """Command lines of the server's children that are KV index shards (router/shard_main.py)."""
+    out = subprocess.run(["ps", "-o", "args=", "--ppid", str(server.proc.pid)], capture_output=True, text=True, check=True)
+    return [line for line in out.stdout.splitlines() if "kvmesh.router.shard_main" in line]
 
 
 def _wait_workers(url: str, n: int, timeout: float = 30) -> None:

@@ -3,6 +3,7 @@ mode (fixed addresses, no discovery at all)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -94,23 +95,47 @@ def test_bad_runtime_option_is_one_line():
 def test_no_worker_is_a_503_after_the_wait_never_a_hang(tmp_path):
     from kvmesh.preprocess.model import bundled_model_path
 
+    wait_s = 0.5
     env = {"KVMESH_DISCOVERY": "file", "KVMESH_FILE_DISCOVERY_DIR": str(tmp_path / "empty"), "KVMESH_NAMESPACE": "none"}
     port = free_port()
     frontend = KvmeshProcess(
-        tmp_path, "frontend", "--http-port", str(port), "--worker-wait", "0.5", "--model-path", str(bundled_model_path()), env=env
-    )
+        tmp_path, "frontend", "--http-port", str(port), "--worker-wait", str(wait_s), "--model-path", str(bundled_model_path()),
+        env=env,
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: _live(url), 20)
         assert httpx.get(url + "/health").status_code == 503
         start = time.monotonic()
-        r = _complete(url)
+        r = _complete(url)  # never a hang: answered within the client's timeout (40 × the wait)
+        waited = time.monotonic() - start
         assert r.status_code == 503
-        assert "no worker serves model 'kvmesh-tiny'" in r.json()["error"]["message"]
-        assert 0.4 < time.monotonic() - start < 5
+        # the frontend's own account: it waited the configured time for a worker
+        assert f"no worker serves model 'kvmesh-tiny' (waited {wait_s:g} s)" in r.json()["error"]["message"]
+        assert waited >= wait_s, f"answered after {waited:.3f} s, before the configured wait of {wait_s} s"
         assert r.headers["retry-after"]
+        # ... and the request is over there: counted as a 503, nothing left in flight
+        metrics = httpx.get(url + "/metrics").text
+        assert _sample(metrics, "kvmesh_frontend_requests_total", status="503") == 1
+        assert _sample(metrics, "kvmesh_frontend_inflight_requests") == 0
     finally:
         frontend.stop()
+
+
+def _sample(metrics: str, name: str, **labels: str) -> float:
+    """The one sample of ``name`` for kvmesh-tiny with ``labels`` in a /metrics text."""
+    want = {"model": "kvmesh-tiny", **labels}
+    found = []
+    for line in metrics.splitlines():
+        head, _, value = line.rpartition(" ")
+        family, _, rest = head.partition("{")
+        if family != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        if all(have.get(k) == v for k, v in want.items()):
+            found.append(float(value))
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
 
 
 def _live(url: str) -> bool:

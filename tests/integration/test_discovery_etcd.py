@@ -11,11 +11,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import aetcd
 import msgspec
 import pytest
 
 from kvmesh.errors import CannotConnect, InvalidArgument
 from kvmesh.runtime.discovery import WatchEvent
+from kvmesh.runtime.discovery import etcd as etcd_discovery
 from kvmesh.runtime.discovery.etcd import EtcdDiscovery
 from tests.helpers import free_port
 from tests.proxy import CuttableProxy
@@ -95,15 +97,28 @@ async def test_register_discover_watch(connect) -> None:
         await worker.put("/services/ns/backend/late", b"x", lease.id)
 
 
-async def test_connect_tries_endpoints_in_order(etcd: Etcd, connect) -> None:
+async def test_connect_tries_endpoints_in_order(etcd: Etcd, connect, monkeypatch: pytest.MonkeyPatch) -> None:
     d = await connect([f"http://127.0.0.1:{free_port()}", etcd.endpoint])
     await d.put("/k", b"v")
     assert await d.get_prefix("/k") == {"/k": b"v"}
-    started = time.monotonic()
-    with pytest.raises(CannotConnect, match="no etcd endpoint answered"):
-        await connect([f"http://127.0.0.1:{free_port()}"], connect_timeout_s=0.5)
-    # a refused port fails at once: well within 10 × the timeout unless it retried on
-    assert time.monotonic() - started < 10 * 0.5
+    # nothing answers: connect retries on its backoff for connect_timeout_s, then gives
+    # up. Every delay handed out before the last one was slept, so their sum is the
+    # time it spent retrying: it may never pass the configured timeout.
+    timeout = 0.5
+    delays: list[float] = []
+    schedule = etcd_discovery._Backoff.next
+
+    def next_delay(backoff: etcd_discovery._Backoff) -> float:
+        assert sum(delays) <= timeout, f"retried on past connect_timeout_s={timeout}: slept {delays}"
+        delays.append(schedule(backoff))
+        return delays[-1]
+
+    monkeypatch.setattr(etcd_discovery._Backoff, "next", next_delay)
+    with pytest.raises(CannotConnect, match="no etcd endpoint answered") as refused:
+        await connect([f"http://127.0.0.1:{free_port()}"], connect_timeout_s=timeout)
+    assert delays, "gave up without consulting its retry schedule"
+    # each try failed at once, refused: none waited for the request timeout
+    assert type(refused.value.__cause__) is aetcd.ConnectionFailedError, repr(refused.value.__cause__)
 
 
 async def test_lease_expires_when_keep_alive_stops(connect) -> None:
@@ -124,11 +139,24 @@ async def test_lease_expires_when_keep_alive_stops(connect) -> None:
 
 async def test_etcdctl_revoke_removes_keys_and_sets_lost(etcd: Etcd, connect) -> None:
     worker = await connect()
+    answers: list[int | None] = []  # what each keep-alive heard back: a TTL, or None (unreachable)
+    refresh = worker._refresh
+
+    async def counted(lease_id: int, timeout: float) -> int | None:
+        answers.append(await refresh(lease_id, timeout))
+        return answers[-1]
+
+    worker._refresh = counted  # type: ignore[method-assign]
     lease = await worker.grant_lease(3)
     await worker.put("/services/ns/backend/generate-r", b"r", lease.id)
     etcd.etcdctl("lease", "revoke", f"{lease.id:x}")
+    revoked = len(answers)
     assert await worker.get_prefix("/services/") == {}
-    await asyncio.wait_for(lease.lost.wait(), 2.5)  # next keep-alive, at TTL/3
+    await asyncio.wait_for(lease.lost.wait(), 10 * lease.ttl_s)
+    # lost at the first keep-alive that heard "gone" (TTL 0), the last one sent: any
+    # before it were answered with a TTL or found etcd slow (one may have been in flight)
+    after = answers[revoked:]
+    assert [a is not None and a <= 0 for a in after] == [False] * (len(after) - 1) + [True], after
     assert not lease.expired  # gone while in contact: revoked, the stop signal
 
 

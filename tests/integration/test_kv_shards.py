@@ -111,10 +111,18 @@ async def test_shards_index_their_workers_and_every_decision_asks_them_all(fleet
         assert (decision.worker_id, decision.overlap_blocks) == (w, 4)
         router.finished(req.request_id)
     assert index.late == 0
-    # the shards' counters reach the frontend's metrics
-    applied = metrics.registry.get_sample_value("kvmesh_router_kv_events_applied_total", {"model": "m"})
-    await _until(lambda: (metrics.registry.get_sample_value("kvmesh_router_kv_events_applied_total", {"model": "m"}) or 0) >= 2)
+    # the shards' counters reach the frontend's metrics: once the shards of workers 1 and 2
+    # have reported their prompts' events (every STATS_INTERVAL_S), the frontend's counter
+    # holds every event the shards applied, no fewer and none twice
+    def metric(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model": "m", **labels})
+
+    await _until(lambda: all(index._shards[index.shard_of(w)].stats.applied >= 1 for w in WORKERS[1:]))  # type: ignore[index]
+    applied = metric("kvmesh_router_kv_events_applied_total")  # read with the shards' totals: no await between
     assert applied is not None
+    assert applied == index.applied >= 2, (applied, [shard.stats for shard in index._shards])
+    # worker 0's warm cache was loaded from its dump: a repair the shard counted, forwarded too
+    assert (metric("kvmesh_router_kv_repairs_total", method="dump") or 0) >= 1
     # a removed worker's blocks leave its shard
     router.remove_worker(WORKERS[1])
     await _until(lambda: WORKERS[1] not in index.find_matches(block_hashes(_prompt(2), BLOCK)))

@@ -7,9 +7,11 @@ connection."""
 
 from __future__ import annotations
 
+import selectors
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -29,6 +31,10 @@ from tests.security._edge import (
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
 
 TIMEOUT_S = 1.0
+# a timed-out socket is closed within TIMEOUT_S + MARGIN_S (the server's sweep runs every
+# TIMEOUT_S / 4; the rest is slack for a loaded machine), and not before TIMEOUT_S - EARLY_S
+MARGIN_S = 2.0
+EARLY_S = 0.05
 ARGS = (
     "--header-timeout", str(TIMEOUT_S), "--body-timeout", str(TIMEOUT_S), "--keepalive-timeout", str(TIMEOUT_S),
     "--send-timeout", "3", "--canary-interval", "0",
@@ -105,21 +111,27 @@ def test_a_chunked_body_over_the_limit_gets_413_without_reading_the_rest(server)
 
 
 def test_slowloris_sockets_are_closed_within_the_timeout_while_normal_requests_succeed(server):
-    socks = [connect(server) for _ in range(200)]
+    socks, connecting = [], []
+    for _ in range(200):
+        connecting.append(time.monotonic())  # before the server starts this socket's header clock
+        socks.append(connect(server))
     try:
         for sock in socks:
             sock.sendall(b"G")
-        started = time.monotonic()
-        served = 0
-        while time.monotonic() - started < TIMEOUT_S:
-            assert_still_serving(server)  # normal traffic flows while the slow sockets hang
-            served += 1
-        assert served >= 1
-
-        def all_closed() -> bool:
-            return all(_closed(sock) for sock in socks)
-
-        wait_for(all_closed, timeout=TIMEOUT_S * 10 + 5, what="every slow socket closed")
+        with ThreadPoolExecutor(1) as pool:
+            closing = pool.submit(_closing_times, socks, timeout=TIMEOUT_S * 10 + 5)
+            started = time.monotonic()
+            served = 0
+            while time.monotonic() - started < TIMEOUT_S:
+                assert_still_serving(server)  # normal traffic flows while the slow sockets hang
+                served += 1
+            assert served >= 1
+            closed_at = closing.result()
+        assert len(closed_at) == len(socks), f"{len(socks) - len(closed_at)} slow sockets still open"
+        held = [closed_at[i] - connecting[i] for i in range(len(socks))]
+        assert TIMEOUT_S - EARLY_S <= min(held) and max(held) <= TIMEOUT_S + MARGIN_S, (
+            f"slow sockets closed after {min(held):.2f}-{max(held):.2f} s; the header timeout is {TIMEOUT_S} s"
+        )
     finally:
         for sock in socks:
             sock.close()
@@ -127,23 +139,34 @@ def test_slowloris_sockets_are_closed_within_the_timeout_while_normal_requests_s
 
 
 def test_silent_connections_are_closed_by_the_header_timeout(server):
+    connecting = time.monotonic()
     with connect(server) as sock:
         out, closed = read_all(sock, timeout=TIMEOUT_S * 10)
+    held = time.monotonic() - connecting
     assert closed and out == b""
+    assert TIMEOUT_S - EARLY_S <= held <= TIMEOUT_S + MARGIN_S, f"closed after {held:.2f} s; the header timeout is {TIMEOUT_S} s"
 
 
 def test_a_stalled_body_is_closed_by_the_body_timeout(server):
     head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mo"
+    sending = time.monotonic()  # the body's last piece leaves with the head: the body clock starts after this
     out, closed = exchange(server, head, timeout=TIMEOUT_S * 10)
+    held = time.monotonic() - sending
     assert closed
     assert status_of(out) == 408
+    assert TIMEOUT_S - EARLY_S <= held <= TIMEOUT_S + MARGIN_S, f"closed after {held:.2f} s; the body timeout is {TIMEOUT_S} s"
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):
     with connect(server) as sock:
+        asking = time.monotonic()  # the connection goes idle once the answer is written, after this
         sock.sendall(b"GET /live HTTP/1.1\r\nhost: x\r\n\r\n")
         out, closed = read_all(sock, timeout=TIMEOUT_S * 10)
+        held = time.monotonic() - asking
     assert status_of(out) == 200 and closed
+    assert TIMEOUT_S - EARLY_S <= held <= TIMEOUT_S + MARGIN_S, (
+        f"closed after {held:.2f} s; the keep-alive timeout is {TIMEOUT_S} s"
+    )
 
 
 def test_pipelined_requests_without_reading_keep_rss_bounded(server):
@@ -201,17 +224,28 @@ def test_past_max_connections_new_connections_are_refused_quickly(tmp_path):
         wait_for(lambda: _served(srv), timeout=20, what="service after the held connections closed")
 
 
-def _closed(sock: socket.socket) -> bool:
-    """The server closed ``sock`` (what it wrote before, if anything, is read and dropped)."""
-    sock.settimeout(0.01)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
+def _closing_times(socks: list[socket.socket], timeout: float) -> dict[int, float]:
+    """When (monotonic) the server closed each of ``socks``, by index, watched for at most
+    ``timeout`` s; what it wrote before closing is read and dropped."""
+    closed_at: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for i, sock in enumerate(socks):
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, i)
+        while len(closed_at) < len(socks) and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                sock = socks[key.data]
+                try:
+                    if sock.recv(65536):
+                        continue
+                except BlockingIOError:
+                    continue
+                except ConnectionResetError:
+                    pass
+                closed_at[key.data] = time.monotonic()
+                selector.unregister(sock)
+    return closed_at
 
 
 def _refused(srv) -> bool:  # type: ignore[no-untyped-def]

@@ -185,6 +185,39 @@ async def test_with_a_secret_a_rogue_can_neither_publish_nor_listen(stack):
     await _until(lambda: stack.router.core.indexer.blocks_of(WORKER) == stack.engine.kv_dump())  # caught up
 
 
+@pytest.mark.parametrize("stack", [SECRET], indirect=True)
+async def test_with_a_secret_a_curve_client_with_its_own_keys_hears_nothing(stack):
+    """A rogue that knows the publishers' public key (a public key is no secret) and
+    speaks CURVE with a key pair of its own completes no handshake: the publisher's ZAP
+    handler admits the fleet's subscriber key only, while the real router keeps hearing."""
+    from kvmesh.runtime.event_plane.zmq import CurveKeys
+
+    await stack.serve_some()
+    public, secret = zmq.curve_keypair()
+    ctx = zmq.Context()
+    listener = ctx.socket(zmq.SUB)
+    listener.setsockopt(zmq.SUBSCRIBE, b"")
+    listener.curve_serverkey = CurveKeys(SECRET).server_public
+    listener.curve_publickey, listener.curve_secretkey = public, secret
+    listener.connect(stack.router.workers[WORKER].info.event_address)
+    heard = 0
+    try:
+        for _ in range(5):
+            applied = await stack.serve_some()  # the real worker publishes meanwhile
+            while True:
+                try:
+                    listener.recv(zmq.NOBLOCK)
+                    heard += 1
+                except zmq.Again:
+                    break
+            await asyncio.sleep(0.05)  # let a handshake (if admitted) finish between rounds
+    finally:
+        listener.close(linger=0)
+        ctx.term()
+    assert heard == 0
+    assert applied > 0
+
+
 def test_envelopes_from_a_fleet_member_without_a_valid_mac_are_dropped():
     from kvmesh.runtime.event_plane.base import Opener, seal
 

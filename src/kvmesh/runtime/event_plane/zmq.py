@@ -8,7 +8,9 @@ With a cluster secret, every PUB and SUB socket speaks zmq's CURVE security: the
 publishers' key pair and the subscribers' key pair are derived from the secret, so a
 subscriber completes the CURVE handshake only with a publisher that knows the secret,
 and a publisher only with such a subscriber (nothing is read from, or sent to, a peer
-without it). CURVE authenticates (and encrypts) every message on such a connection with
+without it): the plane's ZAP handler (:class:`_FleetSubscribersOnly`, one per plane, on
+the plane's event loop) admits the fleet's subscriber key and no other, so knowing the
+publishers' *public* key and bringing a key pair of one's own is not enough. CURVE authenticates (and encrypts) every message on such a connection with
 keys only holders of the secret have, which is all an envelope's MAC would prove (see
 :mod:`~kvmesh.runtime.event_plane.base`): the planes where a broker relays envelopes
 (NATS) seal them; this one does not spend a MAC per envelope on top of CURVE.
@@ -24,9 +26,10 @@ other tasks run (a flood of events must not stall the process that reads them).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -45,6 +48,9 @@ from kvmesh.runtime.event_plane.base import (
     seal,
 )
 from kvmesh.runtime.event_plane.memory import DEFAULT_INBOX, Inbox, check_topic
+
+if TYPE_CHECKING:
+    from zmq.auth.asyncio import AsyncioAuthenticator
 
 __all__ = ["ZmqEventPlane", "ZmqPublisher", "ZmqSubscription"]
 
@@ -74,6 +80,17 @@ class CurveKeys:
         sock.curve_serverkey = self.server_public
         sock.curve_secretkey = self.client_secret
         sock.curve_publickey = self.client_public
+
+
+class _FleetSubscribersOnly:
+    """ZAP credentials check for the publishers' CURVE handshakes: the fleet's subscriber
+    public key (z85) and nothing else."""
+
+    def __init__(self, keys: CurveKeys) -> None:
+        self.allowed = keys.client_public
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return hmac.compare_digest(client_key, self.allowed)
 
 
 class ZmqPublisher(Publisher):
@@ -206,6 +223,7 @@ class ZmqEventPlane(EventPlane):
         self.inbox_capacity = inbox_capacity
         self.secret = auth.resolve(secret)
         self._curve = CurveKeys(self.secret) if self.secret is not None else None
+        self._zap: AsyncioAuthenticator | None = None  # started with the first publisher (CURVE only)
         self.max_message_bytes = max_message_bytes
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
         # zmq's default is 1,024 sockets per context: the workers of one process (--replicas)
@@ -224,6 +242,7 @@ class ZmqEventPlane(EventPlane):
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
+            self._admit_fleet_subscribers_only(self._curve)
             self._curve.publisher(sock)
         try:
             sock.bind(f"tcp://{self.host}:*")
@@ -233,6 +252,16 @@ class ZmqEventPlane(EventPlane):
         pub = ZmqPublisher(sock, topic, publisher_id, None)  # CURVE authenticates: no MAC (module docstring)
         self._publishers.append(pub)
         return pub
+
+    def _admit_fleet_subscribers_only(self, keys: CurveKeys) -> None:
+        """The context's ZAP handler, before the first CURVE server socket binds."""
+        if self._zap is None:
+            from zmq.auth.asyncio import AsyncioAuthenticator  # only a fleet with a secret runs one
+
+            zap = AsyncioAuthenticator(self._context(), log=log)
+            zap.start()
+            zap.configure_curve_callback("*", credentials_provider=_FleetSubscribersOnly(keys))
+            self._zap = zap
 
     async def subscribe(self, topic: str) -> ZmqSubscription:
         check_topic(topic)
@@ -253,4 +282,7 @@ class ZmqEventPlane(EventPlane):
         if ctx is None:
             return
         await self._close_owned()
+        zap, self._zap = self._zap, None
+        if zap is not None:
+            zap.stop()
         ctx.term()  # every socket is closed with linger 0: returns at once

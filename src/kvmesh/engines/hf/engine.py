@@ -168,9 +168,10 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
     async def start(self) -> EngineConfig:
         if self._task is not None:
             return self.config
-        if resolve_device(self.options.device).type == "cpu":
+        device = resolve_device(self.options.device)
+        if device.type == "cpu":
             torch.set_num_threads(self.options.threads or auto_threads())
-        self._loaded = await asyncio.to_thread(self._load)
+        self._loaded = await asyncio.to_thread(self._load, device)
         loaded = self._loaded
         self._scheduler = Scheduler(self._limits(loaded), self._publisher)
         self._scheduler.reset()  # AllBlocksCleared: drop what an earlier incarnation published
@@ -181,14 +182,13 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
         self._start_loop()
         return self.config
 
-    def _load(self) -> _Loaded:
+    def _load(self, device: torch.device) -> _Loaded:
         """Read the folder and the weights, size and allocate the KV pool, capture the
         decode graphs on a GPU (a thread)."""
         from kvmesh.preprocess.model import load_model_folder
 
         opts = self.options
         info = load_model_folder(opts.model_path, name=opts.served_model_name)
-        device = resolve_device(opts.device)
         dtype = resolve_dtype(opts.dtype, device, opts.model_path)
         model = self._model(device, dtype)
         spec = model.spec

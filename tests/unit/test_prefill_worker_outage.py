@@ -11,6 +11,8 @@ import pytest
 from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
 from kvmesh.disagg.queue import LocalPrefillQueue
 from kvmesh.disagg.transfer import TcpKvConnector
+from kvmesh.engines.mocker.engine import MockerEngine
+from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.errors import CannotConnect
 from kvmesh.protocol import PrefillJob, PreprocessedRequest
 
@@ -34,7 +36,8 @@ async def test_lookup_failing_while_etcd_is_down_does_not_end_the_loop() -> None
         return None  # etcd back: that decode worker has gone meanwhile
 
     queue = LocalPrefillQueue()
-    worker = PrefillWorker(None, queue, TcpKvConnector(), KvMetadataCache(lookup), poll_s=0.02)  # type: ignore[arg-type]
+    engine = MockerEngine(MockerOptions(speedup=1e9))  # never reached: no decode worker is found
+    worker = PrefillWorker(engine, queue, TcpKvConnector(), KvMetadataCache(lookup), poll_s=0.02)
     worker.start()
     try:
         await queue.put(_job(1))

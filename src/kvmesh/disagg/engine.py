@@ -1,7 +1,8 @@
 """``DisaggEngine``: what a worker puts in front of its engine's ``generate`` when its KV
 can come from, or go to, elsewhere.
 
-For any engine that supports KV block access (``kv_layout()`` not None), a
+For any engine with KV block access (:class:`~kvmesh.engines.base.KvBlockAccess`; the
+constructor refuses another with :class:`~kvmesh.errors.InvalidArgument`), a
 :class:`~kvmesh.engines.base.GenerateFront` that adds, before the engine's ``generate``:
 
 * **remote prefill** (mode ``decode``): reserve the prompt's blocks (prefix hits
@@ -40,7 +41,7 @@ import msgspec
 from kvmesh.disagg.policy import needs_queue_check, place_prefill
 from kvmesh.disagg.queue import PrefillQueue
 from kvmesh.disagg.transfer import KvConnector, KvTransferServer, TransferStats
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, LoadReporting, kv_blocks
 from kvmesh.errors import EngineShutdown, KvmeshError
 from kvmesh.observability import tracing
 from kvmesh.protocol import (
@@ -84,6 +85,7 @@ class DisaggEngine:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.kv = kv_blocks(inner, f"the disaggregation front of a {mode} worker (remote prefill, KV migration)")
         if mode == "decode" and queue is None:
             raise ValueError("a decode worker needs a prefill queue")
         if mode == "decode" and transfer is None:
@@ -148,7 +150,7 @@ class DisaggEngine:
         stats.kv_bytes_sent = sent.bytes_sent + received.bytes_sent
         stats.kv_bytes_received = sent.bytes_received + received.bytes_received
         stats.kv_transfer_s = round(sent.seconds, 6)
-        report = self.inner.load_report()
+        report = self.inner.load_report() if isinstance(self.inner, LoadReporting) else None
         stats.active_blocks = report.active_blocks if report is not None else 0
         return stats
 
@@ -176,14 +178,14 @@ class DisaggEngine:
 
     async def _prefill(self, request: PreprocessedRequest, ctx: Context) -> bool:
         """Prefill remotely if the policy says so; False if the request was cancelled."""
-        reservation = self.inner.kv_reserve(request)
+        reservation = self.kv.kv_reserve(request)
         if reservation is None:  # no room to hold the blocks now: the scheduler queues it
             self.stats.local_prefills += 1
             return True
         try:
             return await self._place(request, reservation, ctx)
         except BaseException:  # cancelled or failed before the stream started: give the blocks back
-            self.inner.kv_release(request.request_id)
+            self.kv.kv_release(request.request_id)
             raise
 
     async def _place(self, request: PreprocessedRequest, reservation: KvReservation, ctx: Context) -> bool:
@@ -208,7 +210,7 @@ class DisaggEngine:
             if span is not None:
                 span.set_attribute("outcome", "queue_refused")
                 span.end()
-            self.inner.kv_release(request.request_id)
+            self.kv.kv_release(request.request_id)
             self.stats.local_prefills += 1
             self.stats.local_by_queue += placement == "local_queue_full"
             return True
@@ -269,17 +271,17 @@ class DisaggEngine:
         finally:
             self._server().forget(job.job_id)
         if outcome == "cancelled":
-            self.inner.kv_release(request.request_id)
+            self.kv.kv_release(request.request_id)
             return False
         if not outcome:
             try:
-                self.inner.kv_commit(request.request_id, job.upto)
+                self.kv.kv_commit(request.request_id, job.upto)
                 self.stats.remote_prefills += 1
                 return True
             except KvmeshError as exc:
                 outcome = exc.message
         log.warning("remote prefill of %s failed (%s); prefilling locally", request.request_id, outcome)
-        self.inner.kv_release(request.request_id)
+        self.kv.kv_release(request.request_id)
         self.stats.remote_fallbacks += 1
         self.stats.local_prefills += 1
         return True
@@ -290,7 +292,7 @@ class DisaggEngine:
         return self.transfer
 
     def _layout(self) -> KvLayout:
-        layout = self.inner.kv_layout()
+        layout = self.kv.kv_layout()
         if layout is None:
             raise EngineShutdown(f"{type(self.inner).__name__} lost its KV layout")
         return layout
@@ -303,7 +305,7 @@ class DisaggEngine:
         if src.layout is None:
             return
         peer = KvEndpoint(src.address, src.layout)
-        res = self.inner.kv_reserve(request)
+        res = self.kv.kv_reserve(request)
         if res is None:
             self.stats.kv_migration_fallbacks += 1
             await self._release_source(peer, src, "no KV room on the new worker")
@@ -314,13 +316,13 @@ class DisaggEngine:
         try:
             if computed > res.cached_tokens:
                 data = await self.connector.read(peer, src.transfer_id, src.block_ids[first:last], self._layout())
-                self.inner.kv_import(res.block_ids[first:last], data)
-                self.inner.kv_commit(request.request_id, computed)
+                self.kv.kv_import(res.block_ids[first:last], data)
+                self.kv.kv_commit(request.request_id, computed)
             self.stats.kv_migrations_in += 1
             await self._release_source(peer, src, "")
         except KvmeshError as exc:
             log.warning("KV migration of %s failed (%s); re-prefilling", request.request_id, exc.message)
-            self.inner.kv_release(request.request_id)
+            self.kv.kv_release(request.request_id)
             self.stats.kv_migration_fallbacks += 1
             await self._release_source(peer, src, exc.message)
 
@@ -335,13 +337,13 @@ class DisaggEngine:
     def hand_off_all(self) -> int:
         """Detach every in-flight request, keeping its KV readable for the worker that
         resumes it; returns how many were handed off."""
-        layout = self.inner.kv_layout()
+        layout = self.kv.kv_layout()
         transfer = self.transfer
         if layout is None or transfer is None:
             return 0
         count = 0
         for rid in list(self._live):
-            res = self.inner.kv_detach(rid)
+            res = self.kv.kv_detach(rid)
             if res is None:
                 continue
             tid = f"migrate-{uuid.uuid4().hex}"
@@ -362,7 +364,7 @@ class DisaggEngine:
         return count
 
     def _release_after_offer(self, request_id: str, _offer: asyncio.Future[tuple[int, str]]) -> None:
-        self.inner.kv_release(request_id)
+        self.kv.kv_release(request_id)
 
     async def wait_handoffs(self, timeout_s: float = 10.0) -> None:
         """Wait until the new workers pulled the handed-off KV (or ``timeout_s``)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.disagg.queue import Delivery, PrefillQueue
 from kvmesh.disagg.transfer import KvConnector
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, KvBlockAccess, LoadReporting, kv_blocks
 from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.observability import tracing
 from kvmesh.protocol import DisaggStats, KvEndpoint, PrefillJob
@@ -78,6 +78,10 @@ class PrefillWorker:
     _stopping: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = field(init=False, default=None)
     _computing: bool = field(init=False, default=False)
+    kv: KvBlockAccess = field(init=False, repr=False)  # the engine's KV block access
+
+    def __post_init__(self) -> None:
+        self.kv = kv_blocks(self.engine, "a prefill worker")
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="prefill-worker")
@@ -101,7 +105,7 @@ class PrefillWorker:
         self.stats.kv_bytes_sent = sent.bytes_sent
         self.stats.kv_bytes_received = sent.bytes_received
         self.stats.kv_transfer_s = round(sent.seconds, 6)
-        report = self.engine.load_report()
+        report = self.engine.load_report() if isinstance(self.engine, LoadReporting) else None
         self.stats.active_blocks = report.active_blocks if report is not None else 0
         return self.stats
 
@@ -211,14 +215,14 @@ class PrefillWorker:
 
     async def _compute(self, peer: KvEndpoint, job: PrefillJob) -> Callable[[tracing.GenerateSpan | None], Awaitable[None]]:
         """The compute half of a job; returns its write half."""
-        layout = self.engine.kv_layout()
+        layout = self.kv.kv_layout()
         if layout is None:
-            raise InvalidArgument(f"{type(self.engine).__name__} cannot export KV")
+            raise InvalidArgument(f"{type(self.engine).__name__} is not started: no KV layout")
         bs = peer.layout.block_size
         first, last = job.cached_tokens // bs, -(-job.upto // bs)
         started, waited = time.perf_counter(), (time.time() - job.enqueued_at if job.enqueued_at else 0.0)
         prefix = await self.connector.read(peer, job.job_id, job.block_ids[:first], layout)
-        data = await self.engine.prefill_remote(job.request, prefix, job.cached_tokens, job.upto)
+        data = await self.kv.prefill_remote(job.request, prefix, job.cached_tokens, job.upto)
         computed = time.perf_counter()
 
         async def write(span: tracing.GenerateSpan | None) -> None:

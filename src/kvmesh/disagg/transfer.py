@@ -41,7 +41,7 @@ from typing import Literal
 
 import msgspec
 
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import KvBlockAccess
 from kvmesh.errors import CannotConnect, Disconnected, InvalidArgument, KvmeshError
 from kvmesh.protocol import KvEndpoint, KvLayout
 from kvmesh.runtime import auth
@@ -141,7 +141,7 @@ class KvTransferServer:
     """A worker's KV-transfer endpoint; see the module docstring. ``secret`` and ``tls``
     default to the process's (:mod:`kvmesh.runtime.auth`)."""
 
-    engine: Engine
+    engine: KvBlockAccess  # the engine whose blocks it serves
     host: str = "127.0.0.1"
     port: int = 0
     secret: ClusterSecret | None = field(default_factory=auth.process_secret)

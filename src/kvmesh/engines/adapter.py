@@ -105,7 +105,7 @@ async def run_generate(
     # tracing: the request's trace id on this task's log lines; the engine.generate span
     # only while spans are recorded (no per-chunk work otherwise)
     tracing.set_log_trace_id(tracing.trace_id_of(request.trace_context))
-    role = str(getattr(front or engine, "mode", "aggregated"))  # the disaggregation front knows the role
+    role = front.mode if front is not None else "aggregated"  # the disaggregation front knows the role
     span = tracing.GenerateSpan.start(request, role) if tracing.enabled() else None
     if span is not None:
         tracing.set_current_generate(span)

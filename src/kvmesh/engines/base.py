@@ -30,13 +30,25 @@ Stream contract of ``generate``:
 Concurrency: every method runs on the worker's one event loop; an engine that uses
 threads must hand results back to the loop itself. ``generate`` does not mutate shared
 state outside the engine. :mod:`kvmesh.engines.sample` is a small runnable example.
+
+Capabilities beyond the lifecycle are ``typing.Protocol`` s an engine implements or not
+(checked with ``isinstance``; nothing on :class:`Engine` raises "unsupported"):
+
+* :class:`LoadReporting` (``load_report``), :class:`BatchTuning`
+  (``set_batch_multiplier``): introspection and degradation;
+* :class:`KvEventSource` (``kv_snapshot``, ``kv_events_since``): the KV router's gap repair;
+* :class:`KvBlockAccess` (``kv_layout``, ``kv_reserve``/``release``/``export``/``import``/
+  ``commit``/``detach``, ``prefill_remote``): disaggregation and KV-carrying migration.
+
+The mocker and hf engines implement all four, vLLM the first and third, the sample
+:class:`~kvmesh.engines.sample.EchoEngine` none (it is served aggregated).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.protocol import (
@@ -51,14 +63,25 @@ from kvmesh.protocol import (
 )
 from kvmesh.runtime.context import Context
 
-__all__ = ["Engine", "GenerateFront"]
+__all__ = [
+    "Engine",
+    "GenerateFront",
+    "LoadReporting",
+    "BatchTuning",
+    "KvEventSource",
+    "KvBlockAccess",
+    "kv_blocks",
+]
 
 
 class GenerateFront(Protocol):
     """What a worker may put in front of its engine's ``generate`` (the disaggregation
     role, :class:`kvmesh.disagg.engine.DisaggEngine`): every other call goes to the
     engine itself. The worker calls ``open`` after the engine started, ``drain`` before
-    the engine drains and ``close`` after its cleanup."""
+    the engine drains and ``close`` after its cleanup. ``mode``: the worker's role
+    (``aggregated``, ``prefill``, ``decode``), for traces and metrics."""
+
+    mode: str
 
     def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]: ...
     async def open(self) -> None: ...
@@ -67,14 +90,13 @@ class GenerateFront(Protocol):
 
 
 class Engine(abc.ABC):
-    """Abstract engine. Subclasses implement ``start``, ``generate`` and ``cleanup``."""
+    """Abstract engine: the lifecycle. Subclasses implement ``start``, ``generate`` and
+    ``cleanup``; what else an engine can do it says by implementing the capability
+    Protocols below (callers check them with ``isinstance``)."""
 
     # Whether ``generate`` honours ``PreprocessedRequest.guided`` (structured outputs);
     # the worker refuses a guided request with InvalidArgument (a 400) when it does not.
     supports_guided: bool = False
-    # Whether ``kv_layout`` gives a layout once started (disaggregation, KV migration) for
-    # an engine whose layout, sized at start, is None before it (the hf engine's).
-    moves_kv: bool = False
 
     @abc.abstractmethod
     async def start(self) -> EngineConfig:
@@ -94,72 +116,108 @@ class Engine(abc.ABC):
     async def cleanup(self) -> None:
         """Release resources. Idempotent; safe without a prior ``start``."""
 
-    # Optional, for engines that publish KV events (the KV-aware router repairs a gap
-    # in a worker's event stream with these). Synchronous and read-only.
-    def kv_snapshot(self) -> KvDump | None:
-        """The whole cached block set, consistent with the event ids; None if unsupported."""
-        return None
 
-    def set_batch_multiplier(self, multiplier: float) -> None:
-        """Graceful degradation: run at most ``multiplier`` (0, 1] of the usual batch.
-        Engines that cannot change their batch at run time ignore it (the default)."""
+# --- capabilities ------------------------------------------------------------
+# An engine implements a capability by having its methods (no base class needed);
+# the worker, the disaggregation front and the prefill worker check with isinstance,
+# once, where they are built, and refuse an engine that lacks what the role needs.
+# Every method runs on the worker's event loop, like the lifecycle's.
+
+
+@runtime_checkable
+class LoadReporting(Protocol):
+    """Reports its load (the worker's ``load`` endpoint and metrics, health, shedding)."""
 
     def load_report(self) -> LoadReport | None:
-        """Current load (blocks in use, waiting, running); None if unsupported."""
-        return None
+        """Current load (blocks in use, waiting, running); None until it knows."""
+        ...
+
+
+@runtime_checkable
+class BatchTuning(Protocol):
+    """Graceful degradation can shrink its batch at run time (the ``tune`` endpoint)."""
+
+    def set_batch_multiplier(self, multiplier: float) -> None:
+        """Run at most ``multiplier`` (0, 1] of the usual batch; ``ValueError`` outside it."""
+        ...
+
+
+@runtime_checkable
+class KvEventSource(Protocol):
+    """Publishes KV events; the KV-aware router repairs a gap in a worker's event
+    stream with these. Synchronous and read-only."""
+
+    def kv_snapshot(self) -> KvDump | None:
+        """The whole cached block set, consistent with the event ids; None until started."""
+        ...
 
     def kv_events_since(self, event_id: int) -> list[KvEvent] | None:
-        """Buffered KV events after ``event_id``; None if some were dropped or unsupported."""
-        return None
+        """Buffered KV events after ``event_id``; None if some were dropped."""
+        ...
 
-    # Optional KV block access: disaggregated prefill and KV-transfer migration move
-    # blocks between engines through these (a KV connector carries the bytes). An
-    # engine supports them all or none; ``kv_layout() is None`` means none.
-    #
-    # Decode side of a remote prefill:  kv_reserve → (connector writes: kv_import) →
-    # kv_commit → generate (starts after the committed tokens); kv_release on cancel.
-    # Prefill side: prefill_remote.  Migration source: kv_detach → kv_export → kv_release.
+
+@runtime_checkable
+class KvBlockAccess(Protocol):
+    """KV block access: disaggregated prefill and KV-transfer migration move blocks
+    between engines through these (a KV connector carries the bytes); an engine
+    without it is served aggregated only (``--mode prefill``/``decode`` and
+    ``--drain-migrate`` hand-offs refuse it).
+
+    Decode side of a remote prefill: kv_reserve → (connector writes: kv_import) →
+    kv_commit → generate (starts after the committed tokens); kv_release on cancel.
+    Prefill side: prefill_remote (scheduled by the engine like any prefill).
+    Migration source: kv_detach → kv_export → kv_release."""
+
     def kv_layout(self) -> KvLayout | None:
-        """The block layout, or None when this engine cannot export or import KV."""
-        return None
+        """The block layout; None while the engine is not started (an engine whose
+        pool is sized at start)."""
+        ...
 
     def kv_reserve(self, request: PreprocessedRequest) -> KvReservation | None:
         """Allocate and hold blocks for all of ``request.token_ids`` (prefix-cache hits
         reused, their KV valid: ``cached_tokens``). None when the cache has no room."""
-        raise _no_kv(self)
+        ...
 
     def kv_release(self, request_id: str) -> None:
         """Give back a reservation (or detached request) that will not be generated."""
-        raise _no_kv(self)
+        ...
 
     def kv_export(self, block_ids: Sequence[int]) -> bytes:
         """The KV of these blocks in order, ``wire_bytes_per_block`` each."""
-        raise _no_kv(self)
+        ...
 
     def kv_import(self, block_ids: Sequence[int], data: bytes) -> None:
         """Overwrite these blocks with ``data`` from ``kv_export`` of a same-layout engine."""
-        raise _no_kv(self)
+        ...
 
     def kv_commit(self, request_id: str, computed_tokens: int) -> None:
         """The reservation's first ``computed_tokens`` tokens now hold valid KV; the next
         ``generate`` of this request id computes only the tokens after them (at least one)."""
-        raise _no_kv(self)
+        ...
 
     async def prefill_remote(
         self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
     ) -> bytes:
         """Prefill worker: compute the KV of ``request.token_ids[:upto]`` given the KV of
-        the first ``cached_tokens`` (``prefix_kv``: ``cached_tokens // block_size`` blocks);
-        return the KV of blocks ``cached_tokens // block_size`` .. ``ceil(upto / block_size) - 1``."""
-        raise _no_kv(self)
+        the first ``cached_tokens`` (``prefix_kv``: ``cached_tokens // block_size`` blocks),
+        as a prefill in the engine's own scheduler (beside its other work, at its step
+        cost); return the KV of blocks ``cached_tokens // block_size`` .. ``ceil(upto / block_size) - 1``."""
+        ...
 
     def kv_detach(self, request_id: str) -> KvReservation | None:
         """Stop generating an in-flight request and keep its blocks as a reservation
         (``num_tokens``: prompt + output so far; ``cached_tokens``: those with valid KV).
         Its stream delivers every token generated so far, then ends ``cancelled``.
         None when the request is unknown or holds no blocks."""
-        raise _no_kv(self)
+        ...
 
 
-def _no_kv(engine: Engine) -> InvalidArgument:
-    return InvalidArgument(f"engine {type(engine).__name__} does not export or import KV blocks")
+def kv_blocks(engine: Engine, role: str) -> KvBlockAccess:
+    """``engine`` as :class:`KvBlockAccess`, for ``role`` (what needs it, in the error);
+    :class:`~kvmesh.errors.InvalidArgument` naming the engine when it has no KV block access."""
+    if not isinstance(engine, KvBlockAccess):
+        raise InvalidArgument(
+            f"{role} needs an engine with KV block access (kvmesh.engines.base.KvBlockAccess); "
+            f"{type(engine).__name__} has none: serve it aggregated"
+        )
+    return engine

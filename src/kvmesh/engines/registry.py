@@ -5,9 +5,11 @@
 worker and the configuration import no engine. An entry's factory imports its
 engine lazily: a worker imports only the engine it runs (and torch only for ``hf``).
 
-Capabilities beyond the :class:`~kvmesh.engines.base.Engine` contract register
-with the entry too: ``inject_fault`` (the mocker's fault injection, reached through
-the worker's ``fault`` endpoint and ``/admin/fault``).
+An engine's capabilities are the Protocols of :mod:`kvmesh.engines.base` it
+implements (KV block access, KV events, load reports, batch tuning); fault injection,
+a test aid, registers with the entry: ``inject_fault`` (the mocker's, reached through
+the worker's ``fault`` endpoint and ``/admin/fault``; it gets the engine itself, never
+a disaggregation front).
 
 To add an engine: declare its settings class (a frozen dataclass of
 :func:`kvmesh.settings.setting` fields subclassing
@@ -103,10 +105,9 @@ def _mocker_fault(engine: Engine, text: str) -> None:
     from kvmesh.engines.mocker import MockerEngine
     from kvmesh.engines.mocker.fault_spec import FaultSpec
 
-    target = getattr(engine, "inner", engine)  # a DisaggEngine wraps the mocker
-    if not isinstance(target, MockerEngine):
-        raise ValueError(f"{type(target).__name__} has no fault injection")
-    target.set_fault(FaultSpec.parse(text) if text else FaultSpec())
+    if not isinstance(engine, MockerEngine):
+        raise ValueError(f"{type(engine).__name__} has no fault injection")
+    engine.set_fault(FaultSpec.parse(text) if text else FaultSpec())
 
 
 def _hf(settings: HfSettings, spec: EngineSpec, publisher: EventPublisher) -> Engine:

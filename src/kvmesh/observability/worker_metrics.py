@@ -13,7 +13,7 @@ the engine on demand, and rendered for Prometheus, labelled by worker.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvmesh.protocol import DisaggStats, LoadReport, OutputChunk, WorkerMetrics
 
@@ -43,28 +43,19 @@ class WorkerCounters:
             self.output_tokens += usage.completion_tokens
 
 
-class _Reporting(Protocol):
-    """What a sample reads of an engine (observability sits below engines: no import)."""
-
-    def load_report(self) -> LoadReport | None: ...
-
-
 def sample(
-    worker_id: int, engine: _Reporting, counters: WorkerCounters, disagg: Callable[[], DisaggStats | None] | None = None
+    worker_id: int,
+    report: LoadReport | None,
+    counters: WorkerCounters,
+    disagg: Callable[[], DisaggStats | None] | None = None,
+    preemptions: int = 0,
 ) -> WorkerMetrics:
-    """This worker's metrics now (cheap: counters and the engine's load report)."""
-    report = engine.load_report()
+    """This worker's metrics now (cheap: counters and the engine's load report, None
+    from an engine that reports none; the worker reads both of its engine)."""
     stats = disagg() if disagg is not None else None
-    core = getattr(engine, "_started_core", None)  # the batching engines' scheduler (mocker, hf)
-    preemptions = 0
-    if core is not None:
-        try:
-            preemptions = int(getattr(core(), "preemptions", 0))
-        except Exception:  # noqa: BLE001 - not started, or not a batching engine
-            preemptions = 0
     return WorkerMetrics(
         worker_id=worker_id,
-        mode=stats.mode if stats is not None else str(getattr(engine, "mode", "aggregated")),
+        mode=stats.mode if stats is not None else "aggregated",
         running=report.num_running if report is not None else 0,
         waiting=report.num_waiting if report is not None else 0,
         kv_blocks_used=report.active_blocks if report is not None else 0,

@@ -32,7 +32,7 @@ from kvmesh.disagg.engine import DisaggEngine
 from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
 from kvmesh.disagg.queue import JetStreamPrefillQueue, PrefillQueue, RemotePrefillQueue
 from kvmesh.disagg.transfer import KvTransferServer, TcpKvConnector
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, KvBlockAccess
 from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint, WorkerMetrics
 from kvmesh.runtime.distributed import instance_key, record_is_signed
 from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
@@ -68,9 +68,10 @@ class Roles:
 
 async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: Any = None) -> Roles:
     """Build the worker's role around ``engine`` (``runtime`` None: static/embedded mode)."""
-    if not engine.moves_kv and engine.kv_layout() is None:
-        if cfg.mode != "aggregated":
-            raise ValueError(f"--mode {cfg.mode} needs an engine that moves KV blocks; {cfg.engine} does not")
+    if not isinstance(engine, KvBlockAccess):
+        if cfg.mode != "aggregated" or cfg.drain_migrate:
+            role = f"--mode {cfg.mode}" if cfg.mode != "aggregated" else "--drain-migrate"
+            raise ValueError(f"{role} needs an engine that moves KV blocks (KvBlockAccess); {cfg.engine} does not")
         return Roles(engine, COMPONENT)
     queue = await _queue(cfg, runtime) if cfg.mode != "aggregated" else None
     thresholds = DisaggThresholds(cfg.max_local_prefill_length, cfg.max_prefill_queue_size, cfg.max_prefill_queue_tokens)

@@ -22,7 +22,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 import msgspec
 
 from kvmesh.engines.adapter import AbortMonitor, run_generate
-from kvmesh.engines.base import Engine, GenerateFront
+from kvmesh.engines.base import BatchTuning, Engine, GenerateFront, KvEventSource, LoadReporting
+from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.errors import EngineShutdown, InvalidArgument
 from kvmesh.protocol import (
     DisaggStats,
@@ -129,19 +130,29 @@ class WorkerService:
             raise InvalidArgument(f"{type(self.engine).__name__} does not report {what}")
         return value
 
+    def _kv_events_source(self) -> KvEventSource:
+        engine = self.engine
+        if not isinstance(engine, KvEventSource):
+            raise InvalidArgument(f"{type(engine).__name__} publishes no KV events")
+        return engine
+
+    def _load_report(self) -> LoadReport | None:
+        engine = self.engine
+        return engine.load_report() if isinstance(engine, LoadReporting) else None
+
     async def _kv_dump(self, payload: bytes, ctx: Context) -> AsyncIterator[KvDump]:
-        yield self._reported(self.engine.kv_snapshot(), "its KV cache")
+        yield self._reported(self._kv_events_source().kv_snapshot(), "its KV cache")
 
     async def _kv_events(self, payload: bytes, ctx: Context) -> AsyncIterator[KvEventsSince]:
         try:
             after = msgspec.msgpack.decode(payload, type=int)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidArgument(f"kv_events wants one integer event id: {exc}") from None
-        events = self.engine.kv_events_since(after)
+        events = self._kv_events_source().kv_events_since(after)
         yield KvEventsSince(events or [], events is not None)
 
     async def _load(self, payload: bytes, ctx: Context) -> AsyncIterator[LoadReport]:
-        yield self._reported(self.engine.load_report(), "its load")
+        yield self._reported(self._load_report(), "its load")
 
     async def _stats(self, payload: bytes, ctx: Context) -> AsyncIterator[DisaggStats]:
         stats = self._disagg_stats() if self._disagg_stats is not None else None
@@ -150,16 +161,20 @@ class WorkerService:
     def metrics_sample(self) -> WorkerMetrics:
         """This worker's metrics now (the ``metrics`` endpoint, its own ``/metrics``)."""
         worker_id = self.info.worker_id if self.info is not None else 0
-        return worker_metrics.sample(worker_id, self.engine, self.counters, self._disagg_stats)
+        engine = self.engine
+        preemptions = engine.preemptions if isinstance(engine, StepLoopEngine) else 0
+        return worker_metrics.sample(worker_id, self._load_report(), self.counters, self._disagg_stats, preemptions)
 
     async def _metrics(self, payload: bytes, ctx: Context) -> AsyncIterator[WorkerMetrics]:
         yield self.metrics_sample()
 
     async def _tune(self, payload: bytes, ctx: Context) -> AsyncIterator[float]:
-        """payload: the batch multiplier (a float in (0, 1])."""
+        """payload: the batch multiplier (a float in (0, 1]); an engine that cannot change
+        its batch at run time (no :class:`~kvmesh.engines.base.BatchTuning`) ignores it."""
         try:
             multiplier = msgspec.msgpack.decode(payload, type=float)
-            self.engine.set_batch_multiplier(multiplier)
+            if isinstance(self.engine, BatchTuning):
+                self.engine.set_batch_multiplier(multiplier)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise InvalidArgument(f"tune wants a batch multiplier in (0, 1]: {exc}") from None
         yield multiplier

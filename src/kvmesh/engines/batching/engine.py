@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import BatchTuning, Engine, KvEventSource, LoadReporting
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.batching.scheduler import Finished
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
@@ -45,8 +45,9 @@ B = TypeVar("B", bound=Mailbox)
 C = TypeVar("C", bound="BatchScheduler[Any]")
 
 
-class StepLoopEngine(Engine, Generic[B, C]):
-    """The shared half of a step-loop engine; see the module docstring."""
+class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[B, C]):
+    """The shared half of a step-loop engine; see the module docstring. Its capabilities:
+    load reports, batch tuning and KV events (KV block access is each engine's own)."""
 
     engine_name = "step-loop"  # in task names and error messages
 
@@ -137,6 +138,12 @@ class StepLoopEngine(Engine, Generic[B, C]):
 
     def set_batch_multiplier(self, multiplier: float) -> None:
         self._started_core().set_batch_multiplier(multiplier)
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted since start (0 while not started): the worker's metrics."""
+        core = self._core()
+        return core.preemptions if core is not None else 0
 
     # ------------------------------------------------------------------ requests
 

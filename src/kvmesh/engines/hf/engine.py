@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engines.base import KvBlockAccess
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.hf.batch import Chunk, make_inputs, make_paged_inputs
@@ -145,12 +146,11 @@ class _Loaded:
         return logits[:, : self.sample_vocab] if self.sample_vocab else logits
 
 
-class HfEngine(StepLoopEngine[_Mailbox, Scheduler]):
+class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
     """A real model on the CPU with continuous batching; see the module docstring."""
 
     engine_name = "hf"
     supports_guided = True
-    moves_kv = True
 
     def __init__(self, options: HfOptions, publisher: EventPublisher | None = None) -> None:
         super().__init__(publisher)

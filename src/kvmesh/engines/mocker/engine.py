@@ -35,6 +35,7 @@ import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvmesh.engines.base import KvBlockAccess
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
@@ -103,7 +104,7 @@ class _LogprobMailbox(_Mailbox):
         self.push(token)
 
 
-class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]]):
+class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAccess):
     """A simulated vLLM-style engine; see the module docstring."""
 
     engine_name = "mocker"

@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any
 
-from kvmesh.engines.base import Engine
+from kvmesh.engines.base import Engine, KvEventSource, LoadReporting
 from kvmesh.engines.vllm.events import VllmKvEventBridge
 from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs, structured_outputs_kwargs
 from kvmesh.engines.vllm.options import VllmOptions, default_kv_cache_gb, mem_available_bytes
@@ -66,7 +66,7 @@ VLLM_INSTALL_HINT = (
 )
 
 
-class VllmEngine(Engine):
+class VllmEngine(Engine, LoadReporting, KvEventSource):
     """vLLM behind the kvmesh Engine contract (module docstring)."""
 
     supports_guided = True  # through vLLM's structured outputs (mapping.structured_outputs_kwargs)

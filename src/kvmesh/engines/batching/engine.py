@@ -24,7 +24,7 @@ import abc
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
@@ -32,7 +32,7 @@ from kvmesh.engines.base import BatchTuning, Engine, KvEventSource, LoadReportin
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.batching.scheduler import Finished
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
-from kvmesh.errors import EngineShutdown
+from kvmesh.errors import EngineShutdown, ResourceExhausted
 from kvmesh.protocol import KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
@@ -192,6 +192,36 @@ class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[
             core = self._core()
             if core is not None:
                 core.abort(sid)
+
+    # ------------------------------------------------------------------ remote prefill
+
+    async def _prefill_in_loop(self, sid: int, fill: Callable[[], None] | None = None) -> None:
+        """Run the remote prefill ``sid`` (queued with ``Scheduler.hold_prefill``) through
+        the step loop like any prefill: ``fill`` first writes its imported prefix, then
+        this waits until its tokens are computed and held. Raises what ended it
+        otherwise. The caller exports the KV, then calls :meth:`_release_prefill`
+        (also when this raises)."""
+        if self._task is None or self._task.done():
+            raise EngineShutdown(f"{self.engine_name} engine is not running")
+        box = self._boxes[sid] = self._new_box(sid)
+        if fill is not None:
+            fill()
+        self._wake_loop()
+        while box.finished is None and box.error is None:
+            await box.wait()
+        if box.error is not None:
+            raise box.error
+        finished: Finished = box.finished
+        if finished.reason != "stop":
+            raise ResourceExhausted(finished.error or f"remote prefill ended with {finished.reason}")
+
+    def _release_prefill(self, sid: int) -> None:
+        """Give back a remote prefill's blocks, whatever became of it."""
+        self._boxes.pop(sid, None)
+        core = self._core()
+        if core is not None:
+            core.release_held(sid)
+            self._wake_loop()
 
     def _on_stop(self, sid: int, _ctx: Context) -> None:
         core = self._core()

@@ -59,14 +59,15 @@ under its chained hash (:mod:`kvmesh.kv.hashing`) once full of computed tokens.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal
 
 from kvmesh.engines.batching.block_manager import BlockManager
+from kvmesh.engines.batching.holds import HeldPrefills, Reservations
 from kvmesh.engines.batching.options import BatchingOptions
+from kvmesh.engines.batching.sequence import Finished, S, Seq, State
 from kvmesh.engines.settings import options_from
 from kvmesh.protocol import EngineConfig, FinishReason, LoadReport, Usage
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
@@ -82,14 +83,6 @@ _PRIORITY_RANK = {"premium": 0, "standard": 1, "best_effort": 2}
 def priority_rank(priority: str | None) -> int:
     """Lower is more urgent: premium 0, standard (and unset) 1, best_effort 2."""
     return _PRIORITY_RANK.get(priority, 1) if priority is not None else 1
-
-
-class State(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    RESERVED = "reserved"  # holds blocks outside the queues (kv_reserve, kv_detach)
-    HELD = "held"  # a remote prefill that is done: blocks kept until exported
-    ENDED = "ended"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,86 +133,6 @@ class SchedulerLimits:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
-
-
-class Seq:
-    """One request as the scheduler sees it. ``tokens`` = prompt + output; the first
-    ``num_computed`` have KV in the pool. ``prefill_upto`` set: a remote prefill that
-    computes that many tokens and samples nothing. Engines subclass it for their own
-    per-request state (sampling parameters, the mocker's token oracle key)."""
-
-    __slots__ = (
-        "id", "request_id", "tokens", "prompt_len", "max_tokens", "min_tokens", "ignore_eos",
-        "eos_ids", "stop_ids", "rank", "local_hashes", "seq_hashes", "num_computed",
-        "cached_tokens", "state", "admitted", "prefill_upto",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        request_id: str,
-        tokens: list[int],
-        *,
-        max_tokens: int,
-        min_tokens: int = 0,
-        ignore_eos: bool = False,
-        eos_ids: frozenset[int] = frozenset(),
-        stop_ids: frozenset[int] = frozenset(),
-        rank: int = 1,
-        prefill_upto: int | None = None,
-    ) -> None:
-        self.id = -1  # assigned by the scheduler
-        self.request_id = request_id
-        self.tokens = tokens
-        self.prompt_len = len(tokens)
-        self.max_tokens = max_tokens
-        self.min_tokens = min_tokens
-        self.ignore_eos = ignore_eos
-        self.eos_ids = eos_ids
-        self.stop_ids = stop_ids
-        self.rank = rank
-        self.local_hashes: list[int] = []
-        self.seq_hashes: list[int] = []
-        self.num_computed = 0
-        self.cached_tokens = 0
-        self.state = State.WAITING
-        self.admitted = -1
-        self.prefill_upto = prefill_upto
-
-    @property
-    def num_output(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def target(self) -> int:
-        """Tokens that must have KV before this sequence samples (or, prefill-only, ends)."""
-        return self.prefill_upto if self.prefill_upto is not None else len(self.tokens)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_computed == self.target - 1 and self.num_computed >= self.prompt_len
-
-    def banned(self) -> tuple[int, ...]:
-        """Token ids a sampler must not pick now (EOS and stop ids before ``min_tokens``)."""
-        if self.num_output >= self.min_tokens:
-            return ()
-        ids = set(self.stop_ids)
-        if not self.ignore_eos:
-            ids |= self.eos_ids
-        return tuple(sorted(ids))
-
-
-S = TypeVar("S", bound=Seq)
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """A request that ended (its blocks freed, or kept when ``HELD``)."""
-
-    seq_id: int
-    request_id: str
-    reason: FinishReason
-    usage: Usage
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -293,8 +206,10 @@ class Scheduler(Generic[S]):
         self.max_num_seqs = limits.max_num_seqs
         self._waiting: deque[S] = deque()
         self._running: list[S] = []
-        self._seqs: dict[int, S] = {}
-        self._reserved: dict[str, S] = {}
+        self._seqs: dict[int, S] = {}  # queued, running and ended-in-this-pass sequences
+        # blocks held outside the queues (holds.py): reservations, finished remote prefills
+        self._reserved: Reservations[S] = Reservations()
+        self._held: HeldPrefills[S] = HeldPrefills()
         self._rejected: list[Finished] = []
         self._next_id = 0
         self._admissions = 0
@@ -325,7 +240,7 @@ class Scheduler(Generic[S]):
         return self._reserved.get(request_id)
 
     def reservations(self) -> list[S]:
-        return list(self._reserved.values())
+        return self._reserved.all()
 
     def block_table(self, seq: Seq) -> list[int]:
         return self.blocks.block_table(seq.id)
@@ -376,9 +291,8 @@ class Scheduler(Generic[S]):
     def adopt(self, request_id: str) -> S | None:
         """Queue the reservation held for ``request_id`` (its blocks and computed
         tokens kept); None when there is none."""
-        seq = self._reserved.pop(request_id, None)
+        seq = self._reserved.adopt(request_id)
         if seq is not None:
-            seq.state = State.WAITING
             self._seqs[seq.id] = seq
             self._enqueue(seq)
         return seq
@@ -401,6 +315,9 @@ class Scheduler(Generic[S]):
         """Drop a sequence wherever it is and free its blocks; False if unknown or ended."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
+            if self._held.release(seq_id) is not None:
+                self._free(seq_id)
+                return True
             before = len(self._rejected)
             self._rejected = [f for f in self._rejected if f.seq_id != seq_id]
             return len(self._rejected) != before
@@ -421,7 +338,7 @@ class Scheduler(Generic[S]):
     def reset(self) -> list[int]:
         """Forget everything and clear the prefix cache (emits ``AllBlocksCleared``);
         returns the ids of the sequences dropped."""
-        aborted = list(self._seqs) + [f.seq_id for f in self._rejected]
+        aborted = list(self._seqs) + self._held.clear() + [f.seq_id for f in self._rejected]
         self._waiting.clear()
         self._running.clear()
         self._seqs.clear()
@@ -460,32 +377,20 @@ class Scheduler(Generic[S]):
             del self._seqs[seq.id]
             return False
         seq.num_computed = seq.cached_tokens = hit * self.limits.block_size
-        self._to_reserved(seq)
+        del self._seqs[seq.id]  # found by request id only (holds.Reservations)
+        self._reserved.put(seq)
         return True
-
-    def _to_reserved(self, seq: S) -> None:
-        # reservations are found by request id only: a stream's abort by sequence id
-        # (its ``finally``) leaves a detached request's blocks alone
-        seq.state = State.RESERVED
-        self._seqs.pop(seq.id, None)
-        self._reserved[seq.request_id] = seq
 
     def commit_reserved(self, request_id: str, computed: int) -> None:
         """The reservation's first ``computed`` tokens hold valid KV now (imported):
         full blocks join the prefix cache (``BlockStored``)."""
-        seq = self._reserved[request_id]
-        if not seq.num_computed <= computed < len(seq.tokens):
-            raise ValueError(f"computed tokens must be in [{seq.num_computed}, {len(seq.tokens) - 1}], got {computed}")
-        seq.num_computed = computed
-        self._commit(seq)
+        self._commit(self._reserved.commit(request_id, computed))
 
     def release(self, request_id: str) -> bool:
         """Give back a reservation's blocks; False if there is none."""
-        seq = self._reserved.pop(request_id, None)
+        seq = self._reserved.release(request_id)
         if seq is None:
             return False
-        self._seqs.pop(seq.id, None)
-        seq.state = State.ENDED
         self._free(seq.id)
         return True
 
@@ -499,8 +404,8 @@ class Scheduler(Generic[S]):
         if seq.request_id in self._reserved:
             return None
         (self._running if seq.state is State.RUNNING else self._waiting).remove(seq)
-        seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
-        self._to_reserved(seq)
+        del self._seqs[seq_id]  # found by request id only (holds.Reservations)
+        self._reserved.detach(seq)
         return seq
 
     def hold_prefill(self, seq: S, cached_tokens: int) -> bool:
@@ -516,13 +421,7 @@ class Scheduler(Generic[S]):
 
     def release_held(self, seq_id: int) -> None:
         """Free a remote prefill's blocks (after its KV was exported, or it was given up)."""
-        seq = self._seqs.get(seq_id)
-        if seq is not None and seq.state is State.HELD:
-            del self._seqs[seq_id]
-            seq.state = State.ENDED
-            self._free(seq_id)
-        elif seq is not None:
-            self.abort(seq_id)
+        self.abort(seq_id)  # held: freed; still queued or running: dropped
 
     # ------------------------------------------------------------------ one pass
 
@@ -790,8 +689,8 @@ class Scheduler(Generic[S]):
         return None
 
     def _hold(self, seq: S) -> Finished:
-        seq.state = State.HELD
-        return Finished(seq.id, seq.request_id, "stop", Usage(prompt_tokens=seq.target, completion_tokens=0))
+        del self._seqs[seq.id]
+        return self._held.hold(seq)
 
     def _end(self, seq: S, reason: FinishReason, error: str | None = None) -> Finished:
         seq.state = State.ENDED

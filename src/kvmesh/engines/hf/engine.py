@@ -527,23 +527,12 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
         seq = self._new_seq(request, prefill_upto=upto)
         if not sched.hold_prefill(seq, cached_tokens):
             raise ResourceExhausted(f"no KV room for a remote prefill of {upto} tokens")
-        box = self._boxes[seq.id] = self._new_box(seq.id)
+        table = sched.block_table(seq)
         try:
-            table = sched.block_table(seq)
-            loaded.pool.import_(table[:first], prefix_kv)
-            self._wake_loop()
-            while box.finished is None and box.error is None:
-                await box.wait()
-            if box.error is not None:
-                raise box.error
-            if box.finished is not None and box.finished.reason != "stop":
-                raise ResourceExhausted(box.finished.error or f"remote prefill ended with {box.finished.reason}")
+            await self._prefill_in_loop(seq.id, lambda: loaded.pool.import_(table[:first], prefix_kv))
             return loaded.pool.export(table[first : -(-upto // bs)])
         finally:
-            self._boxes.pop(seq.id, None)
-            if self._scheduler is not None:
-                self._scheduler.release_held(seq.id)
-                self._wake_loop()
+            self._release_prefill(seq.id)
 
 def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
     return KvReservation(seq.request_id, sched.block_table(seq), len(seq.tokens), seq.num_computed)

@@ -14,6 +14,11 @@ Mailboxes, ``generate``, cancellation, ``cleanup`` and load reports are the shar
   sleep overshoot does not accumulate (a step shorter than ~0.5 ms just yields).
 * Its mailbox counts the tokens ever pushed: ``kv_detach`` drops tokens a step made
   but did not deliver.
+* ``prefill_remote`` (a prefill worker's job) is a prefill in the scheduler like any
+  other (``Seq.prefill_upto``): it takes its share of each pass's token budget and the
+  passes take their modelled time, so it delays, and is delayed by, the worker's other
+  work. Alone, its passes are ``max_num_batched_tokens`` wide:
+  :meth:`MockerOptions.remote_prefill_ms` (what the replay's arms charge for a job).
 * Fault injection (:mod:`.faults`): ``options.fault`` at construction, or
   ``set_fault`` at any time. With no fault the step loop pays one ``is None`` test.
 * Log-probabilities, for a request that asks for them (``output.logprobs``): the
@@ -232,8 +237,7 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAcc
     async def prefill_remote(
         self, request: PreprocessedRequest, prefix_kv: bytes, cached_tokens: int, upto: int
     ) -> bytes:
-        opts = self.options
-        bs = opts.block_size
+        bs = self.options.block_size
         tokens = request.token_ids
         if cached_tokens % bs or not 0 <= cached_tokens < upto <= len(tokens):
             raise InvalidArgument(f"remote prefill range [{cached_tokens}, {upto}) of {len(tokens)} tokens is not valid")
@@ -243,15 +247,15 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAcc
             _DIGEST.unpack_from(prefix_kv, i * _DIGEST.size)[0] != digests[i] for i in range(first)
         ):
             raise InvalidArgument(f"the prefix KV read for request {request.request_id!r} holds other tokens")
-        # hold the blocks being computed for as long as the computation takes
-        blocks = self._scheduler.blocks
-        tmp = -1 - id(request)
-        if not blocks.allocate(tmp, upto - cached_tokens):
-            raise ResourceExhausted(f"no KV room for a remote prefill of {upto - cached_tokens} tokens")
+        # a prefill in the step loop like any other: it shares passes (and their modelled
+        # time) with the rest of this worker's work; its digests are the tokens' own
+        seq = self._scheduler.submit_prefill(request, cached_tokens, upto)
+        if seq is None:
+            raise ResourceExhausted(f"no KV room for a remote prefill of {upto} tokens")
         try:
-            await asyncio.sleep(opts.remote_prefill_ms(upto - cached_tokens) / 1000.0)
+            await self._prefill_in_loop(seq.id)
         finally:
-            blocks.free(tmp)
+            self._release_prefill(seq.id)
         return b"".join(_DIGEST.pack(d) for d in digests[first:])
 
     def kv_detach(self, request_id: str) -> KvReservation | None:

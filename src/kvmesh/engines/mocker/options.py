@@ -116,7 +116,8 @@ class MockerOptions(BatchingOptions):
         return max(0.0, (a * kv_usage + b) * kv_usage + c)
 
     def remote_prefill_ms(self, new_tokens: int) -> float:
-        """Model time of a prefill worker computing ``new_tokens`` alone (speedup applied):
+        """Model time of a prefill worker computing ``new_tokens`` alone (speedup applied;
+        the engine's step loop takes as long for a job alone, the replay's arms charge this):
         the step physics of an aggregated worker prefilling a prompt with nothing beside
         it, i.e. passes of ``max_num_batched_tokens`` new tokens. (The long-prefill
         threshold only caps a long prompt while other prefills share its passes, which a

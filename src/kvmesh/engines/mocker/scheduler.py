@@ -79,7 +79,7 @@ class MockSeq(Seq):
 
     __slots__ = ("origin_len", "key", "vocab", "imported", "guide")
 
-    def __init__(self, request: PreprocessedRequest, max_tokens: int) -> None:
+    def __init__(self, request: PreprocessedRequest, max_tokens: int, *, prefill_upto: int | None = None) -> None:
         stop = request.stop
         super().__init__(
             request.request_id,
@@ -89,6 +89,7 @@ class MockSeq(Seq):
             ignore_eos=stop.ignore_eos,
             stop_ids=frozenset(stop.stop_token_ids),
             rank=priority_rank(request.routing.priority if request.routing else None),
+            prefill_upto=prefill_upto,
         )
         origin = request.original_prompt_len
         self.origin_len = self.prompt_len if origin is None else min(origin, self.prompt_len)
@@ -171,6 +172,14 @@ class Scheduler(BatchScheduler[MockSeq]):
             self.assign_id(seq)
             return None
         return seq if self.reserve(seq) else None
+
+    def submit_prefill(self, request: PreprocessedRequest, cached_tokens: int, upto: int) -> MockSeq | None:
+        """Queue a remote prefill of ``request.token_ids[:upto]`` over fresh blocks whose
+        first ``cached_tokens`` tokens the caller filled: scheduled like any prefill, it
+        samples nothing and is held when done (:meth:`release_held`). None when the pool
+        is short."""
+        seq = MockSeq(request, 1, prefill_upto=upto)
+        return seq if self.hold_prefill(seq, cached_tokens) else None
 
     def detach_delivered(self, seq_id: int, delivered: int) -> MockSeq | None:
         """:meth:`detach` (KV migration's source side), forgetting the output tokens

@@ -213,7 +213,7 @@ def test_cli_arms_write_one_json_object_per_arm(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "arms.json"
     status = replay_main([
         str(_trace(tmp_path)), "--workers", "4", "--block-size", "64", "--num-blocks", "4096", "--no-progress",
-        "--arms", "aggregated,disagg:3p1d,disagg:2p2d,planner", "--slo-ttft-ms", "5000", "--slo-itl-ms", "100",
+        "--arms", "aggregated,disagg:3p1d,disagg:2p2d,planner", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "100",
         "--json", str(out),
     ])  # fmt: skip
     assert status == 0
@@ -233,7 +233,7 @@ def test_cli_arms_write_one_json_object_per_arm(tmp_path: Path, capsys: pytest.C
     "args, message",
     [
         (["--arms", "disagg:3p3d"], "= --workers 4"),
-        (["--arms", "aggregated", "--slo-itl-ms", "0"], "--slo-itl-ms must be a positive number"),
+        (["--arms", "aggregated", "--slo-tpot-ms", "0"], "--slo-tpot-ms must be positive"),
         (["--arms", "nope"], "unknown arm"),
     ],
 )

@@ -8,10 +8,8 @@ read/written, 2 a bad option value.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvmesh.cli.replay_output import PROG, fail, read_trace, write_json
@@ -29,55 +27,57 @@ if TYPE_CHECKING:
 __all__ = ["run_arms"]
 
 
-def run_arms(ns: argparse.Namespace, base: ReplayConfig) -> int:
-    """``base``: the replay's config (workers, speed, mocker options) from ``kvmesh replay``'s flags."""
+def run_arms(trace_path: str, base: ReplayConfig) -> int:
+    """``base``: the replay's config (arms, workers, speed, SLOs, planner, mocker options)
+    from ``kvmesh replay``'s flags."""
     from kvmesh.replay.arms import parse_arms
 
     try:
-        setup = _setup(ns, base)
-        arms = parse_arms(ns.arms, base.workers)
+        setup = _setup(base)
+        arms = parse_arms(base.arms, base.workers)
     except ValueError as exc:
         return fail(str(exc), 2)
-    trace = read_trace(ns)
+    trace = read_trace(trace_path, base)
     if isinstance(trace, int):
         return trace
     span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 / base.speed
     print(
         f"replaying {len(trace)} requests ({span_s:.1f} s of arrivals at speed {base.speed:g}) on {base.workers} mocker "
-        f"workers, virtual clock, router {ns.router}, arms {', '.join(a.name for a in arms)}"
+        f"workers, virtual clock, router {base.router}, arms {', '.join(a.name for a in arms)}"
     )
     results = []
     for arm in arms:
         started = time.perf_counter()
         try:
-            result = _one(arm, trace, ns, setup)
+            result = _one(arm, trace, setup)
         except ValueError as exc:
             return fail(str(exc), 2)
         results.append(result)
         print(f"  {arm.name}: replayed in {time.perf_counter() - started:.1f} s wall")
         for line in result.decisions:
             print(f"    planner: {line}")
-    return _output(ns, results, setup[3], f"{len(trace)} requests, {base.workers} workers")
+    return _output(base, results, setup[3], f"{len(trace)} requests, {base.workers} workers")
 
 
-def _setup(ns: argparse.Namespace, config: ReplayConfig) -> _Setup:
+def _setup(c: ReplayConfig) -> _Setup:
+    """The arms' models from the config (its KV transfer: the mocker's --kv-bytes-per-token
+    and --kv-bandwidth; the planner's SLOs: the goodput's, as the live planner's are the frontend's)."""
     from kvmesh.planner.core import PlannerConfig
     from kvmesh.protocol import DisaggThresholds
     from kvmesh.replay.arms import DisaggModel, PlannerSettings
     from kvmesh.replay.goodput import Slo
 
-    mocker = replace(config.mocker, kv_bytes_per_token=ns.kv_bytes_per_token, kv_bandwidth=ns.kv_bandwidth)
-    thresholds = DisaggThresholds(ns.max_local_prefill_length, ns.max_prefill_queue_size, ns.max_prefill_queue_tokens)
-    model = DisaggModel(thresholds, pipeline=not ns.no_pipeline)
-    slo = Slo(ns.slo_ttft_ms, ns.slo_itl_ms)
+    thresholds = DisaggThresholds(c.max_local_prefill_length, c.max_prefill_queue_size, c.max_prefill_queue_tokens)
+    model = DisaggModel(thresholds, pipeline=not c.no_pipeline)
+    slo = Slo(c.slo_ttft_ms, c.slo_tpot_ms)
     planner_cfg = PlannerConfig(
-        slo_ttft_ms=slo.ttft_ms, slo_itl_ms=slo.itl_ms, hold_rounds=ns.planner_hold_rounds, cooldown_s=ns.planner_cooldown_s
+        slo_ttft_ms=slo.ttft_ms, slo_itl_ms=slo.itl_ms, hold_rounds=c.planner_hold_rounds, cooldown_s=c.planner_cooldown_s
     )
-    planner = PlannerSettings(ns.planner_interval_s, ns.planner_window_s, planner_cfg)
-    return replace(config, mocker=mocker), model, planner, slo
+    planner = PlannerSettings(c.planner_interval_s, c.planner_window_s, planner_cfg)
+    return c, model, planner, slo
 
 
-def _one(arm: Arm, trace: Sequence[TraceRequest], ns: argparse.Namespace, setup: _Setup) -> ArmResult:
+def _one(arm: Arm, trace: Sequence[TraceRequest], setup: _Setup) -> ArmResult:
     from kvmesh.replay.arms import default_router, run_arm
     from kvmesh.replay.goodput import arrival_window_s, summarize_arm
     from kvmesh.replay.runner import fit_context
@@ -86,26 +86,26 @@ def _one(arm: Arm, trace: Sequence[TraceRequest], ns: argparse.Namespace, setup:
     config, model, planner, slo = setup
     options = fit_context(config.mocker, trace)
     stream = arrivals(trace, TokenSynth(options.vocab_size), config.speed)
-    run = run_arm(arm, stream, options, config.workers, default_router(ns.router, options, config.seed), model, planner)
+    run = run_arm(arm, stream, options, config.workers, default_router(config.router, options, config.seed), model, planner)
     window = arrival_window_s([r.arrival_ms for r in run.records])
     return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions, run.resources)
 
 
-def _output(ns: argparse.Namespace, results: Sequence[ArmResult], slo: Slo, title: str) -> int:
+def _output(c: ReplayConfig, results: Sequence[ArmResult], slo: Slo, title: str) -> int:
     from kvmesh.replay.goodput import format_arms
     from kvmesh.replay.plot import MATPLOTLIB_HINT, have_matplotlib, plot_arms
 
     print(format_arms(results, slo))
-    status = write_json(ns.json, results)
+    status = write_json(c.json, results)
     if status is not None:
         return status
-    if ns.plot is not None:
+    if c.plot is not None:
         if not have_matplotlib():
             print(f"{PROG}: {MATPLOTLIB_HINT} (skipping the plot)", file=sys.stderr)
             return 0
         try:
-            plot_arms(results, ns.plot, slo, title=title)
+            plot_arms(results, c.plot, slo, title=title)
         except OSError as exc:
-            return fail(f"cannot write {ns.plot}: {exc.strerror or exc}", 1)
-        print(f"TTFT and ITL CDFs per arm written to {ns.plot}")
+            return fail(f"cannot write {c.plot}: {exc.strerror or exc}", 1)
+        print(f"TTFT and ITL CDFs per arm written to {c.plot}")
     return 0

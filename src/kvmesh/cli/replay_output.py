@@ -3,13 +3,13 @@ trace window the flags name, report a one-line failure, write the per-result JSO
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from kvmesh.replay.settings import ReplaySettings
     from kvmesh.replay.trace import TraceRequest
 
 __all__ = ["PROG", "fail", "read_trace", "write_json"]
@@ -27,13 +27,13 @@ def fail(message: str, status: int) -> int:
     return status
 
 
-def read_trace(ns: argparse.Namespace) -> list[TraceRequest] | int:
-    """The trace window of ``--trace``, ``--start-ms``, ``--duration-ms``, ``--limit``;
-    or the exit status (1) of a trace that cannot be read, its line printed."""
+def read_trace(path: str, window: ReplaySettings) -> list[TraceRequest] | int:
+    """The window of the trace at ``path`` that ``--start-ms``, ``--duration-ms`` and
+    ``--limit`` name; or the exit status (1) of a trace that cannot be read, its line printed."""
     from kvmesh.replay.trace import TraceError, load_trace
 
     try:
-        return load_trace(ns.trace, start_ms=ns.start_ms, duration_ms=ns.duration_ms, limit=ns.limit)
+        return load_trace(path, start_ms=window.start_ms, duration_ms=window.duration_ms, limit=window.limit)
     except TraceError as exc:
         return fail(str(exc), 1)
 

@@ -92,6 +92,15 @@ class MockerSettings(EngineSettings):
         0, "prefills in one pass (0: no cap)", env="KVMESH_MOCKER_MAX_NUM_PARTIAL_PREFILLS", check=non_negative,
         group=_MOCKER,
     )  # fmt: skip
+    # KV transfer (disaggregation, migration, kvmesh replay's arms): a transfer of n blocks
+    # takes n × block size × kv_bytes_per_token ÷ kv_bandwidth seconds (÷ speedup)
+    kv_bytes_per_token: int = setting(
+        4096, "modelled KV bytes per token (4096: kvmesh-tiny in fp32)", env="KVMESH_MOCKER_KV_BYTES_PER_TOKEN",
+        check=positive, group=_MOCKER,
+    )  # fmt: skip
+    kv_bandwidth: float = setting(
+        10e9, "modelled KV-transfer link, bytes/s", env="KVMESH_MOCKER_KV_BANDWIDTH", check=positive, group=_MOCKER
+    )
 
     def __post_init__(self) -> None:
         check(self)

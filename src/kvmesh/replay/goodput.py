@@ -5,7 +5,7 @@ Definitions (the same as ``bench/disagg.py``, so the two can be compared):
 * a request's TTFT is its first token − its arrival; its ITL is its *mean* gap,
   (last token − first token) ÷ (tokens − 1) (a one-token request meets any ITL SLO);
 * a request *meets the SLOs* when it completed (``stop``/``length``), its TTFT is at
-  most ``slo_ttft_ms`` and its mean ITL at most ``slo_itl_ms``;
+  most ``slo_ttft_ms`` and its mean ITL at most ``slo_itl_ms`` (`kvmesh replay --slo-tpot-ms`);
 * goodput = requests meeting the SLOs ÷ the arrival window, in requests per second;
   the window is last − first arrival × N/(N−1) (one mean gap more: N requests cover
   N gaps), the same for every arm of one trace slice; when every request arrives at
@@ -50,7 +50,7 @@ class Slo:
     itl_ms: float = 35.0
 
     def __post_init__(self) -> None:
-        for name, v in (("--slo-ttft-ms", self.ttft_ms), ("--slo-itl-ms", self.itl_ms)):
+        for name, v in (("--slo-ttft-ms", self.ttft_ms), ("--slo-tpot-ms", self.itl_ms)):
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v}")
 

@@ -66,8 +66,8 @@ class MockerOptions(BatchingOptions):
     # (kvmesh-tiny in fp32: 4 layers × 2 KV heads × 64 dims × K and V × 4 bytes) and the
     # link's bandwidth; a transfer of n blocks takes n·block_size·kv_bytes_per_token ÷
     # kv_bandwidth seconds, divided by speedup.
-    kv_bytes_per_token: int = 4096
-    kv_bandwidth: float = 10e9
+    kv_bytes_per_token: int = MockerSettings.kv_bytes_per_token
+    kv_bandwidth: float = MockerSettings.kv_bandwidth
     load_report_interval_steps: int = 1
     fault: FaultSpec = FaultSpec()
 

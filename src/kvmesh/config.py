@@ -156,7 +156,10 @@ class SecurityConfig:
     max_stop: int = setting(16, "stop strings per request", check=positive, group=_AUTH)
     max_stop_chars: int = setting(1024, "characters per stop string", check=positive, group=_AUTH)
     max_messages: int = setting(1024, "chat messages per request", check=positive, group=_AUTH)
-    max_message_chars: int = setting(4 * 1024 * 1024, "characters of all messages together", check=positive, group=_AUTH)
+    max_message_chars: int = setting(
+        4 * 1024 * 1024, "characters of prompt text per request (messages, tools, template arguments; a completions prompt)",
+        check=positive, group=_AUTH,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for key, tier in self.api_keys:

@@ -20,7 +20,7 @@ import msgspec
 
 from kvmesh.errors import MIGRATABLE, InvalidArgument, KvmeshError, StreamIncomplete, Unknown
 from kvmesh.frontend.models import ModelEntry
-from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
+from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, largest_text_field
 from kvmesh.frontend.tools import chat_messages, guided_of
 from kvmesh.health.migration import (
     LINK_BYTES_PER_S,
@@ -105,13 +105,15 @@ def _prompt_tokens(entry: ModelEntry, req: ChatCompletionRequest | CompletionReq
 
 def check_prompt_size(entry: ModelEntry, req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse, without tokenizing it, a prompt too long for the context whatever it
-    tokenizes to (more characters than context × the longest token)."""
+    tokenizes to (more characters than context × the longest token), counting every
+    field that reaches it (messages, tools, template arguments)."""
     chars = req.prompt_chars()
     bound = entry.context_length * entry.preprocessor.tokenizer.max_token_chars
     if chars > bound:
+        where, largest = largest_text_field(req)
         raise InvalidArgument(
             f"the prompt has {chars} characters, more than the {entry.context_length} tokens of the model's "
-            f"context can hold; shorten the prompt"
+            f"context can hold; shorten the prompt (the largest field has {largest} characters) - at `$.{where}`"
         )
 
 

@@ -5,11 +5,13 @@ field (``Expected `int` >= 1 - at `$.max_tokens```); :func:`parse` turns that in
 :class:`~kvmesh.errors.InvalidArgument`. Unknown fields are ignored, as OpenAI's own
 clients send extras. Every number has a range that fits the wire (int32 counts, int64
 seeds); :func:`check_limits` bounds what a request may ask of the frontend (stop
-strings, messages) before any of it is tokenized.
+strings, messages, the characters of every field that reaches the prompt) before any of
+it is templated or tokenized.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, Union, cast
 
 import msgspec
@@ -18,7 +20,7 @@ from msgspec import Meta
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["ResponseFormat", "Tool", "NamedToolChoice", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse", "check_limits"]
+__all__ = ["ResponseFormat", "Tool", "NamedToolChoice", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse", "check_limits", "largest_text_field"]
 
 _I32 = 2**31 - 1
 NonNegInt = Annotated[int, Meta(ge=0, le=_I32)]
@@ -56,6 +58,20 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
             parts.append(part.text or "")
         return "".join(parts)
 
+    def extra_chars(self) -> int:
+        """Characters this message brings to the prompt besides its text: name, tool
+        call id and tool calls (their JSON)."""
+        return sum(n for _, n in self.text_fields("")) - len(self.text())
+
+    def text_fields(self, at: str) -> Iterator[tuple[str, int]]:
+        """(path, characters) of each field :meth:`chars` counts; ``at``: the message's path."""
+        yield f"{at}.content", len(self.text())
+        for field, value in (("name", self.name), ("tool_call_id", self.tool_call_id)):
+            if value is not None:
+                yield f"{at}.{field}", len(value)
+        if self.tool_calls:
+            yield f"{at}.tool_calls", sum(map(len, self.tool_calls))
+
 
 # ---- structured outputs and tools (issue 18). JSON Schemas are plain JSON values: the
 # grammar engine reads them (kvmesh.preprocess.guided), the frontend never walks them.
@@ -87,6 +103,22 @@ class FunctionDef(msgspec.Struct, omit_defaults=True):
 class Tool(msgspec.Struct, omit_defaults=True):
     type: Literal["function"]
     function: FunctionDef
+
+    def chars(self) -> int:
+        fn = self.function
+        chars = len(fn.name) + len(fn.description or "")
+        return chars if fn.parameters is None else chars + len(msgspec.json.encode(fn.parameters))
+
+    def text_fields(self, at: str) -> Iterator[tuple[str, int]]:
+        """(path, characters) of the text this tool brings to the prompt (its
+        parameters schema counted as JSON: :meth:`chars` is their sum); ``at``: the
+        tool's path."""
+        fn = self.function
+        yield f"{at}.function.name", len(fn.name)
+        if fn.description is not None:
+            yield f"{at}.function.description", len(fn.description)
+        if fn.parameters is not None:
+            yield f"{at}.function.parameters", len(msgspec.json.encode(fn.parameters))
 
 
 class NamedFunction(msgspec.Struct):
@@ -157,7 +189,30 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def prompt_chars(self) -> int:
-        return sum(len(m.text()) for m in self.messages)
+        """Characters of the user's text that reach the prompt (messages, tools, template
+        arguments), counted without templating or tokenizing."""
+        chars = 0
+        for m in self.messages:  # NOTE: per request; the extra fields are rare
+            chars += len(m.text())
+            if m.name is not None or m.tool_call_id is not None or m.tool_calls:
+                chars += m.extra_chars()
+        if self.tools:
+            chars += sum(t.chars() for t in self.tools)
+        if self.chat_template_kwargs:
+            chars += sum(n for _, n in self._argument_fields())
+        return chars
+
+    def text_fields(self) -> Iterator[tuple[str, int]]:
+        """(path, characters) of each field :meth:`prompt_chars` counts."""
+        for i, m in enumerate(self.messages):
+            yield from m.text_fields(f"messages[{i}]")
+        for i, tool in enumerate(self.tools or ()):
+            yield from tool.text_fields(f"tools[{i}]")
+        yield from self._argument_fields()
+
+    def _argument_fields(self) -> Iterator[tuple[str, int]]:
+        for key, value in (self.chat_template_kwargs or {}).items():
+            yield f"chat_template_kwargs.{key}", len(key) + (len(value) if isinstance(value, str) else 0)
 
     def logprob_count(self) -> int | None:
         if not self.logprobs:
@@ -177,6 +232,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     def token_limit(self) -> int:
         # OpenAI's documented default for completions
         return self.max_tokens if self.max_tokens is not None else 16
+
+    def text_fields(self) -> Iterator[tuple[str, int]]:
+        yield "prompt", self.prompt_chars()
 
     def prompt_chars(self) -> int:
         """Characters of text (or count of ids) in the prompt, without tokenizing it."""
@@ -235,11 +293,17 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 )
 
 
+def largest_text_field(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, int]:
+    """(path, characters) of the request's largest field of prompt text (for errors)."""
+    return max(req.text_fields(), key=lambda field: field[1])
+
+
 def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: SecurityConfig) -> None:
-    """What a request may ask of the frontend, checked before any tokenizing: stop
-    strings (count and length: the matcher's work is linear in their total),
-    messages (count and total characters), template arguments that would replace
-    the frontend's own."""
+    """What a request may ask of the frontend, checked before any templating or
+    tokenizing: stop strings (count and length: the matcher's work is linear in their
+    total), messages (count), the characters of every field that reaches the prompt
+    (messages, tools, template arguments, a completions prompt), template arguments
+    that would replace the frontend's own."""
     stops = req.stop_strings()
     if len(stops) > limits.max_stop:
         raise InvalidArgument(f"stop holds {len(stops)} strings; at most {limits.max_stop} - at `$.stop`")
@@ -253,14 +317,16 @@ def check_limits(req: ChatCompletionRequest | CompletionRequest, limits: Securit
             raise InvalidArgument(
                 f"messages holds {len(req.messages)} messages; at most {limits.max_messages} - at `$.messages`"
             )
-        chars = req.prompt_chars()
-        if chars > limits.max_message_chars:
-            raise InvalidArgument(
-                f"the messages hold {chars} characters; at most {limits.max_message_chars} - at `$.messages`"
-            )
         clash = RESERVED_TEMPLATE_ARGS.intersection(req.chat_template_kwargs or ())
         if clash:
             raise InvalidArgument(
                 f"chat_template_kwargs may not set {', '.join(sorted(clash))}: send them as request fields "
                 f"(messages, add_generation_prompt) or leave them out - at `$.chat_template_kwargs`"
             )
+    chars = req.prompt_chars()
+    if chars > limits.max_message_chars:
+        where, largest = largest_text_field(req)
+        raise InvalidArgument(
+            f"the request's prompt text holds {chars} characters; at most {limits.max_message_chars} "
+            f"(the largest field has {largest} characters) - at `$.{where}`"
+        )

@@ -128,9 +128,10 @@ def preprocess_pool() -> SizedPool:
     return _pool
 
 
-def _chars(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Characters of text in OpenAI-shaped messages (content strings or text parts)."""
-    total = 0
+def _chars(messages: Sequence[Mapping[str, Any]], arguments: Mapping[str, Any]) -> int:
+    """Characters of text in OpenAI-shaped messages (content strings or text parts) and
+    in the template arguments' strings."""
+    total = sum(len(v) for v in arguments.values() if isinstance(v, str)) if arguments else 0
     for m in messages:
         content = m.get("content")
         if isinstance(content, str):
@@ -186,12 +187,13 @@ class Preprocessor:
     ) -> list[int]:  # fmt: skip
         """Token ids of the rendered chat. The template writes BOS and other special
         tokens as text; encoding parses them back into their ids. Special-token text
-        inside the messages' content stays plain text unless ``parse_special``."""
+        inside the user's text (the messages' content, ``template_kwargs``' strings)
+        stays plain text unless ``parse_special``."""
         if parse_special:
             text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
             return self._checked(self.tokenizer.encode(text, add_special_tokens=False))
-        render = lambda msgs: self.render_chat(msgs, add_generation_prompt, **template_kwargs)  # noqa: E731
-        return self._checked(encode_chat(render, messages, self.tokenizer))
+        render = lambda msgs, args: self.render_chat(msgs, add_generation_prompt, **args)  # noqa: E731
+        return self._checked(encode_chat(render, messages, self.tokenizer, template_kwargs))
 
     def text_prompt(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
         """Token ids of a completions prompt: text (with the tokenizer's own special
@@ -210,7 +212,7 @@ class Preprocessor:
     ) -> list[int]:  # fmt: skip
         """:meth:`chat_prompt`, in the pool when the messages are large."""
         build = functools.partial(self.chat_prompt, messages, add_generation_prompt, parse_special, **template_kwargs)
-        return await _run(build, _chars(messages))
+        return await _run(build, _chars(messages, template_kwargs))
 
     async def text_prompt_async(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
         """:meth:`text_prompt`, in the pool when the text is large (ids stay inline)."""

@@ -6,7 +6,7 @@
   caller says so: text a user typed is encoded with them split into plain pieces
   (``parse_special=False``), so a user cannot spoof a role or end a turn;
   :func:`encode_chat` keeps the chat template's own markers as control tokens while
-  the messages' content is plain text.
+  the user's text in it (messages' content, template arguments) is plain text.
 * :class:`IncrementalDetokenizer` is built once per request (one stream of generated
   ids) and is not shared: it holds the ids whose text is not yet complete.
 """
@@ -279,37 +279,60 @@ def _post_processor_framing(tok: tokenizers.Tokenizer) -> tuple[list[int], list[
 _SENTINEL = "\ue000kvmesh-user-{}\ue001"
 
 _SENTINELS = re.compile("\ue000kvmesh-user-(\\d+)\ue001")
+_MARKS = ("\ue000", "\ue001")  # a sentinel's ends: one left in the template's text was cut
 
 
 def encode_chat(
-    render: Callable[[Sequence[Mapping[str, Any]]], str], messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
+    render: Callable[[Sequence[Mapping[str, Any]], Mapping[str, Any]], str],
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    arguments: Mapping[str, Any] | None = None,
 ) -> list[int]:  # fmt: skip
-    """Token ids of a rendered chat whose message contents are plain text.
+    """Token ids of a rendered chat whose user text is plain text: the messages'
+    content and the string values of the template's ``arguments`` (``render(messages,
+    arguments)`` renders the template).
 
-    The common case (no content holds a special token's text) renders and encodes
-    once, exactly as before. Otherwise each such content is replaced by a sentinel,
-    the template is rendered around the sentinels, and the pieces are encoded apart:
-    the template's text with its control tokens, each content as plain text. A
-    template that does not pass a content through unchanged (it must appear exactly
-    once) cannot keep that content apart, and the request is refused.
+    The common case (no user text holds a special token's text) renders and encodes
+    once. Otherwise each such text is replaced by a sentinel, the template is rendered
+    around the sentinels, and the pieces are encoded apart: the template's text with
+    its control tokens, each user text as plain text. A template that does not pass
+    such a text through unchanged (a content must appear exactly once, an argument any
+    number of times, and no sentinel may come out cut) cannot keep it apart, and the
+    request is refused.
     """
+    args = arguments or {}
     marked = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str) and tokenizer.has_special(m["content"])]
-    if not marked:
-        return tokenizer.encode(render(messages))
-    contents = {i: messages[i]["content"] for i in marked}
-    swapped = [dict(m, content=_SENTINEL.format(i)) if i in contents else m for i, m in enumerate(messages)]
-    text = render(swapped)
-    pieces = _SENTINELS.split(text)  # template, index, template, index, ..., template
-    seen = [int(x) for x in pieces[1::2]]
-    if sorted(seen) != sorted(contents):
+    named = [k for k, v in args.items() if isinstance(v, str) and tokenizer.has_special(v)] if args else []
+    if not marked and not named:
+        return tokenizer.encode(render(messages, args))
+    texts = {i: messages[i]["content"] for i in marked}
+    keys = {len(messages) + j: k for j, k in enumerate(named)}  # argument sentinels follow the messages'
+    texts.update((i, args[k]) for i, k in keys.items())
+    swapped = [dict(m, content=_SENTINEL.format(i)) if i in texts else m for i, m in enumerate(messages)]
+    pieces = _SENTINELS.split(render(swapped, {**args, **{k: _SENTINEL.format(i) for i, k in keys.items()}}))
+    _check_passed_through(pieces, marked, keys)  # template, index, template, index, ..., template
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            ids += tokenizer.encode(texts[int(piece)], parse_special=False)
+        elif piece:
+            ids += tokenizer.encode(piece)
+    return ids
+
+
+def _check_passed_through(pieces: list[str], contents: list[int], arguments: Mapping[int, str]) -> None:
+    """Refuse a render where a marked content did not come out exactly once, or a
+    sentinel came out cut (the template transformed the text: it cannot be kept apart).
+    A sentinel typed by the user in an unmarked text shows as an unknown index."""
+    cut = any(mark in piece for piece in pieces[::2] for mark in _MARKS)
+    if cut and arguments:
+        key = next(iter(arguments.values()))
+        raise InvalidArgument(
+            f"template argument {key!r} holds a special token's text, and this model's chat template does not pass "
+            f"it through unchanged; remove the special-token text from it - at `$.chat_template_kwargs.{key}`"
+        )
+    if cut or sorted(int(i) for i in pieces[1::2] if int(i) not in arguments) != contents:
         raise InvalidArgument(
             "a message holds a special token's text, and this model's chat template does not pass "
             "message content through unchanged; remove the special-token text from the message"
         )
-    ids: list[int] = []
-    for k, piece in enumerate(pieces):
-        if k % 2:
-            ids += tokenizer.encode(contents[int(piece)], parse_special=False)
-        elif piece:
-            ids += tokenizer.encode(piece)
-    return ids

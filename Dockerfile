@@ -3,6 +3,12 @@
 #   docker build -t kvmesh-vllm --build-arg EXTRA_PIP=vllm .  # + vLLM for GPU workers
 # The entrypoint is the `kvmesh` CLI: `kvmesh frontend …`, `kvmesh worker …`, or
 # `kvmesh run` (embedded, the default command) for a one-container try.
+# The default command serves every address of the container, so it wants API keys: it
+# exits at once, saying so, without them. Mount a keys file (`KEY [TIER]` per line,
+# readable by uid 10001) and name it; keys never go in the command or in `-e KEY=…`:
+#   docker run -p 8000:8000 -v "$PWD/keys.txt:/run/secrets/kvmesh-keys:ro" \
+#       -e KVMESH_API_KEYS_FILE=/run/secrets/kvmesh-keys kvmesh
+# KVMESH_ALLOW_UNAUTHENTICATED=1 serves without keys, for a proxy in front that checks callers.
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 ARG EXTRA_PIP=""

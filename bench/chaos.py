@@ -374,6 +374,7 @@ class Fleet:
         argv = [
             sys.executable, "-m", "kvmesh.cli.main", "frontend", "--http-host", self.hosts.addr("a"),
             "--http-port", str(HTTP_PORT + index), "--canary-interval", "0", "--log-level", "info",
+            "--allow-unauthenticated",  # a bridge between network namespaces no one else reaches
         ]  # fmt: skip
         proc = self.hosts.spawn("a", argv, f"frontend-{index}.log", env=self.env("a"))
         self.frontends.append(proc)

@@ -147,6 +147,10 @@ class SecurityConfig:
     admin: bool = setting(False, "serve /admin/* (fault injection, worker list); off by default", group=_AUTH)
     admin_key: str = setting("", "the key /admin/* requires when API keys are on", env="KVMESH_ADMIN_KEY", group=_AUTH)
     metrics_auth: bool = setting(False, "/metrics needs an API key too (default: open)", group=_AUTH)
+    allow_unauthenticated: bool = setting(
+        False, "serve /v1/* without API keys on an address other than loopback (refused otherwise; never with --admin)",
+        env="KVMESH_ALLOW_UNAUTHENTICATED", group=_AUTH,
+    )  # fmt: skip
     trust_priority_header: bool = setting(
         False, "without keys, accept the priority tier a client asks for (default: premium is refused)", group=_AUTH
     )

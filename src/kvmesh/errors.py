@@ -12,7 +12,8 @@
     │   ├── Unauthorized             401  no API key, or not a valid one
     │   └── PermissionDenied         403  the key may not do this (a tier above its own, admin)
     ├── ResourceExhausted            503  admission/shedding said no, or no capacity now
-    │   └── NoWorkers                503  the instance set stayed empty past its timeout
+    │   ├── NoWorkers                503  the instance set stayed empty past its timeout
+    │   └── TooManyRequests          429  this caller holds its share already (dashboard streams per key)
     ├── Cancelled                    499  the caller stopped the request
     ├── CannotConnect                503  a worker / dependency could not be reached   (migratable)
     ├── Disconnected                 502  the connection dropped mid-stream            (migratable)
@@ -44,6 +45,7 @@ __all__ = [
     "PermissionDenied",
     "ResourceExhausted",
     "NoWorkers",
+    "TooManyRequests",
     "Cancelled",
     "CannotConnect",
     "Disconnected",
@@ -64,6 +66,7 @@ class KvmeshError(Exception):
     kind: ClassVar[str] = "unknown"
     status: ClassVar[int] = 500
     fatal: ClassVar[bool] = False
+    remote: bool = False  # rebuilt by from_wire: its message is another process's text
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message)
@@ -124,6 +127,11 @@ class ResourceExhausted(KvmeshError):
 
 class NoWorkers(ResourceExhausted):
     kind = "no_workers"
+
+
+class TooManyRequests(ResourceExhausted):
+    kind = "too_many_requests"
+    status = 429
 
 
 class Cancelled(KvmeshError):
@@ -188,8 +196,11 @@ MIGRATABLE: tuple[type[KvmeshError], ...] = (
 
 
 def from_wire(kind: str, message: str) -> KvmeshError:
-    """Rebuild a typed error from its wire form; unknown kinds become :class:`Unknown`."""
-    return _BY_KIND.get(kind, Unknown)(message)
+    """Rebuild a typed error from its wire form; unknown kinds become :class:`Unknown`.
+    It is marked ``remote``: the frontend shows no 5xx text that came from a worker."""
+    err = _BY_KIND.get(kind, Unknown)(message)
+    err.remote = True
+    return err
 
 
 def http_status(exc: BaseException) -> int:

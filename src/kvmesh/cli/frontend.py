@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import logging
 import signal
 import socket
@@ -15,7 +16,7 @@ from kvmesh.errors import KvmeshError
 if TYPE_CHECKING:
     from kvmesh.runtime.distributed import Client
 
-__all__ = ["run_frontend"]
+__all__ = ["run_frontend", "exposure_refusal"]
 
 
 def _fail(message: str) -> int:
@@ -23,9 +24,41 @@ def _fail(message: str) -> int:
     return 1
 
 
+def exposure_refusal(cfg: FrontendConfig) -> str | None:
+    """Why serving ``cfg`` would open the API to the network without API keys (None: it
+    would not). Loopback needs no key; any other address needs keys or the operator's
+    word (--allow-unauthenticated, for a proxy that authenticates); ``--admin`` without
+    keys is refused off loopback whatever is said."""
+    sec, host = cfg.security, cfg.http_host
+    if sec.api_keys or _loopback(host):
+        return None
+    keys = "give API keys (--api-keys-file FILE, or one key in KVMESH_API_KEY)"
+    if sec.admin:
+        return (f"--admin without API keys on --http-host {host or '(every address)'}: anyone who can reach it could "
+                f"crash workers; {keys} and KVMESH_ADMIN_KEY, or serve on 127.0.0.1")  # fmt: skip
+    if sec.allow_unauthenticated:
+        return None
+    return (f"--http-host {host or '(every address)'} without API keys lets anyone who can reach it use the API; {keys}, "
+            "serve on 127.0.0.1, or set KVMESH_ALLOW_UNAUTHENTICATED=1 (--allow-unauthenticated) if what stands in "
+            "front of kvmesh authenticates its callers")  # fmt: skip
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # "" (every address) or a name that could resolve to anything
+
+
 def run_frontend(
     cfg: FrontendConfig, rcfg: RuntimeConfig, static_workers: list[str], model_path: str | None, log_level: str = "warning"
 ) -> int:
+    refusal = exposure_refusal(cfg)
+    if refusal is not None:
+        print(f"kvmesh frontend: {refusal}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kvmesh.observability import tracing  # trace ids in log lines; OTLP export when OTEL_EXPORT_ENABLED=1
 

@@ -209,9 +209,30 @@ def _security_config(ns: argparse.Namespace, file: dict[str, object]) -> Securit
     return dataclasses.replace(plain, api_keys=tuple(keys))
 
 
+# flags that carry a secret (field: flag, where it belongs instead); --nats-url only with user:password@
+_ARGV_SECRETS = {
+    "api_key": ("--api-key", "the KVMESH_API_KEY variable or --api-keys-file FILE"),
+    "admin_key": ("--admin-key", "the KVMESH_ADMIN_KEY variable"),
+    "nats_url": ("--nats-url", "--nats-creds FILE or the KVMESH_NATS_URL variable"),
+}
+
+
+def warn_secrets_on_argv(ns: argparse.Namespace) -> None:
+    """One line per secret given as a flag (flags are None unless given): every user of
+    the host can read a process's arguments (``ps``, /proc/PID/cmdline) and the shell
+    keeps them in its history."""
+    for field, (flag, instead) in _ARGV_SECRETS.items():
+        value = getattr(ns, field, None)
+        if value is None or (field == "nats_url" and "@" not in str(value)):
+            continue
+        print(f"kvmesh {ns.command}: warning: {flag} puts a secret on the command line, where other users of this "
+              f"host see it (ps) and your shell history keeps it; use {instead} instead", file=sys.stderr)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    warn_secrets_on_argv(ns)
     try:
         if ns.command == "run":
             file = _file(ns, *RUN_CLASSES)

@@ -46,6 +46,12 @@ def _fail(message: str) -> int:
 
 
 def run_embedded(cfg: RunConfig, log_level: str = "warning") -> int:
+    from kvmesh.cli.frontend import exposure_refusal
+
+    refusal = exposure_refusal(cfg.frontend)
+    if refusal is not None:
+        print(f"kvmesh run: {refusal}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kvmesh.cli.worker import event_loop_runner
     from kvmesh.frontend.server import bind_http

@@ -87,8 +87,8 @@ def public_message(exc: BaseException, request_id: str) -> tuple[str, str]:
         log.warning("request %s: %s: %s", request_id, exc.kind, exc.message)
         kind = exc.kind
         message = _SERVER_SIDE.get(kind, "the request failed on the server side")
-        if isinstance(exc, ResourceExhausted):
-            message = _PATHS.sub("<path>", exc.message)  # shedding and admission: written for clients
+        if isinstance(exc, ResourceExhausted) and not exc.remote:
+            message = _PATHS.sub("<path>", exc.message)  # this frontend's shedding and admission: written for clients
     else:
         log.error("request %s: unexpected error", request_id, exc_info=exc)
         kind, message = "internal_error", "internal error"
@@ -103,6 +103,7 @@ _SERVER_SIDE = {
     "engine_shutdown": "the worker's engine is shutting down; retry",
     "stream_incomplete": "the worker's stream ended early",
     "unknown": "the engine reported an error",
+    "resource_exhausted": "the worker has no capacity for this request now; retry later",
     "cancelled": "the request was cancelled",
 }
 
@@ -171,12 +172,12 @@ class Frontend:
             routes["/admin/workers"] = {"GET": self._admin(self.list_workers)}
             routes["/admin/fault"] = {"POST": self._admin(self.set_fault)}
         self._openapi = _json(openapi_document(routes))
-        # observability: the live cluster page (behind the API key like /metrics; not in the OpenAPI document)
+        # observability: the live cluster page (behind any API key when keys are set, by
+        # header or session cookie: the dashboard checks; not in the OpenAPI document)
         from kvmesh.frontend.dashboard import Dashboard
 
         self.dashboard = Dashboard(self, error_response)
-        for path, handler in (("/dashboard", self.dashboard.page), ("/dashboard/events", self.dashboard.events)):
-            routes[path] = {"GET": handler if config.security.metrics_open else self._keyed(handler)}
+        routes.update(self.dashboard.routes())
         self.app = HttpApp(
             routes,
             not_found=self._not_found,
@@ -211,9 +212,7 @@ class Frontend:
                     # DNS rebinding: a page served from a name that resolves to this host
                     raise PermissionDenied("without API keys the admin routes answer only to an IP address or localhost")
                 if request.method == "POST":
-                    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-                    if ctype != "application/json":
-                        raise UnsupportedMediaType("admin routes take content-type: application/json only")
+                    _require_json(request)
             except KvmeshError as exc:
                 return error_response(exc)
             return await handler(request)
@@ -340,6 +339,7 @@ class Frontend:
         endpoint = "chat_completions" if kind == "chat" else "completions"
         try:
             allowed = self.auth.tier_of(request.headers.get("authorization"))
+            _require_json(request)
             req = parse(self._read_body(request), kind)
             check_limits(req, self.config.security)
             entry = self.registry.get(req.model)
@@ -564,6 +564,19 @@ async def _check_guided(g: GuidedDecoding) -> None:
     if len(_GUIDED_OK) >= _GUIDED_OK_MAX:
         _GUIDED_OK.pop(next(iter(_GUIDED_OK)))
     _GUIDED_OK[g] = None
+
+
+def _require_json(request: Request) -> None:
+    """A POST body must be declared JSON: a web page can make a browser send text/plain or
+    a form to any address without a CORS preflight, never application/json."""
+    ctype = request.headers.get("content-type", "")
+    if ctype == _JSON or ctype.split(";", 1)[0].strip().lower() == _JSON:
+        return
+    got = repr(ctype[:80]) if ctype else "no content-type"
+    raise UnsupportedMediaType(
+        f"{request.path} takes a JSON body with content-type: application/json (got {got}; curl: -H "
+        "'content-type: application/json')"
+    )
 
 
 def _literal_host(host: str) -> bool:

@@ -10,21 +10,30 @@
   trusts the header (``--trust-priority-header``).
 * ``/admin/*`` needs the admin key when keys are configured (it is not served at all
   without ``--admin``: that is the app's routing).
+* ``/dashboard`` needs any API key when keys are configured. A browser's
+  ``EventSource`` cannot send a header, so the page trades a key once for a session
+  cookie (:meth:`Authenticator.session_token`): ``EXPIRES.HMAC(key, label|EXPIRES)``,
+  no state on the server, valid on every frontend replica holding the same key, void
+  when the key is removed, and never the key itself.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from pathlib import Path
 
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthorized
 
-__all__ = ["Authenticator", "read_keys_file", "TIERS"]
+__all__ = ["Authenticator", "read_keys_file", "TIERS", "SESSION_S"]
 
 TIERS = ("best_effort", "standard", "premium")  # lowest to highest
 _RANK = {tier: i for i, tier in enumerate(TIERS)}
 _UNKEYED_TIER = "standard"
+SESSION_S = 12 * 3600  # a dashboard session cookie's lifetime
+_SESSION_LABEL = b"kvmesh dashboard session\0"
+_MAX_TOKEN = 128  # a session token is ~75 characters
 
 
 def read_keys_file(path: str) -> list[tuple[str, str]]:
@@ -63,13 +72,33 @@ class Authenticator:
         Raises Unauthorized (401) for a missing or unknown key."""
         if not self.required:
             return None
+        return self._keys[self.key_of(authorization)][1]
+
+    def key_of(self, authorization: str | None) -> int:
+        """Which configured key the caller presents (its index). Raises Unauthorized."""
         presented = _bearer(authorization)
-        found = None
-        for key, tier in self._keys:  # every key is compared: the time does not tell which one matched
-            if hmac.compare_digest(presented, key) and found is None:
-                found = tier
-        if found is None:
+        found = -1
+        for i, (key, _) in enumerate(self._keys):  # every key is compared: the time does not tell which one matched
+            if hmac.compare_digest(presented, key) and found < 0:
+                found = i
+        if found < 0:
             raise Unauthorized("Incorrect API key provided. Send Authorization: Bearer <your key>.")
+        return found
+
+    def session_token(self, index: int, now: float) -> str:
+        """A dashboard session for the holder of key ``index``, valid for SESSION_S."""
+        expires = str(int(now) + SESSION_S)
+        return f"{expires}.{_session_mac(self._keys[index][0], expires)}"
+
+    def session_key(self, token: str, now: float) -> int | None:
+        """The key a session token was made from, while it is valid; else None."""
+        expires, _, mac = token.partition(".")
+        if len(token) > _MAX_TOKEN or not (expires.isascii() and expires.isdigit()) or int(expires) <= now:
+            return None
+        found = None
+        for i, (key, _) in enumerate(self._keys):  # every key is tried, as in key_of
+            if hmac.compare_digest(mac.encode("latin-1", "replace"), _session_mac(key, expires).encode()) and found is None:
+                found = i
         return found
 
     def check_admin(self, authorization: str | None) -> None:
@@ -93,6 +122,10 @@ class Authenticator:
                 f"this caller may ask for priority {allowed} at most, not {asked}"
                 + ("" if self.required else " (the operator can allow it with --trust-priority-header or API keys)")
             )
+
+
+def _session_mac(key: bytes, expires: str) -> str:
+    return hmac.new(key, _SESSION_LABEL + expires.encode(), hashlib.sha256).hexdigest()
 
 
 def _bearer(authorization: str | None) -> bytes:

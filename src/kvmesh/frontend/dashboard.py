@@ -8,7 +8,15 @@ the prefill queue, request-rate / TTFT / ITL history for the sparklines, and the
 router's last decisions with their explanation.
 
 A snapshot is built at most twice a second whatever the number of open pages; the
-number of open event streams is bounded (``MAX_STREAMS``).
+number of open event streams is bounded (``MAX_STREAMS`` in all, 503; ``MAX_STREAMS_PER_KEY``
+per API key, 429, so one key's pages cannot lock the others out).
+
+Access: open without API keys (the server binds loopback unless told otherwise). With
+keys, every route needs one: ``Authorization: Bearer KEY`` (curl), or the session
+cookie a browser gets from ``POST /dashboard/session`` with the key
+(``HttpOnly; SameSite=Strict``; :mod:`kvmesh.frontend.auth` makes and checks it),
+because ``EventSource`` cannot send a header. ``GET /dashboard`` without either is a
+401 whose body is a one-field form that does that exchange and reloads.
 """
 
 from __future__ import annotations
@@ -21,17 +29,21 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvmesh.errors import ResourceExhausted
-from kvmesh.frontend.server import Request, Response
+from kvmesh.errors import KvmeshError, ResourceExhausted, TooManyRequests, Unauthorized
+from kvmesh.frontend.auth import SESSION_S
+from kvmesh.frontend.server import Handler, Request, Response
 from kvmesh.frontend.sse import SSEResponse
 from kvmesh.runtime.context import Context
 
 if TYPE_CHECKING:
     from kvmesh.frontend.app import Frontend
 
-__all__ = ["Dashboard", "MAX_STREAMS"]
+__all__ = ["Dashboard", "MAX_STREAMS", "MAX_STREAMS_PER_KEY", "COOKIE"]
 
 MAX_STREAMS = 32
+MAX_STREAMS_PER_KEY = 4  # per API key (without keys: all callers are one)
+COOKIE = "kvmesh_dashboard"
+_ANONYMOUS = -1
 GONE_KEEP_S = 60.0
 HISTORY = 120  # seconds of sparkline
 _STATUS = ("healthy", "suspicious", "unhealthy", "draining", "dead")
@@ -52,21 +64,70 @@ class Dashboard:
         self._cached_at = 0.0
         self._lock = asyncio.Lock()
         self.streams = 0
+        self._streams_of: dict[int, int] = {}  # key index (or _ANONYMOUS) → open streams
         self._migrations = 0.0
 
     # ------------------------------------------------------------------ routes
+    def routes(self) -> dict[str, dict[str, Handler]]:
+        return {
+            "/dashboard": {"GET": self.page},
+            "/dashboard/events": {"GET": self.events},
+            "/dashboard/session": {"POST": self.session},
+        }
+
     async def page(self, request: Request) -> Response:
+        try:
+            self._caller(request)
+        except Unauthorized:
+            return Response(_LOGIN, 401, "text/html; charset=utf-8", {"cache-control": "no-store", "www-authenticate": "Bearer"})
         return Response(_PAGE, content_type="text/html; charset=utf-8", headers={"cache-control": "no-cache"})
 
-    async def events(self, request: Request) -> Response | SSEResponse:
-        if self.streams >= MAX_STREAMS:
-            return self._error_response(ResourceExhausted(f"at most {MAX_STREAMS} dashboards may be open; close one", retry_after=5))
-        self.streams += 1
-        ctx = Context("dashboard")
-        return SSEResponse(self._stream(ctx), ctx, self.frontend.keepalive, on_close=self._closed)
+    async def session(self, request: Request) -> Response:
+        """An API key (header) → a session cookie for this page and its events."""
+        auth = self.frontend.auth
+        if not auth.required:
+            return Response(b"", 204)
+        try:
+            token = auth.session_token(auth.key_of(request.headers.get("authorization")), time.time())
+        except KvmeshError as exc:
+            return self._error_response(exc)
+        cookie = f"{COOKIE}={token}; Path=/dashboard; Max-Age={SESSION_S}; HttpOnly; SameSite=Strict"
+        return Response(b"", 204, headers={"set-cookie": cookie, "cache-control": "no-store"})
 
-    def _closed(self) -> None:
+    async def events(self, request: Request) -> Response | SSEResponse:
+        try:
+            caller = self._caller(request)
+            if self._streams_of.get(caller, 0) >= MAX_STREAMS_PER_KEY:
+                raise TooManyRequests(f"this key has {MAX_STREAMS_PER_KEY} dashboards open already; close one", retry_after=5)
+            if self.streams >= MAX_STREAMS:
+                raise ResourceExhausted(f"at most {MAX_STREAMS} dashboards may be open; close one", retry_after=5)
+        except KvmeshError as exc:
+            return self._error_response(exc)
+        self.streams += 1
+        self._streams_of[caller] = self._streams_of.get(caller, 0) + 1
+        ctx = Context("dashboard")
+        return SSEResponse(self._stream(ctx), ctx, self.frontend.keepalive, on_close=lambda: self._closed(caller))
+
+    def _caller(self, request: Request) -> int:
+        """Whose request (the index of its API key; _ANONYMOUS without keys). Raises
+        Unauthorized without a valid key or session cookie."""
+        auth = self.frontend.auth
+        if not auth.required:
+            return _ANONYMOUS
+        authorization = request.headers.get("authorization")
+        if authorization:
+            return auth.key_of(authorization)
+        index = auth.session_key(_cookie(request.headers.get("cookie"), COOKIE), time.time())
+        if index is None:
+            raise Unauthorized("the dashboard needs an API key: open /dashboard in a browser and enter one, or send "
+                               "Authorization: Bearer <your key>")  # fmt: skip
+        return index
+
+    def _closed(self, caller: int) -> None:
         self.streams -= 1
+        left = self._streams_of.pop(caller, 1) - 1
+        if left > 0:
+            self._streams_of[caller] = left
 
     async def _stream(self, ctx: Context) -> AsyncGenerator[bytes, None]:
         while not ctx.is_stopped():
@@ -168,6 +229,17 @@ class Dashboard:
         return out[-10:]
 
 
+def _cookie(header: str | None, name: str) -> str:
+    """The value of cookie ``name`` in a Cookie header ("" when absent)."""
+    if not header or len(header) > 8192:
+        return ""
+    for part in header.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return ""
+
+
 def _totals(registry: Any) -> tuple[float, float, float, float, float, float]:
     """(requests, TTFT sum, TTFT count, ITL sum, ITL count, migrations) over every model."""
     req = ts = tc = its = itc = moved = 0.0
@@ -260,6 +332,41 @@ function render(s) {
 }
 const es = new EventSource("dashboard/events");
 es.onmessage = (e) => { $("conn").textContent = "live"; $("conn").className = ""; render(JSON.parse(e.data)); };
-es.onerror = () => { $("conn").textContent = "reconnecting..."; $("conn").className = "down"; };
+es.onerror = () => {
+  $("conn").className = "down";
+  if (es.readyState === EventSource.CLOSED) {  // refused (session expired, too many pages): ask again soon
+    $("conn").textContent = "closed by the server; reloading..."; setTimeout(() => location.reload(), 5000);
+  } else { $("conn").textContent = "reconnecting..."; }
+};
+</script></body></html>
+"""
+
+
+_LOGIN = b"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>kvmesh cluster</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:0;background:#0f1419;color:#e6e6e6;display:flex;justify-content:center}
+form{margin-top:15vh;background:#1b2430;padding:18px 24px;border-radius:6px;width:360px}
+h1{font-size:18px;margin:0 0 8px}input,button{font:inherit;padding:6px 8px;margin-top:8px}input{width:100%;box-sizing:border-box}
+#msg{color:#fca5a5;min-height:1.4em}
+</style></head><body>
+<form id="login"><h1>kvmesh cluster</h1>
+<div>This frontend has API keys: enter one to open the live page. The key is sent once, in a header,
+for a session cookie (12 hours); it is not stored by this page.</div>
+<input id="key" type="password" autocomplete="off" placeholder="API key" autofocus>
+<button type="submit">Open</button><div id="msg"></div></form>
+<script>
+"use strict";
+document.getElementById("login").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const input = document.getElementById("key"), msg = document.getElementById("msg");
+  const key = input.value.trim(); input.value = "";
+  try {
+    const r = await fetch("dashboard/session", {method: "POST", headers: {authorization: "Bearer " + key}, credentials: "same-origin"});
+    if (r.ok) { location.reload(); return; }
+    msg.textContent = r.status === 401 ? "not a valid API key" : "refused (" + r.status + ")";
+  } catch (err) { msg.textContent = "could not send the key: " + err; }
+});
 </script></body></html>
 """

@@ -104,6 +104,7 @@ def openapi_document(routes: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "401": {"description": "No or a wrong API key", "content": error},
                     "404": {"description": "Unknown model", "content": error},
                     "413": {"description": "Body too large", "content": error},
+                    "415": {"description": "A body not sent as content-type: application/json", "content": error},
                     "503": {"description": "No capacity now", "content": error},
                 },
             }

@@ -114,3 +114,10 @@ async def test_an_engine_without_capabilities_is_served_and_says_what_it_lacks()
     finally:
         await client.close()
         await service.shutdown(grace_s=1)
+
+
+def test_a_batching_engine_gives_the_worker_its_load_and_preemptions() -> None:
+    engine = _mocker()
+    engine.scheduler.preemptions = 3
+    metrics = WorkerService(engine).metrics_sample()
+    assert (metrics.preemptions, metrics.kv_blocks_total) == (3, 64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
 
 from kvmesh.engines.base import Engine, GenerateFront
 from kvmesh.errors import InvalidArgument, KvmeshError, StreamIncomplete
@@ -81,6 +82,18 @@ class AbortMonitor:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+@runtime_checkable
+class _Roled(Protocol):
+    """What generates with a worker role: a disaggregation front (GenerateFront.mode)."""
+
+    mode: str
+
+
+def _role(source: object) -> str:
+    """The worker role in traces: the generating front's, else ``aggregated``."""
+    return source.mode if isinstance(source, _Roled) else "aggregated"
+
+
 async def run_generate(
     engine: Engine,
     request: PreprocessedRequest,
@@ -105,8 +118,7 @@ async def run_generate(
     # tracing: the request's trace id on this task's log lines; the engine.generate span
     # only while spans are recorded (no per-chunk work otherwise)
     tracing.set_log_trace_id(tracing.trace_id_of(request.trace_context))
-    role = front.mode if front is not None else "aggregated"  # the disaggregation front knows the role
-    span = tracing.GenerateSpan.start(request, role) if tracing.enabled() else None
+    span = tracing.GenerateSpan.start(request, _role(front or engine)) if tracing.enabled() else None
     if span is not None:
         tracing.set_current_generate(span)
     if counters is not None:  # the worker's metrics: requests, in flight, tokens at the terminal

@@ -124,6 +124,26 @@ class HttpLimits:
     send_timeout_s: float = setting(60.0, "a client that reads nothing for this long is dropped (s)", check=positive, group=_LIMITS)
     max_connections: int = setting(4096, "open client connections; past it: 503 and close", check=positive, group=_LIMITS)
     max_pipelined: int = setting(16, "requests queued per connection before reading pauses", check=positive, group=_LIMITS)
+    max_pipelined_bytes: int = setting(
+        4 * 1024 * 1024, "bytes of request bodies queued per connection before reading pauses", check=positive, group=_LIMITS
+    )
+    request_read_timeout_s: float = setting(
+        600.0, "seconds for a whole request, head and body, to arrive (408): a 4 MiB body makes it at 56 kbit/s "
+        "(a dial-up modem); a body drip-fed to dodge --body-timeout does not", check=positive, group=_LIMITS,
+    )  # fmt: skip
+    min_body_rate: int = setting(
+        1024, "bytes/s a request body must average once --body-rate-grace has passed (408; 0: off): 8 kbit/s, "
+        "below any real link", check=non_negative, group=_LIMITS,
+    )  # fmt: skip
+    body_rate_grace_s: float = setting(5.0, "seconds of a request body before --min-body-rate applies", check=positive, group=_LIMITS)
+    max_connections_per_client: int = setting(
+        512, "open connections from one address (an IPv6 /64 is one); past it that client gets a 503, others are "
+        "served (behind a proxy: at least the proxy's connection pool)", check=positive, group=_LIMITS,
+    )  # fmt: skip
+    max_connection_age_s: float = setting(
+        300.0, "a keep-alive connection older than this takes no new request: the next response closes it (one in "
+        "flight is never cut), so a periodic cheap request cannot hold a socket forever", check=positive, group=_LIMITS,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)

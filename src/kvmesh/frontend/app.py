@@ -187,14 +187,30 @@ class Frontend:
             lifespan=self._lifespan,
             max_body_bytes=config.max_body_bytes,
             limits=config.http,
+            authorize=self._authorize if self.auth.required else None,
         )
+
+    def _authorize(self, request: Request) -> Response | None:
+        """The key of a ``/v1/*`` request, checked when its head is complete (the server
+        calls this before reading the body): a missing or wrong key is a 401 before a
+        byte of the body is buffered. The tier found rides on the request; the handler
+        does not check again."""
+        if not request.path.startswith("/v1/"):
+            return None
+        try:
+            request.principal = self.auth.tier_of(request.headers.get("authorization"))
+        except KvmeshError as exc:
+            return error_response(exc)
+        request.checked = True
+        return None
 
     def _keyed(self, handler: Handler) -> Handler:
         """``handler`` behind the API key (when keys are configured)."""
 
         async def keyed(request: Request) -> Response | StreamingResponse:
             try:
-                self.auth.tier_of(request.headers.get("authorization"))
+                if not request.checked:  # else: checked at the head (_authorize)
+                    self.auth.tier_of(request.headers.get("authorization"))
             except KvmeshError as exc:
                 return error_response(exc)
             return await handler(request)
@@ -338,7 +354,7 @@ class Frontend:
     ) -> Response | SSEResponse:
         endpoint = "chat_completions" if kind == "chat" else "completions"
         try:
-            allowed = self.auth.tier_of(request.headers.get("authorization"))
+            allowed = request.principal if request.checked else self.auth.tier_of(request.headers.get("authorization"))
             _require_json(request)
             req = parse(self._read_body(request), kind)
             check_limits(req, self.config.security)

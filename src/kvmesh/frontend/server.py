@@ -11,9 +11,12 @@ a callback.
 
 Per connection (:class:`_Connection`):
 
-1. requests are parsed as bytes arrive; a complete request (body read in full,
-   bounded by the app's ``max_body_bytes``) waits in a queue; requests are served
-   one at a time in arrival order (pipelining), each in its own task;
+1. requests are parsed as bytes arrive; when a head is complete the app's
+   ``authorize`` hook (if any) may refuse it before a byte of its body is read; a
+   complete request (body read in full, bounded by the app's ``max_body_bytes``) waits
+   in a queue; requests are served one at a time in arrival order (pipelining), each
+   in its own task; reading pauses while ``max_pipelined`` requests or
+   ``max_pipelined_bytes`` of bodies wait;
 2. a handler returns a :class:`Response` (written at once with ``content-length``)
    or a streaming response (``await response.send_to(out)``, where ``out`` is the
    connection's :class:`ResponseStream`: chunked transfer coding, a stream's first
@@ -21,7 +24,12 @@ Per connection (:class:`_Connection`):
    at the start of the next);
 3. the connection closing (client gone) marks the stream ``disconnected`` and calls
    its ``on_disconnect``; ``pause_writing`` makes the stream's ``drain()`` wait;
-4. an idle keep-alive connection is closed after ``keepalive_timeout_s``.
+4. an idle keep-alive connection is closed after ``keepalive_timeout_s``; one older
+   than ``max_connection_age_s`` takes no new request.
+
+Admission: past ``max_connections`` open connections (lowered to what the open-file
+limit allows: :func:`plan_descriptors`), or ``max_connections_per_client`` from one
+address, a new connection gets a canned 503 and is closed.
 
 :meth:`HttpServer.serve` runs the app's lifespan around listening, and returns after
 ``should_exit`` (SIGINT/SIGTERM set it): stop listening, close idle connections, give
@@ -33,7 +41,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
+import ipaddress
 import logging
+import os
 import signal
 import socket
 import time
@@ -48,6 +58,8 @@ from kvmesh.config import HttpLimits
 
 __all__ = [
     "bind_http",
+    "plan_descriptors",
+    "DescriptorPlan",
     "HttpServer",
     "HttpApp",
     "Request",
@@ -85,7 +97,7 @@ class Request:
     """One parsed request. ``headers``: lower-case names → last value."""
 
     __slots__ = ("method", "path", "query", "headers", "body", "body_size", "keep_alive", "http_version",
-                 "on_disconnect", "disconnected")  # fmt: skip
+                 "on_disconnect", "disconnected", "checked", "principal")  # fmt: skip
 
     def __init__(
         self, method: str, path: str, query: str, headers: dict[str, str], body: bytes, body_size: int,
@@ -103,6 +115,10 @@ class Request:
         # (a non-streamed completion stops its generation)
         self.on_disconnect: Callable[[], None] | None = None
         self.disconnected = False  # the client left while this request was being served
+        # set by the app's authorize hook (HttpApp.authorize) when it admitted the request at
+        # its head: who the caller is, so that the handler need not check the key again
+        self.checked = False
+        self.principal: str | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)
@@ -140,7 +156,14 @@ class HttpApp:
     """Routes (path → method → handler); what to answer for 404, 405, a handler's
     exception and a request the server refuses (``protocol_error(status, message)``:
     400 unparsable, 413 declared body over ``max_body_bytes``); a lifespan context
-    manager run around serving."""
+    manager run around serving.
+
+    ``authorize(request)``, if set, runs once per request as soon as its head is
+    complete, before a byte of its body is read (``request.body`` is still empty): a
+    Response refuses the request (it is answered in turn, the body is never buffered,
+    the connection closes); None admits it, and the hook may note who the caller is
+    (``request.checked``, ``request.principal``) so that the handler does not check
+    again. It must be cheap and must not block: it runs inside the parser."""
 
     routes: dict[str, dict[str, Handler]]
     not_found: Callable[[Request], Response]
@@ -150,6 +173,7 @@ class HttpApp:
     lifespan: Callable[[], contextlib.AbstractAsyncContextManager[None]] = _no_lifespan
     max_body_bytes: int = 4 * 1024 * 1024
     limits: HttpLimits = field(default_factory=HttpLimits)
+    authorize: Callable[[Request], Response | None] | None = None
 
     async def handle(self, request: Request) -> Response | StreamingResponse:
         methods = self.routes.get(request.path)
@@ -356,14 +380,24 @@ class _BadRequest(Exception):
         self.message = message
 
 
+class _Refused(Exception):
+    """The app's authorize hook refused a request at its head."""
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
 class _Connection(asyncio.Protocol):
     """One client connection. Limits (``HttpLimits``) are enforced as bytes arrive:
     the URL and each header as httptools reports them, an unfinished head by the raw
     bytes fed since its first chunk, the body by its declared length (or the running
     total of its chunks). Timeouts are deadlines the server's sweeper checks:
-    ``head_since`` (a head in progress), ``body_since`` (last piece of a body),
-    ``write_since`` (the client stopped reading), ``idle_since`` (between requests).
-    Reading pauses while responses cannot be written or too many requests wait."""
+    ``request_since`` (the whole request being read), ``head_since`` (a head in
+    progress), ``body_since`` (last piece of a body) and ``body_began`` (its average
+    rate), ``write_since`` (the client stopped reading), ``idle_since`` (between
+    requests), ``opened`` (the connection's age). Reading pauses while responses cannot
+    be written or too many requests (or bytes of bodies) wait; the read deadlines do
+    not run while the server itself does not read."""
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -373,21 +407,30 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Request] = deque()
+        self.queued_bytes = 0  # bodies of the requests in ``queue``
         self.task: asyncio.Task[None] | None = None
         self.out: ResponseStream | None = None
         self.current: Request | None = None  # the request being served
         self.closing = False  # no new request will be served
+        self.retiring = False  # past max_connection_age: requests parsed from now on are the last
         self.discarding = False  # refused: input is dropped until the connection closes
+        self.refusal: Response | None = None  # a refusal answered after the requests before it
+        self.client: str | None = None  # the address counted in server.clients (None: not counted)
         self.reading_paused = False
+        self.paused_at = 0.0  # when the server paused reading (its read deadlines stand still)
         self.write_paused = False
         self._writable: asyncio.Future[None] | None = None
         # deadlines (loop time; None: not in that phase)
         now = self.loop.time()
+        self.opened = now
         self.head_since: float | None = now  # the first request's head must come within header_timeout
+        self.request_since: float | None = None
         self.body_since: float | None = None
+        self.body_began: float | None = None
         self.write_since: float | None = None
         self.idle_since: float | None = None
         # the request being parsed
+        self._request: Request | None = None  # made when its head is complete
         self._url = b""
         self._headers: dict[str, str] = {}
         self._head_bytes = 0  # URL + completed headers, as httptools reports them
@@ -401,31 +444,48 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream connection's transport
-        if len(self.server.connections) >= self.limits.max_connections:
-            self._over_capacity()
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._over_capacity(_OVER_CAPACITY)
             return
+        client = _client_of(transport.get_extra_info("peername"))
+        held = server.clients.get(client, 0)
+        if held >= self.limits.max_connections_per_client:
+            self._over_capacity(_CLIENT_OVER_CAPACITY)
+            return
+        server.clients[client] = held + 1
+        self.client = client
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:  # SSE events leave as soon as they are written
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        self.server.connections.add(self)
+        server.connections.add(self)
 
-    def _over_capacity(self) -> None:
-        """Past ``max_connections``: one canned 503 and close, nothing parsed."""
+    def _over_capacity(self, answer: bytes) -> None:
+        """Past ``max_connections`` (or the client's share): one canned 503 and close, nothing parsed."""
         self.closing = self.discarding = True
         self.head_since = None
         self.server.refused += 1
         assert self.transport is not None
-        self.transport.write(_OVER_CAPACITY)
+        self.transport.write(answer)
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
+        server = self.server
+        server.connections.discard(self)
+        client, self.client = self.client, None
+        if client is not None:
+            left = server.clients[client] - 1
+            if left:
+                server.clients[client] = left
+            else:
+                del server.clients[client]
         self.closing = True
         self.queue.clear()
-        self.head_since = self.body_since = self.write_since = self.idle_since = None
+        self.refusal = None
+        self.head_since = self.request_since = self.body_since = self.write_since = self.idle_since = None
         self._wake_writable()
         if self.out is not None:
             self.out._lost()
@@ -464,12 +524,16 @@ class _Connection(asyncio.Protocol):
                 self._count_raw_head(len(data))
         except _BadRequest as exc:
             self._refuse(exc.status, exc.message)
+        except _Refused as exc:
+            self._refuse_with(exc.response)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, _BadRequest):
                 self._refuse(cause.status, cause.message)
+            elif isinstance(cause, _Refused):
+                self._refuse_with(cause.response)
             else:
                 self._refuse(400, f"invalid HTTP request: {exc}")
 
@@ -487,6 +551,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = None
         if self.head_since is None:
             self.head_since = self.loop.time()
+        self.request_since = self.head_since  # the whole request must come within request_read_timeout
         self._begun_here = True
         self._url = b""
         self._headers = {}
@@ -513,14 +578,22 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.head_since = None
         headers = self._headers
+        path, _, query = self._url.decode("latin-1").partition("?")
+        method = self.parser.get_method().decode("ascii", "replace")
+        request = self._request = Request(method, path, query, headers, b"", 0, False, self.parser.get_http_version())
+        authorize = self.app.authorize
+        if authorize is not None:
+            refusal = authorize(request)
+            if refusal is not None:  # before the body: not a byte of it is read
+                raise _Refused(refusal)
         declared = headers.get("content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) > self._limit:  # answer before the body comes
                 raise _BadRequest(413, f"the request body has {declared} bytes; the limit is {self._limit} bytes")
             if declared != "0":
-                self.body_since = self.loop.time()
+                self.body_since = self.body_began = self.loop.time()
         elif "transfer-encoding" in headers:
-            self.body_since = self.loop.time()
+            self.body_since = self.body_began = self.loop.time()
         if headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -532,34 +605,48 @@ class _Connection(asyncio.Protocol):
         self.body_since = self.loop.time()
 
     def on_message_complete(self) -> None:
-        self.body_since = None
-        path, _, query = self._url.decode("latin-1").partition("?")
-        body = b"".join(self._body)
-        keep_alive = self.parser.should_keep_alive() and not self.closing
-        request = Request(
-            self.parser.get_method().decode("ascii", "replace"), path, query, self._headers, body, self._size,
-            keep_alive, self.parser.get_http_version(),
-        )  # fmt: skip
+        self.request_since = self.body_since = self.body_began = None
+        request, self._request = self._request, None
+        assert request is not None  # httptools calls on_headers_complete first
+        request.body = body = b"".join(self._body)
+        request.body_size = self._size
+        request.keep_alive = self.parser.should_keep_alive() and not (self.closing or self.retiring)
         self._body = []
         self.queue.append(request)
+        self.queued_bytes += len(body)
         self._update_reading()
         self._next()
 
     # -- flow control
     def _update_reading(self) -> None:
-        """Read while fewer than ``max_pipelined`` requests wait and responses can be written."""
+        """Read while fewer than ``max_pipelined`` requests (and ``max_pipelined_bytes``
+        of their bodies) wait and responses can be written."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
         queued = len(self.queue)
-        limit = self.limits.max_pipelined
+        limits = self.limits
         if self.reading_paused:
-            if not self.write_paused and queued <= limit // 2:
+            if not self.write_paused and queued <= limits.max_pipelined // 2 and self.queued_bytes < limits.max_pipelined_bytes:
                 self.reading_paused = False
+                self._postpone_read_deadlines(self.loop.time() - self.paused_at)
                 transport.resume_reading()
-        elif self.write_paused or queued >= limit:
+        elif self.write_paused or queued >= limits.max_pipelined or self.queued_bytes >= limits.max_pipelined_bytes:
             self.reading_paused = True
+            self.paused_at = self.loop.time()
             transport.pause_reading()
+
+    def _postpone_read_deadlines(self, paused: float) -> None:
+        """Reading resumes after ``paused`` s: the time the server did not read is not
+        the client's (its silence starts over)."""
+        if self.request_since is not None:
+            self.request_since += paused
+        if self.head_since is not None:
+            self.head_since += paused
+        if self.body_began is not None:
+            self.body_began += paused
+        if self.body_since is not None:
+            self.body_since = self.loop.time()
 
     async def _wait_writable(self) -> None:
         while self.write_paused and not self.closing:
@@ -577,6 +664,7 @@ class _Connection(asyncio.Protocol):
         if self.task is not None or not self.queue or self.transport is None:
             return
         request = self.queue.popleft()
+        self.queued_bytes -= len(request.body)
         self._update_reading()
         self.task = self.loop.create_task(self._serve(request))
 
@@ -599,14 +687,21 @@ class _Connection(asyncio.Protocol):
         finally:
             self.task = None
             self.current = None
-            if not keep_alive or self.closing:
-                self.closing = True
-                if self.transport is not None:
-                    self.transport.close()
-            elif self.queue:
-                self._next()
-            elif self.head_since is None and self.body_since is None:
-                self.idle_since = self.loop.time()
+            self._after(keep_alive)
+
+    def _after(self, keep_alive: bool) -> None:
+        """A response is out: serve the next request, answer a refusal that waited for
+        the requests before it, or go idle (or close)."""
+        if not keep_alive or (self.closing and self.refusal is None):
+            self.closing = True
+            if self.transport is not None:
+                self.transport.close()
+        elif self.queue:
+            self._next()
+        elif self.refusal is not None:
+            self._answer_and_linger(self.refusal)
+        elif self.head_since is None and self.body_since is None:
+            self.idle_since = self.loop.time()
 
     async def _stream(self, response: StreamingResponse, request: Request, keep_alive: bool) -> bool:
         """Run a streaming response; False when the connection must close after it."""
@@ -640,29 +735,41 @@ class _Connection(asyncio.Protocol):
         self.transport.write(head if request.method == "HEAD" else head + body)
 
     def _refuse(self, status: int, message: str) -> None:
-        """A request we cannot parse or will not take: answer it (if nothing else is
-        being answered), stop reading it, and close once the answer is out. Input that
-        keeps coming is dropped (a lingering close: the client gets to read the answer
-        instead of a reset)."""
+        self._refuse_with(self.app.protocol_error(status, message))
+
+    def _refuse_with(self, response: Response) -> None:
+        """A request we cannot parse or will not take: stop reading it, answer it after
+        the requests before it (if any), and close once the answer is out. Input that
+        keeps coming is dropped, never buffered (a lingering close: the client gets to
+        read the answer instead of a reset)."""
         self.closing = self.discarding = True
-        self.queue.clear()
-        self.head_since = self.body_since = self.idle_since = None
+        self.head_since = self.request_since = self.body_since = self.body_began = self.idle_since = None
         self._body = []
+        self._request = None
         if self.transport is None:
             return
-        if self.task is not None:
-            self.transport.close()
+        if self.task is not None or self.queue:
+            self.refusal = response  # answered in turn (_after)
             return
-        self._write_response(self.app.protocol_error(status, message), _NO_REQUEST, False)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
+        self._answer_and_linger(response)
+
+    def _answer_and_linger(self, response: Response) -> None:
+        self.refusal = None
+        self.queue.clear()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._write_response(response, _NO_REQUEST, False)
+        if transport.can_write_eof():
+            transport.write_eof()
             self.linger_until = self.loop.time() + _LINGER_S
         else:
-            self.transport.close()
+            transport.close()
 
     def shutdown(self) -> None:
         """Server exiting: close now if idle, else after the response in flight."""
         self.closing = True
+        self.refusal = None
         if self.task is None and self.transport is not None:
             self.transport.close()
 
@@ -677,15 +784,33 @@ class _Connection(asyncio.Protocol):
         if self.linger_until is not None:
             if now >= self.linger_until:
                 transport.close()
-        elif self.head_since is not None and now - self.head_since > limits.header_timeout_s:
-            self._timed_out("the request head did not arrive in time")
-        elif self.body_since is not None and now - self.body_since > limits.body_timeout_s:
-            self._timed_out("the request body stalled")
+            return
+        overdue = None if self.reading_paused else self._read_overdue(now)  # a pause of ours is not the client's
+        if overdue is not None:
+            self._timed_out(overdue)
         elif self.write_since is not None and now - self.write_since > limits.send_timeout_s:
             log.info("closing a connection whose client stopped reading")
             transport.abort()  # the buffered response will never be read
         elif self.idle_since is not None and self.task is None and now - self.idle_since > limits.keepalive_timeout_s:
             transport.close()
+        elif not self.retiring and now - self.opened > limits.max_connection_age_s:
+            self.retiring = True  # requests parsed from now on get "connection: close"
+
+    def _read_overdue(self, now: float) -> str | None:
+        """Why the request being read is late, if it is."""
+        limits = self.limits
+        if self.request_since is not None and now - self.request_since > limits.request_read_timeout_s:
+            return f"the request was not read in full within {limits.request_read_timeout_s:g} s"
+        if self.head_since is not None and now - self.head_since > limits.header_timeout_s:
+            return "the request head did not arrive in time"
+        if self.body_since is None:
+            return None
+        if now - self.body_since > limits.body_timeout_s:
+            return "the request body stalled"
+        spent = now - cast(float, self.body_began)
+        if spent > limits.body_rate_grace_s and self._size < limits.min_body_rate * spent:
+            return f"the request body arrived at {self._size / spent:.0f} bytes/s; at least {limits.min_body_rate} bytes/s is needed"
+        return None
 
     def _timed_out(self, why: str) -> None:
         self.server.timed_out += 1
@@ -693,18 +818,112 @@ class _Connection(asyncio.Protocol):
             self._refuse(408, why)
         else:  # nothing said yet, or a response in flight: just close
             self.closing = self.discarding = True
-            self.head_since = self.body_since = None
+            self.head_since = self.request_since = self.body_since = self.body_began = None
             if self.transport is not None:
                 self.transport.close()
 
 
+def _client_of(peer: object) -> str:
+    """What ``max_connections_per_client`` counts a connection against: its IP address;
+    an IPv6 address by its /64 (a single host is commonly given a whole /64)."""
+    if not isinstance(peer, tuple) or not peer or not isinstance(peer[0], str):
+        return ""  # e.g. a Unix socket
+    host = peer[0]
+    if ":" not in host:
+        return host
+    try:
+        address = ipaddress.IPv6Address(host.partition("%")[0])
+    except ValueError:
+        return host
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return address.packed[:8].hex() + "::/64"
+
+
 _NO_REQUEST = Request("GET", "", "", {}, b"", 0, False, "1.1")
 _LINGER_S = 2.0
-_OVER_CAPACITY = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"retry-after: 1\r\ncontent-length: 110\r\n\r\n"
-    b'{"error":{"message":"too many open connections; retry later","type":"resource_exhausted","param":null,"code":503}}'
+
+
+def _unavailable(message: str) -> bytes:
+    """A canned 503 (written before anything is parsed: no app involved)."""
+    body = b'{"error":{"message":"%s","type":"resource_exhausted","param":null,"code":503}}' % message.encode()
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+_OVER_CAPACITY = _unavailable("too many open connections; retry later")
+_CLIENT_OVER_CAPACITY = _unavailable(
+    "too many open connections from your address; close idle ones or retry later (--max-connections-per-client)"
 )
+
+
+# ---------------------------------------------------------------------------- descriptors
+
+_FD_RESERVE = 256  # kept from client connections: worker connections, discovery/event planes, files, pipes
+
+
+@dataclass(frozen=True)
+class DescriptorPlan:
+    """What :func:`plan_descriptors` decided: the soft open-file limit to set, how many
+    client connections fit under it, and the descriptors kept for everything else."""
+
+    soft: int | None  # None: unlimited
+    connections: int
+    reserve: int
+
+
+def plan_descriptors(wanted: int, soft: int | None, hard: int | None, open_now: int) -> DescriptorPlan:
+    """``wanted`` client connections (``--max-connections``) under the open-file limit
+    ``soft`` (``hard``: the most it may be raised to; None: unlimited), with ``open_now``
+    descriptors open already. The soft limit is raised toward the hard one, far enough
+    for ``wanted`` plus a reserve (:data:`_FD_RESERVE` and what is open now, never more
+    than half the limit); the connections are what the limit then allows less the
+    reserve, at most ``wanted``: past it a client gets a 503 rather than the frontend an
+    ``EMFILE`` on its next worker connection, file or accept."""
+    need = wanted + _FD_RESERVE + open_now
+    if soft is not None and soft < need:
+        soft = need if hard is None else max(soft, min(need, hard))
+    if soft is None:
+        return DescriptorPlan(None, wanted, _FD_RESERVE + open_now)
+    reserve = min(_FD_RESERVE + open_now, soft // 2)
+    return DescriptorPlan(soft, max(1, min(wanted, soft - reserve)), reserve)
+
+
+def _apply_descriptor_limit(wanted: int) -> int:
+    """Raise the soft RLIMIT_NOFILE as :func:`plan_descriptors` says (where allowed) and
+    return the effective connection cap; logged once (a warning when below ``wanted``)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return wanted
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    known = None if soft == resource.RLIM_INFINITY else soft
+    plan = plan_descriptors(wanted, known, None if hard == resource.RLIM_INFINITY else hard, _open_descriptors())
+    if plan.soft != known and plan.soft is not None:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (plan.soft, hard))
+            log.info("open-file limit (RLIMIT_NOFILE) raised from %d to %d for --max-connections %d", soft, plan.soft, wanted)
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, plan.soft, exc)
+            plan = plan_descriptors(wanted, known, known, _open_descriptors())
+    if plan.connections < wanted:
+        log.warning(
+            "HTTP connections capped at %d (--max-connections %d): the open-file limit is %s (hard %s), %d of it "
+            "kept for workers and files; raise it (ulimit -n) to serve more", plan.connections, wanted, plan.soft,
+            "unlimited" if hard == resource.RLIM_INFINITY else hard, plan.reserve,
+        )  # fmt: skip
+    else:
+        log.info("HTTP connections capped at %d (open-file limit %s)", plan.connections, plan.soft or "unlimited")
+    return plan.connections
+
+
+def _open_descriptors() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: assume a few
+        return 16
 
 
 # ---------------------------------------------------------------------------- server
@@ -741,7 +960,10 @@ class HttpServer(ExitFlag):
         self.servers: list[asyncio.Server] = []
         self.started = False
         self.exiting = False
-        self.refused = 0  # connections turned away past max_connections
+        self.refused = 0  # connections turned away past max_connections (or a client's share)
+        # the effective cap: max_connections, lowered in serve() to what the open-file limit allows
+        self.max_connections = self.config.limits.max_connections
+        self.clients: dict[str, int] = {}  # open connections per client address (_client_of)
         self.timed_out = 0  # connections closed by a header/body timeout
         self.write_ticks = WriteTicks()  # streamed writes coalesce per loop iteration
         self._exit = asyncio.Event()
@@ -757,6 +979,7 @@ class HttpServer(ExitFlag):
         previous = _install_signals(loop, self._on_signal)
         sweeper = None
         try:
+            self.max_connections = _apply_descriptor_limit(self.config.limits.max_connections)
             async with self.app.lifespan():
                 for sock in sockets:
                     self.servers.append(await loop.create_server(lambda: _Connection(self), sock=sock, backlog=2048))
@@ -773,7 +996,10 @@ class HttpServer(ExitFlag):
     async def _sweep(self) -> None:
         """Checks every connection's deadlines a few times per shortest timeout."""
         limits = self.config.limits
-        shortest = min(limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s, limits.send_timeout_s)
+        shortest = min(
+            limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s, limits.send_timeout_s,
+            limits.request_read_timeout_s, limits.body_rate_grace_s, limits.max_connection_age_s,
+        )  # fmt: skip
         tick = min(max(shortest / 4, 0.02), 1.0)
         loop = asyncio.get_running_loop()
         while True:

@@ -99,8 +99,13 @@ class WorkerConfig:
         False, "on SIGTERM, hand in-flight requests with their KV to other workers instead of finishing them", group=_DISAGG
     )
     metrics_port: int | None = setting(
-        None, "serve the worker's disaggregation counters for Prometheus on this port (0: any free port)",
+        None, "serve the worker's metrics for Prometheus on this port (0: any free port; distributed: a free one by default)",
         check=a_port, group=_DISAGG,
+    )  # fmt: skip
+    metrics_host: str = setting(
+        "127.0.0.1", "address the worker's metrics port binds to and advertises (0.0.0.0: every interface,"
+        " advertised as --host); with a cluster secret it asks for the metrics token (kvmesh metrics-token)",
+        env="KVMESH_METRICS_HOST", group=_DISAGG,
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -292,6 +297,10 @@ class PlannerConfig:
     # kvmesh planner only: its /metrics (kvmesh run serves them on the frontend's)
     planner_metrics_port: int | None = setting(None, "serve the planner's Prometheus metrics on this port",
                                                check=a_port, group=_PLAN)  # fmt: skip
+    planner_metrics_host: str = setting(
+        "127.0.0.1", "address the planner's metrics port binds to (with a cluster secret: the metrics token is asked)",
+        env="KVMESH_PLANNER_METRICS_HOST", group=_PLAN,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)

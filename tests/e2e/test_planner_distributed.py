@@ -12,12 +12,15 @@ import signal
 import httpx
 import pytest
 
+from kvmesh.observability.metrics_server import metrics_token
+from kvmesh.runtime.auth import ClusterSecret
 from tests.e2e.test_health import _wait
 from tests.helpers import KvmeshProcess, free_port, wait_healthy
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 SECRET = "kvmesh-tests: the planner's distributed fleet secret"
+METRICS_AUTH = {"Authorization": f"Bearer {metrics_token(ClusterSecret(SECRET.encode()))}"}  # the fleet has a secret
 
 
 def _pids(url: str) -> set[int]:
@@ -26,7 +29,7 @@ def _pids(url: str) -> set[int]:
 
 def _spares(metrics_url: str) -> float:
     try:
-        text = httpx.get(metrics_url).text
+        text = httpx.get(metrics_url, headers=METRICS_AUTH).text
     except httpx.ConnectError:  # the planner is still starting
         return 0.0
     found = re.findall(r'kvmesh_planner_workers\{role="spare"\} ([0-9.e+]+)', text)

@@ -36,7 +36,7 @@ __all__ = ["main", "build_parser"]
 # (--static, --config).
 _ENGINE_FIELDS = ("model", "model_path", "engine", "block_size", "validate_streams")
 _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
-                  "remote_prefill_timeout_s", "drain_migrate", "metrics_port")  # fmt: skip
+                  "remote_prefill_timeout_s", "drain_migrate", "metrics_port", "metrics_host")  # fmt: skip
 _WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")
 # the config classes whose settings each command takes (its flags and its --config keys)
 _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="serve a model: frontend + N worker processes on this host, no external services")
     _add_config_arg(run)
     add_flags(run, RunConfig, title="worker processes")
-    add_flags(run, PlannerConfig, title="planner", exclude=("planner_metrics_port",))
+    add_flags(run, PlannerConfig, title="planner", exclude=("planner_metrics_port", "planner_metrics_host"))
     _add_frontend_args(run)
     _add_engine_args(run)
     _add_secret_arg(run)
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--static", action="store_true", help="no discovery: serve TCP on --host/--port only")
     worker.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     _add_secret_arg(worker)
+
+    token = sub.add_parser("metrics-token", help="print the bearer token workers' and the planner's /metrics ask for")
+    add_flags(token, ClusterCredentials, only=("cluster_secret_file",))
     return parser
 
 
@@ -259,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             from kvmesh.cli.planner import run_planner
 
             return run_planner(resolve(PlannerConfig, ns, file=file), _runtime_config(ns, file), _log_level(ns, file))
+        if ns.command == "metrics-token":
+            return _print_metrics_token(ns)
         if ns.command == "canary":
             from kvmesh.cli.canary import run_canary
 
@@ -283,6 +288,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error(f"unknown command {ns.command}")
     return 2
+
+
+def _print_metrics_token(ns: argparse.Namespace) -> int:
+    """``kvmesh metrics-token``: the token a scraper sends (``Authorization: Bearer``)."""
+    from kvmesh.observability.metrics_server import metrics_token
+    from kvmesh.runtime import auth
+
+    _apply_cluster_secret(ns, {})
+    secret = auth.process_secret()
+    if secret is None:
+        raise ValueError("no cluster secret: give --cluster-secret-file FILE (or KVMESH_CLUSTER_SECRET[_FILE]);"
+                         " without one, /metrics asks for no token")  # fmt: skip
+    print(metrics_token(secret))
+    return 0
 
 
 def _log_level(ns: argparse.Namespace, file: dict[str, object]) -> str:

@@ -632,10 +632,13 @@ async def _plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfi
     await runtime.start()
     metrics = PlannerMetrics()
     count_discovery_refusals(metrics.registry, runtime.discovery.refused)
-    if settings.planner_metrics_port is not None:
-        from prometheus_client import start_http_server
+    metrics_server = None
+    if settings.planner_metrics_port is not None:  # on this loop, loopback by default, token asked with a secret
+        from kvmesh.observability.metrics_server import serve_registry
+        from kvmesh.runtime import auth
 
-        start_http_server(settings.planner_metrics_port, addr=runtime_cfg.host, registry=metrics.registry)
+        host, port = settings.planner_metrics_host, settings.planner_metrics_port
+        metrics_server, _ = await serve_registry(metrics.registry, host, port, auth.process_secret())
     fleet = DiscoveryFleet(runtime, min_serving=min_workers)
     service = PlannerService(Planner(config), fleet, settings.planner_interval_s, metrics)
     watch = loop.create_task(fleet.watch_losses(service))
@@ -648,5 +651,7 @@ async def _plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfi
         await asyncio.gather(watch, return_exceptions=True)
         await service.close()
         await fleet.close()
+        if metrics_server is not None:
+            await metrics_server.close()
         await runtime.shutdown()
     return 0

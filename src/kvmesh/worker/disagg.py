@@ -33,7 +33,9 @@ from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
 from kvmesh.disagg.queue import JetStreamPrefillQueue, PrefillQueue, RemotePrefillQueue
 from kvmesh.disagg.transfer import KvTransferServer, TcpKvConnector
 from kvmesh.engines.base import Engine, KvBlockAccess
+from kvmesh.observability.metrics_server import MetricsServer, serve_registry
 from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint, WorkerMetrics
+from kvmesh.runtime import auth
 from kvmesh.runtime.distributed import instance_key, record_is_signed
 from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 
@@ -180,11 +182,14 @@ _COUNTERS = {
 }
 
 
-def serve_metrics(roles: Roles, host: str, port: int, sample: Callable[[], WorkerMetrics] | None = None) -> int:
-    """Serve this worker's metrics for Prometheus on ``host:port`` (a daemon thread);
-    returns the port. ``sample``: the worker's whole metrics (engine, requests,
+async def serve_metrics(
+    roles: Roles, host: str, port: int, sample: Callable[[], WorkerMetrics] | None = None
+) -> tuple[MetricsServer, int]:
+    """Serve this worker's metrics for Prometheus on ``host:port`` (on this loop, token
+    asked with a cluster secret: :mod:`kvmesh.observability.metrics_server`); returns
+    the server and its port. ``sample``: the worker's whole metrics (engine, requests,
     disaggregation; labelled by worker), else only the disaggregation counters."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
     class _Collector:
@@ -214,5 +219,4 @@ def serve_metrics(roles: Roles, host: str, port: int, sample: Callable[[], Worke
 
     registry = CollectorRegistry()
     registry.register(_Collector())
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server.server_port
+    return await serve_registry(registry, host, port, auth.process_secret())

@@ -168,7 +168,7 @@ async def _serve_static(
             endpoint=GENERATE,
             event_address=event_address,
             kv=roles.kv_endpoint(),
-            metrics_address=shared.metrics_address if shared is not None else _metrics(cfg, roles, service),
+            metrics_address=shared.metrics_address if shared is not None else await _metrics(cfg, roles, service),
         )
         service.info = info
         if shared is not None:
@@ -190,14 +190,21 @@ async def _serve_static(
             await plane.close()
 
 
-def _metrics(cfg: WorkerConfig, roles: Roles, service: WorkerService | None = None, default_port: int | None = None) -> str:
+async def _metrics(
+    cfg: WorkerConfig, roles: Roles, service: WorkerService | None = None, default_port: int | None = None
+) -> str:
+    """The worker's metrics endpoint on ``--metrics-host`` (closed with its roles) and
+    the address it advertises; "" without one."""
     port = cfg.metrics_port if cfg.metrics_port is not None else default_port
     if port is None:
         return ""
+    from kvmesh.observability.metrics_server import advertised_address
     from kvmesh.worker.disagg import serve_metrics
 
     sample = service.metrics_sample if service is not None else None  # the whole worker's metrics
-    return f"{cfg.host}:{serve_metrics(roles, cfg.host, port, sample)}"
+    server, bound = await serve_metrics(roles, cfg.metrics_host, port, sample)
+    roles.closers = (*roles.closers, server.close)
+    return advertised_address(cfg.metrics_host, cfg.host, bound)
 
 
 async def _step_down(cfg: WorkerConfig, roles: Roles) -> None:
@@ -250,7 +257,7 @@ async def _serve_distributed(
         )
         config = await service.start()
         info = endpoint.describe(server, engine=config, model_path=model_path, event_address=event_address)
-        metrics = shared.metrics_address if shared is not None else _metrics(cfg, roles, service, default_port=0)
+        metrics = shared.metrics_address if shared is not None else await _metrics(cfg, roles, service, default_port=0)
         info = msgspec.structs.replace(info, kv=roles.kv_endpoint(), metrics_address=metrics)
         service.info = info
         link = None

@@ -27,10 +27,11 @@ single worker would (a supervisor then replaces the whole process).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, TextIO
 
 from kvmesh.config import RuntimeConfig, WorkerConfig
@@ -67,8 +68,8 @@ async def serve_replicas(cfg: WorkerConfig, rcfg: RuntimeConfig | None, stop: as
     if rcfg is None:
         shared = Shared(make_event_plane("zmq", host=cfg.host))
         try:
-            shared.metrics_address = _serve_metrics(shared, cfg.host, cfg.metrics_port)
-            await _run_all(cfg, None, stop, ready_out, shared, None)
+            async with _metrics_served(shared, cfg, cfg.metrics_port, cfg.host):
+                await _run_all(cfg, None, stop, ready_out, shared, None)
         finally:
             await shared.plane.close()
         return
@@ -78,8 +79,8 @@ async def serve_replicas(cfg: WorkerConfig, rcfg: RuntimeConfig | None, stop: as
         shared = Shared(plane)
         try:
             port = cfg.metrics_port if cfg.metrics_port is not None else 0  # distributed workers always serve metrics
-            shared.metrics_address = _serve_metrics(shared, rcfg.host, port)
-            await _run_all(cfg, rcfg, stop, ready_out, shared, clients)
+            async with _metrics_served(shared, cfg, port, rcfg.host):
+                await _run_all(cfg, rcfg, stop, ready_out, shared, clients)
         finally:
             await plane.close()
     finally:
@@ -134,14 +135,19 @@ async def _run_all(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _serve_metrics(shared: Shared, host: str, port: int | None) -> str:
-    """One Prometheus endpoint for every running replica (``host:port``), or "" when
-    ``port`` is None."""
+@contextlib.asynccontextmanager
+async def _metrics_served(shared: Shared, cfg: WorkerConfig, port: int | None, host: str) -> AsyncIterator[None]:
+    """One Prometheus endpoint for every running replica, on ``--metrics-host``, its
+    address in ``shared`` (none when ``port`` is None; ``host``: the one advertised
+    when bound to every interface), closed on the way out."""
     if port is None:
-        return ""
-    from prometheus_client import CollectorRegistry, start_http_server
+        yield
+        return
+    from prometheus_client import CollectorRegistry
 
+    from kvmesh.observability.metrics_server import advertised_address, serve_registry
     from kvmesh.observability.worker_metrics import families
+    from kvmesh.runtime import auth
 
     class _Collector:
         def collect(self) -> Iterator[Metric]:
@@ -150,5 +156,9 @@ def _serve_metrics(shared: Shared, host: str, port: int | None) -> str:
 
     registry = CollectorRegistry()
     registry.register(_Collector())
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return f"{host}:{server.server_port}"
+    server, bound = await serve_registry(registry, cfg.metrics_host, port, auth.process_secret())
+    shared.metrics_address = advertised_address(cfg.metrics_host, host, bound)
+    try:
+        yield
+    finally:
+        await server.close()

@@ -36,6 +36,16 @@ load hits each alike, best of the rounds kept:
 The ``×before`` column is arm / ``tcp-before`` (the goal: ≥ 0.97 of streamed chunks/s).
 
     python bench/request_plane.py --ab --rounds 5
+
+Against another commit (``--base-commit C``): this script runs once per round and arm
+in a process of its own, on ``C``'s ``src/`` (arm ``before``, from ``git archive``) and
+on this tree's (``now``), alternating the order every round; it prints each arm's
+medians and now/before, also as the median of per-round ratios (the two arms ran back
+to back). Every figure of a run is also taken relative to that run's ``raw`` baseline,
+which cancels the machine's load at the time of the run. The planes default to
+``tcp,tcp-secret`` (with a secret: the handshake, and since issue 29 the records).
+
+    python bench/request_plane.py --base-commit 94780dc --rounds 6
 """
 
 from __future__ import annotations
@@ -45,9 +55,12 @@ import asyncio
 import gc
 import json
 import socket
+import os
 import statistics
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -57,7 +70,7 @@ from typing import Any
 
 import msgspec
 
-from _lib import percentile
+from _lib import percentile, source_arms
 from kvmesh.errors import InvalidArgument
 from kvmesh.protocol import OutputChunk
 from kvmesh.runtime import tcp_client, tcp_server
@@ -476,10 +489,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=20.0, help="time bound per measurement")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds over the arms (best kept)")
     p.add_argument("--ab", action="store_true", help="trust A/B: tcp-before, tcp, tcp-secret (+ nats-secret with nats)")
+    p.add_argument("--base-commit", metavar="C", help="A/B against commit C's src/: one process per round and arm (see above)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_args(argv)
+    if a.base_commit and "--planes" not in (argv if argv is not None else sys.argv[1:]):
+        a.planes = "tcp,tcp-secret"
     a.planes = [x.strip() for x in a.planes.split(",") if x.strip()]
     if a.ab:
         a.planes = ["tcp-before", "tcp", "tcp-secret"] + (["nats", "nats-secret"] if "nats" in a.planes else [])
@@ -505,8 +521,63 @@ def _run(coro: Awaitable[Any], loop: str) -> Any:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
+# ---------------------------------------------------------------- A/B against a commit
+
+_AB_KEYS = (("single_chunks_per_s", "1 stream chunks/s", True), ("concurrent_chunks_per_s", "streams chunks/s", True),
+            ("latency_p50_us", "c=1 p50 µs", False), ("latency_p99_us", "c=1 p99 µs", False))  # fmt: skip
+
+
+def _arm_run(a: argparse.Namespace, src: str, extra: dict[str, str], out: Path) -> dict[str, dict[str, Any]]:
+    """One run of this script on ``src`` in a process of its own: results by plane."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--planes", ",".join(a.planes), "--rounds", "1", "--quiet",
+           "--json", str(out), "--loop", a.loop, "--chunks", str(a.chunks), "--streams", str(a.streams),
+           "--stream-chunks", str(a.stream_chunks), "--requests", str(a.requests), "--repeats", str(a.repeats),
+           "--max-seconds", str(a.max_seconds)]  # fmt: skip
+    done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=src, **extra), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the bench on {src} failed:\n{done.stderr[-2000:]}")
+    return {r["plane"]: r for r in json.loads(out.read_text())["results"]}
+
+
+def compare_commits(a: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = source_arms(REPO, a.base_commit, ["now=src"], tmp)
+        runs: dict[str, list[dict[str, dict[str, Any]]]] = {label: [] for label, _, _ in arms}
+        for rnd in range(a.rounds):
+            for label, src, extra in arms if rnd % 2 == 0 else arms[::-1]:
+                runs[label].append(_arm_run(a, src, extra, Path(tmp) / f"{label}-{rnd}.json"))
+                if not a.quiet:
+                    r = runs[label][-1]
+                    print(f"  round {rnd + 1} {label:>6}: " + ", ".join(
+                        f"{p} {r[p]['single_chunks_per_s']:,.0f}/{r[p]['concurrent_chunks_per_s']:,.0f} chunks/s p50 "
+                        f"{r[p]['latency_p50_us']:.0f} µs" for p in a.planes), file=sys.stderr, flush=True)  # fmt: skip
+    print(format_commits(runs, a))
+    return 0
+
+
+def format_commits(runs: dict[str, list[dict[str, dict[str, Any]]]], a: argparse.Namespace) -> str:
+    before, now = runs["before"], runs["now"]
+    lines = [f"{'plane':>11} {'figure':>18} {'before':>10} {'now':>10} {'now/before':>11} {'paired':>7} {'spread':>13}"
+             f" {'vs raw: paired':>15}"]  # fmt: skip
+    for plane in a.planes:
+        for key, name, higher in _AB_KEYS:
+            b = [r[plane][key] for r in before]
+            n = [r[plane][key] for r in now]
+            paired = [x / y for x, y in zip(n, b)]
+            # each run's figure over its own raw baseline: the load at the time of the run cancels
+            rel = [(x[plane][key] / x["raw"][key]) / (y[plane][key] / y["raw"][key]) for x, y in zip(now, before)]
+            lines.append(f"{plane:>11} {name:>18} {statistics.median(b):10,.1f} {statistics.median(n):10,.1f}"
+                         f" {statistics.median(n) / statistics.median(b):11.3f} {statistics.median(paired):7.3f}"
+                         f" [{min(paired):.3f}-{max(paired):.3f}] {statistics.median(rel):15.3f}")  # fmt: skip
+    lines.append(f"(before = {a.base_commit}, now = this tree; medians of {a.rounds} alternating rounds, one process per"
+                 f" round and arm; throughput: higher is better, latency: lower is better; loop={a.loop})")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parse_args(argv)
+    if a.base_commit:
+        return compare_commits(a)
     with ExitStack() as stack:
         nats_url = None
         if any(p.startswith("nats") for p in a.planes):

@@ -25,7 +25,12 @@ runs must be positive and add up to no more blocks than the reservation allows, 
 block must be one it may write, and ``nbytes`` must be exactly
 ``blocks × wire_bytes_per_block`` of this engine's layout. A refused write is answered
 and the connection closed (its payload is never read). With a cluster secret
-(:mod:`kvmesh.runtime.auth`) each connection starts with the handshake (channel ``kv``).
+(:mod:`kvmesh.runtime.auth`) each connection starts with the handshake (channel ``kv``)
+and, without TLS, everything after it travels in authenticated records
+(:class:`~kvmesh.runtime.auth.SealedStream`): headers and payloads are sealed in chunks of
+at most ``MAX_RECORD`` bytes, written as views of the payload (never copied to be sealed),
+and each chunk is checked before a byte of it is used; one that fails closes the
+connection.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -45,7 +50,15 @@ from kvmesh.engines.base import KvBlockAccess
 from kvmesh.errors import CannotConnect, Disconnected, InvalidArgument, KvmeshError
 from kvmesh.protocol import KvEndpoint, KvLayout
 from kvmesh.runtime import auth
-from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, TlsContexts, handshake_streams
+from kvmesh.runtime.auth import (
+    HANDSHAKE_TIMEOUT_S,
+    AuthError,
+    ClusterSecret,
+    Handshake,
+    SealedStream,
+    TlsContexts,
+    handshake_streams,
+)
 
 __all__ = [
     "KvOp",
@@ -212,12 +225,15 @@ class KvTransferServer:
         self._conns[writer] = asyncio.current_task()
         peer = writer.get_extra_info("peername")
         peer_name = f"KV-transfer peer {peer[0]}:{peer[1]}" if peer else "KV-transfer peer"
+        wire: _Wire = _Plain(reader, writer)
         try:
             if self.secret is not None:
-                await handshake_streams(reader, writer, Handshake(self.secret, "kv", client=False, peer=peer_name))
+                hs = Handshake(self.secret, "kv", client=False, peer=peer_name)
+                await handshake_streams(reader, writer, hs)
+                wire = _wire(reader, writer, hs)
             while True:
                 try:
-                    header = await reader.readexactly(_LEN.size)
+                    header = await wire.readexactly(_LEN.size)
                 except asyncio.IncompleteReadError:
                     return
                 if self.secret is None and auth.looks_like_handshake(header):
@@ -226,20 +242,21 @@ class KvTransferServer:
                 if self.tls is None and auth.looks_like_tls(header):
                     log.warning("refusing %s: it speaks TLS but this process has no --tls-cert/--tls-key/--tls-ca", peer_name)
                     return
-                op = _decode_op(await _read_sized(reader, _LEN.unpack(header)[0], MAX_HEADER))
+                op = _decode_op(await _read_sized(wire, _LEN.unpack(header)[0], MAX_HEADER))
                 refusal = self._check(op)
                 if refusal is not None:
                     # Answer, then close: the payload it announced is never read.
                     self.refused += 1
-                    _send(writer, _encode(KvReply(False, refusal)), b"")
+                    _send(wire, _encode(KvReply(False, refusal)), b"")
                     await writer.drain()
                     return
-                payload = await reader.readexactly(op.nbytes) if op.op == "write" else b""
+                payload = await wire.readexactly(op.nbytes) if op.op == "write" else b""
                 reply, data = self._handle(op, payload)
-                _send(writer, _encode(reply), data)
+                _send(wire, _encode(reply), data)
                 await writer.drain()
         except AuthError as exc:
-            log.warning("refusing connection: %s", exc.message)
+            # the handshake's messages name the peer; a record's does not
+            log.warning("refusing connection: %s", exc.message if isinstance(wire, _Plain) else f"{peer_name}: {exc.message}")
         except (ConnectionError, asyncio.IncompleteReadError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.warning("KV-transfer connection dropped: %s", exc)
         finally:
@@ -303,16 +320,47 @@ class KvTransferServer:
         return wire if layout is None else _real_bytes(layout, blocks, wire)
 
 
-async def _read_sized(reader: asyncio.StreamReader, n: int, limit: int) -> bytes:
+class _Wire(Protocol):
+    """One KV-transfer connection's bytes: as they are (:class:`_Plain`), or in
+    authenticated records (:class:`~kvmesh.runtime.auth.SealedStream`)."""
+
+    async def readexactly(self, n: int) -> bytes: ...
+    def write(self, *parts: bytes) -> None: ...
+
+
+class _Plain:
+    """No records: no cluster secret, or TLS (which authenticates the bytes itself)."""
+
+    __slots__ = ("_reader", "_writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    async def readexactly(self, n: int) -> bytes:
+        return await self._reader.readexactly(n)
+
+    def write(self, *parts: bytes) -> None:
+        for part in parts:
+            if part:
+                self._writer.write(part)
+
+
+def _wire(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hs: Handshake) -> _Wire:
+    """What follows a finished handshake ``hs``: records, unless the connection is TLS."""
+    if writer.get_extra_info("ssl_object") is not None:
+        return _Plain(reader, writer)
+    return SealedStream(reader, writer, hs.keys())
+
+
+async def _read_sized(wire: _Wire, n: int, limit: int) -> bytes:
     if n > limit:
         raise ValueError(f"frame of {n} bytes over the limit of {limit}")
-    return await reader.readexactly(n)
+    return await wire.readexactly(n)
 
 
-def _send(writer: asyncio.StreamWriter, header: bytes, data: bytes) -> None:
-    writer.write(_LEN.pack(len(header)) + header)
-    if data:
-        writer.write(data)
+def _send(wire: _Wire, header: bytes, data: bytes) -> None:
+    wire.write(_LEN.pack(len(header)) + header, data)
 
 
 class KvConnector(abc.ABC):
@@ -340,8 +388,8 @@ class KvConnector(abc.ABC):
 class _Link:
     """One TCP connection to a peer; operations on it take turns."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
+    def __init__(self, wire: _Wire, writer: asyncio.StreamWriter) -> None:
+        self.wire = wire
         self.writer = writer
         self.lock = asyncio.Lock()
 
@@ -349,11 +397,11 @@ class _Link:
         """Send ``op`` (+ ``data``); the reply and at most ``max_reply`` bytes of payload
         (a bigger announced payload is a ValueError, before it is read)."""
         async with self.lock:
-            _send(self.writer, _encode(op), data)
+            _send(self.wire, _encode(op), data)
             await self.writer.drain()
-            header = await self.reader.readexactly(_LEN.size)
-            reply = _decode_reply(await _read_sized(self.reader, _LEN.unpack(header)[0], MAX_HEADER))
-            payload = await _read_sized(self.reader, reply.nbytes, max_reply) if reply.nbytes else b""
+            header = await self.wire.readexactly(_LEN.size)
+            reply = _decode_reply(await _read_sized(self.wire, _LEN.unpack(header)[0], MAX_HEADER))
+            payload = await _read_sized(self.wire, reply.nbytes, max_reply) if reply.nbytes else b""
             return reply, payload
 
 
@@ -380,6 +428,7 @@ class TcpKvConnector(KvConnector):
             reader, writer = await asyncio.wait_for(opening, self.connect_timeout_s)
         except (OSError, TimeoutError) as exc:
             raise CannotConnect(f"cannot reach the KV-transfer server at {address}: {exc}") from None
+        wire: _Wire = _Plain(reader, writer)
         if self.secret is not None:
             hs = Handshake(self.secret, "kv", client=True, peer=f"KV-transfer server {address}")
             try:
@@ -388,13 +437,19 @@ class TcpKvConnector(KvConnector):
                 writer.close()
                 log.warning("cannot connect: %s", exc.message)
                 raise CannotConnect(f"cannot use the KV-transfer server at {address}: {exc.message}") from None
-        link = self._links[address] = _Link(reader, writer)
+            wire = _wire(reader, writer, hs)
+        link = self._links[address] = _Link(wire, writer)
         return link
 
     async def _call(self, peer: KvEndpoint, op: KvOp, data: bytes = b"", max_reply: int = 0) -> bytes:
         link = await self._link(peer.address)
         try:
             reply, payload = await link.call(op, data, max_reply)
+        except AuthError as exc:  # a record that failed its check: nothing more from there is trusted
+            self._links.pop(peer.address, None)
+            link.writer.close()
+            log.warning("closing the KV-transfer connection to %s: %s", peer.address, exc.message)
+            raise Disconnected(f"KV-transfer connection to {peer.address} closed: {exc.message}") from None
         except (ConnectionError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError) as exc:
             self._links.pop(peer.address, None)
             link.writer.close()

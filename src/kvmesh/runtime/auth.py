@@ -18,7 +18,7 @@ this connection; ``channel``: what the connection is for, e.g. ``request``)::
 
     client → server   MAGIC cn
     server → client   MAGIC sn HMAC(secret, "server" channel cn sn)
-    client → server   HMAC(secret, "client" channel cn sn)        then frames
+    client → server   HMAC(secret, "client" channel cn sn)        then records (below)
 
 Each side proves knowledge of the secret over the other side's fresh nonce, so a
 recorded exchange cannot be replayed, a proof cannot be reflected back (the role is
@@ -27,7 +27,29 @@ the wire. A client whose server's proof is wrong still sends its own proof befor
 closes, so both sides log the mismatch; nothing waits longer than the handshake
 timeout.
 
-Without a secret nothing changes on the wire (no handshake, no MACs).
+After the handshake every byte each way travels in authenticated **records** (unless
+the connection is TLS, which authenticates its bytes itself)::
+
+    u32 big-endian length n (at most MAX_RECORD) | n bytes | 16-byte tag
+
+The tag is a MAC under this direction's key, derived from the secret and both nonces
+(``MAC(secret, "frames", direction, channel, cn, sn)``: fresh per connection, one per
+direction), over *the whole stream so far* (every record's length and bytes, in order;
+the MAC state is never reset). So each tag also covers the record's position, an
+implicit sequence number: a record altered, injected, replayed, reordered or dropped
+fails its tag (or the next one's); the receiver logs one line and closes the
+connection. A record carries what the sender wrote at once (the request plane's writer
+seals one loop tick's frames together: one MAC per write, not per frame), and a frame
+may span records. MACs: keyed BLAKE2b for the request plane's small records (one keyed
+state per direction of a connection, then one ``update`` and one ``digest`` per record),
+HMAC-SHA256 for bulk KV transfer, whose chunks of up to ``MAX_RECORD`` bytes it hashes
+about twice as fast where the CPU has SHA instructions (:data:`BULK`).
+
+Without a secret nothing changes on the wire (no handshake, no MACs, no records).
+
+Exposure (:func:`check_exposure`): ``kvmesh frontend|worker|planner`` refuse to listen on
+anything but loopback without a secret or TLS unless ``--insecure`` (then
+:func:`warn_insecure` logs it at start and every minute).
 
 TLS (optional, :class:`TlsContexts`): ``--tls-cert/--tls-key/--tls-ca`` (or
 ``KVMESH_TLS_CERT``/``KVMESH_TLS_KEY``/``KVMESH_TLS_CA``) put every internal TCP
@@ -42,12 +64,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
+import socket
 import ssl
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final, Protocol, cast
 
 from kvmesh.errors import InvalidArgument
 
@@ -71,11 +99,20 @@ __all__ = [
     "resolve_tls",
     "looks_like_tls",
     "TLS_ENV",
+    "Sealer",
+    "Opener",
+    "SealedStream",
+    "BULK",
+    "MAX_RECORD",
+    "is_loopback",
+    "check_exposure",
+    "warn_insecure",
 ]
 
 log = logging.getLogger("kvmesh.auth")
 
-MAGIC: Final = b"KVM\x01"
+MAGIC: Final = b"KVM\x02"  # version 2: records after the handshake (version 1 had none)
+_FAMILY = MAGIC[:3]
 _NONCE = 16
 _MAC = 32
 SECRET_ENV: Final = "KVMESH_CLUSTER_SECRET"
@@ -121,6 +158,10 @@ class ClusterSecret:
 
     def verify(self, mac: bytes, label: str, *parts: bytes) -> bool:
         return hmac.compare_digest(mac, self.sign(label, *parts))
+
+    def frame_keys(self, channel: bytes, cn: bytes, sn: bytes) -> tuple[bytes, bytes]:
+        """The two record keys of one connection: (client → server, server → client)."""
+        return (self.mac(b"frames", b"client->server", channel, cn, sn), self.mac(b"frames", b"server->client", channel, cn, sn))
 
     def derive(self, label: str) -> bytes:
         """32 bytes for ``label`` that only holders of the secret can compute (e.g. the
@@ -225,8 +266,8 @@ def looks_like_tls(data: bytes) -> bool:
 
 
 def looks_like_handshake(data: bytes) -> bool:
-    """The first bytes from a peer that runs with a cluster secret."""
-    return data[: len(MAGIC)] == MAGIC
+    """The first bytes from a peer that runs with a cluster secret (any version)."""
+    return data[: len(_FAMILY)] == _FAMILY
 
 
 class Handshake:
@@ -251,6 +292,14 @@ class Handshake:
     @property
     def done(self) -> bool:
         return self._state == "done"
+
+    def keys(self) -> tuple[bytes, bytes]:
+        """Once done: this side's record keys, (to send with, to check the peer's with)."""
+        if not self.done:
+            raise AuthError("the cluster-secret handshake has not finished")
+        cn, sn = (self._mine, self._theirs) if self.client else (self._theirs, self._mine)
+        up, down = self._secret.frame_keys(self._channel, cn, sn)
+        return (up, down) if self.client else (down, up)
 
     def start(self) -> bytes:
         return MAGIC + self._mine if self.client else b""
@@ -281,8 +330,12 @@ class Handshake:
 
     def _check_magic(self, what: str) -> None:
         head = bytes(self._buf[: len(MAGIC)])
-        if not MAGIC.startswith(head):
-            raise AuthError(f"{self.peer} {what} (does it run without the cluster secret?)")
+        if MAGIC.startswith(head):
+            return
+        if len(head) == len(MAGIC) and head.startswith(_FAMILY):
+            raise AuthError(f"{self.peer} speaks version {head[-1]} of the cluster-secret handshake, this process"
+                            f" version {MAGIC[-1]}: run one kvmesh version across the fleet")  # fmt: skip
+        raise AuthError(f"{self.peer} {what} (does it run without the cluster secret?)")
 
     def _server_step(self) -> tuple[bytes, bytes | None]:
         if self._state == "hello":
@@ -308,7 +361,7 @@ class Handshake:
         hello = self._take(len(MAGIC) + _NONCE + _MAC)
         if hello is None:
             return b"", None
-        sn = hello[len(MAGIC) : len(MAGIC) + _NONCE]
+        sn = self._theirs = hello[len(MAGIC) : len(MAGIC) + _NONCE]
         mine = self._proof(b"client", self._mine, sn)
         if not hmac.compare_digest(hello[len(MAGIC) + _NONCE :], self._proof(b"server", self._mine, sn)):
             self.to_send_on_error = mine  # let the server see (and log) the mismatch too
@@ -416,6 +469,10 @@ class ProtocolHandshake:
             self.ready.set_result(None)
         return rest
 
+    def keys(self) -> tuple[bytes, bytes]:
+        """The record keys once the handshake is done (see :meth:`Handshake.keys`)."""
+        return self._hs.keys()
+
     def lost(self) -> None:
         if not self.ready.done():
             self._fail(AuthError(f"{self._hs.peer} closed the connection during the cluster-secret handshake"))
@@ -441,3 +498,261 @@ class ProtocolHandshake:
 def _retrieve(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+# ---------------------------------------------------------------------- records
+# What follows the handshake (see the module docstring): every byte in records whose tags
+# cover an implicit per-direction sequence number.
+
+MAX_RECORD: Final = 1024 * 1024  # a record's body; a sender splits bigger writes
+_TAG = 16
+_REC = struct.Struct(">I")
+_OVERHEAD = _REC.size + _TAG
+_ONE_READ = 4096  # up to this size a read holding one whole record takes the short path
+_FAILED = "frame authentication failed: data was altered, injected, replayed or reordered on the way"
+
+
+class _Keyed(Protocol):
+    """A keyed MAC state (``hashlib.blake2b``, ``hmac.HMAC``), one per direction."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def digest(self) -> bytes: ...
+
+
+Mac = Callable[[bytes], _Keyed]
+
+
+def _blake2b(key: bytes) -> _Keyed:
+    return hashlib.blake2b(key=key, digest_size=_TAG)
+
+
+def _hmac_sha256(key: bytes) -> _Keyed:
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
+SMALL: Final[Mac] = _blake2b  # many small records: the cheapest call (about 1 µs for 200 bytes)
+BULK: Final[Mac] = _hmac_sha256  # KV chunks: OpenSSL's SHA-256 (SHA-NI) hashes ~2x faster than BLAKE2b
+
+
+class Sealer:
+    """One direction's sending side: bytes → records (see the module docstring).
+
+    The MAC state absorbs every record's length and body in order and is never reset:
+    a record's tag is the MAC of the whole stream up to its end, so it also covers the
+    record's position (an implicit sequence number) and everything sent before it.
+    ``digest()`` leaves the state as it is; no copy per record."""
+
+    __slots__ = ("_mac",)
+
+    def __init__(self, key: bytes, mac: Mac = SMALL) -> None:
+        self._mac = mac(key)
+
+    def _tag(self, head: bytes, parts: list[bytes] | tuple[bytes | memoryview, ...]) -> bytes:
+        h = self._mac
+        h.update(head)
+        for part in parts:
+            h.update(part)
+        return h.digest()[:_TAG]
+
+    def seal(self, parts: list[bytes]) -> bytes:
+        """``parts`` (written together) as one record, or several past :data:`MAX_RECORD`."""
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(body) > MAX_RECORD:
+            return b"".join(self.records(body))
+        # small records are the request plane's: two short copies cost less than more calls
+        record = _REC.pack(len(body)) + body
+        h = self._mac
+        h.update(record)
+        return record + h.digest()[:_TAG]
+
+    def records(self, data: bytes | memoryview) -> Iterator[bytes | memoryview]:
+        """``data`` as records, piece by piece (length, a view of the body, tag): to
+        write one by one, so a large payload is not copied to be sealed."""
+        view = memoryview(data)
+        for start in range(0, len(view), MAX_RECORD):
+            body = view[start : start + MAX_RECORD]
+            head = _REC.pack(len(body))
+            yield head
+            yield body
+            yield self._tag(head, (body,))
+
+
+class Opener:
+    """One direction's receiving side: records in, their checked bodies out.
+
+    :meth:`feed` takes bytes as they arrive and returns the bodies of the records they
+    complete (views, no copy when a record arrives in one read); a length over
+    :data:`MAX_RECORD` is refused before anything of the record is buffered, and a
+    record whose tag does not match raises :class:`AuthError` (the connection is then
+    closed: nothing after it can be trusted, and the MAC state is spent)."""
+
+    __slots__ = ("_mac", "_chunks", "_have", "_need")
+
+    def __init__(self, key: bytes, mac: Mac = SMALL) -> None:
+        self._mac = mac(key)  # absorbs the stream as the Sealer's did (see Sealer)
+        self._chunks: list[bytes | memoryview] = []  # the reads holding an incomplete record
+        self._have = 0
+        self._need = 0
+
+    @staticmethod
+    def size(head: bytes | memoryview) -> int:
+        """A record's body length from its first bytes; AuthError past :data:`MAX_RECORD`."""
+        (n,) = _REC.unpack_from(head)
+        if n > MAX_RECORD:
+            raise AuthError(f"frame authentication failed: a record of {n} bytes, over the limit of {MAX_RECORD}")
+        return int(n)
+
+    def check(self, tag: bytes | memoryview, *record: bytes | memoryview) -> None:
+        """Raise :class:`AuthError` unless ``tag`` is the next record's (``record``: its
+        length and body as they came, in one piece or more)."""
+        h = self._mac
+        for piece in record:
+            h.update(piece)
+        if not hmac.compare_digest(h.digest()[:_TAG], tag):
+            raise AuthError(_FAILED)
+
+    def feed(self, data: bytes | memoryview) -> list[bytes | memoryview]:
+        if not self._chunks and len(data) <= _ONE_READ and len(data) >= _OVERHEAD:
+            # the common case, one small record in one read: plain slices cost less than views
+            n = _REC.unpack_from(data)[0]
+            if n == len(data) - _OVERHEAD:
+                h = self._mac
+                h.update(data[:-_TAG])
+                if not hmac.compare_digest(h.digest()[:_TAG], data[-_TAG:]):
+                    raise AuthError(_FAILED)
+                return [data[_REC.size : -_TAG]]
+        if self._chunks:
+            self._chunks.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return []
+            data = b"".join(self._chunks)
+            self._chunks.clear()
+            self._have = 0
+        view = memoryview(data)
+        bodies: list[bytes | memoryview] = []
+        pos, end = 0, len(data)
+        while end - pos >= _REC.size:
+            stop = pos + _REC.size + self.size(view[pos : pos + _REC.size]) + _TAG
+            if stop > end:
+                break
+            self.check(view[stop - _TAG : stop], view[pos : stop - _TAG])
+            bodies.append(view[pos + _REC.size : stop - _TAG])
+            pos = stop
+        if pos < end:
+            rest = data[pos:] if pos else data
+            self._chunks.append(rest)
+            self._have = len(rest)
+            self._need = _REC.size + self.size(rest) + _TAG if len(rest) >= _REC.size else _REC.size
+        return bodies
+
+
+class SealedStream:
+    """An asyncio stream pair carrying records (the KV transfer's connections after the
+    handshake): ``readexactly`` and ``write`` as on the plain pair. A record is read
+    only when its bytes are asked for, and checked before any of them is handed out."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keys: tuple[bytes, bytes], mac: Mac = BULK) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._sealer = Sealer(keys[0], mac)
+        self._opener = Opener(keys[1], mac)
+        self._bodies: deque[memoryview] = deque()  # checked bytes not yet read
+        self._have = 0
+
+    def write(self, *parts: bytes) -> None:
+        """Each part as its own records, written piece by piece (never copied to seal)."""
+        for part in parts:
+            if part:
+                for piece in self._sealer.records(part):
+                    self._writer.write(piece)
+
+    async def readexactly(self, n: int) -> bytes:
+        while self._have < n:
+            await self._record()
+        return self._take(n)
+
+    async def _record(self) -> None:
+        head = await self._reader.readexactly(_REC.size)
+        size = Opener.size(head)
+        record = memoryview(await self._reader.readexactly(size + _TAG))
+        self._opener.check(record[size:], head, record[:size])
+        if size:
+            self._bodies.append(record[:size])
+            self._have += size
+
+    def _take(self, n: int) -> bytes:
+        bodies = self._bodies
+        self._have -= n
+        first = bodies[0]
+        if len(first) > n:
+            bodies[0] = first[n:]
+            return bytes(first[:n])
+        parts = []
+        while n:
+            body = bodies.popleft()
+            if len(body) > n:
+                bodies.appendleft(body[n:])
+                body = body[:n]
+            parts.append(body)
+            n -= len(body)
+        return b"".join(parts)
+
+
+# ---------------------------------------------------------------------- exposure
+
+INSECURE_WARNING_S = 60.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a listener on this machine: a loopback address, or
+    a name that resolves to loopback addresses only. ``""`` and wildcards are not."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False  # the bind fails later, with its own message
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def check_exposure(listeners: dict[str, str], insecure: bool) -> list[str]:
+    """Before a distributed command binds its internal listeners (``{flag: host}``):
+    ValueError (one line that says what to do) when one is reachable from other
+    machines and this process has neither a cluster secret nor TLS, unless
+    ``insecure``. Returns the listeners that run open that way (``["--host 0.0.0.0"]``;
+    empty when nothing is exposed): the caller then warns with :func:`warn_insecure`."""
+    exposed = [f"{flag} {host or '(every address)'}" for flag, host in listeners.items() if not is_loopback(host)]
+    if not exposed or process_secret() is not None or process_tls() is not None:
+        return []
+    if insecure:
+        return exposed
+    raise ValueError(
+        f"{exposed[0]} is reachable from other machines, and without cluster credentials anyone who reaches it could"
+        " join this fleet: give the fleet's secret (--cluster-secret-file FILE or KVMESH_CLUSTER_SECRET_FILE), or"
+        " mutual TLS (--tls-cert/--tls-key/--tls-ca), or --insecure (KVMESH_INSECURE=1) to run open anyway"
+    )
+
+
+def _insecure_line(where: str) -> str:
+    return (f"--insecure: listening on {where} without cluster credentials: anyone who can reach it can join this"
+            " fleet, read its requests and use its workers (give --cluster-secret-file)")  # fmt: skip
+
+
+def warn_insecure(where: str, interval_s: float = INSECURE_WARNING_S) -> threading.Event:
+    """Log the exposure now and every ``interval_s`` until the process ends (or the
+    returned event is set). A daemon thread that only logs: it shares nothing with the
+    event loop, and needs none (the commands own theirs)."""
+    log.warning(_insecure_line(where))
+    stop = threading.Event()
+
+    def nag() -> None:
+        while not stop.wait(interval_s):
+            log.warning(_insecure_line(where))
+
+    threading.Thread(target=nag, name="kvmesh-insecure-warning", daemon=True).start()
+    return stop

@@ -26,6 +26,10 @@ streams per connection     ``MAX_STREAMS``        4096 open at once; more get ``
 
 Reassembly is linear: a partial frame's reads are kept as a list of chunks and joined
 once, when the frame is complete.
+
+With a cluster secret (and no TLS) the frames travel inside authenticated records
+(:mod:`kvmesh.runtime.auth`): the writer seals what it writes at once (``sealer``), the
+connection checks records before its :class:`FrameReader` sees their bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, Union
 import msgspec
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.runtime.auth import Sealer
 
 __all__ = [
     "Req",
@@ -115,9 +120,12 @@ class FrameWriter:
     from back-to-back work (a fast engine's consecutive steps, each of which yields to
     the loop) share one write, and the caller one wake-up. A loop with nothing else
     ready runs that iteration at once: the cost is at most one round of ready work.
-    An ``urgent`` frame (a stream's first token) is flushed in this iteration."""
+    An ``urgent`` frame (a stream's first token) is flushed in this iteration.
 
-    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now")
+    ``sealer`` (set once the cluster-secret handshake is done): what one flush writes
+    goes out as one authenticated record (one MAC per write, not per frame)."""
+
+    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now", "sealer")
 
     def __init__(self, coalesce: bool = False) -> None:
         self.parts: list[bytes] = []  # encoded frames, each with its length prefix
@@ -126,6 +134,7 @@ class FrameWriter:
         self._scheduled = False  # a flush is scheduled (this iteration or the next)
         self._coalesce = coalesce
         self._now = False  # a flush is scheduled for this iteration
+        self.sealer: Sealer | None = None
 
     def add(self, frame: Frame | OutItem) -> None:
         data = self._encode(frame)  # a frame that cannot be encoded leaves nothing queued
@@ -133,7 +142,10 @@ class FrameWriter:
 
     def take(self) -> bytes:
         parts = self.parts
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.sealer is not None:
+            data = self.sealer.seal(parts)
+        else:
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
         parts.clear()
         return data
 
@@ -178,7 +190,7 @@ class FrameReader:
     __slots__ = ("_chunks", "_have", "_need", "_decoder", "_max")
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
-        self._chunks: list[bytes] = []  # the reads holding an incomplete frame
+        self._chunks: list[bytes | memoryview] = []  # the reads holding an incomplete frame
         self._have = 0  # their total length
         self._need = 0  # bytes needed before the next frame can be parsed
         self._decoder = msgspec.msgpack.Decoder(Frame)
@@ -189,7 +201,7 @@ class FrameReader:
         """Bytes held for an incomplete frame."""
         return self._have
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes | memoryview) -> list[Frame]:
         if self._chunks:
             self._chunks.append(data)
             self._have += len(data)

@@ -13,7 +13,9 @@ worker's own typed errors unchanged.
 
 With a cluster secret the connection is usable only after the mutual handshake
 (:mod:`kvmesh.runtime.auth`), run once per connection within ``connect_timeout``; a
-worker that cannot prove the secret is ``CannotConnect`` with the reason.
+worker that cannot prove the secret is ``CannotConnect`` with the reason. Without TLS
+every frame after it travels in authenticated records: data that fails its check
+closes the connection (one log line) and its streams end ``Disconnected``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class _Connection(FramedConnection):
     def data_received(self, data: bytes) -> None:
         frames = self.admitted_frames(data)
         if isinstance(frames, InvalidArgument):
+            log.warning("closing connection to worker %s: %s", self.address, frames.message)
             self._fail_all(frames)
             return
         streams = self.streams

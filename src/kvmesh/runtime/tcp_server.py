@@ -12,7 +12,9 @@ Cancellation: a ``Ctl`` STOP frame calls ``ctx.stop_generating()``, KILL calls
 ``ctx.kill()``; a dropped connection kills every stream it carried.
 
 Trust: with a cluster secret (:mod:`kvmesh.runtime.auth`) a connection serves nothing
-until the caller has passed the handshake. Stream ids live in the connection that
+until the caller has passed the handshake, and then (without TLS) only frames in
+records that pass their check: an altered or injected byte closes the connection,
+killing its streams. Stream ids live in the connection that
 opened them: a frame naming another connection's stream reaches nothing (counted in
 ``TcpServer.foreign_frames``). At most ``max_streams`` streams are open per connection
 and a caller's frame is at most ``max_frame_bytes`` (see :mod:`kvmesh.runtime.frames`).
@@ -29,7 +31,7 @@ import msgspec
 
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted
 from kvmesh.runtime import auth
-from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
+from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, Handshake, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import (
     KILL,
@@ -101,8 +103,9 @@ class _Conn(FramedConnection):
         frames = self.admitted_frames(data)
         if isinstance(frames, InvalidArgument):
             log.warning("closing connection from %s: %s", self.peer, frames.message)
-            self._send(Err(0, frames.kind, frames.message))
-            self._writer.flush()
+            if not isinstance(frames, AuthError):  # a caller's bug: tell it; tampering: just close
+                self._send(Err(0, frames.kind, frames.message))
+                self._writer.flush()
             if self.transport is not None:
                 self.transport.close()
             return

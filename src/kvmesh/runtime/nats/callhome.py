@@ -4,7 +4,8 @@ Stream ids are random 63-bit numbers drawn here, and a stream is bound to the
 call-home connection whose ``Ack`` claimed it first; ``Out``, ``End`` and ``Err``
 frames for it from any other connection are dropped and counted
 (``CallHomeServer.foreign_frames``). With a cluster secret a call-home connection
-starts with the mutual handshake (channel ``callhome``).
+starts with the mutual handshake (channel ``callhome``), and its frames then travel in
+authenticated records (without TLS): one that fails its check closes the connection.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -283,6 +284,9 @@ class Fleet:
         self.frontends: list[subprocess.Popen[bytes]] = []
         self.workers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}  # name -> (proc, worker id)
         self.env_common = {"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+        # the fleet listens on its namespaces' addresses, not loopback: kvmesh refuses that
+        # without cluster credentials, and the fleet runs as a real one would, with a secret
+        self.env_common["KVMESH_CLUSTER_SECRET"] = secrets.token_hex(32)
 
     # -------------------------------------------------------------- services
     def etcd_url(self, host: str) -> str:

@@ -426,6 +426,11 @@ class ClusterCredentials:
     tls_ca: str = setting(
         "", "the fleet's CA: peers must present a certificate it signed", env="KVMESH_TLS_CA", metavar="PEM", group=_CLUSTER
     )
+    insecure: bool = setting(
+        False, "kvmesh frontend/worker/planner: listen on an address other than loopback (--host, --metrics-host) without"
+        " a cluster secret or TLS (refused otherwise; warned about at start and every minute)",
+        env="KVMESH_INSECURE", group=_CLUSTER,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

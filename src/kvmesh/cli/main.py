@@ -100,8 +100,8 @@ def _runtime_config(ns: argparse.Namespace, file: dict[str, object]) -> RuntimeC
     return resolve(RuntimeConfig, ns, file=file)
 
 
-def _add_secret_arg(p: argparse.ArgumentParser) -> None:
-    add_flags(p, ClusterCredentials)
+def _add_secret_arg(p: argparse.ArgumentParser, distributed: bool = True) -> None:
+    add_flags(p, ClusterCredentials, exclude=() if distributed else ("insecure",))  # run makes its own secret
 
 
 def _apply_cluster_secret(ns: argparse.Namespace, file: dict[str, object]) -> None:
@@ -118,6 +118,23 @@ def _apply_cluster_secret(ns: argparse.Namespace, file: dict[str, object]) -> No
         if value:
             os.environ[env] = os.path.abspath(value)
     auth.process_tls()
+    if ns.command in ("frontend", "worker", "planner"):
+        _guard_listeners(ns, file, creds.insecure)
+
+
+def _guard_listeners(ns: argparse.Namespace, file: dict[str, object], insecure: bool) -> None:
+    """A distributed command's internal listeners off loopback need the cluster secret or
+    TLS (ValueError: one line), or ``--insecure``: then a warning now and every minute."""
+    from kvmesh.runtime import auth
+
+    hosts = {"--host": _runtime_config(ns, file).host}
+    if ns.command == "worker":
+        hosts["--metrics-host"] = resolve(WorkerConfig, ns, file=file).metrics_host
+    elif ns.command == "planner" and (planner := resolve(PlannerConfig, ns, file=file)).planner_metrics_port is not None:
+        hosts["--planner-metrics-host"] = planner.planner_metrics_host
+    exposed = auth.check_exposure(hosts, insecure)
+    if exposed:
+        auth.warn_insecure(", ".join(exposed))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(run, PlannerConfig, title="planner", exclude=("planner_metrics_port", "planner_metrics_host"))
     _add_frontend_args(run)
     _add_engine_args(run)
-    _add_secret_arg(run)
+    _add_secret_arg(run, distributed=False)
 
     frontend = sub.add_parser("frontend", help="serve the HTTP API for the workers that discovery (or --static-workers) names")
     _add_config_arg(frontend)

@@ -12,7 +12,7 @@ it is templated or tokenized.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal, Union, cast
+from typing import Annotated, Any, Literal, TypeVar, Union, cast
 
 import msgspec
 from msgspec import Meta
@@ -20,7 +20,9 @@ from msgspec import Meta
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["ResponseFormat", "Tool", "NamedToolChoice", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse", "check_limits", "largest_text_field"]
+__all__ = ["ResponseFormat", "Tool", "NamedToolChoice", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "parse", "decode_body", "check_limits", "largest_text_field"]
+
+T = TypeVar("T")
 
 _I32 = 2**31 - 1
 NonNegInt = Annotated[int, Meta(ge=0, le=_I32)]
@@ -270,9 +272,14 @@ _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 def parse(body: bytes, kind: Literal["chat", "completion"]) -> ChatCompletionRequest | CompletionRequest:
     """Decode and validate a request body; every failure is an InvalidArgument."""
+    return decode_body(body, _chat_decoder if kind == "chat" else _completion_decoder)
+
+
+def decode_body(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
+    """``body`` decoded and validated by ``decoder`` (any route's schema); every failure
+    is an InvalidArgument naming the field."""
     if not body:
         raise InvalidArgument("the request body is empty; send a JSON object")
-    decoder = _chat_decoder if kind == "chat" else _completion_decoder
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:

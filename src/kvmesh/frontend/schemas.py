@@ -272,7 +272,9 @@ _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 def parse(body: bytes, kind: Literal["chat", "completion"]) -> ChatCompletionRequest | CompletionRequest:
     """Decode and validate a request body; every failure is an InvalidArgument."""
-    return decode_body(body, _chat_decoder if kind == "chat" else _completion_decoder)
+    if kind == "chat":
+        return decode_body(body, _chat_decoder)
+    return decode_body(body, _completion_decoder)
 
 
 def decode_body(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:

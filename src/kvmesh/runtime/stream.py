@@ -215,8 +215,11 @@ class FramedConnection(asyncio.Protocol):
         try:
             if self._opener is None:
                 return self._reader.feed(data)
+            bodies = self._opener.feed(data)
+            if len(bodies) == 1:  # the common case: one write of the peer's in one read
+                return self._reader.feed(bodies[0])
             frames: list[Any] = []
-            for body in self._opener.feed(data):
+            for body in bodies:
                 frames += self._reader.feed(body)
             return frames
         except InvalidArgument as exc:  # AuthError included: a record that failed its check

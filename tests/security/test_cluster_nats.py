@@ -13,6 +13,7 @@ from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import Ack, End, FrameWriter, OutItem
 from kvmesh.runtime.nats import CallHomeServer, NatsRequest, NatsRequestClient, NatsRequestServer, connect_nats
+from kvmesh.runtime.nats.wire import request_seal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,8 +119,9 @@ async def test_an_unsigned_request_is_refused_and_the_worker_dials_nothing(fleet
     rogue_home = await asyncio.start_server(lambda r, w: dialled.set(), "127.0.0.1", 0)
     port = rogue_home.sockets[0].getsockname()[1]
     try:
-        for mac in (b"", b"x" * 32):
-            data = enc(NatsRequest(7, f"127.0.0.1:{port}", msgspec.Raw(enc(3)), mac))
+        plain = enc(NatsRequest(7, f"127.0.0.1:{port}", msgspec.Raw(enc(3))))
+        foreign = request_seal(ClusterSecret(b"z" * 32)).seal(plain, client.subject("count").encode(), time.time())
+        for data in (plain, foreign):  # not sealed; sealed with another secret
             reply = dec((await caller_nc.request(client.subject("count"), data, timeout=3)).data)
             assert reply[0] == "invalid_argument" and "cluster secret" in reply[1]
         assert server.unsigned == 2

@@ -36,6 +36,29 @@ compare-and-set on the revision it read (a counter that moved meanwhile is left 
 next round; holders reconciling at once cannot correct twice). Two rounds, because a
 put between its compare-and-set and its publish is counted and not yet in the stream
 for a moment; a leak stays.
+
+**With a cluster secret** (:mod:`kvmesh.runtime.auth`) the JetStream queue trusts
+nothing that anyone on NATS could write:
+
+* a job is sealed (:mod:`kvmesh.runtime.seal`, purpose ``prefill-job``): encrypted (its
+  prompt's token ids are never readable on NATS nor on the NATS server's disk),
+  authenticated, bound to the queue's subject and to its ``Kvmesh-Tokens`` header,
+  timestamped; a puller refuses a forged or altered job, one sealed more than
+  ``max_job_age_s`` ago (:data:`MAX_JOB_AGE_S`) and a replay: a nonce it opened
+  before from another stream message (the same message delivered again after
+  ``ack_wait`` is not a replay). Refused jobs are terminated and logged.
+* the counter's value is signed: ``(replaces, jobs, tokens, mac)``, ``replaces`` the
+  key's revision the value was written over, the MAC over the bucket, the key and
+  the three numbers. A holder accepts a value at revision ``R`` only if its MAC is
+  right and ``replaces < R``, and, once it has accepted a value at revision ``S``,
+  only values with ``replaces >= S`` (every later honest write replaced ``S`` or a
+  later revision: JetStream's revisions only grow), so an old signed value written
+  again is refused too. A value refused (forged, unsigned, an old one again, or the
+  key deleted) is ignored and logged once: the holder reads **the last value it
+  accepted** (a holder that never accepted one: what the stream holds waiting, read
+  once), so
+  a forged "full" or "empty" changes nothing any worker reads, and its next write
+  replaces the forgery by compare-and-set on the forgery's revision.
 """
 
 from __future__ import annotations
@@ -43,6 +66,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +79,8 @@ from kvmesh.protocol import DisaggThresholds, KvEndpoint, PrefillJob, QueueStatu
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.context import Context
+from kvmesh.runtime.frames import MAX_REQUEST_FRAME
+from kvmesh.runtime.seal import MessageSeal, SealRefused
 from kvmesh.runtime.tasks import cancel_and_wait
 
 __all__ = [
@@ -87,6 +113,12 @@ _decode_job = msgspec.msgpack.Decoder(PrefillJob).decode
 
 RECONCILE_S = 30.0  # how often a holder of a JetStream queue reconciles its counter
 RECONCILE_READ_MAX = 1024  # pending jobs read for their tokens; past it only the job count is reconciled
+# With a cluster secret, how long after it was sealed a job may still be pulled (and how
+# long a puller remembers its nonce). It covers a decode worker's default
+# --remote-prefill-timeout (30 s: past it the decode worker has prefilled locally and its
+# KV server refuses the job's writes), a redelivery after ack_wait (60 s) and clock skew.
+# A fleet with a longer --remote-prefill-timeout passes a larger max_job_age_s.
+MAX_JOB_AGE_S = 120.0
 
 
 @dataclass(slots=True)
@@ -173,14 +205,21 @@ class LocalPrefillQueue(PrefillQueue):
 class JetStreamPrefillQueue(PrefillQueue):
     """A JetStream work queue (see the module docstring); ``nc`` is a connected nats-py client.
 
-    With a cluster secret (:mod:`kvmesh.runtime.auth`) a job is its HMAC (32 bytes)
-    followed by its msgpack; a job without a valid one is dropped and logged."""
+    With a cluster secret jobs are sealed and the counter signed (the module docstring);
+    ``ignored_counts`` counts the counter values this holder refused."""
 
     def __init__(
         self, nc: Any, namespace: str = "kvmesh", ack_wait_s: float = 60.0, secret: Any = auth.FROM_ENV,
-        reconcile_s: float = RECONCILE_S,
+        reconcile_s: float = RECONCILE_S, max_job_age_s: float = MAX_JOB_AGE_S, clock: Callable[[], float] = time.time,
     ) -> None:  # fmt: skip
         self._secret: ClusterSecret | None = auth.resolve(secret)
+        self._clock = clock  # wall-clock seconds: what sealed jobs are timestamped and checked with
+        self._seal = None if self._secret is None else MessageSeal(
+            self._secret, "prefill-job", window_s=max_job_age_s, max_bytes=MAX_REQUEST_FRAME
+        )  # fmt: skip
+        self._good: tuple[int, int] | None = None  # the last counter value accepted (with a secret)
+        self._seen_revision = 0  # ... and its revision
+        self.ignored_counts = 0
         self.reconcile_s = reconcile_s  # 0: never (from its first use: the loop starts with the counter)
         self.repairs = 0  # times reconcile() set the counter back
         self._drift = (0, 0)  # the counter minus what the stream holds, at the last round
@@ -251,9 +290,8 @@ class JetStreamPrefillQueue(PrefillQueue):
         self._drift = drift
         if fix == (0, 0) or revision == 0:
             return False
-        kv = await self._counter()
         try:
-            await kv.update(_DEPTH_KEY, _encode((max(0, jobs - fix[0]), max(0, tokens - fix[1]))), last=revision)
+            await self._write_counter(max(0, jobs - fix[0]), max(0, tokens - fix[1]), revision)
         except KeyWrongLastSequenceError:
             return False  # moved since it was read: the next round
         self.repairs += 1
@@ -295,37 +333,90 @@ class JetStreamPrefillQueue(PrefillQueue):
         return tokens
 
     async def _read_counter(self) -> tuple[int, int, int]:
-        """(waiting jobs, their tokens, the key's revision; 0: no key yet)."""
+        """(waiting jobs, their tokens, the key's revision to write over; 0: no key yet).
+        With a secret, a stored value that is refused reads as the fallback (the module
+        docstring) with the refused value's revision, so a write replaces it."""
         from nats.js.errors import KeyNotFoundError
 
         kv = await self._counter()
         try:
             entry = await kv.get(_DEPTH_KEY)
-        except KeyNotFoundError:
-            return 0, 0, 0
+        except KeyNotFoundError as exc:
+            marker = getattr(exc, "entry", None)  # the key was deleted: nothing of ours deletes it
+            if self._secret is None or marker is None:
+                return 0, 0, 0
+            return await self._ignored(int(marker.revision or 0), "the key was deleted")
+        revision = int(entry.revision or 0)
+        if self._secret is not None:
+            why = self._accept(entry.value or b"", revision)
+            if why is not None:
+                return await self._ignored(revision, why)
+            assert self._good is not None
+            return *self._good, revision
         try:
             jobs, tokens = _decode_depth(entry.value or b"")
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.error("prefill queue counter is malformed; starting it again from 0")
             jobs, tokens = 0, 0
-        return jobs, tokens, entry.revision or 0
+        return jobs, tokens, revision
+
+    def _accept(self, value: bytes, revision: int) -> str | None:
+        """Check a signed counter value at ``revision`` (the module docstring); None:
+        accepted and remembered, else why it was refused."""
+        assert self._secret is not None
+        try:
+            depth = _decode_signed_depth(value)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "not signed with this fleet's cluster secret"
+        if not self._secret.verify(depth.mac, "prefill-depth", *self._depth_parts(depth.replaces, depth.jobs, depth.tokens)):
+            return "not signed with this fleet's cluster secret"
+        if revision < self._seen_revision:  # the bucket was made again: its revisions start over
+            self._seen_revision = 0
+        if depth.replaces >= revision or (revision != self._seen_revision and depth.replaces < self._seen_revision):
+            return "an older signed value written again"
+        self._good, self._seen_revision = (depth.jobs, depth.tokens), revision
+        return None
+
+    async def _ignored(self, revision: int, why: str) -> tuple[int, int, int]:
+        self.ignored_counts += 1
+        if self.ignored_counts == 1:
+            log.error(
+                "ignoring the prefill queue counter in %s (%s): something outside the fleet wrote it; reading the last"
+                " value signed with the cluster secret instead (logged once; see ignored_counts)", self.bucket, why,
+            )  # fmt: skip
+        if self._good is None:  # nothing accepted yet: what the stream holds waiting (read once)
+            pending, after = await self._pending()
+            self._good = (pending, await self._pending_tokens(pending, after) or 0)
+        return *self._good, revision
+
+    def _depth_parts(self, replaces: int, jobs: int, tokens: int) -> tuple[bytes, ...]:
+        numbers = b"".join(n.to_bytes(9, "little", signed=True) for n in (replaces, jobs, tokens))
+        return self.bucket.encode(), _DEPTH_KEY.encode(), numbers
+
+    async def _write_counter(self, jobs: int, tokens: int, revision: int) -> None:
+        """Compare-and-set the counter over ``revision`` (0: create the key); raises
+        KeyWrongLastSequenceError (or the create race's error) when it moved."""
+        kv = await self._counter()
+        if self._secret is None:
+            value = _encode((jobs, tokens))
+        else:
+            mac = self._secret.sign("prefill-depth", *self._depth_parts(revision, jobs, tokens))
+            value = _encode(_SignedDepth(revision, jobs, tokens, mac))
+        written = await (kv.create(_DEPTH_KEY, value) if revision == 0 else kv.update(_DEPTH_KEY, value, last=revision))
+        if self._secret is not None and int(written) >= self._seen_revision:
+            self._good, self._seen_revision = (jobs, tokens), int(written)
 
     async def _add(self, jobs: int, tokens: int, limits: DisaggThresholds | None) -> bool:
         """Compare-and-set the counter by (+jobs, +tokens), refusing when ``limits``
         do not admit one more job; retries when another writer won the race."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        kv = await self._counter()
         for _ in range(_CAS_TRIES):
             have_jobs, have_tokens, revision = await self._read_counter()
             if limits is not None and not limits.admits(have_jobs, have_tokens):
                 return False
-            value = _encode((max(0, have_jobs + jobs), max(0, have_tokens + tokens)))
             try:
-                if revision == 0:
-                    await kv.create(_DEPTH_KEY, value)
-                else:
-                    await kv.update(_DEPTH_KEY, value, last=revision)
+                await self._write_counter(max(0, have_jobs + jobs), max(0, have_tokens + tokens), revision)
             except KeyWrongLastSequenceError:
                 continue  # someone else moved it first: read again
             except Exception as exc:  # noqa: BLE001 - create() raced another create()
@@ -347,14 +438,18 @@ class JetStreamPrefillQueue(PrefillQueue):
 
     async def _publish(self, job: PrefillJob) -> None:
         js = await self._jetstream()
-        data = _encode(job)
-        if self._secret is not None:
-            data = self._secret.sign("prefill-job", self.subject.encode(), data) + data
+        data, tokens = _encode(job), str(job.tokens)
+        if self._seal is not None:
+            data = self._seal.seal(data, self._job_bind(tokens), self._clock())
         try:
-            await js.publish(self.subject, data, stream=self.stream, headers={_TOKENS_HEADER: str(job.tokens)})
+            await js.publish(self.subject, data, stream=self.stream, headers={_TOKENS_HEADER: tokens})
         except BaseException:
             await _quietly_call(self._add(-1, -job.tokens, None))
             raise
+
+    def _job_bind(self, tokens: str) -> bytes:
+        """What a sealed job is bound to: the queue's subject and its tokens header."""
+        return f"{self.subject}\0{tokens}".encode()
 
     async def status(self) -> QueueStatus:
         jobs, tokens, _ = await self._read_counter()
@@ -384,22 +479,31 @@ class JetStreamPrefillQueue(PrefillQueue):
         except (TimeoutError, NatsTimeout):
             return None
         msg = msgs[0]
-        if msg.metadata.num_delivered == 1:  # it leaves the waiting count once, on its first delivery
+        job, counted = self._open_job(msg)
+        if msg.metadata.num_delivered == 1 and counted:  # it leaves the waiting count once, on its first delivery
             await self._add(-1, -_header_tokens(msg), None)
-        data = msg.data
-        if self._secret is not None:
-            mac, data = data[:32], data[32:]
-            if not self._secret.verify(mac, "prefill-job", self.subject.encode(), data):
-                log.error("dropping a prefill job not signed with this fleet's cluster secret")
-                await msg.term()
-                return None
-        try:
-            job = _decode_job(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-            log.error("dropping a malformed prefill job: %s", exc)
+        if job is None:
             await msg.term()
             return None
         return Delivery(job, msg.ack)
+
+    def _open_job(self, msg: Any) -> tuple[PrefillJob | None, bool]:
+        """The job in ``msg`` (None: refused, logged) and whether a put counted it (a
+        forged job or a replayed copy was never counted; with a secret its tokens
+        header is authenticated with it)."""
+        data = msg.data
+        if self._seal is not None:
+            tokens = (msg.headers or {}).get(_TOKENS_HEADER, "")
+            try:
+                data = self._seal.open(data, self._job_bind(tokens), self._clock(), redelivery=msg.metadata.sequence.stream)
+            except SealRefused as exc:
+                log.error("dropping a prefill job: %s", exc.message)
+                return None, exc.reason in ("expired", "future", "crowded")
+        try:
+            return _decode_job(data), True
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            log.error("dropping a malformed prefill job: %s", exc)
+            return None, True
 
     async def close(self) -> None:
         reconciler, self._reconciler = self._reconciler, None
@@ -416,6 +520,18 @@ _DEPTH_KEY = "waiting"
 _TOKENS_HEADER = "Kvmesh-Tokens"
 _CAS_TRIES = 1000
 _decode_depth = msgspec.msgpack.Decoder(tuple[int, int]).decode
+
+
+class _SignedDepth(msgspec.Struct, array_like=True, frozen=True):
+    """The counter's value with a cluster secret (the module docstring)."""
+
+    replaces: int  # the key's revision this value was written over (0: it created the key)
+    jobs: int
+    tokens: int
+    mac: bytes
+
+
+_decode_signed_depth = msgspec.msgpack.Decoder(_SignedDepth).decode
 
 
 def _confirmed(before: int, now: int) -> int:

@@ -7,9 +7,10 @@ Every process of a fleet is given the same secret (``--cluster-secret-file FILE`
 * every internal TCP connection (request plane, NATS call-home, KV transfer) starts
   with a mutual challenge–response :class:`Handshake`; a peer that cannot prove it
   knows the secret is refused before a single frame is read;
-* messages on NATS subjects (requests, prefill jobs, event envelopes) and discovery
-  records carry an HMAC that receivers check (:meth:`ClusterSecret.sign` /
-  :meth:`ClusterSecret.verify`);
+* NATS requests and prefill jobs are sealed (encrypted, authenticated, fresh:
+  :mod:`kvmesh.runtime.seal`); NATS replies, event envelopes, the prefill queue's
+  depth counter and discovery records carry an HMAC that receivers check
+  (:meth:`ClusterSecret.sign` / :meth:`ClusterSecret.verify`);
 * the zmq event plane uses CURVE with key pairs derived from the secret
   (:meth:`ClusterSecret.derive`).
 

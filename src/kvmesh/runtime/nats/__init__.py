@@ -29,9 +29,12 @@ Trust: stream ids are random 63-bit numbers drawn by the call-home server, and a
 stream is bound to the call-home connection whose ``Ack`` claimed it first; ``Out``,
 ``End`` and ``Err`` frames for it from any other connection are dropped and counted
 (``CallHomeServer.foreign_frames``). With a cluster secret (:mod:`kvmesh.runtime.auth`)
-every request message carries an HMAC over its subject, stream id, call-home address
-and payload, which the worker checks before it dials anything, and the call-home
-connection starts with the mutual handshake (channel ``callhome``).
+every request message is sealed (:mod:`kvmesh.runtime.seal`: AES-GCM under a key
+derived from the secret, bound to its subject, timestamped, its nonce remembered):
+nobody on NATS reads its payload, and the worker opens it, refusing a forged, altered,
+replayed or stale one, before it dials anything; the call-home connection starts
+with the mutual handshake (channel ``callhome``). Replies carry an HMAC bound to the
+caller's reply inbox (they hold no user data: accepted, or an error of the hop).
 
 Failures come out of :meth:`NatsRequestClient.stream` typed like the TCP plane's:
 ``CannotConnect`` (no responders, NATS unreachable), ``ConnectionTimeout`` (no reply
@@ -40,7 +43,7 @@ called home, or sent no first item within ``response_timeout``), ``Disconnected`
 (the call-home connection dropped mid-stream), and the worker's own typed errors.
 
 Modules: :mod:`.connect` (connecting, TLS, plane state), :mod:`.wire` (subjects, the
-request message, its MAC), :mod:`.server` (worker side), :mod:`.callhome` (the
+request message, its seal), :mod:`.server` (worker side), :mod:`.callhome` (the
 caller's listener and its streams), :mod:`.client` (caller side). The stream
 transport they share with the TCP plane is :mod:`kvmesh.runtime.stream`.
 """
@@ -51,7 +54,7 @@ from kvmesh.runtime.nats.callhome import CallHomeServer
 from kvmesh.runtime.nats.client import PLANE_WAIT_S, NatsRequestClient
 from kvmesh.runtime.nats.connect import connect_nats, nats_tls_context, plane_settling, sync_with_server
 from kvmesh.runtime.nats.server import NatsRequestServer
-from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, reply_mac, request_mac, request_subject
+from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, reply_mac, request_seal, request_subject
 
 __all__ = [
     "NatsRequest",
@@ -64,7 +67,7 @@ __all__ = [
     "request_subject",
     "plane_settling",
     "PLANE_WAIT_S",
-    "request_mac",
+    "request_seal",
     "reply_mac",
     "nats_tls_context",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -17,7 +18,8 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import KILL, STOP
 from kvmesh.runtime.nats.callhome import CallHomeServer, CallHomeStream
 from kvmesh.runtime.nats.connect import plane_settling
-from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, reply_mac, request_mac, request_subject
+from kvmesh.runtime.nats.wire import NatsReply, NatsRequest, reply_mac, request_seal, request_subject
+from kvmesh.runtime.seal import MessageSeal
 from kvmesh.runtime.stream import Mailbox, StreamClient
 
 __all__ = ["NatsRequestClient", "PLANE_WAIT_S"]
@@ -68,6 +70,7 @@ class NatsRequestClient(StreamClient):
         self.response_timeout = response_timeout
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_reply = msgspec.msgpack.Decoder(NatsReply).decode
+        self._seal: MessageSeal | None = None  # with the call-home server's secret, made on first use
 
     def subject(self, endpoint: str) -> str:
         return request_subject(self.namespace, self.component, endpoint, self.lease_id)
@@ -142,10 +145,12 @@ class NatsRequestClient(StreamClient):
     async def _request_once(self, subject: str, stream: CallHomeStream, payload: bytes) -> str | None:
         """Send the request; raise the worker's typed error. Returns None, or with a
         cluster secret the text of a reply that was ignored for want of a valid MAC."""
-        home = self.callhome.address
         secret = self.callhome.secret
-        mac = request_mac(secret, subject, stream.sid, home, payload) if secret is not None else b""
-        data = self._encode(NatsRequest(stream.sid, home, msgspec.Raw(payload), mac))
+        data = self._encode(NatsRequest(stream.sid, self.callhome.address, msgspec.Raw(payload)))
+        if secret is not None:
+            if self._seal is None:
+                self._seal = request_seal(secret)
+            data = self._seal.seal(data, subject.encode(), time.time())
         try:
             msg = await self.nc.request(subject, data, timeout=self.connect_timeout)
         except nats.errors.NoRespondersError:

@@ -9,8 +9,8 @@ context and kills every stream it carries when it drops.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import time
 
 import msgspec
 import nats.errors
@@ -21,11 +21,12 @@ from nats.aio.subscription import Subscription
 from kvmesh.errors import CannotConnect, ConnectionTimeout, InvalidArgument, KvmeshError
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClusterSecret, TlsContexts
-from kvmesh.runtime.frames import Req
+from kvmesh.runtime.frames import MAX_REQUEST_FRAME, Req
 from kvmesh.runtime.nats.connect import sync_with_server
 from kvmesh.runtime.nats.wire import (
-    ACCEPTED, NatsReply, NatsRequest, reply_mac, request_mac, request_subject, split_address,
+    ACCEPTED, NatsReply, NatsRequest, reply_mac, request_seal, request_subject, split_address,
 )  # fmt: skip
+from kvmesh.runtime.seal import SealRefused
 from kvmesh.runtime.stream import Handler, StreamServer
 from kvmesh.runtime.tcp_server import ServerConnection
 
@@ -67,7 +68,8 @@ class NatsRequestServer(StreamServer):
         self.lease_id = lease_id
         self.connect_timeout = connect_timeout
         self.channel = "callhome"  # read by ServerConnection (a StreamHost)
-        self.unsigned = 0  # requests refused: no valid MAC
+        self.unsigned = 0  # requests refused: not sealed with the secret, replayed, or too old
+        self._seal = request_seal(self.secret) if self.secret is not None else None
         self._subs: dict[str, Subscription] = {}
         self._by_subject: dict[str, str] = {}
         self._state = "new"  # -> "serving" (start) -> "stopped" (stop_accepting)
@@ -132,8 +134,7 @@ class NatsRequestServer(StreamServer):
         if endpoint is None:
             return
         try:
-            req = self._decode_request(msg.data)
-            self._check_mac(msg.subject, req)
+            req = self._decode_request(self._open(msg))
             split_address(req.callhome)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             await self._reply(msg, NatsReply(InvalidArgument.kind, f"malformed request on {msg.subject}: {exc}"))
@@ -149,14 +150,20 @@ class NatsRequestServer(StreamServer):
         else:
             self.tasks.spawn(self._call_home(Req(req.sid, endpoint, req.payload), req.callhome))
 
-    def _check_mac(self, subject: str, req: NatsRequest) -> None:
-        secret = self.secret
-        if secret is None:
-            return
-        if not hmac.compare_digest(req.mac, request_mac(secret, subject, req.sid, req.callhome, req.payload)):
+    def _open(self, msg: Msg) -> bytes:
+        """The request's msgpack: ``msg.data`` itself, or with a cluster secret what it
+        seals (refused: forged, tampered, moved from another subject, replayed, too old)."""
+        data = msg.data
+        if self._seal is None:
+            if len(data) > MAX_REQUEST_FRAME:
+                raise InvalidArgument(f"request on {msg.subject} refused: {len(data)} bytes, over {MAX_REQUEST_FRAME}")
+            return data
+        try:
+            return self._seal.open(data, msg.subject.encode(), time.time())
+        except SealRefused as exc:
             self.unsigned += 1
-            log.warning("refusing a request on %s: not signed with this fleet's cluster secret", subject)
-            raise AuthError(f"request on {subject} refused: not signed with the cluster secret")
+            log.warning("refusing a request on %s: %s", msg.subject, exc.message)
+            raise AuthError(f"request on {msg.subject} refused: {exc.message}") from None
 
     async def _reply(self, msg: Msg, reply: NatsReply | None) -> bool:
         try:

@@ -1,4 +1,5 @@
-"""The NATS request plane's wire: subjects, the request message and its MAC, the reply."""
+"""The NATS request plane's wire: subjects, the request message (sealed with a cluster
+secret), the reply and its MAC."""
 
 from __future__ import annotations
 
@@ -6,24 +7,36 @@ import msgspec
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.runtime.auth import ClusterSecret
+from kvmesh.runtime.frames import MAX_REQUEST_FRAME
+from kvmesh.runtime.seal import MessageSeal
 
-__all__ = ["NatsRequest", "NatsReply", "ACCEPTED", "request_mac", "reply_mac", "request_subject", "split_address"]
+__all__ = [
+    "NatsRequest", "NatsReply", "ACCEPTED", "REQUEST_WINDOW_S", "request_seal", "reply_mac", "request_subject",
+    "split_address",
+]  # fmt: skip
+
+# How far a sealed request's timestamp may be from the worker's clock. NATS delivers a
+# request at once (or not at all: a request sent again is sealed again), so this only
+# has to cover clock skew between hosts; it is also how long a worker remembers nonces.
+REQUEST_WINDOW_S = 30.0
 
 _BAD_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 
 
 class NatsRequest(msgspec.Struct, array_like=True):
-    """The NATS message that opens a stream: ``payload`` is the endpoint's own msgpack."""
+    """The NATS message that opens a stream: ``payload`` is the endpoint's own msgpack.
+
+    With a cluster secret the message on the subject is this struct sealed
+    (:func:`request_seal`): encrypted, authenticated, bound to the subject, fresh."""
 
     sid: int
     callhome: str
     payload: msgspec.Raw
-    mac: bytes = b""  # HMAC of the cluster secret (see request_mac); empty without one
 
 
-def request_mac(secret: ClusterSecret, subject: str, sid: int, callhome: str, payload: bytes) -> bytes:
-    sid_bytes = sid.to_bytes(9, "little", signed=True)  # any msgpack integer fits
-    return secret.sign("nats-request", subject.encode(), sid_bytes, callhome.encode(), bytes(payload))
+def request_seal(secret: ClusterSecret) -> MessageSeal:
+    """The seal of requests (bound to their subject by the caller and the worker)."""
+    return MessageSeal(secret, "nats-request", window_s=REQUEST_WINDOW_S, max_bytes=MAX_REQUEST_FRAME)
 
 
 class NatsReply(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -30,7 +30,7 @@ import msgspec
 from kvmesh.config import WorkerConfig
 from kvmesh.disagg.engine import DisaggEngine
 from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
-from kvmesh.disagg.queue import JetStreamPrefillQueue, PrefillQueue, RemotePrefillQueue
+from kvmesh.disagg.queue import MAX_JOB_AGE_S, JetStreamPrefillQueue, PrefillQueue, RemotePrefillQueue
 from kvmesh.disagg.transfer import KvTransferServer, TcpKvConnector
 from kvmesh.engines.base import Engine, KvBlockAccess
 from kvmesh.observability.metrics_server import MetricsServer, serve_registry
@@ -105,7 +105,10 @@ async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:
     nc = runtime.nats
     if nc is None:
         nc = await runtime.connect_nats()  # with the configured credentials; closed at shutdown
-    return JetStreamPrefillQueue(nc, runtime.config.namespace)
+    # a sealed job is opened up to max_job_age_s after it was sent: a longer remote-prefill
+    # timeout (plus one redelivery after JetStream's ack wait) keeps its jobs openable
+    age = max(MAX_JOB_AGE_S, cfg.remote_prefill_timeout_s + 90.0)
+    return JetStreamPrefillQueue(nc, runtime.config.namespace, max_job_age_s=age)
 
 
 def _metadata_lookup(queue: PrefillQueue, runtime: Any) -> Callable[[int], Any]:

@@ -188,18 +188,18 @@ def test_a_drip_fed_body_is_cut_by_the_minimum_body_rate():
 
 def test_a_slow_starting_steady_body_is_read_in_full():
     """A body that starts late (nothing for 0.8 s: a slow link's first round trips), then
-    comes in pieces at ~4,000 bytes/s, is served: the rate is looked at only after the
-    grace (1.5 s), and as an average, not at single gaps."""
-    limits = _limits(body_timeout_s=2.0, min_body_rate=100, body_rate_grace_s=1.5)
+    comes in pieces at ~2,000 bytes/s, is served: the rate is looked at only after the
+    grace (2 s), and as an average, not at single gaps."""
+    limits = _limits(body_timeout_s=3.0, min_body_rate=100, body_rate_grace_s=2.0)
     size = 4000
     with EdgeServer(_small_app, limits) as srv, srv.connect() as sock, sock.makefile("rb") as rfile:
         sock.sendall(_post_head("/echo", size))
         started = time.monotonic()
         time.sleep(0.8)
-        for _ in range(size // 200):
-            sock.sendall(b"y" * 200)
+        for _ in range(size // 100):
+            sock.sendall(b"y" * 100)
             time.sleep(0.05)
-        assert time.monotonic() - started > 1.5  # the body outlived the grace
+        assert time.monotonic() - started > 2.0  # the body outlived the grace (2.8 s of sleeps)
         response = _read_response(rfile)
     assert response is not None and response[0] == 200 and response[2] == b"%d" % size, response
 

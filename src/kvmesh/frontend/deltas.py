@@ -27,16 +27,21 @@ Grammar of one stream (``?`` at most once, ``*`` any number)::
 
 A consumer that stops iterating early (client gone) stops the request; an error after
 Start is raised by the iterator (a :class:`~kvmesh.errors.KvmeshError`) and no Finish
-follows. Values are immutable; an encoder may keep them.
+follows. Values are immutable; an encoder may keep them. The consumers:
+:class:`StreamEncoder` (SSE) and :class:`BodyEncoder` (one JSON body), one pair per
+dialect (:mod:`kvmesh.frontend.dialects`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
-__all__ = ["Delta", "FinishReason", "Finish", "Start", "Text", "TokenLogprob", "ToolCall", "Usage"]
+__all__ = [
+    "Delta", "FinishReason", "Finish", "Start", "Text", "TokenLogprob", "ToolCall", "Usage", "StreamEncoder",
+    "BodyEncoder",
+]  # fmt: skip
 
 # stop: the model ended (EOS, a stop token) or a stop string matched (``stop_sequence``);
 # length: max_tokens reached; tool_calls: the output was read as tool calls;
@@ -103,3 +108,24 @@ class Finish(msgspec.Struct, frozen=True, gc=False):
 
 
 Delta = Start | Text | ToolCall | Finish
+
+
+class StreamEncoder(Protocol):
+    """A dialect's streamed answer: each delta's bytes (SSE events), in stream order.
+
+    ``encode`` returns ``b""`` when a delta writes nothing; the bytes of :class:`Finish`
+    end the response (the writer sends them with the end of the body in one write).
+    After a failure, ``error`` gives the response's last bytes instead.
+    """
+
+    def encode(self, delta: Delta) -> bytes: ...
+
+    def error(self, message: str, kind: str, status: int) -> bytes: ...
+
+
+class BodyEncoder(Protocol):
+    """A dialect's unary answer: ``add`` every delta, then ``body`` (after Finish)."""
+
+    def add(self, delta: Delta) -> None: ...
+
+    def body(self) -> bytes: ...

@@ -1,13 +1,15 @@
-"""Server-sent events: encoding OpenAI stream chunks and writing them to the socket.
+"""Server-sent events: writing a stream of events to the socket.
 
-Encoding: the constant parts of every chunk of one response (id, created, model) are
-encoded once per request; a content event is then ``prefix + json(text) + suffix``.
+:class:`DeltaSSE` writes a request owner's delta stream as a dialect's encoder turns it
+into events (:mod:`kvmesh.frontend.dialects`): the owner's generator is the only async
+generator between the request plane's stream and the socket. :class:`SSEResponse`
+writes pre-encoded events from any async generator (the dashboard).
 
-Writing (:class:`SSEResponse`): the head goes out with the first event (or the first
+Writing: the head goes out with the first event (or the first
 keep-alive comment); an event is written at once unless the stream already wrote in this
 loop iteration (then it goes out with the others of that iteration at the start of the
-next: :class:`~kvmesh.frontend.server.ResponseStream`); the end of a stream, ``finish``
-+ ``usage`` + ``[DONE]`` + the chunked terminator and anything still held, is one write; the
+next: :class:`~kvmesh.frontend.server.ResponseStream`); the end of a stream (the encoder's bytes for ``Finish``, or for an error) + the chunked
+terminator and anything still held, is one write; the
 client's disconnect, a callback from the connection, stops the request's context
 (which stops the engine); :class:`KeepAlive` sends ``: keep-alive`` comments on
 streams that have been idle for its interval, from one task for all streams.
@@ -18,17 +20,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
-import msgspec
-
+from kvmesh.errors import KvmeshError
+from kvmesh.frontend.deltas import Finish, StreamEncoder
+from kvmesh.frontend.owner import RequestOwner
 from kvmesh.frontend.server import ResponseStream
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.tasks import cancel_and_wait
 
-__all__ = ["ChatChunks", "CompletionChunks", "SSEResponse", "KeepAlive", "DONE", "error_event"]
+__all__ = ["DeltaSSE", "SSEResponse", "KeepAlive", "DONE"]
 
-_json = msgspec.json.encode
 DONE = b"data: [DONE]\n\n"
 _KEEPALIVE = b": keep-alive\n\n"
 _HEADERS = [
@@ -36,91 +37,6 @@ _HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-def _head(object_name: str, response_id: str, created: int, model: str) -> bytes:
-    return (
-        b'data: {"id":' + _json(response_id) + b',"object":"' + object_name.encode()
-        + b'","created":' + str(created).encode() + b',"model":' + _json(model) + b',"choices":'
-    )  # fmt: skip
-
-
-def _usage(prompt: int, completion: int, cached: int) -> bytes:
-    return _json(
-        {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-    )
-
-
-def error_event(message: str, kind: str, status: int) -> bytes:
-    body = _json({"error": {"message": message, "type": kind, "param": None, "code": status}})
-    return b"event: error\ndata: " + body + b"\n\n"
-
-
-class ChatChunks:
-    """Event bytes for one streamed chat completion."""
-
-    __slots__ = ("_head", "_content_prefix")
-
-    def __init__(self, response_id: str, created: int, model: str) -> None:
-        self._head = _head("chat.completion.chunk", response_id, created, model)
-        self._content_prefix = self._head + b'[{"index":0,"delta":{"content":'
-
-    def role(self) -> bytes:
-        return self._head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
-
-    def content(self, text: str) -> bytes:
-        return self._content_prefix + _json(text) + b'},"finish_reason":null}]}\n\n'
-
-    def content_with_logprobs(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
-        return (
-            self._content_prefix + _json(text) + b'},"logprobs":{"content":' + _json(logprobs)
-            + b'},"finish_reason":null}]}\n\n'
-        )  # fmt: skip
-
-    def finish(self, reason: str) -> bytes:
-        return self._head + b'[{"index":0,"delta":{},"finish_reason":"' + reason.encode() + b'"}]}\n\n'
-
-    def usage(self, prompt: int, completion: int, cached: int) -> bytes:
-        return self._head + b'[],"usage":' + _usage(prompt, completion, cached) + b"}\n\n"
-
-    def tool_call(self, call_id: str, name: str, arguments: str) -> bytes:
-        """A tool call as OpenAI streams one: a delta naming it, then its arguments."""
-        head = {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
-        args = {"index": 0, "function": {"arguments": arguments}}
-        return b"".join(
-            self._head + b'[{"index":0,"delta":{"tool_calls":[' + _json(part) + b']},"finish_reason":null}]}\n\n'
-            for part in (head, args)
-        )
-
-
-class CompletionChunks:
-    """Event bytes for one streamed text completion."""
-
-    __slots__ = ("_head", "_text_prefix")
-
-    def __init__(self, response_id: str, created: int, model: str) -> None:
-        self._head = _head("text_completion", response_id, created, model)
-        self._text_prefix = self._head + b'[{"index":0,"text":'
-
-    def role(self) -> bytes | None:
-        return None
-
-    def content(self, text: str) -> bytes:
-        return self._text_prefix + _json(text) + b',"logprobs":null,"finish_reason":null}]}\n\n'
-
-    def content_with_logprobs(self, text: str, logprobs: dict[str, Any]) -> bytes:
-        return self._text_prefix + _json(text) + b',"logprobs":' + _json(logprobs) + b',"finish_reason":null}]}\n\n'
-
-    def finish(self, reason: str) -> bytes:
-        return self._text_prefix + b'"","logprobs":null,"finish_reason":"' + reason.encode() + b'"}]}\n\n'
-
-    def usage(self, prompt: int, completion: int, cached: int) -> bytes:
-        return self._head + b'[],"usage":' + _usage(prompt, completion, cached) + b"}\n\n"
 
 
 class _Live:
@@ -172,10 +88,37 @@ class KeepAlive:
                     self._streams.discard(live)
 
 
-class SSEResponse:
+class _SSE:
+    """What every event stream does: the head, keep-alives, and the client's disconnect
+    stopping the request's context."""
+
+    __slots__ = ("headers", "ctx", "keepalive", "on_disconnect")
+
+    def __init__(self, ctx: Context, keepalive: KeepAlive, on_disconnect: Callable[[], None] | None,
+                 headers: list[tuple[bytes, bytes]] | None) -> None:  # fmt: skip
+        self.headers = _HEADERS + headers if headers else _HEADERS
+        self.ctx = ctx
+        self.keepalive = keepalive
+        self.on_disconnect = on_disconnect
+
+    def _begin(self, out: ResponseStream) -> _Live:
+        """Send the head; the stream keeps alive until ``keepalive.unregister``."""
+        out.on_disconnect = self._disconnected
+        if out.disconnected:  # gone before the stream started
+            self._disconnected()
+        out.start(200, self.headers)
+        return self.keepalive.register(out.write)
+
+    def _disconnected(self) -> None:
+        if self.on_disconnect is not None:
+            self.on_disconnect()
+        self.ctx.stop_generating()
+
+
+class SSEResponse(_SSE):
     """A streaming response of pre-encoded SSE events from ``events``."""
 
-    __slots__ = ("headers", "events", "ctx", "keepalive", "on_disconnect", "on_close")
+    __slots__ = ("events", "on_close")
 
     def __init__(
         self,
@@ -186,21 +129,14 @@ class SSEResponse:
         headers: list[tuple[bytes, bytes]] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
-        self.headers = _HEADERS + headers if headers else _HEADERS
+        super().__init__(ctx, keepalive, on_disconnect, headers)
         # runs when the response is done with however it ended (``events`` may never
         # have started: an async generator that never ran has no ``finally`` to run)
         self.on_close = on_close
         self.events = events
-        self.ctx = ctx
-        self.keepalive = keepalive
-        self.on_disconnect = on_disconnect
 
     async def send_to(self, out: ResponseStream) -> None:
-        out.on_disconnect = self._disconnected
-        if out.disconnected:  # gone before the stream started
-            self._disconnected()
-        out.start(200, self.headers)
-        live = self.keepalive.register(out.write)
+        live = self._begin(out)
         events = self.events
         monotonic = time.monotonic
         try:
@@ -222,7 +158,51 @@ class SSEResponse:
                 if self.on_close is not None:
                     self.on_close()
 
-    def _disconnected(self) -> None:
-        if self.on_disconnect is not None:
-            self.on_disconnect()
-        self.ctx.stop_generating()
+
+class DeltaSSE(_SSE):
+    """A streaming response of one request: its owner's deltas, encoded by a dialect.
+
+    The owner's ``async with`` block spans the whole response, so its booking is given
+    back however the response ends, even when no delta was ever read (the client left
+    before the first event). ``public`` says what a client may read of an error.
+    """
+
+    __slots__ = ("owner", "encoder", "public")
+
+    def __init__(
+        self,
+        owner: RequestOwner,
+        encoder: StreamEncoder,
+        keepalive: KeepAlive,
+        public: Callable[[BaseException, str], tuple[str, str]],
+        on_disconnect: Callable[[], None] | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(owner.ctx, keepalive, on_disconnect, headers)
+        self.owner = owner
+        self.encoder = encoder
+        self.public = public
+
+    async def send_to(self, out: ResponseStream) -> None:
+        live = self._begin(out)
+        owner, encode, monotonic = self.owner, self.encoder.encode, time.monotonic
+        try:
+            async with owner:
+                try:
+                    async for delta in owner.deltas():
+                        if out.disconnected:
+                            break
+                        live.last = monotonic()
+                        data = encode(delta)
+                        if type(delta) is Finish:  # the last event: with the terminator, one write
+                            out.end(data)
+                        elif data:
+                            out.write(data)
+                            if out.paused:
+                                await out.drain()
+                except KvmeshError as exc:
+                    if not owner.ctx.is_stopped():
+                        message, kind = self.public(exc, owner.request.request_id)
+                        out.end(self.encoder.error(message, kind, exc.status))
+        finally:
+            self.keepalive.unregister(live)

@@ -10,7 +10,8 @@
   {...}}</tool_call>``, the Hermes/Qwen convention); earlier assistant tool calls and
   ``tool`` results are written back in that form.
 * :func:`parse_tool_call`: a finished output → a tool call (name, arguments JSON), or
-  None (plain content). A forced call's grammar makes the output the bare object
+  None (plain content); :class:`ToolReader`: a request's tools as its output is read
+  back. A forced call's grammar makes the output the bare object
   ``{"name": ..., "arguments": {...}}``, its arguments constrained by the function's
   ``parameters`` schema.
 """
@@ -28,7 +29,9 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.frontend.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, JsonSchema, Tool
 from kvmesh.protocol import GuidedDecoding
 
-__all__ = ["ToolMode", "guided_of", "tool_mode", "chat_messages", "parse_tool_call", "ToolCall", "new_call_id"]
+__all__ = [
+    "ToolMode", "guided_of", "tool_mode", "chat_messages", "parse_tool_call", "ToolCall", "ToolReader", "new_call_id",
+]  # fmt: skip
 
 ToolMode = Literal["none", "auto", "forced"]
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -39,6 +42,28 @@ _ANY_PARAMETERS: JsonSchema = {"type": "object"}
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI's ``function.arguments``
+
+
+class ToolReader:
+    """A chat request's tools, as its output is read back (:meth:`of` is None when no
+    tool is in play: the output is plain content)."""
+
+    __slots__ = ("mode", "names")
+
+    def __init__(self, mode: ToolMode, names: frozenset[str]) -> None:
+        self.mode = mode
+        self.names = names
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest | CompletionRequest) -> ToolReader | None:
+        mode = tool_mode(req)
+        if mode == "none" or not isinstance(req, ChatCompletionRequest):
+            return None
+        return cls(mode, frozenset(t.function.name for t in req.tools or ()))
+
+    def read(self, text: str) -> ToolCall | None:
+        """The call in the finished output ``text``, or None."""
+        return parse_tool_call(text, self.mode, self.names)
 
 
 def new_call_id() -> str:

@@ -10,6 +10,10 @@ The new worker needs the KV of every token so far. Two ways to get it::
     kv_transfer: tokens × kv_bytes_per_token / link_bytes_per_s     (copy it over)
     re_prefill:  prefill_ms_fn(tokens)                               (recompute it)
 
+What to do when a worker fails is :func:`next_step` (pure): retry elsewhere before any
+token, migrate after some, finish when every token was already delivered, or fail;
+:func:`migration_method` picks the method for a request a worker handed off.
+
 The cheaper one wins, except that a transfer estimated over ``max_transfer_ms``
 (500 ms, from the design) or with no usable link falls back to re-prefill. Both costs
 grow linearly with the token count, so which is cheaper depends on the link's speed
@@ -30,10 +34,14 @@ from typing import Literal
 import msgspec
 
 from kvmesh.errors import MIGRATABLE
-from kvmesh.protocol import PreprocessedRequest
+from kvmesh.protocol import DisaggregatedParams, PreprocessedRequest
 
 __all__ = [
     "MigrationMethod",
+    "Step",
+    "RETRIES_BEFORE_OUTPUT",
+    "next_step",
+    "migration_method",
     "LINK_BYTES_PER_S",
     "DEFAULT_PREFILL_TOKENS_PER_S",
     "DEFAULT_MAX_TRANSFER_MS",
@@ -103,6 +111,49 @@ def estimate_migration(
 def is_migratable(error: BaseException) -> bool:
     """May a request that failed with ``error`` be re-issued on another worker?"""
     return isinstance(error, MIGRATABLE)
+
+
+Step = Literal["retry", "migrate", "finish", "fail"]
+# a request that failed before its first token is re-routed at most this many times
+RETRIES_BEFORE_OUTPUT = 3
+
+
+def next_step(
+    failure: BaseException, *, stopped: bool, delivered: int, max_tokens: int | None, attempts: int,
+    migrations_left: int,
+) -> Step:  # fmt: skip
+    """What a request does after its worker's stream failed with ``failure``.
+
+    ``stopped``: the request's context was stopped (client gone, cancelled): never
+    moved. ``delivered``: tokens already sent to the client. ``attempts``: workers
+    tried so far, the failed one included. ``migrations_left``: the budget.
+
+    * ``fail``: not migratable, stopped, out of retries (before output) or of budget;
+    * ``retry``: no token yet: route it again, to another worker;
+    * ``finish``: every token the request may have was delivered, only the end was
+      lost: it ends with ``length`` (takes the budget like a move);
+    * ``migrate``: prompt + delivered tokens to another worker, the rest of the budget.
+    """
+    if stopped or not isinstance(failure, MIGRATABLE):
+        return "fail"
+    if not delivered:
+        return "retry" if attempts <= RETRIES_BEFORE_OUTPUT else "fail"
+    if migrations_left <= 0:
+        return "fail"
+    if max_tokens is not None and delivered >= max_tokens:
+        return "finish"
+    return "migrate"
+
+
+def migration_method(prompt_tokens: int, generated: int, handoff: DisaggregatedParams | None) -> MigrationMethod:
+    """KV transfer or re-prefill, by the cost model: a worker that handed the request
+    off with its KV (``handoff``) offers the link; without one, re-prefill."""
+    layout = handoff.layout if handoff is not None and handoff.kind == "kv_source" else None
+    if layout is None:
+        return "re_prefill"
+    link = layout.simulated_bytes_per_s or LINK_BYTES_PER_S["tcp"]
+    per_token = layout.bytes_per_block // layout.block_size
+    return estimate_migration(prompt_tokens, generated, per_token, link, prefill_ms_at()).method
 
 
 class MigrationBudget:

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.frontend.deltas import Delta, Finish, Start, Text, TokenLogprob, ToolCall
-from kvmesh.frontend.dialects.openai import DONE, chunk_head, error_event, usage_event, usage_object
+from kvmesh.frontend.dialects.openai import OpenAIStream, chunk_head, usage_object
 
 __all__ = ["ChatStream", "ChatBody", "RESPONSE_PREFIX"]
 
@@ -27,15 +27,15 @@ def _logprobs(lps: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-class ChatStream:
+class ChatStream(OpenAIStream):
     """SSE events of one streamed chat completion (``include_usage``: a usage chunk
     before the end)."""
 
-    __slots__ = ("_head", "_content", "_include_usage")
+    __slots__ = ("_content",)
 
     def __init__(self, include_usage: bool = False) -> None:
-        self._include_usage = include_usage
-        self._head = self._content = b""
+        super().__init__(include_usage)
+        self._content = b""
 
     def encode(self, delta: Delta) -> bytes:
         if isinstance(delta, Text):
@@ -62,13 +62,8 @@ class ChatStream:
         return self._head + b'[{"index":0,"delta":{"tool_calls":[' + _json(part) + b']},"finish_reason":null}]}\n\n'
 
     def _finish(self, finish: Finish) -> bytes:
-        tail = self._head + b'[{"index":0,"delta":{},"finish_reason":"' + finish.reason.encode() + b'"}]}\n\n'
-        if self._include_usage:
-            tail += usage_event(self._head, finish.usage)
-        return tail + DONE
-
-    def error(self, message: str, kind: str, status: int) -> bytes:
-        return error_event(message, kind, status)
+        event = self._head + b'[{"index":0,"delta":{},"finish_reason":"' + finish.reason.encode() + b'"}]}\n\n'
+        return self._end(event, finish.usage)
 
 
 class ChatBody:

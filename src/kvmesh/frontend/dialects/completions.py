@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.frontend.deltas import Delta, Finish, Start, Text, TokenLogprob
-from kvmesh.frontend.dialects.openai import DONE, chunk_head, error_event, usage_event, usage_object
+from kvmesh.frontend.dialects.openai import OpenAIStream, chunk_head, usage_object
 
 __all__ = ["CompletionStream", "CompletionBody", "RESPONSE_PREFIX"]
 
@@ -26,15 +26,15 @@ def _logprobs(lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
-class CompletionStream:
+class CompletionStream(OpenAIStream):
     """SSE events of one streamed text completion (no role event; tool calls do not
     occur: completions read no tools)."""
 
-    __slots__ = ("_head", "_text", "_include_usage")
+    __slots__ = ("_text",)
 
     def __init__(self, include_usage: bool = False) -> None:
-        self._include_usage = include_usage
-        self._head = self._text = b""
+        super().__init__(include_usage)
+        self._text = b""
 
     def encode(self, delta: Delta) -> bytes:
         if isinstance(delta, Text):
@@ -45,14 +45,9 @@ class CompletionStream:
             self._text = self._head + b'[{"index":0,"text":'
             return b""
         if isinstance(delta, Finish):
-            tail = self._text + b'"","logprobs":null,"finish_reason":"' + delta.reason.encode() + b'"}]}\n\n'
-            if self._include_usage:
-                tail += usage_event(self._head, delta.usage)
-            return tail + DONE
+            event = self._text + b'"","logprobs":null,"finish_reason":"' + delta.reason.encode() + b'"}]}\n\n'
+            return self._end(event, delta.usage)
         return b""
-
-    def error(self, message: str, kind: str, status: int) -> bytes:
-        return error_event(message, kind, status)
 
 
 class CompletionBody:

@@ -10,7 +10,7 @@ import msgspec
 from kvmesh.frontend.deltas import Usage
 from kvmesh.frontend.sse import DONE
 
-__all__ = ["DONE", "usage_object", "chunk_head", "usage_event", "error_event"]
+__all__ = ["DONE", "usage_object", "chunk_head", "usage_event", "error_event", "OpenAIStream"]
 
 _json = msgspec.json.encode
 
@@ -41,3 +41,23 @@ def error_event(message: str, kind: str, status: int) -> bytes:
     """A failure after the stream started: one ``error`` event, then the end marker."""
     body = _json({"error": {"message": message, "type": kind, "param": None, "code": status}})
     return b"event: error\ndata: " + body + b"\n\n" + DONE
+
+
+class OpenAIStream:
+    """What a streamed chat completion and a streamed completion share: the chunk head
+    (set at Start), the end (finish event, the usage chunk when ``include_usage``,
+    ``[DONE]``) and the error event."""
+
+    __slots__ = ("_head", "_include_usage")
+
+    def __init__(self, include_usage: bool = False) -> None:
+        self._include_usage = include_usage
+        self._head = b""
+
+    def _end(self, finish_event: bytes, usage: Usage) -> bytes:
+        if self._include_usage:
+            finish_event += usage_event(self._head, usage)
+        return finish_event + DONE
+
+    def error(self, message: str, kind: str, status: int) -> bytes:
+        return error_event(message, kind, status)

@@ -1,0 +1,220 @@
+"""The generation routes: an HTTP request → checks → the engine request → its owner
+(:mod:`kvmesh.frontend.owner`) → a dialect's encoder → SSE or one JSON body.
+
+A :class:`Dialect` is what differs between ``/v1/chat/completions``,
+``/v1/completions`` (and the dialects of :mod:`kvmesh.frontend.dialects`): how a body
+becomes the internal request, how the delta stream becomes bytes, and how an error is
+shaped. Everything else — the API key's tier, shedding, the prompt's size, templating
+and tokenizing, the output constraint's check, routing, tracing, cancellation — is the
+same for every dialect, here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from kvmesh.config import FrontendConfig, SecurityConfig
+from kvmesh.errors import PayloadTooLarge, ResourceExhausted, UnsupportedMediaType
+from kvmesh.frontend.auth import Authenticator
+from kvmesh.frontend.deltas import BodyEncoder, StreamEncoder
+from kvmesh.frontend.dialects.chat import ChatBody, ChatStream
+from kvmesh.frontend.dialects.completions import CompletionBody, CompletionStream
+from kvmesh.frontend.failures import error_response, public_message
+from kvmesh.frontend.models import ModelEntry, ModelRegistry
+from kvmesh.frontend.observer import RequestObserver
+from kvmesh.frontend.owner import ReadBack, RequestOwner
+from kvmesh.frontend.pipeline import explain_route, new_request_id, preprocess_async
+from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, check_limits, parse
+from kvmesh.frontend.server import Request, Response
+from kvmesh.frontend.sse import DeltaSSE, KeepAlive
+from kvmesh.frontend.tools import ToolReader
+from kvmesh.observability import tracing
+from kvmesh.observability.metrics import FrontendMetrics
+from kvmesh.preprocess import guided as guided_grammar
+from kvmesh.protocol import GuidedDecoding, PreprocessedRequest
+from kvmesh.runtime.context import Context
+
+__all__ = ["Dialect", "CHAT", "COMPLETIONS", "Generation", "require_json"]
+
+_json = msgspec.json.encode
+_JSON = "application/json"
+GenerationRequest = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """One API dialect of the generation routes."""
+
+    endpoint: str  # the ``endpoint`` label of the request metrics
+    parse: Callable[[bytes, SecurityConfig], GenerationRequest]  # body → internal request, limits checked
+    stream: Callable[[GenerationRequest], StreamEncoder]
+    body: Callable[[GenerationRequest, object], BodyEncoder]  # (request, router explanation or None)
+    error: Callable[[BaseException, str | None], Response] = error_response
+
+
+def _parsed(kind: str) -> Callable[[bytes, SecurityConfig], GenerationRequest]:
+    def parse_checked(body: bytes, security: SecurityConfig) -> GenerationRequest:
+        req = parse(body, kind)  # type: ignore[arg-type]  # "chat" | "completion"
+        check_limits(req, security)
+        return req
+
+    return parse_checked
+
+
+def _include_usage(req: GenerationRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _wants_logprobs(req: GenerationRequest) -> bool:
+    return req.logprob_count() is not None
+
+
+CHAT = Dialect(
+    "chat_completions",
+    _parsed("chat"),
+    lambda req: ChatStream(_include_usage(req)),
+    lambda req, route: ChatBody(_wants_logprobs(req), route),
+)
+COMPLETIONS = Dialect(
+    "completions",
+    _parsed("completion"),
+    lambda req: CompletionStream(_include_usage(req)),
+    lambda req, route: CompletionBody(_wants_logprobs(req), route),
+)
+
+
+class Generation:
+    """Serves the generation routes of one frontend (``serve(request, dialect)``)."""
+
+    def __init__(self, config: FrontendConfig, registry: ModelRegistry, auth: Authenticator, keepalive: KeepAlive,
+                 metrics: FrontendMetrics) -> None:  # fmt: skip
+        self.config = config
+        self.registry = registry
+        self.auth = auth
+        self.keepalive = keepalive
+        self.metrics = metrics
+
+    async def serve(self, request: Request, dialect: Dialect) -> Response | DeltaSSE:
+        # tracing: the request's trace (root span when recording); the traceparent goes
+        # to the workers (in the request) and back to the client (a response header)
+        request_id = new_request_id()
+        trace = tracing.RequestTrace(request.headers.get("traceparent"), request.method, request.path, request_id)
+        response = await self._serve_traced(request, dialect, request_id, trace)
+        if isinstance(response, Response):
+            response.headers["traceparent"] = trace.traceparent
+            if response.status != 200:
+                trace.end(response.status)  # refused before a stream existed
+        else:
+            response.headers = [*response.headers, (b"traceparent", trace.traceparent.encode())]
+        return response
+
+    async def _serve_traced(
+        self, request: Request, dialect: Dialect, request_id: str, trace: tracing.RequestTrace
+    ) -> Response | DeltaSSE:
+        try:
+            req, entry = self._accept(request, dialect)
+            explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
+            preq = await preprocess_async(entry, req, request_id, explain, self.config.security.allow_special_tokens)
+            if preq.guided is not None:
+                await _check_guided(preq.guided)
+        except Exception as exc:  # noqa: BLE001 - every error becomes one response
+            return dialect.error(exc, request_id)
+        owner = self._owner(entry, req, preq, dialect, trace)
+        try:
+            await owner.open()
+        except Exception as exc:  # noqa: BLE001
+            return dialect.error(exc, request_id)
+        route = explain_route(entry, preq.request_id, owner.worker_id) if preq.routing and preq.routing.explain else None
+        if req.stream:
+            headers = [(b"x-kvmesh-route", _json(route))] if route is not None else None
+            return DeltaSSE(owner, dialect.stream(req), self.keepalive, public_message, self.metrics.disconnects.inc, headers)
+        return await self._unary(request, owner, dialect.body(req, route), dialect, route)
+
+    def _accept(self, request: Request, dialect: Dialect) -> tuple[GenerationRequest, ModelEntry]:
+        """The request's body, model, key tier and admission, checked (raises a 4xx/503)."""
+        allowed = request.principal if request.checked else self.auth.tier_of(request.headers.get("authorization"))
+        require_json(request)
+        req = dialect.parse(self._read_body(request), self.config.security)
+        entry = self.registry.get(req.model)
+        tier = req.priority or request.headers.get("x-kvmesh-priority")
+        self.auth.check_tier(tier, allowed)
+        self._admit(tier)
+        return req, entry
+
+    def _owner(self, entry: ModelEntry, req: GenerationRequest, preq: PreprocessedRequest, dialect: Dialect,
+               trace: tracing.RequestTrace) -> RequestOwner:  # fmt: skip
+        entry.metrics.input_tokens.inc(len(preq.token_ids))
+        preq.trace_context = trace.traceparent
+        observer = RequestObserver(entry, dialect.endpoint, trace)
+        read = ReadBack(req.include_stop_str_in_output, req.skip_special_tokens, ToolReader.of(req))
+        return RequestOwner(entry, preq, Context(preq.request_id), observer, read)
+
+    async def _unary(self, request: Request, owner: RequestOwner, body: BodyEncoder, dialect: Dialect,
+                     route: object) -> Response:  # fmt: skip
+        ctx = owner.ctx
+        request.on_disconnect = ctx.stop_generating  # a client that leaves stops its generation
+        if request.disconnected:  # ... or that left while the request was being routed
+            ctx.stop_generating()
+        try:
+            async with owner:
+                async for delta in owner.deltas():
+                    body.add(delta)
+        except Exception as exc:  # noqa: BLE001
+            return dialect.error(exc, owner.request.request_id)
+        response = Response(body.body())
+        if route is not None:
+            response.headers["x-kvmesh-route"] = _json(route).decode()
+        return response
+
+    def _read_body(self, request: Request) -> bytes:
+        """The body the server read (it keeps none past the limit, only counts it)."""
+        limit = self.config.max_body_bytes
+        if request.body_size > limit:
+            raise PayloadTooLarge(f"the request body has {request.body_size} bytes; the limit is {limit} bytes")
+        return request.body
+
+    def _admit(self, tier: str | None) -> None:
+        """Shed by priority tier (body ``priority`` or header ``x-kvmesh-priority``)."""
+        shedder = self.registry.shedder
+        if shedder is None:
+            return
+        decision = shedder.admit(tier)
+        if not decision.allowed:
+            self.metrics.shed.labels(tier or "standard").inc()
+            raise ResourceExhausted(
+                f"the service is degraded and sheds {tier or 'standard'} requests now; retry later",
+                retry_after=decision.retry_after_s,
+            )
+
+
+# Constraints the grammar engine accepted already (validation is CPU work, done in a thread once).
+_GUIDED_OK: dict[GuidedDecoding, None] = {}
+_GUIDED_OK_MAX = 256
+
+
+async def _check_guided(g: GuidedDecoding) -> None:
+    """A 400 naming what the grammar engine refuses (unsupported schema feature, bad
+    regex or grammar), before the request is routed."""
+    if g in _GUIDED_OK:
+        return
+    await asyncio.to_thread(guided_grammar.check, g)
+    if len(_GUIDED_OK) >= _GUIDED_OK_MAX:
+        _GUIDED_OK.pop(next(iter(_GUIDED_OK)))
+    _GUIDED_OK[g] = None
+
+
+def require_json(request: Request) -> None:
+    """A POST body must be declared JSON: a web page can make a browser send text/plain or
+    a form to any address without a CORS preflight, never application/json."""
+    ctype = request.headers.get("content-type", "")
+    if ctype == _JSON or ctype.split(";", 1)[0].strip().lower() == _JSON:
+        return
+    got = repr(ctype[:80]) if ctype else "no content-type"
+    raise UnsupportedMediaType(
+        f"{request.path} takes a JSON body with content-type: application/json (got {got}; curl: -H "
+        "'content-type: application/json')"
+    )

@@ -34,12 +34,8 @@ def test_run_gives_up_on_a_crash_loop_with_the_engines_error():
     assert last == f"kvmesh run: 3 worker starts in a row failed; the last: {FAILED}", r.stderr
 
 
-async def _noop(*_: object) -> None:
-    return None
-
-
 async def test_backoff_doubles_per_failed_start_is_capped_and_resets_when_a_worker_gets_ready():
-    sup = Supervisor(WorkerConfig(), 1, _noop, _noop, backoff_s=0.5, max_backoff_s=3.0, max_failed_starts=6)
+    sup = Supervisor(WorkerConfig(), 1, backoff_s=0.5, max_backoff_s=3.0, max_failed_starts=6)
     delays = []
     for _ in range(5):
         assert sup._count_start(False, "boom")

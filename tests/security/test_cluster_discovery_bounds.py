@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvmesh.cli.planner import DiscoveryFleet
+from kvmesh.assembly.discovery_fleet import DiscoveryFleet
 from kvmesh.config import RuntimeConfig
 from kvmesh.observability.metrics import count_discovery_refusals
 from kvmesh.planner.orders import standby_key

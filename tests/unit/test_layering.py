@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engines", "router", "health", "planner"),
     ("disagg", "testing", "replay"),
     ("frontend", "worker"),
+    ("assembly",),
     ("cli",),
     ("",),  # the package itself (kvmesh/__init__.py): its public re-exports
 ]

@@ -83,7 +83,7 @@ def test_order_round_trips(action: str) -> None:
 
 
 async def test_discovery_fleet_promotes_by_role_and_a_move_drains_the_old_worker() -> None:
-    from kvmesh.cli.planner import DiscoveryFleet
+    from kvmesh.assembly.discovery_fleet import DiscoveryFleet
     from kvmesh.planner.core import Role
     from kvmesh.runtime.distributed import instance_key
     from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from kvmesh.cli.planner import EmbeddedFleet
+from kvmesh.assembly.embedded_fleet import EmbeddedFleet
 from kvmesh.observability.metrics import PlannerMetrics
 from kvmesh.planner.core import ActionKind, Observation, Planner, PlannerConfig, Role, WorkerView
 from kvmesh.planner.service import PlannerService
@@ -160,10 +160,8 @@ async def embedded(vet_ok: bool = True) -> tuple[EmbeddedFleet, Records, FakeSup
     async def vet(i: InstanceInfo) -> tuple[bool, str]:
         return vet_ok, "fake canary"
 
-    fleet = EmbeddedFleet(records.publish, records.unpublish,
-                          {0: Role.AGGREGATED, 1: Role.AGGREGATED, 2: Role.SPARE}, vet=vet)  # fmt: skip
     supervisor = FakeSupervisor(3)
-    fleet.main = supervisor
+    fleet = EmbeddedFleet(records, {0: Role.AGGREGATED, 1: Role.AGGREGATED, 2: Role.SPARE}, supervisor, vet=vet)
     for wid in (0, 1, 2):
         await fleet.on_ready(info(wid))
     await _settle()
@@ -178,7 +176,7 @@ async def test_embedded_spare_is_vetted_and_held_back_then_promoted_on_a_loss() 
     assert {(w.worker_id, w.role, w.routable) for w in obs.workers} == {
         (0, Role.AGGREGATED, True), (1, Role.AGGREGATED, True), (2, Role.SPARE, True)}  # fmt: skip
     service = PlannerService(Planner(CONFIG), fleet, 60.0, PlannerMetrics(CollectorRegistry()))
-    fleet.service = service
+    fleet.attach(service)
     await service.round()
     await fleet.on_exit(0)  # SIGKILLed: unpublished, counted as a loss
     assert records.published == {1}
@@ -247,10 +245,8 @@ async def test_ready_spares_get_idle_canaries_and_a_failing_one_is_stopped() -> 
         return results[-1], "fake canary"
 
     now = [0.0]
-    fleet = EmbeddedFleet(records.publish, records.unpublish, {0: Role.AGGREGATED, 1: Role.SPARE},
-                          clock=lambda: now[0], vet=vet)  # fmt: skip
     supervisor = FakeSupervisor(2)
-    fleet.main = supervisor
+    fleet = EmbeddedFleet(records, {0: Role.AGGREGATED, 1: Role.SPARE}, supervisor, clock=lambda: now[0], vet=vet)
     for wid in (0, 1):
         await fleet.on_ready(info(wid))
     await _settle()
@@ -283,7 +279,7 @@ async def test_live_planners_see_each_workers_batch_capacity() -> None:
     """``WorkerView.capacity`` comes from the worker's card (``max_num_seqs``, in its
     discovery record and its ready line), so the full-decode-batch rule works in the
     live planners as in replay: 8 running of 8 is a full batch, 7 of 8 is not."""
-    from kvmesh.cli.planner import DiscoveryFleet
+    from kvmesh.assembly.discovery_fleet import DiscoveryFleet
     from kvmesh.config import RuntimeConfig
     from kvmesh.protocol import LoadReport
     from kvmesh.runtime.discovery.memory import MemoryDiscovery

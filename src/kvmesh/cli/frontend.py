@@ -1,20 +1,22 @@
-"""``kvmesh frontend``: the HTTP API for workers found through discovery (or a static list)."""
+"""``kvmesh frontend``: the HTTP API for workers found through discovery (or a static
+list); the process is built by :mod:`kvmesh.assembly.frontend`. ``exposure_refusal``
+(no API open off loopback without keys) is ``kvmesh run``'s check too.
+
+The HTTP stack is imported by :func:`run_frontend` (``kvmesh run`` imports this module
+for the check only, before it forks its workers)."""
 
 from __future__ import annotations
 
 import atexit
 import ipaddress
 import logging
-import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
 
 from kvmesh.config import FrontendConfig, RuntimeConfig
 from kvmesh.errors import KvmeshError
-
-if TYPE_CHECKING:
-    from kvmesh.runtime.distributed import Client
+from kvmesh.observability import tracing
+from kvmesh.worker.child import event_loop_runner
 
 __all__ = ["run_frontend", "exposure_refusal"]
 
@@ -60,16 +62,13 @@ def run_frontend(
         print(f"kvmesh frontend: {refusal}", file=sys.stderr)
         return 2
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from kvmesh.observability import tracing  # trace ids in log lines; OTLP export when OTEL_EXPORT_ENABLED=1
-
-    tracing.setup("kvmesh-frontend")
+    tracing.setup("kvmesh-frontend")  # trace ids in log lines; OTLP export when OTEL_EXPORT_ENABLED=1
     atexit.register(tracing.shutdown)
+    from kvmesh.frontend.server import bind_http  # the HTTP stack, for this command only
+
     if cfg.router_shards > 1 and (cfg.router_mode != "kv" or (not static_workers and rcfg.event_plane != "zmq")):
         return _fail("--router-shards above 1 needs --router-mode kv and the zmq event plane (the shards subscribe to "
                      "each worker's own publisher)")
-    from kvmesh.cli.worker import event_loop_runner
-    from kvmesh.frontend.server import bind_http
-
     try:
         sock = bind_http(cfg.http_host, cfg.http_port)
     except OSError as exc:
@@ -85,43 +84,24 @@ def run_frontend(
 async def _serve(
     cfg: FrontendConfig, rcfg: RuntimeConfig, static_workers: list[str], model_path: str | None, sock: socket.socket, log_level: str
 ) -> int:
-    from kvmesh.frontend.app import Frontend
-    from kvmesh.frontend.serving import make_server
-    from kvmesh.frontend.sources import StaticWorkers, watch_workers
-    from kvmesh.runtime.distributed import Client, DistributedRuntime
-
+    """The frontend process (:mod:`kvmesh.assembly.frontend`) until SIGTERM/SIGINT."""
+    from kvmesh.assembly.frontend import FrontendProcess
+    from kvmesh.runtime.distributed import DistributedRuntime
     from kvmesh.runtime.event_plane import make_event_plane
 
     runtime = None
     if static_workers:
-        frontend = Frontend(cfg, make_event_plane("zmq", host=rcfg.host))
+        process = await FrontendProcess.over_static(cfg, rcfg, static_workers, model_path)
     else:
         runtime = DistributedRuntime(rcfg)
         await runtime.start()
         plane = make_event_plane(rcfg.event_plane, nats_client=runtime.nats, namespace=rcfg.namespace, host=rcfg.host)
-        frontend = Frontend(cfg, plane)
-    if model_path:
-        frontend.registry.add_model(model_path)
-    source: StaticWorkers | Client  # both: close() when done
-    if static_workers:
-        static = StaticWorkers(static_workers, frontend.registry)
-        await static.start()
-        source = static
-    else:
-        assert runtime is not None
-        source = await watch_workers(runtime, frontend.registry)
-        from kvmesh.frontend.sources import watch_prefill_workers  # observability: prefill workers' metrics
-
-        runtime.add_closer((await watch_prefill_workers(runtime, frontend.prefill_workers)).close)
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    server = make_server(frontend.app, log_level)
-    server.config.timeout_graceful_shutdown = 5
+        process = await FrontendProcess.over_discovery(cfg, runtime, plane, model_path)
     try:
         print(f"kvmesh: frontend serving http://{cfg.http_host}:{sock.getsockname()[1]}/v1", flush=True)
-        await server.serve(sockets=[sock])
+        await process.serve(sock, log_level)
     finally:
-        await source.close()
+        await process.close()
         if runtime is not None:
             await runtime.shutdown()
     return 0

@@ -42,7 +42,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Role", "WorkerView", "Observation", "PlannerConfig", "Action", "ActionKind", "Plan", "Planner"]
+from kvmesh.protocol import InstanceInfo, LoadReport
+
+__all__ = ["Role", "WorkerView", "worker_view", "Observation", "PlannerConfig", "Action", "ActionKind", "Plan", "Planner"]
 
 
 class Role(enum.Enum):
@@ -72,6 +74,14 @@ class WorkerView:
     @property
     def load(self) -> float:
         return self.kv_usage + self.running + 2 * self.waiting
+
+
+def worker_view(worker_id: int, role: Role, routable: bool, r: LoadReport | None, info: InstanceInfo | None) -> WorkerView:
+    """What the planner sees of a live worker: its load report (None: none yet) and its
+    card, whose ``max_num_seqs`` is the batch capacity (the full-decode-batch rule)."""
+    kv = r.active_blocks / r.total_blocks if r is not None and r.total_blocks > 0 else 0.0
+    capacity = info.engine.max_num_seqs if info is not None else 0
+    return WorkerView(worker_id, role, routable, kv, r.num_running if r else 0, r.num_waiting if r else 0, max(0, capacity))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ and the order, label ``planner``) and its ``seq`` is newer than the last one obe
 a process that can write to discovery but lacks the secret cannot promote or stop a
 worker, nor replay an old order.
 
-:class:`kvmesh.cli.planner.DiscoveryFleet` is the planner's
+:class:`kvmesh.assembly.discovery_fleet.DiscoveryFleet` is the planner's
 :class:`~kvmesh.planner.service.Fleet` here: it observes the instances (serving: ``backend``; prefill: ``prefill``), the
 standby workers and their load reports; a standby is vetted by a greedy canary whose
 answer must agree with a serving worker's (tokens and top log-probability). It cannot

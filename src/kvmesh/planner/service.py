@@ -4,7 +4,7 @@ a loss), each round an :class:`~kvmesh.planner.core.Observation` in, the pure co
 in the metrics and carried out through a :class:`Fleet`.
 
 Two fleets implement the seam: ``kvmesh run --planner`` acts on the run's worker
-supervisor (:mod:`kvmesh.cli.planner`), ``kvmesh planner`` through signed orders in
+supervisors (:mod:`kvmesh.assembly.embedded_fleet`), ``kvmesh planner`` through signed orders in
 discovery (:mod:`kvmesh.planner.orders`). Neither blocks a round for long: a start is
 launched, a drain runs in the fleet's own task.
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from prometheus_client import Histogram
 
-__all__ = ["window_quantile", "histogram_buckets", "Buckets"]
+__all__ = ["window_quantile", "histogram_buckets", "align", "Buckets"]
 
 Buckets = tuple[tuple[float, ...], tuple[float, ...]]  # (upper bounds, cumulative counts), +Inf last
 
@@ -50,3 +50,9 @@ def histogram_buckets(histogram: Histogram) -> Buckets:
                 sums[le] = sums.get(le, 0.0) + sample.value
     bounds = tuple(sorted(sums))
     return bounds, tuple(sums[b] for b in bounds)
+
+
+def align(before: Buckets, now: Buckets) -> tuple[float, ...]:
+    """``before``'s counts on ``now``'s bounds (a label set that appeared since: 0)."""
+    counts = dict(zip(*before))
+    return tuple(counts.get(b, 0.0) for b in now[0])

@@ -8,7 +8,7 @@ object from stdin (pickled by its own parent, over a pipe nobody else holds).
 
 A worker that cannot start writes one line to stdout, ``KVMESH_FAILED <message>``
 (the engine's own error, whatever the engine), and exits 1: the supervisor reads it
-as it reads the READY line, and :mod:`kvmesh.cli.run` prints it when it gives up.
+as it reads the READY line, and ``kvmesh run`` prints it when it gives up.
 """
 
 from __future__ import annotations

@@ -40,22 +40,38 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from kvmesh.config import WorkerConfig
 from kvmesh.protocol import InstanceInfo
 from kvmesh.worker.child import FAILED_PREFIX
-from kvmesh.worker.main import READY_PREFIX
+from kvmesh.worker.registration import READY_PREFIX
 
-__all__ = ["Supervisor", "worker_command", "prefork", "ForkedWorker", "processes", "slot_config"]
+__all__ = ["Supervisor", "WorkerEvents", "worker_command", "prefork", "ForkedWorker", "processes", "slot_config"]
 
 log = logging.getLogger("kvmesh.supervisor")
 
 _decode_info = msgspec.json.Decoder(InstanceInfo).decode
+
+
+class WorkerEvents(Protocol):
+    """What a supervisor reports of its workers (each call awaited in turn)."""
+
+    async def on_ready(self, info: InstanceInfo) -> None:
+        """A worker is up: its READY line, the card it would register."""
+        ...
+
+    async def on_exit(self, worker_id: int) -> None:
+        """A worker that was ready has exited."""
+        ...
+
+    async def on_failed(self, worker_id: int, why: str) -> None:
+        """A worker exited before it was ready (``why``: its KVMESH_FAILED line, or its code)."""
+        ...
 
 
 def worker_command() -> list[str]:
@@ -189,12 +205,13 @@ def _die_with(parent: int) -> None:
 
 
 class Supervisor:
+    """Keeps ``count`` workers of ``template`` running from :meth:`start` (which says
+    whom to report to) until :meth:`stop`; see the module docstring."""
+
     def __init__(
         self,
         template: WorkerConfig,
         count: int,
-        on_ready: Callable[[InstanceInfo], Awaitable[None]],
-        on_exit: Callable[[int], Awaitable[None]],
         restart: bool = True,
         backoff_s: float = 0.5,
         startup_timeout_s: float = 60.0,
@@ -203,15 +220,12 @@ class Supervisor:
         max_failed_starts: int = 5,
         max_backoff_s: float = 10.0,
         per_process: int = 1,
-        on_failed: Callable[[int, str], Awaitable[None]] | None = None,
     ) -> None:
         self.template = template
         self.count = count  # workers
         self.per_process = per_process
         self.first_id = first_id  # worker ids first_id, first_id + 1, ...; replacements after them
-        self.on_ready = on_ready
-        self.on_exit = on_exit
-        self.on_failed = on_failed  # a worker that exited before it was ready (id, why)
+        self.events: WorkerEvents | None = None  # set by start()
         self.restart = restart
         self.backoff_s = backoff_s
         self.startup_timeout_s = startup_timeout_s
@@ -228,7 +242,9 @@ class Supervisor:
         self.failed = asyncio.Event()  # set when the supervisor gives up (see error)
         self.error = ""
 
-    def start(self) -> None:
+    def start(self, events: WorkerEvents) -> None:
+        """Start (or adopt) the workers; their ready, exit and failed starts go to ``events``."""
+        self.events = events
         for slot in range(processes(self.count, self.per_process)):
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep(slot)))
 
@@ -315,14 +331,20 @@ class Supervisor:
         finally:
             self.procs.pop(cfg.worker_id, None)
             for worker_id in ready:
-                await self.on_exit(worker_id)
+                await self._events.on_exit(worker_id)
         if not self._stopping:
             self.exits += 1
             log.warning("worker %d (pid %d) exited with code %s", cfg.worker_id, proc.pid, code)
         why = failure[-1] if failure else f"the worker exited with code {code} before it was ready"
-        if not ready and self.on_failed is not None and not self._stopping:
-            await self.on_failed(cfg.worker_id, why)
+        if not ready and not self._stopping:
+            await self._events.on_failed(cfg.worker_id, why)
         return bool(ready), why
+
+    @property
+    def _events(self) -> WorkerEvents:
+        if self.events is None:
+            raise RuntimeError("Supervisor.start() was not called")
+        return self.events
 
     async def _exec(self, cfg: WorkerConfig) -> Any:
         """A replacement worker: a fresh interpreter, its config object on stdin."""
@@ -347,7 +369,7 @@ class Supervisor:
             if text.startswith(READY_PREFIX):
                 info = _decode_info(text[len(READY_PREFIX) :])
                 ready.append(info.worker_id)
-                await self.on_ready(info)
+                await self._events.on_ready(info)
                 continue
             if text.startswith(FAILED_PREFIX):
                 failure.append(text[len(FAILED_PREFIX) :].strip())

@@ -1,0 +1,206 @@
+"""The planner's fleet in ``kvmesh planner`` (distributed): it acts through signed
+orders in discovery (see :mod:`kvmesh.planner.orders` for the keys, the orders and the
+standby workers).
+
+:class:`DiscoveryFleet` observes the instances (serving: ``backend``; prefill:
+``prefill``), the standby workers and their load reports; a standby is vetted by a
+greedy canary whose answer must agree with a serving worker's (tokens and top
+log-probability). It cannot start processes: ``start`` promotes a vetted standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from kvmesh.errors import KvmeshError
+from kvmesh.health.canary import CanaryOutput, agree
+from kvmesh.health.monitor import generate_greedy
+from kvmesh.planner.core import Observation, Role, WorkerView, worker_view
+from kvmesh.planner.orders import Order, order_key, planner_prefix, sign_order
+from kvmesh.planner.service import PlannerService
+from kvmesh.protocol import InstanceInfo, LoadReport
+from kvmesh.runtime.auth import ClusterSecret
+from kvmesh.runtime.distributed import DistributedRuntime, call, endpoint_prefix, record_is_signed
+from kvmesh.runtime.names import COMPONENT, GENERATE, LOAD, PREFILL_COMPONENT
+
+__all__ = ["DiscoveryFleet"]
+
+log = logging.getLogger("kvmesh.planner")
+
+_decode_load = msgspec.msgpack.Decoder(LoadReport).decode
+_decode_info = msgspec.json.Decoder(InstanceInfo).decode
+_encode = msgspec.json.encode
+_VET_PROMPT = list(range(1, 17))
+_VET_TOKENS = 4
+_LOGPROB_TOLERANCE = 0.5
+
+
+class DiscoveryFleet:
+    """The planner's fleet through discovery (see the module docstring)."""
+
+    def __init__(
+        self, runtime: DistributedRuntime, min_serving: int = 1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.runtime = runtime
+        self.ns = runtime.config.namespace
+        self.min_serving = min_serving
+        self.clock = clock
+        self.vetted: dict[int, bool] = {}  # standby -> its canary agreed with a serving worker
+        self.promoting: dict[int, Role] = {}  # standby ordered to serve, not registered yet
+        self.moves: dict[int, int] = {}  # promoted standby -> the worker it takes over from
+        self.loads: dict[int, LoadReport | None] = {}
+        self._poller: asyncio.Task[None] | None = None
+        self._serving: dict[int, tuple[Role, InstanceInfo]] = {}
+        self._standby: dict[int, InstanceInfo] = {}
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+
+    async def watch_losses(self, service: PlannerService) -> None:
+        """Wake the planner when a serving instance's record goes (a lost worker)."""
+        prefix = endpoint_prefix(self.ns, COMPONENT, GENERATE)
+        async for event in self.runtime.discovery.watch_prefix(prefix):
+            if event.kind == "delete":
+                service.wake()
+
+    async def settled(self) -> None:
+        """Wait until ``min_serving`` serving workers are registered (the plan's sizes)."""
+        while True:
+            await self._scan()
+            if len(self._serving) >= self.min_serving:
+                return
+            await asyncio.sleep(0.2)
+
+    async def observe(self) -> Observation:
+        await self._scan()
+        # loads and standby canaries in the background (a canary may take seconds): a
+        # round uses what the last poll found
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        views = [self._view(w, role) for w, (role, _) in sorted(self._serving.items())]
+        views += [WorkerView(w, Role.SPARE, self.vetted.get(w, False)) for w in sorted(self._standby) if w not in self.promoting]
+        starting = tuple(self.promoting.values())
+        return Observation(self.clock(), tuple(views), starting)
+
+    async def promote(self, worker_id: int, role: Role) -> None:
+        """Order a vetted standby of ``role``'s kind to serve: ``worker_id`` if it fits
+        (a prefill standby for the prefill role, another for the rest), else another."""
+        fits = self._ready_standbys(role)
+        if not fits:
+            raise KvmeshError(f"no vetted {role.value} standby to promote")
+        chosen = worker_id if worker_id in fits else fits[0]
+        await self._order(chosen, "serve", f"promoted to {role.value}")
+        self.promoting[chosen] = role
+
+    async def start(self, role: Role) -> None:
+        """The planner cannot start processes here: a start promotes a ready standby."""
+        if role is Role.SPARE or not self._ready_standbys(role):
+            raise KvmeshError(f"no standby to start a {role.value} worker from: start `kvmesh worker --standby` processes")
+        await self.promote(self._ready_standbys(role)[0], role)
+
+    async def stop(self, worker_id: int) -> None:
+        await self._order(worker_id, "stop", "planner: scale down")
+
+    async def move(self, worker_id: int, role: Role) -> None:
+        """A worker's role is fixed by its flags here: a standby of the new role is
+        promoted, and ``worker_id`` is ordered to drain once that one is registered."""
+        await self.start(role)
+        self.moves[next(w for w, r in self.promoting.items() if r is role)] = worker_id
+
+    def _ready_standbys(self, role: Role) -> list[int]:
+        component = PREFILL_COMPONENT if role is Role.PREFILL else COMPONENT
+        return [
+            w for w, info in sorted(self._standby.items())
+            if self.vetted.get(w) and w not in self.promoting and (info.component or COMPONENT) == component
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------ steps
+    async def _order(self, worker_id: int, action: Literal["serve", "stop"], reason: str) -> None:
+        rt = self.runtime
+        key = order_key(self.ns, worker_id)
+        order = sign_order(rt.secret, key, Order(worker_id, action, time.time_ns(), reason))
+        await rt.put_leased(key, _encode(order))
+
+    async def _scan(self) -> None:
+        """Serving instances and standby workers with a valid record."""
+        secret = self.runtime.secret
+        serving: dict[int, tuple[Role, InstanceInfo]] = {}
+        for component, role in ((COMPONENT, Role.AGGREGATED), (PREFILL_COMPONENT, Role.PREFILL)):
+            for key, value in (await self.runtime.discovery.get_prefix(endpoint_prefix(self.ns, component, GENERATE))).items():
+                info = self._valid(secret, key, value)
+                if info is not None:
+                    serving[info.worker_id] = (role, info)
+        if any(r is Role.PREFILL for r, _ in serving.values()):  # a disaggregated fleet: the others decode
+            serving = {w: (Role.DECODE if r is Role.AGGREGATED else r, i) for w, (r, i) in serving.items()}
+        standby: dict[int, InstanceInfo] = {}
+        for key, value in (await self.runtime.discovery.get_prefix(f"{planner_prefix(self.ns)}standby/")).items():
+            info = self._valid(secret, key, value)
+            if info is not None and info.worker_id not in serving:
+                standby[info.worker_id] = info
+        for w in [w for w in self.promoting if w in serving or w not in standby]:
+            del self.promoting[w]  # registered (or gone)
+            old = self.moves.pop(w, None)
+            if old is not None and w in serving:  # the move's new worker serves: the old one drains
+                await self._order(old, "stop", f"moved to worker {w:x}")
+        self._serving, self._standby = serving, standby
+        for w in [w for w in self.vetted if w not in standby]:
+            del self.vetted[w]
+
+    @staticmethod
+    def _valid(secret: ClusterSecret | None, key: str, value: bytes) -> InstanceInfo | None:
+        try:
+            info = _decode_info(value)
+        except msgspec.DecodeError:
+            return None
+        return info if record_is_signed(secret, key, info) else None
+
+    async def _poll(self) -> None:
+        """Load reports of the serving workers; a canary for each standby not vetted yet."""
+        async def load(worker_id: int, info: InstanceInfo) -> None:
+            self.loads[worker_id] = await self._call_load(info)
+
+        await asyncio.gather(*(load(w, i) for w, (_, i) in self._serving.items()))
+        reference = next((i for _, i in self._serving.values()), None)
+        pending = [i for w, i in self._standby.items() if not self.vetted.get(w)]
+        if reference is not None and pending:
+            await asyncio.gather(*(self._vet(i, reference) for i in pending))
+
+    async def _call_load(self, info: InstanceInfo) -> LoadReport | None:
+        client = await self.runtime.client_for(info, 2.0, 2.0)
+        try:
+            return await asyncio.wait_for(call(client, LOAD, decode=_decode_load), 2.0)
+        except (KvmeshError, TimeoutError, OSError):
+            return None
+        finally:
+            await client.close()
+
+    async def _vet(self, standby: InstanceInfo, reference: InstanceInfo) -> None:
+        answers = await asyncio.gather(self._greedy(standby), self._greedy(reference))
+        if answers[0] is None or answers[1] is None:
+            return
+        ok = agree([answers[0]], [answers[1]], _LOGPROB_TOLERANCE)
+        self.vetted[standby.worker_id] = ok
+        if not ok:
+            log.warning("standby %x answers the canary unlike serving worker %x", standby.worker_id, reference.worker_id)
+
+    async def _greedy(self, info: InstanceInfo) -> CanaryOutput | None:
+        client = await self.runtime.client_for(info, 2.0, 10.0)
+        try:
+            model = info.engine.served_model_name
+            tokens, top = await asyncio.wait_for(generate_greedy(client, model, _VET_PROMPT, _VET_TOKENS), 10.0)
+        except (KvmeshError, TimeoutError, OSError):
+            return None
+        finally:
+            await client.close()
+        return CanaryOutput(_VET_PROMPT, tokens, top)
+
+    def _view(self, worker_id: int, role: Role) -> WorkerView:
+        return worker_view(worker_id, role, True, self.loads.get(worker_id), self._serving[worker_id][1])

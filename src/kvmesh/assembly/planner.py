@@ -1,0 +1,117 @@
+"""The planner's wiring: over the embedded run's fleet (``kvmesh run --planner``), or
+over a distributed fleet through discovery (``kvmesh planner``)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from kvmesh.assembly.discovery_fleet import DiscoveryFleet
+from kvmesh.assembly.embedded_fleet import EmbeddedFleet, Launcher, Records
+from kvmesh.assembly.records import PREFILL_FIRST_ID
+from kvmesh.config import PlannerConfig as PlannerSettings
+from kvmesh.config import RunConfig, RuntimeConfig
+from kvmesh.observability.metrics import PlannerMetrics, count_discovery_refusals
+from kvmesh.observability.metrics_server import MetricsServer, serve_registry
+from kvmesh.planner.core import Planner, PlannerConfig, Role
+from kvmesh.planner.service import PlannerService
+from kvmesh.runtime import auth
+from kvmesh.runtime.distributed import DistributedRuntime
+
+if TYPE_CHECKING:
+    from kvmesh.frontend.app import Frontend
+
+__all__ = ["planner_config", "planned_roles", "embedded_fleet", "plan_embedded", "plan_distributed"]
+
+
+def planner_config(cfg: RunConfig) -> PlannerConfig:
+    """The core's configuration from ``kvmesh run``'s flags and the frontend's SLOs."""
+    p = cfg.planner
+    start = cfg.decode_workers + cfg.prefill_workers if cfg.disaggregated else cfg.workers
+    min_workers = p.min_workers if p.min_workers is not None else start
+    max_workers = p.max_workers if p.max_workers is not None else start + p.hot_spares
+    return PlannerConfig(
+        min_workers=min_workers,
+        max_workers=max(max_workers, min_workers),
+        hot_spares=p.hot_spares,
+        slo_ttft_ms=cfg.frontend.slo_ttft_ms,
+        slo_itl_ms=cfg.frontend.slo_tpot_ms,
+        hold_rounds=p.planner_hold_rounds,
+        cooldown_s=p.planner_cooldown_s,
+    )
+
+
+def planned_roles(cfg: RunConfig) -> dict[int, Role]:
+    """The planner's view of the run's workers about to start: serving ones, then spares."""
+    spares = cfg.planner.hot_spares
+    if cfg.disaggregated:
+        roles = {i: Role.DECODE for i in range(cfg.decode_workers)}
+        roles.update({cfg.decode_workers + i: Role.SPARE for i in range(spares)})
+        roles.update({PREFILL_FIRST_ID + i: Role.PREFILL for i in range(cfg.prefill_workers)})
+    else:
+        roles = {i: Role.AGGREGATED for i in range(cfg.workers)}
+        roles.update({cfg.workers + i: Role.SPARE for i in range(spares)})
+    return roles
+
+
+def embedded_fleet(
+    cfg: RunConfig,
+    records: Records,
+    main: Launcher,
+    prefill: Launcher | None,
+    queue_tokens: Callable[[], Awaitable[int]] | None,
+) -> EmbeddedFleet:
+    """The planner's fleet over the run's supervisors, its workers in their planned roles."""
+    return EmbeddedFleet(records, planned_roles(cfg), main, prefill, queue_tokens)
+
+
+def plan_embedded(cfg: RunConfig, fleet: EmbeddedFleet, frontend: Frontend, runtime: DistributedRuntime) -> PlannerService:
+    """Plan over the run's fleet, observed through its frontend (metrics in the
+    frontend's registry); started."""
+    metrics = PlannerMetrics(frontend.metrics.registry)
+    service = PlannerService(Planner(planner_config(cfg)), fleet, cfg.planner.planner_interval_s, metrics)
+    fleet.attach(service, frontend, runtime)
+    service.start()
+    return service
+
+
+async def plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfig) -> int:
+    """``kvmesh planner``: plan a distributed fleet until SIGTERM/SIGINT."""
+    min_workers = settings.min_workers or 1
+    config = PlannerConfig(
+        min_workers=min_workers,
+        max_workers=max(settings.max_workers or 1024, min_workers),
+        hot_spares=settings.hot_spares,
+        hold_rounds=settings.planner_hold_rounds,
+        cooldown_s=settings.planner_cooldown_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runtime = DistributedRuntime(runtime_cfg)
+    await runtime.start()
+    metrics = PlannerMetrics()
+    count_discovery_refusals(metrics.registry, runtime.discovery.refused)
+    metrics_server: MetricsServer | None = None
+    if settings.planner_metrics_port is not None:  # on this loop, loopback by default, token asked with a secret
+        host, port = settings.planner_metrics_host, settings.planner_metrics_port
+        metrics_server, _ = await serve_registry(metrics.registry, host, port, auth.process_secret())
+    fleet = DiscoveryFleet(runtime, min_serving=min_workers)
+    service = PlannerService(Planner(config), fleet, settings.planner_interval_s, metrics)
+    watch = loop.create_task(fleet.watch_losses(service))
+    service.start()
+    print(f"kvmesh planner: planning namespace {runtime_cfg.namespace!r} ({settings.hot_spares} hot spares)", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await service.close()
+        await fleet.close()
+        if metrics_server is not None:
+            await metrics_server.close()
+        await runtime.shutdown()
+    return 0

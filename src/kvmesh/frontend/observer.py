@@ -123,10 +123,6 @@ class RequestObserver:
             span.set_attribute("target_worker", f"{worker_id:x}")
             span.end()
 
-    @property
-    def moving_now(self) -> bool:
-        return self._moved is not None
-
     # ---------------------------------------------------------------- tokens and the end
     def tokens(self, n: int) -> bool:
         """``n`` tokens arrived in one chunk; True for the request's first."""

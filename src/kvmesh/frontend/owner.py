@@ -120,7 +120,7 @@ class RequestOwner:
 
     __slots__ = ("entry", "request", "ctx", "observer", "read", "worker_id", "_booking", "_tried", "_migrations_left",
                  "_generated", "_handoff", "_link", "_detok", "_matcher", "_ended", "_held", "_held_logprobs",
-                 "_cached", "_error", "_gen", "_decode")  # fmt: skip
+                 "_cached", "_error", "_gen", "_decode", "_moving", "_want_logprobs")  # fmt: skip
 
     def __init__(self, entry: ModelEntry, request: PreprocessedRequest, ctx: Context, observer: RequestObserver,
                  read: ReadBack) -> None:  # fmt: skip
@@ -140,6 +140,8 @@ class RequestOwner:
         self._held: list[str] | None = [] if read.tools is not None else None  # a possible tool call is held back
         self._held_logprobs: list[TokenLogprob] = []
         self._cached = 0
+        self._moving = False  # moved to another worker, which has not answered yet
+        self._want_logprobs = request.output.logprobs is not None
         self._error: BaseException | None = None
         self._gen: AsyncGenerator[Delta, None] | None = None
         pre = entry.preprocessor
@@ -232,7 +234,8 @@ class RequestOwner:
     def _on_chunk(self, chunk: OutputChunk) -> Text | None:
         """One worker chunk → the text it releases (None: nothing to send yet); sets
         ``_ended`` at the stream's end or a stop string."""
-        if self.observer.moving_now:
+        if self._moving:
+            self._moving = False
             self.observer.answered(self.worker_id or 0)
         if chunk.disaggregated_params is not None:
             self._handoff = chunk.disaggregated_params
@@ -261,10 +264,14 @@ class RequestOwner:
             if finish == "error":
                 raise Unknown(chunk.error or "the engine reported an error")
             self._ended = finish
-        return self._text(text, chunk.logprobs)
+        wire = chunk.logprobs
+        if self._held is None and not (wire and self._want_logprobs):
+            return Text(text) if text else None
+        return self._text(text, wire)
 
     def _text(self, text: str, wire: list[WireLogprob] | None) -> Text | None:
-        logprobs = self._logprobs(wire) if wire and self.request.output.logprobs is not None else None
+        """Text with logprobs, or text held back (a possible tool call)."""
+        logprobs = self._logprobs(wire) if wire and self._want_logprobs else None
         if self._held is not None:
             self._held.append(text)
             if logprobs:
@@ -290,7 +297,7 @@ class RequestOwner:
         tools = self.read.tools
         if self._held is not None and tools is not None:
             text = "".join(self._held)
-            logprobs = tuple(self._held_logprobs) if self.request.output.logprobs is not None else None
+            logprobs = tuple(self._held_logprobs) if self._want_logprobs else None
             call = tools.read(text)
             if call is None:
                 if text or logprobs:
@@ -332,6 +339,7 @@ class RequestOwner:
         generated = self._generated
         method = migration_method(len(self.request.token_ids), len(generated), self._handoff)
         self.observer.moving(method, source, len(generated), exc)
+        self._moving = True
         request = resume_request(self.request, generated)
         if self._handoff is not None and method == "kv_transfer":
             request = msgspec.structs.replace(request, disaggregated_params=self._handoff)

@@ -210,6 +210,7 @@ class SecurityConfig:
 _HEALTH = "health (canary checks, circuit breakers)"
 _DEGRADE = "graceful degradation (capacity of healthy workers vs demand, priority shedding)"
 _KV = "KV-aware routing (--router-mode kv | kv-approx)"
+_STORE = "stored responses (/v1/responses previous_response_id; in this process's memory)"
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,15 @@ class FrontendConfig:
     slo_output_tokens: int = setting(256, "average output tokens", check=positive, group=_DEGRADE)
     slo_max_batch: int = setting(256, "sequences one worker runs at once", check=positive, group=_DEGRADE)
     shed_retry_after_s: float = setting(30.0, "Retry-After of shed requests (s)", check=positive, group=_DEGRADE)
+    responses_store_entries: int = setting(
+        10_000, "responses kept for previous_response_id, oldest dropped first (0: none kept)", check=non_negative,
+        group=_STORE,
+    )  # fmt: skip
+    responses_store_bytes: int = setting(
+        256 * 1024 * 1024, "bytes of stored conversations in all; one larger than this is not kept", check=positive,
+        group=_STORE,
+    )  # fmt: skip
+    responses_store_ttl_s: float = setting(3600.0, "seconds a stored response can be continued", check=positive, group=_STORE)
     # the public edge (issue 12): HTTP limits and who may call what
     http: HttpLimits = field(default_factory=HttpLimits)
     security: SecurityConfig = field(default_factory=SecurityConfig)

@@ -64,13 +64,14 @@ def _body(required: dict) -> st.SearchStrategy[dict]:
 
 _chat = _body({"messages": st.one_of(st.lists(_message, max_size=4), _json)})
 _completion = _body({"prompt": st.one_of(st.text(max_size=80), st.lists(st.integers(-3, 5000), max_size=20), _json)})
+_responses = _body({"input": st.one_of(st.text(max_size=80), st.lists(_message, max_size=4), _json)})
 _raw = st.binary(max_size=200).map(lambda b: b'{"model": "kvmesh-tiny", "prompt": "' + b + b'"}')
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(
-    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
-    body=st.one_of(_chat.map(lambda d: json.dumps(d).encode()), _completion.map(lambda d: json.dumps(d).encode()), _raw),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]),
+    body=st.one_of(*(b.map(lambda d: json.dumps(d).encode()) for b in (_chat, _completion, _responses)), _raw),
 )
 def test_fuzzed_bodies_never_get_a_5xx(client, path, body):
     r = client.post(path, content=body, headers={"content-type": "application/json"})
@@ -104,7 +105,10 @@ def test_the_server_answers_after_schemathesis(server):
 
 def test_openapi_describes_the_real_routes(client):
     doc = client.get("/openapi.json").json()
-    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics", "/openapi.json"}
+    assert set(doc["paths"]) == {
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health", "/live",
+        "/metrics", "/openapi.json",
+    }  # fmt: skip
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat["$ref"].endswith("/ChatCompletionRequest")
     assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["required"]

@@ -84,7 +84,8 @@ def test_response_ids_are_random():
 
 
 def test_responses_text_input_and_instructions_become_system_then_user():
-    chat, turns = responses_api.to_chat(_responses({"input": "hi", "instructions": "be brief", "max_output_tokens": 9}), [])
+    chat = responses_api.to_chat(_responses({"input": "hi", "instructions": "be brief", "max_output_tokens": 9}), [], "r")
+    turns = chat.turns
     assert [(m.role, m.content) for m in chat.messages] == [("system", "be brief"), ("user", "hi")]
     assert [(m.role, m.content) for m in turns] == [("user", "hi")]  # instructions are not carried over
     assert chat.token_limit() == 9
@@ -97,7 +98,8 @@ def test_responses_items_history_and_tool_round_trip():
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
     ]})  # fmt: skip
-    chat, turns = responses_api.to_chat(req, history)
+    chat = responses_api.to_chat(req, history, "r")
+    turns = chat.turns
     roles = [m.role for m in chat.messages]
     assert roles == ["user", "system", "assistant", "tool"]
     call = json.loads(bytes(chat.messages[2].tool_calls[0]))
@@ -114,11 +116,11 @@ def test_responses_tools_choice_and_json_schema_format_map_to_the_chat_fields():
         "input": "x", "tools": [{"type": "function", "name": "f", "parameters": schema}],
         "tool_choice": {"type": "function", "name": "f"},
     })  # fmt: skip
-    chat, _ = responses_api.to_chat(req, [])
+    chat = responses_api.to_chat(req, [], "r")
     assert chat.tools[0].function.name == "f" and chat.tools[0].function.parameters == schema
     assert chat.tool_choice.function.name == "f"
     req = _responses({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}})
-    chat, _ = responses_api.to_chat(req, [])
+    chat = responses_api.to_chat(req, [], "r")
     assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema == schema
 
 
@@ -134,7 +136,7 @@ def test_responses_tools_choice_and_json_schema_format_map_to_the_chat_fields():
 )
 def test_responses_bad_items_are_400s_naming_the_field(body, where):
     with pytest.raises(InvalidArgument, match=f"at `\\$.{where.replace('[', '.').replace(']', '.')}"):
-        responses_api.to_chat(_responses(body), [])
+        responses_api.to_chat(_responses(body), [], "r")
 
 
 def test_responses_unknown_item_types_are_refused_by_the_schema():
@@ -398,3 +400,86 @@ def test_messages_error_event_is_raised_by_the_anthropic_client():
         list(_anthropic(raw, stream=True).messages.create(
             model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}], stream=True
         ))  # fmt: skip
+
+
+# ---------------------------------------------------------------- the dialects' parse and store, and the key
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_responses_dialect_chains_through_the_store_until_the_ttl():
+    from kvmesh.frontend.dialects.responses import responses_dialect
+
+    clock = _Clock()
+    dialect = responses_dialect(ResponseStore(10, 10_000, ttl_s=60), clock)
+    limits = SecurityConfig()
+    first = dialect.parse(b'{"model":"m","input":"My name is Ada.","instructions":"Be brief."}', limits)
+    body = dialect.body(first, None)
+    for d in [START, Text("Hello Ada"), Finish("stop", USAGE)]:
+        body.add(d)
+    assert json.loads(body.body())["id"] == first.response_id
+    ask = b'{"model":"m","input":"Who am I?","previous_response_id":"%s"}' % first.response_id.encode()
+    second = dialect.parse(ask, limits)
+    assert [(m.role, m.content) for m in second.messages] == [
+        ("user", "My name is Ada."), ("assistant", "Hello Ada"), ("user", "Who am I?"),
+    ]  # fmt: skip
+    clock.now = 60.0
+    with pytest.raises(InvalidArgument, match=r"not found.*at `\$\.previous_response_id`"):
+        dialect.parse(ask, limits)
+
+
+def test_responses_dialect_keeps_nothing_without_store_and_bounds_the_whole_conversation():
+    from kvmesh.frontend.dialects.responses import responses_dialect
+
+    store = ResponseStore(10, 10_000, ttl_s=60)
+    dialect = responses_dialect(store, _Clock())
+    unstored = dialect.parse(b'{"model":"m","input":"x","store":false}', SecurityConfig())
+    events = dialect.stream(unstored)
+    for d in [START, Text("y"), Finish("stop", USAGE)]:
+        events.encode(d)
+    assert len(store) == 0
+    stored = dialect.parse(b'{"model":"m","input":"' + b"a" * 60 + b'"}', SecurityConfig())
+    events = dialect.stream(stored)
+    for d in [START, Text("b" * 30), Finish("stop", USAGE)]:
+        events.encode(d)
+    assert len(store) == 1
+    ask = b'{"model":"m","input":"' + b"c" * 20 + b'","previous_response_id":"%s"}' % stored.response_id.encode()
+    with pytest.raises(InvalidArgument, match="with the 2 earlier messages of previous_response_id"):
+        dialect.parse(ask, SecurityConfig(max_message_chars=100))  # 20 new characters alone would pass
+
+
+def test_messages_dialect_errors_in_anthropic_shape():
+    from kvmesh.frontend.dialects.messages import MESSAGES
+
+    with pytest.raises(InvalidArgument) as caught:
+        MESSAGES.parse(b'{"model":"m","max_tokens":0,"messages":[{"role":"user","content":"x"}]}', SecurityConfig())
+    response = MESSAGES.error(caught.value, "rid")
+    assert response.status == 400 and response.headers["x-request-id"] == "rid"
+    body = json.loads(response.body)
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error" and body["request_id"] == "rid"
+    assert "max_tokens" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"authorization": "Bearer k1"}, "Bearer k1"),
+        ({"x-api-key": "k2"}, "Bearer k2"),
+        ({"authorization": "Bearer k1", "x-api-key": "k2"}, "Bearer k1"),
+        ({"x-api-key": ""}, None),
+        ({}, None),
+    ],
+)
+def test_the_key_is_read_from_authorization_or_x_api_key(headers, expected):
+    from kvmesh.frontend.auth import Authenticator, presented
+
+    assert presented(headers) == expected
+    auth = Authenticator(SecurityConfig(api_keys=(("k2", "standard"),)))
+    if expected == "Bearer k2":
+        assert auth.tier_of(presented(headers)) == "standard"

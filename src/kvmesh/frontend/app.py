@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: the routes of the frontend's own HTTP server
 (:mod:`kvmesh.frontend.server`).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(OpenAI Responses), ``POST /v1/messages`` (Anthropic Messages), ``GET /v1/models``,
 ``GET /health`` (200 once a worker serves a model), ``GET /live``, ``GET /metrics``,
 ``GET /openapi.json``; ``/admin/workers`` and ``/admin/fault`` only with ``--admin``.
 Who may call which route: :mod:`kvmesh.frontend.auth`.
@@ -25,7 +26,10 @@ import msgspec
 
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import InvalidArgument, KvmeshError, MethodNotAllowed, PermissionDenied, RouteNotFound
-from kvmesh.frontend.auth import Authenticator
+from kvmesh.frontend.auth import Authenticator, presented
+from kvmesh.frontend.dialects.messages import MESSAGES, anthropic_error_response
+from kvmesh.frontend.dialects.responses import responses_dialect
+from kvmesh.frontend.dialects.store import ResponseStore
 from kvmesh.frontend.failures import error_response, protocol_error, public_message
 from kvmesh.frontend.generate import CHAT, COMPLETIONS, Generation, require_json
 from kvmesh.frontend.models import ModelRegistry
@@ -65,9 +69,13 @@ class Frontend:
         self.auth = Authenticator(config.security)
         self.prefill_workers: dict[int, Any] = {}  # observability: id → client of workers not routed to
         self.generation = Generation(config, self.registry, self.auth, self.keepalive, self.metrics)
+        store = ResponseStore(config.responses_store_entries, config.responses_store_bytes, config.responses_store_ttl_s)
+        self._responses = responses_dialect(store)  # previous_response_id: this process's memory
         routes: dict[str, dict[str, Any]] = {
             "/v1/chat/completions": {"POST": self.chat_completions},
             "/v1/completions": {"POST": self.completions},
+            "/v1/responses": {"POST": self.responses},
+            "/v1/messages": {"POST": self.messages},
             "/v1/models": {"GET": self._keyed(self.list_models)},
             "/health": {"GET": self.health},
             "/live": {"GET": self.live},
@@ -104,9 +112,9 @@ class Frontend:
         if not request.path.startswith("/v1/"):
             return None
         try:
-            request.principal = self.auth.tier_of(request.headers.get("authorization"))
+            request.principal = self.auth.tier_of(presented(request.headers))
         except KvmeshError as exc:
-            return error_response(exc)
+            return anthropic_error_response(exc) if request.path == "/v1/messages" else error_response(exc)
         request.checked = True
         return None
 
@@ -233,6 +241,12 @@ class Frontend:
 
     async def completions(self, request: Request) -> Response | DeltaSSE:
         return await self.generation.serve(request, COMPLETIONS)
+
+    async def responses(self, request: Request) -> Response | DeltaSSE:
+        return await self.generation.serve(request, self._responses)
+
+    async def messages(self, request: Request) -> Response | DeltaSSE:
+        return await self.generation.serve(request, MESSAGES)
 
     def _read_body(self, request: Request) -> bytes:
         return self.generation._read_body(request)

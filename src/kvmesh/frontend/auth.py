@@ -1,7 +1,8 @@
 """Who may call what on the frontend (pure: no I/O but the keys file reader).
 
 * API keys (``--api-key`` / ``KVMESH_API_KEY``, ``--api-keys-file``): when any is
-  configured every ``/v1/*`` route needs ``Authorization: Bearer <key>``; the key is
+  configured every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (or, as
+  Anthropic's clients send it, ``x-api-key: <key>``: :func:`presented`); the key is
   compared in constant time against every configured key (no early exit that would
   time which one nearly matched). ``/health`` and ``/live`` stay open; ``/metrics``
   is open unless ``--metrics-auth``.
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthorized
 
-__all__ = ["Authenticator", "read_keys_file", "TIERS", "SESSION_S"]
+__all__ = ["Authenticator", "read_keys_file", "presented", "TIERS", "SESSION_S"]
 
 TIERS = ("best_effort", "standard", "premium")  # lowest to highest
 _RANK = {tier: i for i, tier in enumerate(TIERS)}
@@ -34,6 +36,17 @@ _UNKEYED_TIER = "standard"
 SESSION_S = 12 * 3600  # a dashboard session cookie's lifetime
 _SESSION_LABEL = b"kvmesh dashboard session\0"
 _MAX_TOKEN = 128  # a session token is ~75 characters
+
+
+def presented(headers: Mapping[str, str]) -> str | None:
+    """The caller's key as an ``Authorization`` value: that header, else Anthropic's
+    ``x-api-key: KEY`` read as ``Bearer KEY``."""
+    authorization = headers.get("authorization")
+    if authorization is None:
+        key = headers.get("x-api-key")
+        if key:
+            return "Bearer " + key
+    return authorization
 
 
 def read_keys_file(path: str) -> list[tuple[str, str]]:

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.frontend.dialects.messages_api import MessagesRequest
+from kvmesh.frontend.dialects.responses_api import ResponsesRequest
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["openapi_document"]
@@ -36,6 +38,9 @@ _ERROR = {
 _DESCRIPTIONS = {
     "/v1/chat/completions": ("Create a chat completion (SSE when stream is true)", "ChatCompletionRequest"),
     "/v1/completions": ("Create a text completion (SSE when stream is true)", "CompletionRequest"),
+    "/v1/responses": ("Create a response, OpenAI Responses (SSE events when stream is true)", "ResponsesRequest"),
+    "/v1/messages": ("Create a message, Anthropic Messages (SSE events when stream is true; Anthropic's error shape)",
+                     "MessagesRequest"),
     "/v1/models": ("List the served models", None),
     "/health": ("200 once a worker serves a model, else 503", None),
     "/live": ("200 while the process runs", None),
@@ -54,7 +59,7 @@ _FAULT = {
 
 def _components() -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest], ref_template="#/components/schemas/{name}"
+        [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest], ref_template="#/components/schemas/{name}"
     )
     for schema in components.values():
         _to_openapi_30(schema)
@@ -114,7 +119,7 @@ def openapi_document(routes: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}},
                 }
             if path.startswith(("/v1/", "/admin/")):
-                op["security"] = [{"bearer": []}]
+                op["security"] = [{"bearer": []}, {"apiKey": []}] if path.startswith("/v1/") else [{"bearer": []}]
             entry[method.lower()] = op
         paths[path] = entry
     return {
@@ -123,6 +128,9 @@ def openapi_document(routes: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": _components(),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},  # as Anthropic's clients send it
+            },
         },
     }

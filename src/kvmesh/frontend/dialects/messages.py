@@ -23,11 +23,20 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.config import SecurityConfig
 from kvmesh.frontend.deltas import Delta, Finish, Start, Text, ToolCall, Usage
-from kvmesh.frontend.dialects.messages_api import error_type
-from kvmesh.frontend.dialects.responses import Answer
+from kvmesh.frontend.dialects import messages_api
+from kvmesh.frontend.dialects.messages_api import error_body, error_type
+from kvmesh.frontend.dialects.common import Answer, EventEncoder
+from kvmesh.frontend.failures import error_response
+from kvmesh.frontend.generate import Dialect, GenerationRequest
+from kvmesh.frontend.schemas import ChatCompletionRequest, check_limits
+from kvmesh.frontend.server import Response
 
-__all__ = ["MessageEvents", "MessageBody", "new_message_id", "stop_reason", "error_event"]
+__all__ = [
+    "MessageEvents", "MessageBody", "new_message_id", "stop_reason", "error_event", "anthropic_error_response",
+    "MESSAGES",
+]  # fmt: skip
 
 _json = msgspec.json.encode
 
@@ -103,14 +112,13 @@ def error_event(status: int, message: str) -> bytes:
 
 
 def _event(kind: str, body: dict[str, Any]) -> bytes:
-    body["type"] = kind
-    return b"event: " + kind.encode() + b"\ndata: " + _json(body) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + _json({"type": kind, **body}) + b"\n\n"
 
 
 _TEXT_DELTA = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
 
 
-class MessageEvents:
+class MessageEvents(EventEncoder):
     """SSE events of one streamed message, in the order the module docstring draws (a
     :class:`~kvmesh.frontend.deltas.StreamEncoder`)."""
 
@@ -121,15 +129,6 @@ class MessageEvents:
         self._block = -1  # index of the last block started
         self._open: str | None = None  # "text" / "tool_use": the block not yet stopped
         self._calls = 0
-
-    def encode(self, delta: Delta) -> bytes:
-        if isinstance(delta, Text):
-            return self._text(delta)
-        if isinstance(delta, ToolCall):
-            return self._tool_call(delta)
-        if isinstance(delta, Start):
-            return self._start(delta)
-        return self._finish(delta)
 
     def error(self, message: str, kind: str, status: int) -> bytes:
         return error_event(status, message)
@@ -180,3 +179,34 @@ class MessageEvents:
             return b""
         self._open = None
         return _event("content_block_stop", {"index": self._block})
+
+
+# ---- the route: /v1/messages as a dialect of the generation routes
+
+
+def anthropic_error_response(exc: BaseException, request_id: str | None = None) -> Response:
+    """:func:`~kvmesh.frontend.failures.error_response` (status, headers, what a client
+    may read) in Anthropic's shape."""
+    response = error_response(exc, request_id)
+    message = msgspec.json.decode(response.body)["error"]["message"]
+    response.body = error_body(response.status, message, response.headers["x-request-id"])
+    return response
+
+
+def _parse(body: bytes, security: SecurityConfig) -> ChatCompletionRequest:
+    req = messages_api.parse(body)
+    messages_api.check_limits(req, security)
+    chat = messages_api.to_chat(req)
+    check_limits(chat, security)  # the chat route's own, over what the blocks became
+    return chat
+
+
+def _stream(req: GenerationRequest) -> MessageEvents:
+    return MessageEvents(new_message_id())
+
+
+def _body(req: GenerationRequest, route: object) -> MessageBody:
+    return MessageBody(new_message_id())
+
+
+MESSAGES = Dialect("messages", _parse, _stream, _body, anthropic_error_response)

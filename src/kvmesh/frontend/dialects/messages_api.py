@@ -27,6 +27,7 @@ from msgspec import Meta
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument
 from kvmesh.frontend import schemas
+from kvmesh.frontend.dialects.common import check_prompt_text
 from kvmesh.frontend.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -59,7 +60,7 @@ class Block(msgspec.Struct, omit_defaults=True):
     text: str | None = None
     id: _Id | None = None  # tool_use
     name: _ToolName | None = None  # tool_use
-    input: msgspec.Raw = msgspec.Raw()  # tool_use: the arguments object, kept as JSON text (empty: none)
+    input: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # tool_use: the arguments object, kept as JSON text (empty: none)
     tool_use_id: _Id | None = None  # tool_result
     content: Union[str, list[TextPart], None] = None  # tool_result
     is_error: bool | None = None  # tool_result
@@ -162,14 +163,7 @@ def check_limits(req: MessagesRequest, limits: SecurityConfig) -> None:
             )
     if len(req.messages) > limits.max_messages:
         raise InvalidArgument(f"messages holds {len(req.messages)} messages; at most {limits.max_messages} - at `$.messages`")
-    fields = list(req.text_fields())
-    chars = sum(n for _, n in fields)
-    if chars > limits.max_message_chars:
-        where, largest = max(fields, key=lambda field: field[1])
-        raise InvalidArgument(
-            f"the request's prompt text holds {chars} characters; at most {limits.max_message_chars} "
-            f"(the largest field has {largest} characters) - at `$.{where}`"
-        )
+    check_prompt_text(req.text_fields(), limits)
 
 
 def to_chat(req: MessagesRequest) -> ChatCompletionRequest:

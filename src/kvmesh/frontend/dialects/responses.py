@@ -20,15 +20,23 @@ settings (instructions, tools, tool_choice, text.format ...), built once per req
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from kvmesh.config import SecurityConfig
+from kvmesh.errors import InvalidArgument
 from kvmesh.frontend.deltas import Delta, Finish, Start, Text, ToolCall, Usage
-from kvmesh.frontend.dialects.responses_api import ResponsesRequest
+from kvmesh.frontend.dialects import responses_api
+from kvmesh.frontend.dialects.common import Answer, EventEncoder
+from kvmesh.frontend.dialects.responses_api import ResponsesChat, ResponsesRequest
+from kvmesh.frontend.dialects.store import ResponseStore
+from kvmesh.frontend.generate import Dialect, GenerationRequest
+from kvmesh.frontend.schemas import ChatMessage, check_limits
 
-__all__ = ["Answer", "ResponseEvents", "ResponseBody", "new_response_id"]
+__all__ = ["ResponseEvents", "ResponseBody", "new_response_id", "responses_dialect"]
 
 _json = msgspec.json.encode
 
@@ -39,36 +47,6 @@ OnDone = Callable[[str, list[tuple[str, str, str]]], None]
 def new_response_id() -> str:
     """``resp_`` + 128 random bits: an id is the key to a stored conversation."""
     return "resp_" + os.urandom(16).hex()
-
-
-class Answer:
-    """The output so far: its text, and its tool calls by index."""
-
-    __slots__ = ("parts", "calls")
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.calls: list[list[str]] = []  # [call_id, name, arguments so far]
-
-    def add(self, delta: Text | ToolCall) -> None:
-        if isinstance(delta, Text):
-            if delta.text:
-                self.parts.append(delta.text)
-        else:
-            self.add_call(delta)
-
-    def add_call(self, d: ToolCall) -> None:
-        if d.index == len(self.calls):
-            self.calls.append([d.id or "", d.name or "", d.arguments])
-        else:
-            self.calls[d.index][2] += d.arguments
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def call_list(self) -> list[tuple[str, str, str]]:
-        return [(c[0], c[1], c[2]) for c in self.calls]
 
 
 class _Shape:
@@ -164,7 +142,7 @@ class ResponseBody:
         return _json(self._shape.response(start.created, start.model, status, output, finish.usage))
 
 
-class ResponseEvents:
+class ResponseEvents(EventEncoder):
     """SSE events of one streamed response, in the order the module docstring draws (a
     :class:`~kvmesh.frontend.deltas.StreamEncoder`)."""
 
@@ -184,19 +162,9 @@ class ResponseEvents:
         )  # fmt: skip
 
     def _event(self, kind: str, body: dict[str, Any]) -> bytes:
-        body["type"] = kind
-        body["sequence_number"] = self._seq
+        data = _json({"type": kind, **body, "sequence_number": self._seq})
         self._seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _json(body) + b"\n\n"
-
-    def encode(self, delta: Delta) -> bytes:
-        if isinstance(delta, Text):
-            return self._text(delta)
-        if isinstance(delta, ToolCall):
-            return self._tool_call(delta)
-        if isinstance(delta, Start):
-            return self._start(delta)
-        return self._finish(delta)
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
     def _start(self, d: Start) -> bytes:
         self._created, self._model = d.created, d.model
@@ -287,3 +255,68 @@ class ResponseEvents:
         return self._event("error", {"code": kind, "message": message, "param": None}) + self._event(
             "response.failed", {"response": response}
         )
+
+
+# ---- the route: /v1/responses as a dialect of the generation routes
+
+
+def responses_dialect(store: ResponseStore, clock: Callable[[], float] = time.monotonic) -> Dialect:
+    """``POST /v1/responses``: a body → its chat request (limits checked in the
+    request's own terms, then the chat route's over the whole conversation); a finished
+    response with ``store`` leaves its conversation in ``store``."""
+
+    def parse(body: bytes, security: SecurityConfig) -> ResponsesChat:
+        req = responses_api.parse(body)
+        responses_api.check_limits(req, security)
+        history = _history(store, req.previous_response_id, clock())
+        chat = responses_api.to_chat(req, history, new_response_id())
+        _check_conversation(chat, security, len(history))
+        return chat
+
+    def keep(chat: ResponsesChat) -> OnDone | None:
+        if not chat.source.store:
+            return None
+
+        def done(text: str, calls: list[tuple[str, str, str]]) -> None:
+            turns = [*chat.turns, responses_api.output_turn(text, calls)]
+            store.put(chat.response_id, responses_api.encode_turns(turns), clock())
+
+        return done
+
+    def stream(req: GenerationRequest) -> ResponseEvents:
+        chat = _translated(req)
+        return ResponseEvents(chat.source, chat.response_id, keep(chat))
+
+    def body(req: GenerationRequest, route: object) -> ResponseBody:
+        chat = _translated(req)
+        return ResponseBody(chat.source, chat.response_id, keep(chat))
+
+    return Dialect("responses", parse, stream, body)
+
+
+def _translated(req: GenerationRequest) -> ResponsesChat:
+    assert isinstance(req, ResponsesChat)  # this dialect's parse made it
+    return req
+
+
+def _history(store: ResponseStore, previous: str | None, now: float) -> list[ChatMessage]:
+    if previous is None:
+        return []
+    stored = store.get(previous, now)
+    if stored is None:
+        raise InvalidArgument(
+            f"Previous response with id {previous!r} not found: it was never stored here (store: false, another "
+            "frontend), or it expired or was evicted (--responses-store-ttl, --responses-store-entries); send the "
+            "conversation as input items instead - at `$.previous_response_id`"
+        )
+    return responses_api.decode_turns(stored)
+
+
+def _check_conversation(chat: ResponsesChat, security: SecurityConfig, earlier: int) -> None:
+    """The chat route's limits over the whole conversation (earlier turns included)."""
+    try:
+        check_limits(chat, security)
+    except InvalidArgument as exc:
+        if not earlier:
+            raise
+        raise InvalidArgument(f"with the {earlier} earlier messages of previous_response_id: {exc.message}") from None

@@ -27,6 +27,7 @@ from msgspec import Meta
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument
 from kvmesh.frontend import schemas
+from kvmesh.frontend.dialects.common import check_prompt_text
 from kvmesh.frontend.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -46,6 +47,7 @@ from kvmesh.frontend.schemas import (
 
 __all__ = [
     "ResponsesRequest",
+    "ResponsesChat",
     "InputItem",
     "FunctionTool",
     "parse",
@@ -191,32 +193,33 @@ def check_limits(req: ResponsesRequest, limits: SecurityConfig) -> None:
         raise InvalidArgument(
             f"input holds {len(req.input)} items; at most {limits.max_messages} - at `$.input`"
         )
-    fields = list(req.text_fields())
-    chars = sum(n for _, n in fields)
-    if chars > limits.max_message_chars:
-        where, largest = max(fields, key=lambda field: field[1])
-        raise InvalidArgument(
-            f"the request's prompt text holds {chars} characters; at most {limits.max_message_chars} "
-            f"(the largest field has {largest} characters) - at `$.{where}`"
-        )
+    check_prompt_text(req.text_fields(), limits)
 
 
-def to_chat(req: ResponsesRequest, history: list[ChatMessage]) -> tuple[ChatCompletionRequest, list[ChatMessage]]:
-    """The chat request this request runs as, and its conversation (``history`` + the
-    input's messages, without ``instructions``: what a later ``previous_response_id``
-    continues)."""
+class ResponsesChat(ChatCompletionRequest, kw_only=True):
+    """The chat request a Responses request runs as, with what its encoders need: the
+    request (every response object echoes its settings), the response's id, and the
+    conversation so far (``turns``: the earlier turns and this input, without
+    ``instructions``; what a later ``previous_response_id`` continues)."""
+
+    source: ResponsesRequest
+    response_id: str
+    turns: list[ChatMessage]
+
+
+def to_chat(req: ResponsesRequest, history: list[ChatMessage], response_id: str) -> ResponsesChat:
+    """The chat request ``req`` runs as, after the conversation ``history``."""
     turns = history + [_message(item, f"input[{i}]") for i, item in enumerate(req.items())]
     messages = turns if req.instructions is None else [ChatMessage(role="system", content=req.instructions), *turns]
     if not messages:
         raise InvalidArgument("input is empty; send text or at least one input item - at `$.input`")
-    chat = ChatCompletionRequest(
-        model=req.model, messages=messages, stream=req.stream, max_completion_tokens=req.max_output_tokens,
+    return ResponsesChat(
+        source=req, response_id=response_id, turns=turns, model=req.model, messages=messages, stream=req.stream, max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, seed=req.seed, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         priority=req.priority, user=req.user, tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, response_format=_format(req.text),
     )  # fmt: skip
-    return chat, turns
 
 
 def _message(item: InputItem, at: str) -> ChatMessage:

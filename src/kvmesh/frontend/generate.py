@@ -35,7 +35,7 @@ from kvmesh.frontend.tools import ToolReader
 from kvmesh.observability import tracing
 from kvmesh.observability.metrics import FrontendMetrics
 from kvmesh.preprocess import guided as guided_grammar
-from kvmesh.protocol import GuidedDecoding, PreprocessedRequest
+from kvmesh.protocol import GuidedDecoding
 from kvmesh.runtime.context import Context
 
 __all__ = ["Dialect", "CHAT", "COMPLETIONS", "Generation", "require_json"]
@@ -87,16 +87,15 @@ COMPLETIONS = Dialect(
 )
 
 
+@dataclass(frozen=True, slots=True)
 class Generation:
     """Serves the generation routes of one frontend (``serve(request, dialect)``)."""
 
-    def __init__(self, config: FrontendConfig, registry: ModelRegistry, auth: Authenticator, keepalive: KeepAlive,
-                 metrics: FrontendMetrics) -> None:  # fmt: skip
-        self.config = config
-        self.registry = registry
-        self.auth = auth
-        self.keepalive = keepalive
-        self.metrics = metrics
+    config: FrontendConfig
+    registry: ModelRegistry
+    auth: Authenticator
+    keepalive: KeepAlive
+    metrics: FrontendMetrics
 
     async def serve(self, request: Request, dialect: Dialect) -> Response | DeltaSSE:
         # tracing: the request's trace (root span when recording); the traceparent goes
@@ -123,7 +122,11 @@ class Generation:
                 await _check_guided(preq.guided)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
             return dialect.error(exc, request_id)
-        owner = self._owner(entry, req, preq, dialect, trace)
+        entry.metrics.input_tokens.inc(len(preq.token_ids))
+        preq.trace_context = trace.traceparent
+        read = ReadBack(req.include_stop_str_in_output, req.skip_special_tokens, ToolReader.of(req))
+        observer = RequestObserver(entry, dialect.endpoint, trace)
+        owner = RequestOwner(entry, preq, Context(preq.request_id), observer, read)
         try:
             await owner.open()
         except Exception as exc:  # noqa: BLE001
@@ -144,14 +147,6 @@ class Generation:
         self.auth.check_tier(tier, allowed)
         self._admit(tier)
         return req, entry
-
-    def _owner(self, entry: ModelEntry, req: GenerationRequest, preq: PreprocessedRequest, dialect: Dialect,
-               trace: tracing.RequestTrace) -> RequestOwner:  # fmt: skip
-        entry.metrics.input_tokens.inc(len(preq.token_ids))
-        preq.trace_context = trace.traceparent
-        observer = RequestObserver(entry, dialect.endpoint, trace)
-        read = ReadBack(req.include_stop_str_in_output, req.skip_special_tokens, ToolReader.of(req))
-        return RequestOwner(entry, preq, Context(preq.request_id), observer, read)
 
     async def _unary(self, request: Request, owner: RequestOwner, body: BodyEncoder, dialect: Dialect,
                      route: object) -> Response:  # fmt: skip

@@ -36,7 +36,7 @@ __all__ = ["RequestObserver"]
 class RequestObserver:
     """Metrics and spans of one request (not shared between requests)."""
 
-    __slots__ = ("entry", "metrics", "trace", "endpoint", "started", "first_token_at", "_last", "_root", "_route",
+    __slots__ = ("entry", "metrics", "trace", "endpoint", "started", "first_token_at", "recording", "_last", "_root", "_route",
                  "_hop", "_moving", "_moved")  # fmt: skip
 
     def __init__(self, entry: ModelEntry, endpoint: str, trace: tracing.RequestTrace | None) -> None:
@@ -47,6 +47,7 @@ class RequestObserver:
         self.started = self._last = time.perf_counter()
         self.first_token_at: float | None = None
         self._root = trace.span if trace is not None else None  # None: not recording
+        self.recording = self._root is not None  # spans are recorded: the span hooks do something
         self._route: Span | None = None
         self._hop: Span | None = None
         self._moving: Span | None = None
@@ -152,10 +153,11 @@ class RequestObserver:
         m.cached_tokens.inc(usage.cached_tokens)
         m.duration.observe(time.perf_counter() - self.started)
         m.finished(self.endpoint, status)
-        for span in (self._route, self._hop, self._moving):  # a span left open by an error path
-            if span is not None:
-                span.end()
-        self._route = self._hop = self._moving = None
+        if self.recording:
+            for span in (self._route, self._hop, self._moving):  # a span left open by an error path
+                if span is not None:
+                    span.end()
+            self._route = self._hop = self._moving = None
         if self.trace is not None:
             self.trace.end(status)
 

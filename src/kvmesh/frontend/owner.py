@@ -74,7 +74,7 @@ def merge_chunks(pending: OutputChunk, new: OutputChunk) -> OutputChunk:
     return pending
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadBack:
     """How the output becomes text: stop strings kept or cut, special tokens skipped,
     tool calls read back (None: plain content)."""
@@ -97,6 +97,9 @@ class _Booking:
 
     async def take(self, request: PreprocessedRequest, exclude: frozenset[int]) -> Instance:
         """Book the router's choice (none may be held)."""
+        if not self.observer.recording:  # the common case: no span to report
+            self.instance = instance = await self.router.pick(request, exclude=exclude)
+            return instance
         self.observer.picking()
         try:
             instance = await self.router.pick(request, exclude=exclude)
@@ -177,12 +180,11 @@ class RequestOwner:
                 await self._gen.aclose()  # a consumer that left early: the worker's stream is closed
         finally:
             self._booking.release()
-            self.observer.finished(self._status(), self.usage)
-
-    def _status(self) -> str:
-        if self.ctx.is_stopped() and self._ended in (None, "cancelled"):
-            return "499"  # the client left (or the request was cancelled)
-        return "200" if self._error is None else str(http_status(self._error))
+            if self.ctx.is_stopped() and self._ended in (None, "cancelled"):
+                status = "499"  # the client left (or the request was cancelled)
+            else:
+                status = "200" if self._error is None else str(http_status(self._error))
+            self.observer.finished(status, self.usage)
 
     def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's delta stream (once per owner)."""

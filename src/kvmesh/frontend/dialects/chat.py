@@ -31,18 +31,14 @@ class ChatStream(OpenAIStream):
     """SSE events of one streamed chat completion (``include_usage``: a usage chunk
     before the end)."""
 
-    __slots__ = ("_content",)
-
-    def __init__(self, include_usage: bool = False) -> None:
-        super().__init__(include_usage)
-        self._content = b""
+    __slots__ = ()
 
     def encode(self, delta: Delta) -> bytes:
         if isinstance(delta, Text):
             if delta.logprobs is None:
-                return self._content + _json(delta.text) + b'},"finish_reason":null}]}\n\n'
+                return self._prefix + _json(delta.text) + b'},"finish_reason":null}]}\n\n'
             lps = _json(_logprobs(delta.logprobs))
-            return self._content + _json(delta.text) + b'},"logprobs":{"content":' + lps + b'},"finish_reason":null}]}\n\n'
+            return self._prefix + _json(delta.text) + b'},"logprobs":{"content":' + lps + b'},"finish_reason":null}]}\n\n'
         if isinstance(delta, Start):
             return self._start(delta)
         if isinstance(delta, ToolCall):
@@ -51,7 +47,7 @@ class ChatStream(OpenAIStream):
 
     def _start(self, start: Start) -> bytes:
         self._head = chunk_head("chat.completion.chunk", RESPONSE_PREFIX + start.request_id, start.created, start.model)
-        self._content = self._head + b'[{"index":0,"delta":{"content":'
+        self._prefix = self._head + b'[{"index":0,"delta":{"content":'
         return self._head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 
     def _tool_call(self, call: ToolCall) -> bytes:

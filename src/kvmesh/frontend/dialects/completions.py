@@ -30,22 +30,20 @@ class CompletionStream(OpenAIStream):
     """SSE events of one streamed text completion (no role event; tool calls do not
     occur: completions read no tools)."""
 
-    __slots__ = ("_text",)
-
-    def __init__(self, include_usage: bool = False) -> None:
-        super().__init__(include_usage)
-        self._text = b""
+    __slots__ = ()
 
     def encode(self, delta: Delta) -> bytes:
         if isinstance(delta, Text):
-            lps = b"null" if delta.logprobs is None else _json(_logprobs(delta.logprobs))
-            return self._text + _json(delta.text) + b',"logprobs":' + lps + b',"finish_reason":null}]}\n\n'
+            if delta.logprobs is None:
+                return self._prefix + _json(delta.text) + b',"logprobs":null,"finish_reason":null}]}\n\n'
+            lps = _json(_logprobs(delta.logprobs))
+            return self._prefix + _json(delta.text) + b',"logprobs":' + lps + b',"finish_reason":null}]}\n\n'
         if isinstance(delta, Start):
             self._head = chunk_head("text_completion", RESPONSE_PREFIX + delta.request_id, delta.created, delta.model)
-            self._text = self._head + b'[{"index":0,"text":'
+            self._prefix = self._head + b'[{"index":0,"text":'
             return b""
         if isinstance(delta, Finish):
-            event = self._text + b'"","logprobs":null,"finish_reason":"' + delta.reason.encode() + b'"}]}\n\n'
+            event = self._prefix + b'"","logprobs":null,"finish_reason":"' + delta.reason.encode() + b'"}]}\n\n'
             return self._end(event, delta.usage)
         return b""
 

@@ -48,11 +48,12 @@ class OpenAIStream:
     (set at Start), the end (finish event, the usage chunk when ``include_usage``,
     ``[DONE]``) and the error event."""
 
-    __slots__ = ("_head", "_include_usage")
+    __slots__ = ("_head", "_prefix", "_include_usage")
 
     def __init__(self, include_usage: bool = False) -> None:
         self._include_usage = include_usage
         self._head = b""
+        self._prefix = b""  # a text delta's event up to its JSON string (set at Start)
 
     def _end(self, finish_event: bytes, usage: Usage) -> bytes:
         if self._include_usage:

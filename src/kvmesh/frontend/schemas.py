@@ -95,6 +95,19 @@ class ResponseFormat(msgspec.Struct, omit_defaults=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+def function_text_fields(
+    at: str, name: str, description: str | None, schema: JsonSchema | None, schema_field: str = "parameters"
+) -> Iterator[tuple[str, int]]:
+    """(path, characters) of the text a function tool brings to the prompt, in any
+    dialect: its name, description and parameters schema (counted as JSON, under the
+    dialect's ``schema_field``); ``at``: the path up to the function's fields."""
+    yield f"{at}.name", len(name)
+    if description is not None:
+        yield f"{at}.description", len(description)
+    if schema is not None:
+        yield f"{at}.{schema_field}", len(msgspec.json.encode(schema))
+
+
 class FunctionDef(msgspec.Struct, omit_defaults=True):
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
@@ -116,11 +129,7 @@ class Tool(msgspec.Struct, omit_defaults=True):
         parameters schema counted as JSON: :meth:`chars` is their sum); ``at``: the
         tool's path."""
         fn = self.function
-        yield f"{at}.function.name", len(fn.name)
-        if fn.description is not None:
-            yield f"{at}.function.description", len(fn.description)
-        if fn.parameters is not None:
-            yield f"{at}.function.parameters", len(msgspec.json.encode(fn.parameters))
+        return function_text_fields(f"{at}.function", fn.name, fn.description, fn.parameters)
 
 
 class NamedFunction(msgspec.Struct):

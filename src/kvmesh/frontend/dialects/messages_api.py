@@ -40,6 +40,7 @@ from kvmesh.frontend.schemas import (
     Seed,
     Tool,
     TopP,
+    function_text_fields,
 )
 
 __all__ = ["MessagesRequest", "Block", "parse", "check_limits", "to_chat", "error_body", "error_type"]
@@ -96,10 +97,7 @@ class ToolParam(msgspec.Struct, omit_defaults=True):
     type: Literal["custom"] | None = None
 
     def text_fields(self, at: str) -> Iterator[tuple[str, int]]:
-        yield f"{at}.name", len(self.name)
-        if self.description is not None:
-            yield f"{at}.description", len(self.description)
-        yield f"{at}.input_schema", len(msgspec.json.encode(self.input_schema))
+        return function_text_fields(at, self.name, self.description, self.input_schema, "input_schema")
 
 
 class ToolChoice(msgspec.Struct, omit_defaults=True):

@@ -43,6 +43,7 @@ from kvmesh.frontend.schemas import (
     Temperature,
     Tool,
     TopP,
+    function_text_fields,
 )
 
 __all__ = [
@@ -103,11 +104,7 @@ class FunctionTool(msgspec.Struct, omit_defaults=True):
     strict: bool | None = None
 
     def text_fields(self, at: str) -> Iterator[tuple[str, int]]:
-        yield f"{at}.name", len(self.name)
-        if self.description is not None:
-            yield f"{at}.description", len(self.description)
-        if self.parameters is not None:
-            yield f"{at}.parameters", len(msgspec.json.encode(self.parameters))
+        return function_text_fields(at, self.name, self.description, self.parameters)
 
 
 class FunctionChoice(msgspec.Struct):

@@ -25,44 +25,57 @@ tokens are computed; their blocks stay until the engine exported the KV::
 
 from __future__ import annotations
 
-from typing import Generic
+from typing import Generic, TypeVar
 
 from kvmesh.engines.batching.sequence import Finished, S, State
 from kvmesh.protocol import Usage
 
 __all__ = ["Reservations", "HeldPrefills"]
 
+_K = TypeVar("_K", str, int)
 
-class Reservations(Generic[S]):
-    """Reserved sequences by request id; see the module docstring."""
 
-    __slots__ = ("_by_request",)
+class _Held(Generic[_K, S]):
+    """What both holders are: sequences by a key (a request id, a sequence id), each
+    taken out at most once, in the state it leaves in."""
+
+    __slots__ = ("_seqs",)
 
     def __init__(self) -> None:
-        self._by_request: dict[str, S] = {}
+        self._seqs: dict[_K, S] = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._by_request
-
-    def __bool__(self) -> bool:
-        return bool(self._by_request)
+    def __contains__(self, key: _K) -> bool:
+        return key in self._seqs
 
     def __len__(self) -> int:
-        return len(self._by_request)
+        return len(self._seqs)
+
+    def _take(self, key: _K, state: State) -> S | None:
+        """Take ``key``'s sequence out, now in ``state``; None if none."""
+        seq = self._seqs.pop(key, None)
+        if seq is not None:
+            seq.state = state
+        return seq
+
+
+class Reservations(_Held[str, S]):
+    """Reserved sequences by request id; see the module docstring."""
+
+    __slots__ = ()
 
     def get(self, request_id: str) -> S | None:
-        return self._by_request.get(request_id)
+        return self._seqs.get(request_id)
 
     def all(self) -> list[S]:
-        return list(self._by_request.values())
+        return list(self._seqs.values())
 
     def put(self, seq: S) -> None:
         """``seq`` (its blocks allocated, ``num_computed`` valid) becomes a reservation;
         ``ValueError`` when its request already holds one."""
-        if seq.request_id in self._by_request:
+        if seq.request_id in self._seqs:
             raise ValueError(f"request {seq.request_id!r} already holds a KV reservation")
         seq.state = State.RESERVED
-        self._by_request[seq.request_id] = seq
+        self._seqs[seq.request_id] = seq
 
     def detach(self, seq: S) -> None:
         """A queued or running ``seq`` (taken out of the queues by the caller) becomes a
@@ -75,7 +88,7 @@ class Reservations(Generic[S]):
         """The reservation's first ``computed`` tokens hold valid KV now (imported); at
         least one token is left to compute. Returns its sequence (the caller caches its
         full blocks); ``ValueError`` when there is none or ``computed`` is out of range."""
-        seq = self._by_request.get(request_id)
+        seq = self._seqs.get(request_id)
         if seq is None:
             raise ValueError(f"no KV reservation for request {request_id!r}")
         if not seq.num_computed <= computed < len(seq.tokens):
@@ -85,35 +98,20 @@ class Reservations(Generic[S]):
 
     def adopt(self, request_id: str) -> S | None:
         """Take the reservation out to be queued (``WAITING``, blocks kept); None if none."""
-        seq = self._by_request.pop(request_id, None)
-        if seq is not None:
-            seq.state = State.WAITING
-        return seq
+        return self._take(request_id, State.WAITING)
 
     def release(self, request_id: str) -> S | None:
         """Take the reservation out to be freed (``ENDED``); None if none."""
-        seq = self._by_request.pop(request_id, None)
-        if seq is not None:
-            seq.state = State.ENDED
-        return seq
+        return self._take(request_id, State.ENDED)
 
     def clear(self) -> None:
-        self._by_request.clear()
+        self._seqs.clear()
 
 
-class HeldPrefills(Generic[S]):
+class HeldPrefills(_Held[int, S]):
     """Finished remote prefills by sequence id; see the module docstring."""
 
-    __slots__ = ("_by_id",)
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, S] = {}
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._by_id
-
-    def __len__(self) -> int:
-        return len(self._by_id)
+    __slots__ = ()
 
     def hold(self, seq: S) -> Finished:
         """``seq`` computed its ``prefill_upto`` tokens: keep it (``HELD``) and return its
@@ -121,18 +119,15 @@ class HeldPrefills(Generic[S]):
         if seq.prefill_upto is None:
             raise ValueError(f"sequence {seq.id} is not a remote prefill")
         seq.state = State.HELD
-        self._by_id[seq.id] = seq
+        self._seqs[seq.id] = seq
         return Finished(seq.id, seq.request_id, "stop", Usage(prompt_tokens=seq.target, completion_tokens=0))
 
     def release(self, seq_id: int) -> S | None:
         """Take a held prefill out to be freed (``ENDED``); None if none."""
-        seq = self._by_id.pop(seq_id, None)
-        if seq is not None:
-            seq.state = State.ENDED
-        return seq
+        return self._take(seq_id, State.ENDED)
 
     def clear(self) -> list[int]:
         """Forget every held prefill; returns their sequence ids."""
-        ids = list(self._by_id)
-        self._by_id.clear()
+        ids = list(self._seqs)
+        self._seqs.clear()
         return ids

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.frontend.deltas import Delta, Finish, Start, Text, TokenLogprob, ToolCall
-from kvmesh.frontend.dialects.openai import OpenAIStream, chunk_head, usage_object
+from kvmesh.frontend.dialects.openai import OpenAIStream, chunk_head, completion_body
 
 __all__ = ["ChatStream", "ChatBody", "RESPONSE_PREFIX"]
 
@@ -33,12 +33,14 @@ class ChatStream(OpenAIStream):
 
     __slots__ = ()
 
-    def encode(self, delta: Delta) -> bytes:
-        if isinstance(delta, Text):
-            if delta.logprobs is None:
-                return self._prefix + _json(delta.text) + b'},"finish_reason":null}]}\n\n'
-            lps = _json(_logprobs(delta.logprobs))
-            return self._prefix + _json(delta.text) + b'},"logprobs":{"content":' + lps + b'},"finish_reason":null}]}\n\n'
+    _TEXT_END = b'},"finish_reason":null}]}\n\n'
+    _LOGPROBS = b'},"logprobs":{"content":'
+    _LOGPROBS_END = _TEXT_END
+
+    def _logprobs_json(self, lps: tuple[TokenLogprob, ...]) -> bytes:
+        return _json(_logprobs(lps))
+
+    def _event(self, delta: Start | ToolCall | Finish) -> bytes:
         if isinstance(delta, Start):
             return self._start(delta)
         if isinstance(delta, ToolCall):
@@ -98,10 +100,4 @@ class ChatBody:
             message = {"role": "assistant", "content": None, "tool_calls": self._calls}
         logprobs = None if self._logprobs is None else {"content": self._logprobs}
         choice = {"index": 0, "finish_reason": finish.reason, "logprobs": logprobs, "message": message}
-        body: dict[str, Any] = {
-            "id": RESPONSE_PREFIX + start.request_id, "object": "chat.completion", "created": start.created,
-            "model": start.model, "choices": [choice], "usage": usage_object(finish.usage),
-        }  # fmt: skip
-        if self._route is not None:
-            body["kvmesh_route"] = self._route
-        return _json(body)
+        return completion_body("chat.completion", RESPONSE_PREFIX + start.request_id, start, finish, choice, self._route)

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.frontend.deltas import Delta, Finish, Start, Text, TokenLogprob
-from kvmesh.frontend.dialects.openai import OpenAIStream, chunk_head, usage_object
+from kvmesh.frontend.deltas import Delta, Finish, Start, Text, TokenLogprob, ToolCall
+from kvmesh.frontend.dialects.openai import OpenAIStream, chunk_head, completion_body
 
 __all__ = ["CompletionStream", "CompletionBody", "RESPONSE_PREFIX"]
 
@@ -32,12 +32,14 @@ class CompletionStream(OpenAIStream):
 
     __slots__ = ()
 
-    def encode(self, delta: Delta) -> bytes:
-        if isinstance(delta, Text):
-            if delta.logprobs is None:
-                return self._prefix + _json(delta.text) + b',"logprobs":null,"finish_reason":null}]}\n\n'
-            lps = _json(_logprobs(delta.logprobs))
-            return self._prefix + _json(delta.text) + b',"logprobs":' + lps + b',"finish_reason":null}]}\n\n'
+    _TEXT_END = b',"logprobs":null,"finish_reason":null}]}\n\n'
+    _LOGPROBS = b',"logprobs":'
+    _LOGPROBS_END = b',"finish_reason":null}]}\n\n'
+
+    def _logprobs_json(self, lps: tuple[TokenLogprob, ...]) -> bytes:
+        return _json(_logprobs(lps))
+
+    def _event(self, delta: Start | ToolCall | Finish) -> bytes:
         if isinstance(delta, Start):
             self._head = chunk_head("text_completion", RESPONSE_PREFIX + delta.request_id, delta.created, delta.model)
             self._prefix = self._head + b'[{"index":0,"text":'
@@ -76,10 +78,4 @@ class CompletionBody:
         assert start is not None and finish is not None  # the stream's grammar
         logprobs = None if self._logprobs is None else _logprobs(tuple(self._logprobs))
         choice = {"index": 0, "finish_reason": finish.reason, "logprobs": logprobs, "text": "".join(self._parts)}
-        body: dict[str, Any] = {
-            "id": RESPONSE_PREFIX + start.request_id, "object": "text_completion", "created": start.created,
-            "model": start.model, "choices": [choice], "usage": usage_object(finish.usage),
-        }  # fmt: skip
-        if self._route is not None:
-            body["kvmesh_route"] = self._route
-        return _json(body)
+        return completion_body("text_completion", RESPONSE_PREFIX + start.request_id, start, finish, choice, self._route)

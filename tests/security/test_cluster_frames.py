@@ -1,8 +1,9 @@
 """An on-path attacker between two members of a fleet that share a cluster secret and
 run without TLS: the handshake passes through it untouched, then it alters, injects or
-replays bytes. Every frame after the handshake must be authenticated (records keyed by
-the handshake, with an implicit sequence number): the connection closes and nothing it
-sent is acted on. Request plane (TcpClient ↔ TcpServer) and KV transfer."""
+replays bytes. Every frame after the handshake must be authenticated (tags keyed by the
+handshake over the whole stream so far, an implicit sequence number: tag frames in the
+request plane's frame stream, records on KV transfer): the connection closes and nothing
+it sent is acted on. Request plane (TcpClient ↔ TcpServer) and KV transfer."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from kvmesh.protocol import KvEndpoint, KvLayout
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret, Handshake
 from kvmesh.runtime.context import Context
-from kvmesh.runtime.frames import FrameWriter, Req
+from kvmesh.errors import InvalidArgument
+from kvmesh.runtime.frames import MAX_BATCH, MAX_FRAME_BYTES, TAG_FRAME, FrameReader, FrameWriter, Out, Req
 from kvmesh.runtime.tcp_client import TcpClient
 from kvmesh.runtime.tcp_server import TcpServer
 
@@ -154,15 +156,15 @@ async def test_an_injected_request_frame_runs_nothing_and_closes_the_connection(
         await client.close()
 
 
-async def test_an_injected_record_with_a_forged_tag_runs_nothing(plane, caplog):
-    """The attacker who knows the record format: a well-formed record around the frame,
-    with a tag it cannot compute."""
+async def test_an_injected_frame_with_a_forged_tag_runs_nothing(plane, caplog):
+    """The attacker who knows the wire format: the frame and a tag frame after it, with a
+    tag it cannot compute."""
     through, calls = plane
     relay, client = await through()
     try:
         assert await _ask(client, "genuine") == ["GENUINE-TOKEN"]
         frame = _frame(Req(78, "gen", msgspec.Raw(enc("injected"))))
-        relay.inject_up(struct.pack(">I", len(frame)) + frame + bytes(16))
+        relay.inject_up(frame + struct.pack(">I", TAG_FRAME) + bytes(16))
         await _until(lambda: "injected" in calls or relay.closed.is_set())
         assert "injected" not in calls, "a record with a forged tag ran a generation on the worker"
         assert "frame authentication failed" in caplog.text
@@ -339,7 +341,7 @@ class _Big:
         self.data = bytes(data)
 
 
-# ---------------------------------------------------------------------- the records themselves
+# ---------------------------------------------------------------------- the sealed frames themselves
 
 
 def _pair() -> tuple[Handshake, Handshake]:
@@ -350,7 +352,23 @@ def _pair() -> tuple[Handshake, Handshake]:
     return client, server
 
 
-def test_record_keys_are_per_direction_and_per_connection():
+def _sealed_writer(key: bytes) -> FrameWriter:
+    w = FrameWriter()
+    w.seal(key)
+    return w
+
+
+def _write(w: FrameWriter, *frames: Req | Out) -> bytes:
+    for frame in frames:
+        w.add(frame)
+    return w.take()
+
+
+def _out(i: int, size: int = 8) -> Out:
+    return Out(i, msgspec.Raw(enc(bytes([i % 256]) * size)))
+
+
+def test_frame_keys_are_per_direction_and_per_connection():
     client, server = _pair()
     assert client.keys() == server.keys()[::-1]  # what one sends with, the other checks with
     assert client.keys()[0] != client.keys()[1]
@@ -358,50 +376,101 @@ def test_record_keys_are_per_direction_and_per_connection():
     assert set(again.keys()).isdisjoint(client.keys())
 
 
-def test_records_survive_any_split_of_the_stream():
+def test_sealed_frames_survive_any_split_of_the_stream():
+    """Writes of one frame, of several, of none but big frames, and one past MAX_BATCH
+    (a tag after the frame that reaches it, and one at the end)."""
     up, _ = _pair()[0].keys()
-    sealer = auth.Sealer(up)
-    bodies = [b"a" * n for n in (0, 1, 17, 4096, 70_000)]
-    wire = b"".join(sealer.seal([b]) for b in bodies)
-    for step in (1, 3, 4, 21, 1000, len(wire)):
-        opener = auth.Opener(up)
-        got = [bytes(b) for i in range(0, len(wire), step) for b in opener.feed(wire[i : i + step])]
-        assert got == bodies, step
+    w = _sealed_writer(up)
+    writes = [[_out(1)], [_out(2), _out(3, 0), _out(4, 5000)], [_out(5, 70_000)], [_out(6 + i, 300_000) for i in range(5)]]
+    wire = b"".join(_write(w, *frames) for frames in writes)
+    assert wire.count(struct.pack(">I", TAG_FRAME)) >= len(writes) + 1  # the long write carries two tags
+    sent = [f for frames in writes for f in frames]
+    for step in (1, 3, 4, 21, 1000, 65536, len(wire)):
+        reader = FrameReader().sealed(up)
+        got = [f for i in range(0, len(wire), step) for f in reader.feed(wire[i : i + step])]
+        assert got == sent, step
+        assert reader.buffered == 0
 
 
 @pytest.mark.parametrize("joined", [False, True], ids=["one-read-each", "one-read"])
-@pytest.mark.parametrize("attack", ["drop", "reorder", "replay", "tag", "body", "other-direction"])
-def test_a_record_out_of_place_fails(attack, joined):
+@pytest.mark.parametrize("attack", ["drop", "reorder", "replay", "tag", "frame", "untag", "other-direction"])
+def test_a_write_out_of_place_fails(attack, joined):
     client, _ = _pair()
     up, down = client.keys()
-    sealer = auth.Sealer(down if attack == "other-direction" else up)
-    records = [sealer.seal([f"frame {i}".encode()]) for i in range(3)]
+    w = _sealed_writer(down if attack == "other-direction" else up)
+    writes = [_write(w, _out(i)) for i in range(3)]
     if attack == "drop":
-        records = [records[0], records[2]]
+        writes = [writes[0], writes[2]]
     elif attack == "reorder":
-        records = [records[1], records[0]]
+        writes = [writes[1], writes[0]]
     elif attack == "replay":
-        records = [records[0], records[0]]
+        writes = [writes[0], writes[0]]
     elif attack == "tag":
-        records[1] = records[1][:-1] + bytes([records[1][-1] ^ 1])
-    elif attack == "body":
-        records[1] = records[1][:5] + b"F" + records[1][6:]
-    opener = auth.Opener(up)
+        writes[1] = writes[1][:-1] + bytes([writes[1][-1] ^ 1])
+    elif attack == "frame":
+        writes[1] = writes[1][:-21] + bytes([writes[1][-21] ^ 1]) + writes[1][-20:]
+    elif attack == "untag":  # the first write's tag frame cut out: its frame to pass under the next tag
+        writes = [writes[0][:-20], writes[1]]
+    reader = FrameReader().sealed(up)
+    got = []
     with pytest.raises(auth.AuthError, match="frame authentication failed"):
-        for record in [b"".join(records)] if joined else records:
-            opener.feed(record)
+        for data in [b"".join(writes)] if joined else writes:
+            got += reader.feed(data)
+    assert got in ([], [_out(0)]), f"frames out of place were handed out: {got}"
 
 
-def test_an_oversized_record_is_refused_from_its_length():
-    opener = auth.Opener(b"k" * 32)
+def test_frames_are_handed_out_only_after_their_tag():
+    """A truncated write (its tag frame not there yet, or never) hands out nothing."""
+    up, _ = _pair()[0].keys()
+    write = _write(_sealed_writer(up), _out(1), _out(2))
+    reader = FrameReader().sealed(up)
+    assert reader.feed(write[:-20]) == []  # both frames whole, no tag yet
+    assert reader.feed(write[-20:-1]) == []
+    assert reader.feed(write[-1:]) == [_out(1), _out(2)]
+
+
+def test_injected_garbage_is_an_authentication_failure_not_a_malformed_frame():
+    up, _ = _pair()[0].keys()
+    reader = FrameReader().sealed(up)
+    garbage = struct.pack(">I", 3) + b"\xc1\xc1\xc1"  # not msgpack
+    with pytest.raises(auth.AuthError, match="frame authentication failed"):
+        reader.feed(garbage + _write(_sealed_writer(up), _out(1)))
+
+
+def test_an_oversized_frame_is_refused_from_its_length():
+    reader = FrameReader(max_frame_bytes=1 << 20).sealed(b"k" * 32)
     tracemalloc.start()
     try:
-        with pytest.raises(auth.AuthError, match="over the limit"):
-            opener.feed(struct.pack(">I", 0xFFFF_FF00) + b"x" * 100)
+        with pytest.raises(InvalidArgument, match="exceeds the limit"):
+            reader.feed(struct.pack(">I", (1 << 20) + 1) + b"x" * 100)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 64 * 1024
+
+
+def test_frames_without_a_tag_are_held_only_up_to_the_batch_limit():
+    """A sealed writer puts a tag after at most MAX_BATCH bytes and one frame: frames
+    past that without one are refused, not kept waiting in memory."""
+    reader = FrameReader(max_frame_bytes=64 * 1024).sealed(b"k" * 32)
+    frame = _frame(_out(1, 32 * 1024))
+    with pytest.raises(auth.AuthError, match="without a tag"):
+        for _ in range(MAX_BATCH // len(frame) + 4):
+            assert reader.feed(frame) == []
+    assert MAX_FRAME_BYTES < TAG_FRAME  # no frame limit reaches the tag frame's prefix
+
+
+def test_kv_records_out_of_place_fail():
+    """KV transfer's records (SealedStream): a record's tag covers the stream so far."""
+    up, _ = _pair()[0].keys()
+    sealer = auth.Sealer(up)
+    records = [b"".join(bytes(piece) for piece in sealer.records(f"chunk {i}".encode())) for i in range(3)]
+    for wire in (records[0] + records[2], records[1] + records[0], records[0] + records[0]):
+        opener = auth.Opener(up)
+        with pytest.raises(auth.AuthError, match="frame authentication failed"):
+            for record in (wire[: len(records[0])], wire[len(records[0]) :]):
+                size = auth.Opener.size(record[:4])
+                opener.check(record[4 + size :], record[:4], record[4 : 4 + size])
 
 
 def test_a_peer_of_the_previous_handshake_version_is_told_so():

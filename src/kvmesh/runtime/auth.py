@@ -28,23 +28,27 @@ the wire. A client whose server's proof is wrong still sends its own proof befor
 closes, so both sides log the mismatch; nothing waits longer than the handshake
 timeout.
 
-After the handshake every byte each way travels in authenticated **records** (unless
-the connection is TLS, which authenticates its bytes itself)::
+After the handshake every byte each way is authenticated (unless the connection is
+TLS, which authenticates its bytes itself) under this direction's key, derived from the
+secret and both nonces (``MAC(secret, "frames", direction, channel, cn, sn)``: fresh per
+connection, one per direction). The MAC state is never reset: each tag is the MAC of
+*the whole stream so far* (this direction's bytes, in order), so it also covers its
+position, an implicit sequence number. Data altered, injected, replayed, reordered or
+dropped fails its tag (or the next one's); the receiver acts on nothing before its tag
+has checked, logs one line and closes the connection.
 
-    u32 big-endian length n (at most MAX_RECORD) | n bytes | 16-byte tag
+* Request plane and call-home (:mod:`kvmesh.runtime.frames`): the tag travels in the
+  frame stream itself. Each write of frames ends with a *tag frame*, a length prefix no
+  frame can have (``0x3FFFFFFF``) and the 16-byte tag (keyed BLAKE2b: one keyed state per
+  direction, one ``update`` and one ``digest`` per write) over the frames and that prefix.
+  No second framing layer: the frame reader parses, checks and decodes in one pass.
+* KV transfer (:class:`SealedStream`): bulk payloads in **records**::
 
-The tag is a MAC under this direction's key, derived from the secret and both nonces
-(``MAC(secret, "frames", direction, channel, cn, sn)``: fresh per connection, one per
-direction), over *the whole stream so far* (every record's length and bytes, in order;
-the MAC state is never reset). So each tag also covers the record's position, an
-implicit sequence number: a record altered, injected, replayed, reordered or dropped
-fails its tag (or the next one's); the receiver logs one line and closes the
-connection. A record carries what the sender wrote at once (the request plane's writer
-seals one loop tick's frames together: one MAC per write, not per frame), and a frame
-may span records. MACs: keyed BLAKE2b for the request plane's small records (one keyed
-state per direction of a connection, then one ``update`` and one ``digest`` per record),
-HMAC-SHA256 for bulk KV transfer, whose chunks of up to ``MAX_RECORD`` bytes it hashes
-about twice as fast where the CPU has SHA instructions (:data:`BULK`).
+      u32 big-endian length n (at most MAX_RECORD) | n bytes | 16-byte tag
+
+  HMAC-SHA256 over each record's length and bytes (:data:`BULK`), whose chunks of up to
+  ``MAX_RECORD`` bytes it hashes about twice as fast as BLAKE2b where the CPU has SHA
+  instructions.
 
 Without a secret nothing changes on the wire (no handshake, no MACs, no records).
 
@@ -103,7 +107,10 @@ __all__ = [
     "Sealer",
     "Opener",
     "SealedStream",
+    "SMALL",
+    "Keyed",
     "BULK",
+    "AUTH_FAILED",
     "MAX_RECORD",
     "is_loopback",
     "check_exposure",
@@ -502,41 +509,40 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
 
 
 # ---------------------------------------------------------------------- records
-# What follows the handshake (see the module docstring): every byte in records whose tags
-# cover an implicit per-direction sequence number.
+# What follows the handshake (see the module docstring): tags over the whole stream so
+# far, an implicit per-direction sequence number. The request plane's tag frames are in
+# kvmesh.runtime.frames; the records below are the KV transfer's.
 
 MAX_RECORD: Final = 1024 * 1024  # a record's body; a sender splits bigger writes
 _TAG = 16
 _REC = struct.Struct(">I")
-_OVERHEAD = _REC.size + _TAG
-_ONE_READ = 4096  # up to this size a read holding one whole record takes the short path
-_FAILED = "frame authentication failed: data was altered, injected, replayed or reordered on the way"
+AUTH_FAILED: Final = "frame authentication failed: data was altered, injected, replayed or reordered on the way"
 
 
-class _Keyed(Protocol):
+class Keyed(Protocol):
     """A keyed MAC state (``hashlib.blake2b``, ``hmac.HMAC``), one per direction."""
 
     def update(self, data: bytes | memoryview, /) -> None: ...
     def digest(self) -> bytes: ...
 
 
-Mac = Callable[[bytes], _Keyed]
+Mac = Callable[[bytes], Keyed]
 
 
-def _blake2b(key: bytes) -> _Keyed:
-    return hashlib.blake2b(key=key, digest_size=_TAG)
+def _blake2b(key: bytes) -> Keyed:
+    return hashlib.blake2b(key=key, digest_size=_TAG)  # digest() is the tag: no slicing
 
 
-def _hmac_sha256(key: bytes) -> _Keyed:
+def _hmac_sha256(key: bytes) -> Keyed:
     return hmac.new(key, digestmod=hashlib.sha256)
 
 
-SMALL: Final[Mac] = _blake2b  # many small records: the cheapest call (about 1 µs for 200 bytes)
+SMALL: Final[Mac] = _blake2b  # many small writes: the cheapest call (under 1 µs for 200 bytes)
 BULK: Final[Mac] = _hmac_sha256  # KV chunks: OpenSSL's SHA-256 (SHA-NI) hashes ~2x faster than BLAKE2b
 
 
 class Sealer:
-    """One direction's sending side: bytes → records (see the module docstring).
+    """One direction's sending side of records (see the module docstring).
 
     The MAC state absorbs every record's length and body in order and is never reset:
     a record's tag is the MAC of the whole stream up to its end, so it also covers the
@@ -545,26 +551,14 @@ class Sealer:
 
     __slots__ = ("_mac",)
 
-    def __init__(self, key: bytes, mac: Mac = SMALL) -> None:
+    def __init__(self, key: bytes, mac: Mac = BULK) -> None:
         self._mac = mac(key)
 
-    def _tag(self, head: bytes, parts: list[bytes] | tuple[bytes | memoryview, ...]) -> bytes:
+    def _tag(self, head: bytes, body: bytes | memoryview) -> bytes:
         h = self._mac
         h.update(head)
-        for part in parts:
-            h.update(part)
+        h.update(body)
         return h.digest()[:_TAG]
-
-    def seal(self, parts: list[bytes]) -> bytes:
-        """``parts`` (written together) as one record, or several past :data:`MAX_RECORD`."""
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
-        if len(body) > MAX_RECORD:
-            return b"".join(self.records(body))
-        # small records are the request plane's: two short copies cost less than more calls
-        record = _REC.pack(len(body)) + body
-        h = self._mac
-        h.update(record)
-        return record + h.digest()[:_TAG]
 
     def records(self, data: bytes | memoryview) -> Iterator[bytes | memoryview]:
         """``data`` as records, piece by piece (length, a view of the body, tag): to
@@ -575,25 +569,19 @@ class Sealer:
             head = _REC.pack(len(body))
             yield head
             yield body
-            yield self._tag(head, (body,))
+            yield self._tag(head, body)
 
 
 class Opener:
-    """One direction's receiving side: records in, their checked bodies out.
+    """One direction's receiving side of records: :meth:`size` reads a record's length
+    (refused past :data:`MAX_RECORD` before anything of the record is buffered),
+    :meth:`check` its tag (:class:`AuthError` on a mismatch: the connection is then
+    closed, nothing after it can be trusted, and the MAC state is spent)."""
 
-    :meth:`feed` takes bytes as they arrive and returns the bodies of the records they
-    complete (views, no copy when a record arrives in one read); a length over
-    :data:`MAX_RECORD` is refused before anything of the record is buffered, and a
-    record whose tag does not match raises :class:`AuthError` (the connection is then
-    closed: nothing after it can be trusted, and the MAC state is spent)."""
+    __slots__ = ("_mac",)
 
-    __slots__ = ("_mac", "_chunks", "_have", "_need")
-
-    def __init__(self, key: bytes, mac: Mac = SMALL) -> None:
+    def __init__(self, key: bytes, mac: Mac = BULK) -> None:
         self._mac = mac(key)  # absorbs the stream as the Sealer's did (see Sealer)
-        self._chunks: list[bytes | memoryview] = []  # the reads holding an incomplete record
-        self._have = 0
-        self._need = 0
 
     @staticmethod
     def size(head: bytes | memoryview) -> int:
@@ -610,42 +598,7 @@ class Opener:
         for piece in record:
             h.update(piece)
         if not hmac.compare_digest(h.digest()[:_TAG], tag):
-            raise AuthError(_FAILED)
-
-    def feed(self, data: bytes | memoryview) -> list[bytes | memoryview]:
-        if not self._chunks and len(data) <= _ONE_READ and len(data) >= _OVERHEAD:
-            # the common case, one small record in one read: plain slices cost less than views
-            n = _REC.unpack_from(data)[0]
-            if n == len(data) - _OVERHEAD:
-                h = self._mac
-                h.update(data[:-_TAG])
-                if not hmac.compare_digest(h.digest()[:_TAG], data[-_TAG:]):
-                    raise AuthError(_FAILED)
-                return [data[_REC.size : -_TAG]]
-        if self._chunks:
-            self._chunks.append(data)
-            self._have += len(data)
-            if self._have < self._need:
-                return []
-            data = b"".join(self._chunks)
-            self._chunks.clear()
-            self._have = 0
-        view = memoryview(data)
-        bodies: list[bytes | memoryview] = []
-        pos, end = 0, len(data)
-        while end - pos >= _REC.size:
-            stop = pos + _REC.size + self.size(view[pos : pos + _REC.size]) + _TAG
-            if stop > end:
-                break
-            self.check(view[stop - _TAG : stop], view[pos : stop - _TAG])
-            bodies.append(view[pos + _REC.size : stop - _TAG])
-            pos = stop
-        if pos < end:
-            rest = data[pos:] if pos else data
-            self._chunks.append(rest)
-            self._have = len(rest)
-            self._need = _REC.size + self.size(rest) + _TAG if len(rest) >= _REC.size else _REC.size
-        return bodies
+            raise AuthError(AUTH_FAILED)
 
 
 class SealedStream:

@@ -27,21 +27,32 @@ streams per connection     ``MAX_STREAMS``        4096 open at once; more get ``
 Reassembly is linear: a partial frame's reads are kept as a list of chunks and joined
 once, when the frame is complete.
 
-With a cluster secret (and no TLS) the frames travel inside authenticated records
-(:mod:`kvmesh.runtime.auth`): the writer seals what it writes at once (``sealer``), the
-connection checks records before its :class:`FrameReader` sees their bytes.
+Sealed (with a cluster secret, without TLS; see :mod:`kvmesh.runtime.auth`), each write
+of frames ends with a **tag frame**: the length prefix ``0x3FFFFFFF``, which no frame
+has, then a 16-byte tag over everything this direction sent so far (its frames and tag
+frame prefixes; keyed BLAKE2b under the direction's key from the handshake)::
+
+    u32 len | frame | u32 len | frame ... | u32 0x3FFFFFFF | tag
+
+:class:`SealedFrameReader` parses frames as they come (each length checked against the
+limit from its prefix, as unsealed), folds their bytes into the MAC, and hands out no
+frame before the tag after it has checked: a tag that does not match raises
+:class:`~kvmesh.runtime.auth.AuthError` (the connection is closed). Between two tags at
+most ``MAX_BATCH`` bytes of frames may start (the writer puts a tag after the frame that
+reaches it), so what waits for its tag is bounded by ``MAX_BATCH`` plus one frame.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import struct
 from typing import Any, Union
 
 import msgspec
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.runtime.auth import Sealer
+from kvmesh.runtime.auth import AUTH_FAILED, SMALL, AuthError, Keyed
 
 __all__ = [
     "Req",
@@ -59,6 +70,9 @@ __all__ = [
     "MAX_STREAMS",
     "FrameWriter",
     "FrameReader",
+    "SealedFrameReader",
+    "MAX_BATCH",
+    "TAG_FRAME",
 ]
 
 STOP = 1
@@ -109,6 +123,13 @@ class Err(msgspec.Struct, tag=6, array_like=True):
 Frame = Union[Req, Ctl, Ack, Out, End, Err]
 
 _LEN = struct.Struct(">I")
+TAG_FRAME = 0x3FFF_FFFF  # a length past every frame limit: a tag follows (< 2**30: a fast int compare)
+_TAG_HEAD = _LEN.pack(TAG_FRAME)
+_TAG = 16  # the tag's bytes (BLAKE2b with digest_size=16)
+_TAGGED = 4 + _TAG  # a tag frame
+_SMALL_COPY = 4096  # up to this size the MAC is given a copy of the bytes, past it a view
+MAX_BATCH = 1024 * 1024  # bytes of frames after which a sealed writer puts a tag
+_ONE_BATCH = MAX_BATCH + len(_TAG_HEAD)  # a write up to this size (tag frame prefix included) needs one tag
 
 
 class FrameWriter:
@@ -122,10 +143,10 @@ class FrameWriter:
     ready runs that iteration at once: the cost is at most one round of ready work.
     An ``urgent`` frame (a stream's first token) is flushed in this iteration.
 
-    ``sealer`` (set once the cluster-secret handshake is done): what one flush writes
-    goes out as one authenticated record (one MAC per write, not per frame)."""
+    :meth:`seal` (once the cluster-secret handshake is done): each flush ends with a tag
+    frame (one MAC per write, not per frame; see the module docstring)."""
 
-    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now", "sealer")
+    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now", "_mac")
 
     def __init__(self, coalesce: bool = False) -> None:
         self.parts: list[bytes] = []  # encoded frames, each with its length prefix
@@ -134,7 +155,11 @@ class FrameWriter:
         self._scheduled = False  # a flush is scheduled (this iteration or the next)
         self._coalesce = coalesce
         self._now = False  # a flush is scheduled for this iteration
-        self.sealer: Sealer | None = None
+        self._mac: Keyed | None = None  # this direction's MAC state once sealed
+
+    def seal(self, key: bytes) -> None:
+        """From now on every write ends with the tag of the stream so far, under ``key``."""
+        self._mac = SMALL(key)
 
     def add(self, frame: Frame | OutItem) -> None:
         data = self._encode(frame)  # a frame that cannot be encoded leaves nothing queued
@@ -142,12 +167,39 @@ class FrameWriter:
 
     def take(self) -> bytes:
         parts = self.parts
-        if self.sealer is not None:
-            data = self.sealer.seal(parts)
-        else:
+        if self._mac is None:
             data = parts[0] if len(parts) == 1 else b"".join(parts)
+        else:
+            parts.append(_TAG_HEAD)
+            data = b"".join(parts)
+            if len(data) > _ONE_BATCH:
+                parts.pop()
+                data = self._batches(parts)
+            else:  # the common case, one tag: two short copies cost less than more calls
+                mac = self._mac
+                mac.update(data)
+                data += mac.digest()
         parts.clear()
         return data
+
+    def _batches(self, parts: list[bytes]) -> bytes:
+        """Sealed frames past :data:`MAX_BATCH`: a tag after each frame that reaches it."""
+        mac = self._mac
+        assert mac is not None
+        out: list[bytes] = []
+        size = 0
+        for part in parts:
+            mac.update(part)
+            out.append(part)
+            size += len(part)
+            if size >= MAX_BATCH:
+                mac.update(_TAG_HEAD)
+                out += (_TAG_HEAD, mac.digest())
+                size = 0
+        if size:
+            mac.update(_TAG_HEAD)
+            out += (_TAG_HEAD, mac.digest())
+        return b"".join(out)
 
     def send(self, frame: Frame | OutItem, urgent: bool = False) -> None:
         self.add(frame)
@@ -201,15 +253,18 @@ class FrameReader:
         """Bytes held for an incomplete frame."""
         return self._have
 
+    def sealed(self, key: bytes) -> SealedFrameReader:
+        """A reader of this one's limit for the sealed frames that follow the handshake
+        (``key``: the peer's direction's); this one must hold nothing yet."""
+        assert not self._chunks, "bytes before the handshake ended"
+        return SealedFrameReader(key, self._max)
+
     def feed(self, data: bytes | memoryview) -> list[Frame]:
         if self._chunks:
-            self._chunks.append(data)
-            self._have += len(data)
-            if self._have < self._need:
+            joined = self._join(data)
+            if joined is None:
                 return []
-            data = b"".join(self._chunks)
-            self._chunks.clear()
-            self._have = 0
+            data = joined
         view = memoryview(data)
         frames = []
         pos = 0
@@ -227,8 +282,105 @@ class FrameReader:
                 raise InvalidArgument(f"malformed frame: {exc}") from None
             pos += 4 + size
         if pos < end:
-            rest = data[pos:] if pos else data
-            self._chunks.append(rest)
-            self._have = len(rest)
-            self._need = 4 + _LEN.unpack_from(rest)[0] if len(rest) >= 4 else 4
+            self._keep(data, pos)
         return frames
+
+    def _join(self, data: bytes | memoryview) -> bytes | None:
+        """``data`` after the reads held for an incomplete frame, joined once the frame
+        (or the next length prefix) is complete; None while it is not."""
+        self._chunks.append(data)
+        self._have += len(data)
+        if self._have < self._need:
+            return None
+        joined = b"".join(self._chunks)
+        self._chunks.clear()
+        self._have = 0
+        return joined
+
+    def _keep(self, data: bytes | memoryview, pos: int) -> None:
+        """Hold ``data[pos:]``, the start of a frame (or of a tag frame) for the next read."""
+        rest = data[pos:] if pos else data
+        self._chunks.append(rest)
+        self._have = len(rest)
+        if len(rest) < 4:
+            self._need = 4
+        else:
+            (size,) = _LEN.unpack_from(rest)
+            self._need = 4 + (_TAG if size == TAG_FRAME else size)
+
+
+class SealedFrameReader(FrameReader):
+    """A :class:`FrameReader` for sealed frames (see the module docstring): frames are
+    parsed and decoded as they arrive, their bytes folded into the MAC, and handed out
+    only once the tag frame after them has checked. :class:`AuthError` for a tag that does
+    not match, or for more frames waiting for a tag than a sealed writer lets through
+    (:data:`MAX_BATCH` and one frame); a malformed frame is reported once its tag has
+    checked (garbage injected on the way is an authentication failure, not the peer's bug)."""
+
+    __slots__ = ("_mac", "_pending", "_open", "_malformed")
+
+    def __init__(self, key: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        if max_frame_bytes >= TAG_FRAME:
+            raise ValueError(f"a sealed frame reader's limit must be under {TAG_FRAME} bytes")
+        super().__init__(max_frame_bytes)
+        self._mac = SMALL(key)  # absorbs the stream as the peer's FrameWriter did
+        self._pending: list[Frame] = []  # decoded, waiting for their tag
+        self._open = 0  # their bytes
+        self._malformed: InvalidArgument | None = None  # a frame among them that did not decode
+
+    def feed(self, data: bytes | memoryview) -> list[Frame]:
+        if self._chunks:
+            joined = self._join(data)
+            if joined is None:
+                return []
+            data = joined
+        view = memoryview(data)
+        frames = self._pending  # the frames waiting for a tag come first
+        checked = 0  # frames[:checked] passed their tag
+        pos = start = 0  # start: the first byte the MAC has not absorbed
+        end = len(data)
+        decode = self._decoder.decode
+        while end - pos >= 4:
+            (size,) = _LEN.unpack_from(data, pos)
+            if size > self._max:
+                if size != TAG_FRAME:
+                    raise InvalidArgument(f"frame of {size} bytes exceeds the limit of {self._max} bytes")
+                if end - pos < _TAGGED:
+                    break
+                pos += 4
+                mac = self._mac
+                # the frames and this tag frame's prefix: a small copy costs less than a view
+                mac.update(data[start:pos] if pos - start < _SMALL_COPY else view[start:pos])
+                if not hmac.compare_digest(mac.digest(), data[pos : pos + _TAG]):
+                    raise AuthError(AUTH_FAILED)
+                if self._malformed is not None:
+                    raise self._malformed
+                pos = start = pos + _TAG
+                checked = len(frames)
+                continue
+            if end - pos - 4 < size:
+                break
+            try:
+                frames.append(decode(view[pos + 4 : pos + 4 + size]))
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+                self._malformed = self._malformed or InvalidArgument(f"malformed frame: {exc}")
+            pos += 4 + size
+        if start == end:  # the common case: the read ended with a tag frame
+            self._pending = []
+            self._open = 0
+            return frames
+        return self._wait(data, frames, checked, start, pos)
+
+    def _wait(self, data: bytes | memoryview, frames: list[Frame], checked: int, start: int, pos: int) -> list[Frame]:
+        """The end of a read that left frames waiting for their tag, or part of a frame:
+        absorb and keep them; ``frames[:checked]`` passed their tag. AuthError past what
+        a sealed writer sends without a tag (:data:`MAX_BATCH` and one frame)."""
+        if start < pos:
+            self._mac.update(memoryview(data)[start:pos])
+        if pos < len(data):
+            self._keep(data, pos)
+        self._open = pos - start + (self._open if start == 0 else 0)
+        if self._open >= MAX_BATCH + 4 + self._max:
+            raise AuthError(f"frame authentication failed: over {self._open} bytes of frames without a tag")
+        self._pending = frames[checked:]
+        return frames[:checked]

@@ -17,8 +17,8 @@ Transport: :class:`Mailbox`, a stream's slot between the connection's reader and
 the consumer (bounded by ``merge``), and :data:`END`, what it yields at the end;
 :class:`FramedConnection`, what every request-plane connection (the worker's, the
 caller's, the call-home listener's) does alike: socket options, the handshake while it
-runs, then (with a cluster secret, without TLS) authenticated records around the
-frames, frames in and out.
+runs, then (with a cluster secret, without TLS) sealed frames (tag frames in the
+stream), frames in and out.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import msgspec
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.runtime import auth
-from kvmesh.runtime.auth import ClusterSecret, Opener, ProtocolHandshake, Sealer, TlsContexts
+from kvmesh.runtime.auth import ClusterSecret, ProtocolHandshake, TlsContexts
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, MAX_REQUEST_FRAME, MAX_STREAMS, FrameReader, FrameWriter
 from kvmesh.runtime.sockets import tune_stream_socket
@@ -173,9 +173,9 @@ class FramedConnection(asyncio.Protocol):
     A subclass starts its handshake in ``connection_made`` (setting ``auth``, after
     calling this class's), ends its streams in ``connection_lost`` (likewise), and reads
     ``data_received`` through :meth:`admitted_frames`. Once the handshake is done, a
-    connection that is not TLS seals what it writes and checks what it reads
-    (:class:`~kvmesh.runtime.auth.Sealer`, :class:`~kvmesh.runtime.auth.Opener`); a
-    record that fails its check is an error like a malformed frame (the caller closes)."""
+    connection that is not TLS seals what it writes (:meth:`FrameWriter.seal`) and reads
+    through a :class:`~kvmesh.runtime.frames.SealedFrameReader`; a tag that fails its
+    check is an error like a malformed frame (the caller closes)."""
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES, *, coalesce: bool = False) -> None:
         self.transport: asyncio.Transport | None = None
@@ -183,7 +183,6 @@ class FramedConnection(asyncio.Protocol):
         self.auth: ProtocolHandshake | None = None  # set while the handshake runs
         self._reader = FrameReader(max_frame_bytes)
         self._writer = FrameWriter(coalesce=coalesce)
-        self._opener: Opener | None = None  # set when the handshake is done (not on TLS)
         self._tls = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -213,26 +212,18 @@ class FramedConnection(asyncio.Protocol):
             if not data:
                 return []
         try:
-            if self._opener is None:
-                return self._reader.feed(data)
-            bodies = self._opener.feed(data)
-            if len(bodies) == 1:  # the common case: one write of the peer's in one read
-                return self._reader.feed(bodies[0])
-            frames: list[Any] = []
-            for body in bodies:
-                frames += self._reader.feed(body)
-            return frames
-        except InvalidArgument as exc:  # AuthError included: a record that failed its check
+            return self._reader.feed(data)
+        except InvalidArgument as exc:  # AuthError included: a tag that failed its check
             return exc
 
     def _seal(self, gate: ProtocolHandshake) -> None:
-        """The handshake is done: from now on both directions travel in records keyed by
+        """The handshake is done: from now on both directions are sealed under keys from
         it (TLS authenticates its bytes itself)."""
         if self._tls:
             return
         send, recv = gate.keys()
-        self._writer.sealer = Sealer(send)
-        self._opener = Opener(recv)
+        self._writer.seal(send)
+        self._reader = self._reader.sealed(recv)
 
 
 class StreamTasks:

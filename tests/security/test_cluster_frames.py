@@ -392,6 +392,16 @@ def test_sealed_frames_survive_any_split_of_the_stream():
         assert reader.buffered == 0
 
 
+def test_a_frame_bigger_than_a_batch_is_sealed_whole():
+    up, _ = _pair()[0].keys()
+    big = _out(9, MAX_BATCH + 10)
+    wire = _write(_sealed_writer(up), big)
+    assert wire.count(struct.pack(">I", TAG_FRAME)) == 1 and wire[-20:-16] == struct.pack(">I", TAG_FRAME)
+    for step in (4096, 65536, len(wire)):
+        reader = FrameReader().sealed(up)
+        assert [f for i in range(0, len(wire), step) for f in reader.feed(wire[i : i + step])] == [big], step
+
+
 @pytest.mark.parametrize("joined", [False, True], ids=["one-read-each", "one-read"])
 @pytest.mark.parametrize("attack", ["drop", "reorder", "replay", "tag", "frame", "untag", "other-direction"])
 def test_a_write_out_of_place_fails(attack, joined):

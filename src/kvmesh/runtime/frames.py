@@ -38,8 +38,9 @@ frame prefixes; keyed BLAKE2b under the direction's key from the handshake)::
 limit from its prefix, as unsealed), folds their bytes into the MAC, and hands out no
 frame before the tag after it has checked: a tag that does not match raises
 :class:`~kvmesh.runtime.auth.AuthError` (the connection is closed). Between two tags at
-most ``MAX_BATCH`` bytes of frames may start (the writer puts a tag after the frame that
-reaches it), so what waits for its tag is bounded by ``MAX_BATCH`` plus one frame.
+most ``MAX_BATCH`` bytes of frames may start (a writer puts a tag after the frame that
+reaches it), so what waits for its tag is bounded by ``MAX_BATCH`` plus one frame; a
+reader refuses more.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ _TAG_HEAD = _LEN.pack(TAG_FRAME)
 _TAG = 16  # the tag's bytes (BLAKE2b with digest_size=16)
 _TAGGED = 4 + _TAG  # a tag frame
 _SMALL_COPY = 4096  # up to this size the MAC is given a copy of the bytes, past it a view
+_same = hmac.compare_digest  # constant time (a tag's first wrong byte tells an attacker nothing)
 MAX_BATCH = 1024 * 1024  # bytes of frames after which a sealed writer puts a tag
 _ONE_BATCH = MAX_BATCH + len(_TAG_HEAD)  # a write up to this size (tag frame prefix included) needs one tag
 
@@ -169,6 +171,8 @@ class FrameWriter:
         parts = self.parts
         if self._mac is None:
             data = parts[0] if len(parts) == 1 else b"".join(parts)
+        elif len(parts[0]) >= MAX_BATCH:  # one big frame: not joined twice
+            data = self._batches(parts)
         else:
             parts.append(_TAG_HEAD)
             data = b"".join(parts)
@@ -351,7 +355,7 @@ class SealedFrameReader(FrameReader):
                 mac = self._mac
                 # the frames and this tag frame's prefix: a small copy costs less than a view
                 mac.update(data[start:pos] if pos - start < _SMALL_COPY else view[start:pos])
-                if not hmac.compare_digest(mac.digest(), data[pos : pos + _TAG]):
+                if not _same(mac.digest(), data[pos : pos + _TAG]):
                     raise AuthError(AUTH_FAILED)
                 if self._malformed is not None:
                     raise self._malformed

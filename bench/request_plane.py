@@ -37,6 +37,11 @@ The ``×before`` column is arm / ``tcp-before`` (the goal: ≥ 0.97 of streamed 
 
     python bench/request_plane.py --ab --rounds 5
 
+Sealing alone (``--seal-micro``, also printed by ``--ab``): the CPU time of one 1-item
+request's framing (a ``Req`` write up, an ``Ack``+``Out``+``End`` write down), without and
+with a cluster secret (a tag frame per write, written and checked), and per frame of a
+stream's 16-frame writes; no sockets, so far less noise than the planes.
+
 Against another commit (``--base-commit C``): this script runs once per round and arm
 in a process of its own, on ``C``'s ``src/`` (arm ``before``, from ``git archive``) and
 on this tree's (``now``), alternating the order every round; it prints each arm's
@@ -448,6 +453,55 @@ def framing_micro(repeats: int = 15) -> dict[str, float]:
             "handshake_us": hs_best * 1e6, "big_frame_legacy_s": big_s["legacy"], "big_frame_today_s": big_s["today"]}  # fmt: skip
 
 
+def sealing_micro(requests: int = 20_000, repeats: int = 9) -> dict[str, float]:
+    """CPU time of a request's framing alone, without and with a cluster secret (no
+    sockets, both ends in this process): one 1-item request is a ``Req`` write up and an
+    ``Ack``+``Out``+``End`` write down (what the TCP plane writes at c=1), each sealed and
+    checked when sealed; plus 16 ``Out`` frames per write (a stream). Arms alternate,
+    best of ``repeats``; the paired figure is the median of per-repeat differences."""
+    from kvmesh.runtime.frames import Ack, End, FrameReader, FrameWriter, OutItem, Req
+
+    def ends(sealed: bool) -> tuple[FrameWriter, FrameWriter, Callable[[bytes], list[Any]], Callable[[bytes], list[Any]]]:
+        up, down, caller, worker = FrameWriter(), FrameWriter(), FrameReader(), FrameReader()
+        if sealed:
+            up.seal(b"u" * 32)
+            down.seal(b"d" * 32)
+            caller, worker = caller.sealed(b"d" * 32), worker.sealed(b"u" * 32)
+        return up, down, caller.feed, worker.feed
+
+    def per_request(sealed: bool) -> float:
+        up, down, caller, worker = ends(sealed)
+        payload, item = msgspec.Raw(_encode(1)), OutputChunk(token_ids=[0])
+        gc.collect()
+        start = time.process_time()
+        for sid in range(requests):
+            up.add(Req(sid, "count", payload))
+            worker(up.take())
+            for frame in (Ack(sid), OutItem(sid, item), End(sid)):
+                down.add(frame)
+            caller(down.take())
+        return (time.process_time() - start) / requests * 1e6
+
+    def per_frame(sealed: bool) -> float:
+        _, down, caller, _ = ends(sealed)
+        item = OutputChunk(token_ids=[7])
+        gc.collect()
+        start = time.process_time()
+        for _ in range(requests // 4):
+            for _ in range(16):
+                down.add(OutItem(1, item))
+            caller(down.take())
+        return (time.process_time() - start) / (requests // 4 * 16) * 1e9
+
+    out: dict[str, float] = {}
+    for name, run in (("request_us", per_request), ("stream_ns_per_frame", per_frame)):
+        pairs = [(run(False), run(True)) for _ in range(repeats)]
+        out[f"{name}_plain"] = min(p for p, _ in pairs)
+        out[f"{name}_sealed"] = min(s for _, s in pairs)
+        out[f"{name}_added"] = statistics.median(s - p for p, s in pairs)
+    return out
+
+
 def format_table(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
     ab = "single_vs_before" in results[0]
     cols = [("plane", 11), ("1 stream chunks/s", 18), ("×raw", 6)] + ([("×before", 8)] if ab else [])
@@ -490,6 +544,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds over the arms (best kept)")
     p.add_argument("--ab", action="store_true", help="trust A/B: tcp-before, tcp, tcp-secret (+ nats-secret with nats)")
     p.add_argument("--base-commit", metavar="C", help="A/B against commit C's src/: one process per round and arm (see above)")
+    p.add_argument("--seal-micro", action="store_true", help="only the framing's CPU per request, without and with a secret (no sockets)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -574,8 +629,17 @@ def format_commits(runs: dict[str, list[dict[str, dict[str, Any]]]], a: argparse
     return "\n".join(lines)
 
 
+def _print_sealing(m: dict[str, float]) -> None:
+    print(f"framing alone, one 1-item request (Req up, Ack+Out+End down): {m['request_us_plain']:.2f} µs CPU,"
+          f" {m['request_us_sealed']:.2f} µs sealed (+{m['request_us_added']:.2f} µs paired); 16 Out frames per write:"
+          f" {m['stream_ns_per_frame_plain']:.0f} ns/frame, +{m['stream_ns_per_frame_added']:.0f} ns sealed")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parse_args(argv)
+    if a.seal_micro:
+        _print_sealing(sealing_micro())
+        return 0
     if a.base_commit:
         return compare_commits(a)
     with ExitStack() as stack:
@@ -598,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
               f" one cluster-secret handshake, both sides: {micro['handshake_us']:.1f} µs per connection")
         print(f"one 16 MiB frame in 256 KiB reads: before {micro['big_frame_legacy_s']:.3f} s CPU,"
               f" today {micro['big_frame_today_s']:.3f} s CPU")  # fmt: skip
+        micro.update(sealing_micro())
+        _print_sealing(micro)
     if a.json:
         config = {k: v for k, v in vars(a).items() if k not in ("json", "quiet")}
         Path(a.json).write_text(json.dumps({"config": config, "results": results, "framing_micro": micro}, indent=2) + "\n")

@@ -419,19 +419,40 @@ def test_responses_dialect_chains_through_the_store_until_the_ttl():
     clock = _Clock()
     dialect = responses_dialect(ResponseStore(10, 10_000, ttl_s=60), clock)
     limits = SecurityConfig()
-    first = dialect.parse(b'{"model":"m","input":"My name is Ada.","instructions":"Be brief."}', limits)
+    first = dialect.parse(b'{"model":"m","input":"My name is Ada.","instructions":"Be brief."}', limits, "")
     body = dialect.body(first, None)
     for d in [START, Text("Hello Ada"), Finish("stop", USAGE)]:
         body.add(d)
     assert json.loads(body.body())["id"] == first.response_id
     ask = b'{"model":"m","input":"Who am I?","previous_response_id":"%s"}' % first.response_id.encode()
-    second = dialect.parse(ask, limits)
+    second = dialect.parse(ask, limits, "")
     assert [(m.role, m.content) for m in second.messages] == [
         ("user", "My name is Ada."), ("assistant", "Hello Ada"), ("user", "Who am I?"),
     ]  # fmt: skip
     clock.now = 60.0
     with pytest.raises(InvalidArgument, match=r"not found.*at `\$\.previous_response_id`"):
-        dialect.parse(ask, limits)
+        dialect.parse(ask, limits, "")
+
+
+def test_with_api_keys_a_stored_response_is_continued_only_with_the_key_that_made_it():
+    from kvmesh.frontend.dialects.responses import responses_dialect
+
+    store = ResponseStore(10, 10_000, ttl_s=60)
+    dialect = responses_dialect(store, _Clock())
+    limits = SecurityConfig()
+    first = dialect.parse(b'{"model":"m","input":"My PIN is 4711."}', limits, "Bearer key-a")
+    body = dialect.body(first, None)
+    for d in [START, Text("Noted"), Finish("stop", USAGE)]:
+        body.add(d)
+    body.body()  # the finished answer is stored
+    ask = b'{"model":"m","input":"What is my PIN?","previous_response_id":"%s"}' % first.response_id.encode()
+    with pytest.raises(InvalidArgument, match=r"not found.*at `\$\.previous_response_id`"):
+        dialect.parse(ask, limits, "Bearer key-b")  # another tenant who learned the id
+    with pytest.raises(InvalidArgument, match="not found"):
+        dialect.parse(ask, limits, "")  # nor a caller without a key
+    mine = dialect.parse(ask, limits, "Bearer key-a")
+    assert [m.content for m in mine.messages] == ["My PIN is 4711.", "Noted", "What is my PIN?"]
+    assert all("key-a" not in k for k in store._entries)  # the key itself is never kept
 
 
 def test_responses_dialect_keeps_nothing_without_store_and_bounds_the_whole_conversation():
@@ -439,26 +460,26 @@ def test_responses_dialect_keeps_nothing_without_store_and_bounds_the_whole_conv
 
     store = ResponseStore(10, 10_000, ttl_s=60)
     dialect = responses_dialect(store, _Clock())
-    unstored = dialect.parse(b'{"model":"m","input":"x","store":false}', SecurityConfig())
+    unstored = dialect.parse(b'{"model":"m","input":"x","store":false}', SecurityConfig(), "")
     events = dialect.stream(unstored)
     for d in [START, Text("y"), Finish("stop", USAGE)]:
         events.encode(d)
     assert len(store) == 0
-    stored = dialect.parse(b'{"model":"m","input":"' + b"a" * 60 + b'"}', SecurityConfig())
+    stored = dialect.parse(b'{"model":"m","input":"' + b"a" * 60 + b'"}', SecurityConfig(), "")
     events = dialect.stream(stored)
     for d in [START, Text("b" * 30), Finish("stop", USAGE)]:
         events.encode(d)
     assert len(store) == 1
     ask = b'{"model":"m","input":"' + b"c" * 20 + b'","previous_response_id":"%s"}' % stored.response_id.encode()
     with pytest.raises(InvalidArgument, match="with the 2 earlier messages of previous_response_id"):
-        dialect.parse(ask, SecurityConfig(max_message_chars=100))  # 20 new characters alone would pass
+        dialect.parse(ask, SecurityConfig(max_message_chars=100), "")  # 20 new characters alone would pass
 
 
 def test_messages_dialect_errors_in_anthropic_shape():
     from kvmesh.frontend.dialects.messages import MESSAGES
 
     with pytest.raises(InvalidArgument) as caught:
-        MESSAGES.parse(b'{"model":"m","max_tokens":0,"messages":[{"role":"user","content":"x"}]}', SecurityConfig())
+        MESSAGES.parse(b'{"model":"m","max_tokens":0,"messages":[{"role":"user","content":"x"}]}', SecurityConfig(), "")
     response = MESSAGES.error(caught.value, "rid")
     assert response.status == 400 and response.headers["x-request-id"] == "rid"
     body = json.loads(response.body)

@@ -19,7 +19,7 @@ import msgspec
 
 from kvmesh.config import FrontendConfig, SecurityConfig
 from kvmesh.errors import PayloadTooLarge, ResourceExhausted, UnsupportedMediaType
-from kvmesh.frontend.auth import Authenticator
+from kvmesh.frontend.auth import Authenticator, presented
 from kvmesh.frontend.deltas import BodyEncoder, StreamEncoder
 from kvmesh.frontend.dialects.chat import ChatBody, ChatStream
 from kvmesh.frontend.dialects.completions import CompletionBody, CompletionStream
@@ -50,14 +50,15 @@ class Dialect:
     """One API dialect of the generation routes."""
 
     endpoint: str  # the ``endpoint`` label of the request metrics
-    parse: Callable[[bytes, SecurityConfig], GenerationRequest]  # body → internal request, limits checked
+    # (body, limits, caller: the key the caller presented when keys are on, else "") → internal request, checked
+    parse: Callable[[bytes, SecurityConfig, str], GenerationRequest]
     stream: Callable[[GenerationRequest], StreamEncoder]
     body: Callable[[GenerationRequest, object], BodyEncoder]  # (request, router explanation or None)
     error: Callable[[BaseException, str | None], Response] = error_response
 
 
-def _parsed(kind: str) -> Callable[[bytes, SecurityConfig], GenerationRequest]:
-    def parse_checked(body: bytes, security: SecurityConfig) -> GenerationRequest:
+def _parsed(kind: str) -> Callable[[bytes, SecurityConfig, str], GenerationRequest]:
+    def parse_checked(body: bytes, security: SecurityConfig, caller: str) -> GenerationRequest:
         req = parse(body, kind)  # type: ignore[arg-type]  # "chat" | "completion"
         check_limits(req, security)
         return req
@@ -141,7 +142,8 @@ class Generation:
         """The request's body, model, key tier and admission, checked (raises a 4xx/503)."""
         allowed = request.principal if request.checked else self.auth.tier_of(request.headers.get("authorization"))
         require_json(request)
-        req = dialect.parse(self._read_body(request), self.config.security)
+        caller = (presented(request.headers) or "") if self.auth.required else ""
+        req = dialect.parse(self._read_body(request), self.config.security, caller)
         entry = self.registry.get(req.model)
         tier = req.priority or request.headers.get("x-kvmesh-priority")
         self.auth.check_tier(tier, allowed)

@@ -193,7 +193,7 @@ def anthropic_error_response(exc: BaseException, request_id: str | None = None) 
     return response
 
 
-def _parse(body: bytes, security: SecurityConfig) -> ChatCompletionRequest:
+def _parse(body: bytes, security: SecurityConfig, caller: str) -> ChatCompletionRequest:
     req = messages_api.parse(body)
     messages_api.check_limits(req, security)
     chat = messages_api.to_chat(req)

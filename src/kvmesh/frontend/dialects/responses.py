@@ -19,6 +19,7 @@ settings (instructions, tools, tool_choice, text.format ...), built once per req
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -265,11 +266,13 @@ def responses_dialect(store: ResponseStore, clock: Callable[[], float] = time.mo
     request's own terms, then the chat route's over the whole conversation); a finished
     response with ``store`` leaves its conversation in ``store``."""
 
-    def parse(body: bytes, security: SecurityConfig) -> ResponsesChat:
+    def parse(body: bytes, security: SecurityConfig, caller: str) -> ResponsesChat:
         req = responses_api.parse(body)
         responses_api.check_limits(req, security)
-        history = _history(store, req.previous_response_id, clock())
+        scope = _scope(caller)
+        history = _history(store, scope, req.previous_response_id, clock())
         chat = responses_api.to_chat(req, history, new_response_id())
+        chat.scope = scope
         _check_conversation(chat, security, len(history))
         return chat
 
@@ -279,7 +282,7 @@ def responses_dialect(store: ResponseStore, clock: Callable[[], float] = time.mo
 
         def done(text: str, calls: list[tuple[str, str, str]]) -> None:
             turns = [*chat.turns, responses_api.output_turn(text, calls)]
-            store.put(chat.response_id, responses_api.encode_turns(turns), clock())
+            store.put(chat.scope + chat.response_id, responses_api.encode_turns(turns), clock())
 
         return done
 
@@ -299,10 +302,17 @@ def _translated(req: GenerationRequest) -> ResponsesChat:
     return req
 
 
-def _history(store: ResponseStore, previous: str | None, now: float) -> list[ChatMessage]:
+def _scope(caller: str) -> str:
+    """Whose conversations a request may continue: with API keys, the key's (a digest of
+    it, never the key) — another key naming the id finds nothing, as if it never existed;
+    without keys, everyone's."""
+    return hashlib.sha256(caller.encode()).hexdigest()[:32] + "/" if caller else ""
+
+
+def _history(store: ResponseStore, scope: str, previous: str | None, now: float) -> list[ChatMessage]:
     if previous is None:
         return []
-    stored = store.get(previous, now)
+    stored = store.get(scope + previous, now)
     if stored is None:
         raise InvalidArgument(
             f"Previous response with id {previous!r} not found: it was never stored here (store: false, another "

@@ -202,6 +202,7 @@ class ResponsesChat(ChatCompletionRequest, kw_only=True):
     source: ResponsesRequest
     response_id: str
     turns: list[ChatMessage]
+    scope: str = ""  # whose stored conversations it may continue and leaves its own in (responses._scope)
 
 
 def to_chat(req: ResponsesRequest, history: list[ChatMessage], response_id: str) -> ResponsesChat:

@@ -13,7 +13,9 @@ either bound the oldest entries go first; one conversation larger than the byte 
 is not stored at all. The store lives in one frontend process: behind several
 frontends, a chained request must reach the frontend that answered the one it names,
 and a restart forgets every entry. Ids are random (128 bits), so one caller cannot
-name another's conversation by guessing.
+name another's conversation by guessing; with API keys an entry is kept under the
+key's digest as well (``responses._scope``), so a caller that learns another tenant's
+id still finds nothing.
 """
 
 from __future__ import annotations

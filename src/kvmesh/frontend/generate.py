@@ -34,7 +34,6 @@ from kvmesh.frontend.sse import DeltaSSE, KeepAlive
 from kvmesh.frontend.tools import ToolReader
 from kvmesh.observability import tracing
 from kvmesh.observability.metrics import FrontendMetrics
-from kvmesh.preprocess import guided as guided_grammar
 from kvmesh.protocol import GuidedDecoding
 from kvmesh.runtime.context import Context
 
@@ -198,10 +197,19 @@ async def _check_guided(g: GuidedDecoding) -> None:
     regex or grammar), before the request is routed."""
     if g in _GUIDED_OK:
         return
-    await asyncio.to_thread(guided_grammar.check, g)
+    await asyncio.to_thread(_grammar_check, g)
     if len(_GUIDED_OK) >= _GUIDED_OK_MAX:
         _GUIDED_OK.pop(next(iter(_GUIDED_OK)))
     _GUIDED_OK[g] = None
+
+
+def _grammar_check(g: GuidedDecoding) -> None:
+    """The grammar engine's check, in a worker thread. The engine (llguidance, numpy:
+    ~100 ms and ~15 MiB) is imported here, by the first request with an output
+    constraint, not by every frontend at start (issue 36)."""
+    from kvmesh.preprocess import guided as guided_grammar
+
+    guided_grammar.check(g)
 
 
 def require_json(request: Request) -> None:

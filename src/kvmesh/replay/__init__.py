@@ -6,13 +6,23 @@ workers under each routing policy (:mod:`.policies`) on the virtual clock
 (:mod:`.sim`, default) or the real one (:mod:`.realtime`), and summarizes TTFT, ITL,
 prefix-cache hit rate and throughput per policy (:mod:`.report`, :mod:`.plot`).
 ``kvmesh replay`` (:mod:`kvmesh.cli.replay`) is the command line.
+
+The names below are imported on first use: every ``kvmesh`` command builds the
+``replay`` parser from :mod:`.settings`, and importing this package must not load the
+mocker, numpy and the grammar engine into each of them (issue 36).
 """
 
-from kvmesh.replay.policies import POLICIES, make_policy
-from kvmesh.replay.report import JSON_FIELDS, PolicyResult, format_table, summarize
-from kvmesh.replay.runner import CLOCKS, ReplayConfig, replay, replay_policy
-from kvmesh.replay.sim import fleet_options, simulate
-from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TokenSynth, TraceError, TraceRequest, arrivals, load_trace
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.replay.policies import POLICIES, make_policy
+    from kvmesh.replay.report import JSON_FIELDS, PolicyResult, format_table, summarize
+    from kvmesh.replay.runner import CLOCKS, ReplayConfig, replay, replay_policy
+    from kvmesh.replay.sim import fleet_options, simulate
+    from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TokenSynth, TraceError, TraceRequest, arrivals, load_trace
 
 __all__ = [
     "CLOCKS",
@@ -34,3 +44,22 @@ __all__ = [
     "simulate",
     "summarize",
 ]
+
+_HOME = {
+    "policies": ("POLICIES", "make_policy"),
+    "report": ("JSON_FIELDS", "PolicyResult", "format_table", "summarize"),
+    "runner": ("CLOCKS", "ReplayConfig", "replay", "replay_policy"),
+    "sim": ("fleet_options", "simulate"),
+    "trace": ("TRACE_BLOCK_TOKENS", "TokenSynth", "TraceError", "TraceRequest", "arrivals", "load_trace"),
+}
+_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    """One of ``__all__``, from its module (imported now, once)."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,3 +222,24 @@ async def worker_disagg_stats(address: str, secret: str | None = None):  # type:
         return await call(client, DISAGG_STATS, decode=msgspec.msgpack.Decoder(DisaggStats).decode)
     finally:
         await client.close()
+
+
+def migrations_total(url: str) -> float:
+    """``kvmesh_migration_total`` over all its labels, from the frontend's /metrics."""
+    import re
+
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(r"^kvmesh_migration_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+async def streams_cut_mid_way(server: ServerProcess, stream: Callable[[int, list[int]], Awaitable[str]], count: int) -> list[str]:
+    """Run ``count`` streams (``stream(i, progress)`` adds 1 to ``progress[i]`` per piece it
+    reads), SIGKILL the first worker once every stream is under way (3 pieces each; round
+    robin over two workers: two streams on each), and return their texts."""
+    progress = [0] * count
+    tasks = [asyncio.ensure_future(stream(i, progress)) for i in range(count)]
+    while min(progress) < 3:
+        assert not any(t.done() for t in tasks), "a stream ended before the kill"
+        await asyncio.sleep(0.01)
+    os.kill(server.worker_pids()[0], signal.SIGKILL)
+    return list(await asyncio.gather(*tasks))

@@ -6,17 +6,13 @@ of an undisturbed run."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import re
-import signal
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
 
-from tests.helpers import kvmesh_run
+from tests.helpers import kvmesh_run, migrations_total, streams_cut_mid_way
 
 pytestmark = pytest.mark.processes
 
@@ -143,10 +139,6 @@ STREAMS = 4
 MAX_TOKENS = 120
 
 
-def _migrations(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return sum(float(v) for v in re.findall(r"^kvmesh_migration_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
-
 
 async def _stream(client: anthropic.AsyncAnthropic, i: int, progress: list[int]) -> str:
     parts = []
@@ -176,13 +168,7 @@ async def test_a_stream_whose_worker_is_killed_gives_the_undisturbed_text(tmp_pa
     with kvmesh_run(tmp_path, "--router-mode", "round_robin", "--canary-interval", "0", workers=2, speedup="1") as server:
         async with anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120) as client:
             reference = [await _unary(client, i) for i in range(STREAMS)]
-            before = _migrations(server.url)
-            progress = [0] * STREAMS
-            tasks = [asyncio.ensure_future(_stream(client, i, progress)) for i in range(STREAMS)]
-            while min(progress) < 3:  # every stream is under way (round robin: two on each worker)
-                assert not any(t.done() for t in tasks), "a stream ended before the kill"
-                await asyncio.sleep(0.01)
-            os.kill(server.worker_pids()[0], signal.SIGKILL)
-            streamed = await asyncio.gather(*tasks)
-        assert _migrations(server.url) > before, "no stream was migrated"
+            before = migrations_total(server.url)
+            streamed = await streams_cut_mid_way(server, lambda i, progress: _stream(client, i, progress), STREAMS)
+        assert migrations_total(server.url) > before, "no stream was migrated"
     assert streamed == reference

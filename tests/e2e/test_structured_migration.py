@@ -5,17 +5,13 @@ request, so the new worker's grammar resumes over the tokens already streamed)."
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import re
-import signal
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.helpers import kvmesh_run
+from tests.helpers import kvmesh_run, migrations_total, streams_cut_mid_way
 
 pytestmark = pytest.mark.processes
 
@@ -57,10 +53,6 @@ async def _stream(client: httpx.AsyncClient, i: int, progress: list[int]) -> str
     return "".join(parts)
 
 
-def _migrations(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return sum(float(v) for v in re.findall(r"^kvmesh_migration_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
-
 
 @pytest.mark.timeout(240)
 async def test_a_migrated_structured_stream_still_validates(tmp_path):
@@ -73,16 +65,9 @@ async def test_a_migrated_structured_stream_still_validates(tmp_path):
                 assert r.status_code == 200, r.text
                 reference.append(r.json()["choices"][0]["message"]["content"])
             assert all(len(t) > 20 for t in reference), reference
-            before = _migrations(server.url)
-            progress = [0] * STREAMS
-            tasks = [asyncio.ensure_future(_stream(client, i, progress)) for i in range(STREAMS)]
-            while min(progress) < 3:  # every stream is under way (round robin: two on each worker)
-                assert not any(t.done() for t in tasks), "a stream ended before the kill"
-                await asyncio.sleep(0.01)
-            victim = server.worker_pids()[0]
-            os.kill(victim, signal.SIGKILL)
-            streamed = await asyncio.gather(*tasks)
-        assert _migrations(server.url) > before, "no stream was migrated"
+            before = migrations_total(server.url)
+            streamed = await streams_cut_mid_way(server, lambda i, progress: _stream(client, i, progress), STREAMS)
+        assert migrations_total(server.url) > before, "no stream was migrated"
     for text, ref in zip(streamed, reference, strict=True):
         jsonschema.validate(json.loads(text), SCHEMA)
         assert text == ref

@@ -14,7 +14,7 @@ because they are created per token and never form cycles.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -28,6 +28,10 @@ from kvmesh.kv.events import (
     KvEventData,
     KvEventsSince,
 )
+
+# issue 30: the longest adapter name and cache salt a request may carry
+MAX_ADAPTER_NAME = 128
+MAX_CACHE_SALT = 128
 
 __all__ = [
     "FinishReason",
@@ -197,6 +201,11 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     migration_link: str | None = None
     # structured outputs: what the output must match (issue 18); None = free text
     guided: GuidedDecoding | None = None
+    # issue 30: the LoRA adapter to apply (None: the base model), and the cache namespace
+    # (a tenant's, with --cache-isolation tenant). Both salt the request's block hashes
+    # (kv.hashing.hash_salt), so KV blocks are never shared across adapters or namespaces.
+    adapter: Annotated[str, msgspec.Meta(max_length=MAX_ADAPTER_NAME)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT)] | None = None
 
 
 class Usage(msgspec.Struct, omit_defaults=True, gc=False):

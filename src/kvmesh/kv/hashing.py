@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["HASH_SEED", "local_block_hashes", "chain_hashes", "block_hashes", "chain_one"]
+__all__ = ["HASH_SEED", "local_block_hashes", "chain_hashes", "block_hashes", "chain_one", "hash_salt"]
 
 HASH_SEED = 1337
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -66,6 +66,18 @@ def chain_hashes(local_hashes: Sequence[int], parent: int | None = None) -> list
     return out
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained sequence hashes of every full block of ``token_ids``."""
-    return chain_hashes(local_block_hashes(token_ids, block_size))
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: int | None = None) -> list[int]:
+    """Chained sequence hashes of every full block of ``token_ids``; with ``salt``
+    (:func:`hash_salt`) the chain starts after it, so salted and unsalted prompts never
+    share a sequence hash."""
+    return chain_hashes(local_block_hashes(token_ids, block_size), salt)
+
+
+def hash_salt(adapter: str | None, cache_salt: str | None) -> int | None:
+    """The parent every block chain of a request starts from: None for the base model
+    in the shared namespace (today's hashes, unchanged), else a hash of the LoRA
+    adapter's name and the cache namespace (a tenant's, with cache isolation)."""
+    if adapter is None and cache_salt is None:
+        return None
+    data = b"kvmesh-salt\0" + (adapter or "").encode() + b"\0" + (cache_salt or "").encode()
+    return _xxh3(data, HASH_SEED)

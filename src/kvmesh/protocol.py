@@ -32,6 +32,8 @@ from kvmesh.kv.events import (
 # issue 30: the longest adapter name and cache salt a request may carry
 MAX_ADAPTER_NAME = 128
 MAX_CACHE_SALT = 128
+MAX_LORA_PATH = 4096  # a LoRA adapter's folder path (a load command)
+MAX_ADAPTERS = 256  # adapters a worker reports holding (LoadReport, LoraState)
 
 __all__ = [
     "FinishReason",
@@ -66,6 +68,8 @@ __all__ = [
     "InstanceInfo",
     "ModelFiles",
     "WorkerMetrics",
+    "LoraCommand",
+    "LoraState",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -150,6 +154,8 @@ class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
     kind: str = ""
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    # issue 30: the most LoRA adapters the engine keeps resident at once (0: no LoRA)
+    max_adapters: int = 0
     block_ids: list[int] = []
     worker_id: int | None = None
     first_token_id: int | None = None
@@ -314,6 +320,34 @@ class LoadReport(msgspec.Struct, omit_defaults=True):
     # tokens per forward pass lately (prefill + decode; a moving average; 0: not reported).
     # Health checks read it to tell a loaded worker from a slow one.
     batch_tokens: float = 0.0
+    # issue 30: the LoRA adapters the engine holds now (the router's adapter affinity)
+    adapters: Annotated[list[Annotated[str, msgspec.Meta(max_length=MAX_ADAPTER_NAME)]], msgspec.Meta(max_length=MAX_ADAPTERS)] = []
+
+
+# ---------------------------------------------------------------------------- LoRA adapters
+AdapterName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADAPTER_NAME)]
+
+
+class LoraCommand(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A worker's ``lora`` endpoint request (admin: a load reads a folder on the worker's host).
+
+    ``load``: make ``name`` resident from ``path`` (a PEFT folder: ``adapter_config.json``
+    + ``adapter_model.safetensors``; None: the path the worker was started with);
+    ``unload``: drop ``name`` (refused while a running sequence uses it); ``list``: nothing
+    changes. The answer is a :class:`LoraState`."""
+
+    op: Literal["load", "unload", "list"]
+    name: Annotated[str, msgspec.Meta(max_length=MAX_ADAPTER_NAME)] = ""  # "" only with ``list``
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_PATH)] | None = None
+
+
+class LoraState(msgspec.Struct, omit_defaults=True):
+    """The adapters a worker holds after a :class:`LoraCommand`; ``load_ms``: what the
+    command's load took (0 when nothing was loaded)."""
+
+    adapters: Annotated[list[AdapterName], msgspec.Meta(max_length=MAX_ADAPTERS)]
+    max_adapters: int
+    load_ms: float = 0.0
 
 
 # ---------------------------------------------------------------------------- disaggregation

@@ -40,8 +40,12 @@ Capabilities beyond the lifecycle are ``typing.Protocol`` s an engine implements
 * :class:`KvBlockAccess` (``kv_layout``, ``kv_reserve``/``release``/``export``/``import``/
   ``commit``/``detach``, ``prefill_remote``): disaggregation and KV-carrying migration.
 
-The mocker and hf engines implement all four, vLLM the first and third, the sample
-:class:`~kvmesh.engines.sample.EchoEngine` none (it is served aggregated).
+* :class:`LoraAdapters` (``lora_state``, ``lora_load``, ``lora_unload``): LoRA adapters
+  loaded and unloaded at run time (the worker's ``lora`` endpoint).
+
+The mocker and hf engines implement the first four, vLLM the first and third, the sample
+:class:`~kvmesh.engines.sample.EchoEngine` none (it is served aggregated); the mocker,
+hf and vLLM engines implement :class:`LoraAdapters` (refusing loads with ``--max-loras 0``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from kvmesh.protocol import (
     KvLayout,
     KvReservation,
     LoadReport,
+    LoraState,
     OutputChunk,
     PreprocessedRequest,
 )
@@ -70,6 +75,7 @@ __all__ = [
     "BatchTuning",
     "KvEventSource",
     "KvBlockAccess",
+    "LoraAdapters",
     "kv_blocks",
 ]
 
@@ -209,6 +215,32 @@ class KvBlockAccess(Protocol):
         (``num_tokens``: prompt + output so far; ``cached_tokens``: those with valid KV).
         Its stream delivers every token generated so far, then ends ``cancelled``.
         None when the request is unknown or holds no blocks."""
+        ...
+
+
+@runtime_checkable
+class LoraAdapters(Protocol):
+    """LoRA adapters on one base model. A request names one in
+    ``PreprocessedRequest.adapter``; an engine that holds it applies it, one that knows
+    its path (``--lora NAME=PATH`` or an earlier load) loads it first, else the request
+    fails with :class:`~kvmesh.errors.ModelNotFound`. At most ``max_adapters`` are
+    resident; a load past that unloads the least recently used adapter no running
+    sequence uses (:class:`~kvmesh.errors.ResourceExhausted` when every one is in use).
+    Adapter and cache salt are part of the request's block hashes
+    (:func:`kvmesh.kv.hashing.hash_salt`), so no KV block is shared across adapters."""
+
+    def lora_state(self) -> LoraState:
+        """The adapters resident now (read-only)."""
+        ...
+
+    async def lora_load(self, name: str, path: str | None) -> LoraState:
+        """Make ``name`` resident from ``path`` (a PEFT folder, checked against the model;
+        None: the path it is known by); :class:`~kvmesh.errors.InvalidArgument` that says
+        what is wrong with the folder. Loading a resident name again reloads it."""
+        ...
+
+    def lora_unload(self, name: str) -> LoraState:
+        """Drop ``name`` and forget its path; refused while a running sequence uses it."""
         ...
 
 

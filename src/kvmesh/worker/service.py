@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import msgspec
 
 from kvmesh.engines.adapter import AbortMonitor, run_generate
-from kvmesh.engines.base import BatchTuning, Engine, GenerateFront, KvEventSource, LoadReporting
+from kvmesh.engines.base import BatchTuning, Engine, GenerateFront, KvEventSource, LoadReporting, LoraAdapters
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.errors import EngineShutdown, InvalidArgument
 from kvmesh.protocol import (
@@ -32,6 +32,8 @@ from kvmesh.protocol import (
     KvDump,
     KvEventsSince,
     LoadReport,
+    LoraCommand,
+    LoraState,
     MODEL_FILE_NAMES,
     ModelFiles,
     OutputChunk,
@@ -42,7 +44,7 @@ from kvmesh.observability import worker_metrics
 from kvmesh.observability.worker_metrics import WorkerCounters
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
-from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, METRICS, MODEL_FILES, TUNE
+from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, LORA, METRICS, MODEL_FILES, TUNE
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -105,6 +107,7 @@ class WorkerService:
         self.server.register(FAULT, self._fault)
         self.server.register(LOAD, self._load)
         self.server.register(TUNE, self._tune)
+        self.server.register(LORA, self._lora)
         self.server.register(DISAGG_STATS, self._stats)
         self.server.register(METRICS, self._metrics)
         if not getattr(self.server, "started", False):
@@ -178,6 +181,26 @@ class WorkerService:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise InvalidArgument(f"tune wants a batch multiplier in (0, 1]: {exc}") from None
         yield multiplier
+
+    async def _lora(self, payload: bytes, ctx: Context) -> AsyncIterator[LoraState]:
+        """payload: a :class:`LoraCommand`; answers the adapters held after it. Admin-only
+        at the frontend: a load reads a folder on this worker's host."""
+        try:
+            command = msgspec.msgpack.decode(payload, type=LoraCommand)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvalidArgument(f"lora wants a LoraCommand (op load|unload|list, name, path): {exc}") from None
+        engine = self.engine
+        if not isinstance(engine, LoraAdapters):
+            raise InvalidArgument(f"{type(engine).__name__} serves no LoRA adapters")
+        if command.op == "list":
+            yield engine.lora_state()
+            return
+        if not command.name:
+            raise InvalidArgument(f"lora {command.op} needs the adapter's name")
+        if command.op == "load":
+            yield await engine.lora_load(command.name, command.path)
+        else:
+            yield engine.lora_unload(command.name)
 
     async def _fault(self, payload: bytes, ctx: Context) -> AsyncIterator[str]:
         """Switch fault injection at run time: payload = a fault spec string ("" clears)."""

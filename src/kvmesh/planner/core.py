@@ -31,8 +31,23 @@ A pressure at or above ``high`` is a need, below ``low`` is slack. In order:
    Aggregated fleets only start and stop. Degradation at level 2 or worse counts as
    need on the more pressed side (the fleet cannot carry its SLO target).
 
+**With a capacity profile** (``PlannerConfig.profile``), step 3 sizes the fleet from
+a forecast instead of the pressures' streaks. Each round feeds the round's arrivals
+(``Observation.arrived`` and their token totals) to a
+:class:`~kvmesh.planner.forecast.LoadForecaster`; the forecast of the next
+``forecast_rounds`` rounds (the peak rate, the mix) over one worker's capacity at that
+mix (:func:`~kvmesh.planner.profile.size_fleet`) gives each role's target, within
+``min_workers`` .. ``max_workers`` (a disaggregated fleet's targets shared in proportion
+when they exceed it). A pressure held at ``high`` for ``hold_rounds`` still adds a
+worker to its role's target (the profile's error, corrected by what is measured), and
+a role whose pressure is at ``high`` is not shrunk. Then, in order: roles below target
+start workers at once (a ramp does not wait: no hold, no cool-down); a role above
+target gives a worker to one below it (MOVE) or, the fleet above its total target,
+stops one (STOP): both only once the target has held ``hold_rounds`` rounds and
+``cooldown_s`` has passed since the last reshaping action.
+
 Every action carries the reason and the inputs it was decided on, for the log and
-the metrics.
+the metrics; a plan carries the forecast and the targets it was made with.
 """
 
 from __future__ import annotations
@@ -42,6 +57,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.planner.forecast import LoadForecast, LoadForecaster
+from kvmesh.planner.profile import CapacityProfile, size_fleet
 from kvmesh.protocol import InstanceInfo, LoadReport
 
 __all__ = ["Role", "WorkerView", "worker_view", "Observation", "PlannerConfig", "Action", "ActionKind", "Plan", "Planner"]
@@ -96,6 +113,13 @@ class Observation:
     itl_p90_ms: float = 0.0
     degradation_level: int = 0
     request_rate_rps: float = 0.0  # for the record (the decision log); no rule reads it
+    # the round's arrivals, for the forecast (with a capacity profile): how many requests
+    # arrived in the ``interval_s`` seconds since the last round, their prompt tokens and
+    # the output tokens they asked for (max_tokens)
+    interval_s: float = 0.0
+    arrived: int = 0
+    arrived_input_tokens: int = 0
+    arrived_output_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +136,12 @@ class PlannerConfig:
     cooldown_s: float = 30.0
     min_prefill: int = 1
     min_decode: int = 1
+    # forecast-driven sizing (module docstring): without a profile, the pressures alone
+    profile: CapacityProfile | None = None
+    forecast_rounds: int = 5  # rounds ahead the fleet is sized for (a start's time, and some)
+    headroom: float = 0.85  # run each worker at most at this share of its profiled capacity
+    rate_forecast: str = "kalman"
+    mix_forecast: str = "holt"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
@@ -124,6 +154,8 @@ class PlannerConfig:
             raise ValueError("SLOs and queue_tokens_per_prefill must be positive")
         if self.min_prefill < 1 or self.min_decode < 1:
             raise ValueError("a disaggregated fleet keeps at least one prefill and one decode worker")
+        if self.forecast_rounds < 1 or not 0 < self.headroom <= 1:
+            raise ValueError(f"need forecast_rounds >= 1 and 0 < headroom <= 1, got {self.forecast_rounds}, {self.headroom}")
 
 
 class ActionKind(enum.Enum):
@@ -147,6 +179,8 @@ class Plan:
     actions: tuple[Action, ...]
     prefill_pressure: float
     decode_pressure: float
+    forecast: LoadForecast | None = None  # with a capacity profile: what the targets were sized for
+    targets: dict[Role, int] = field(default_factory=dict)  # serving workers wanted per role
 
 
 class Planner:
@@ -158,6 +192,8 @@ class Planner:
         self._planned: dict[Role, int] | None = None
         self._streaks: dict[str, int] = {"prefill": 0, "decode": 0, "down": 0}
         self._last_reshape_s = -math.inf
+        self.forecaster = LoadForecaster(config.rate_forecast, config.mix_forecast)
+        self._target_streak = 0  # rounds the targets have asked to move or shrink
 
     @property
     def planned(self) -> dict[Role, int]:
@@ -177,6 +213,8 @@ class Planner:
         replacing = bool(actions)
         actions += self._keep_spares(obs, actions, inputs)
         self._count_streaks(prefill, decode, obs.degradation_level)
+        if self.config.profile is not None:
+            return self._plan_to_targets(obs, actions, replacing, prefill, decode, inputs)
         # a round that replaces lost capacity does not also reshape (its signals are stale)
         if not replacing and obs.now_s - self._last_reshape_s >= self.config.cooldown_s:
             reshape = self._reshape(obs, actions, prefill, decode, inputs)
@@ -306,6 +344,95 @@ class Planner:
     def _spares_and_starting(self, obs: Observation, taken: Sequence[Action]) -> int:
         spares = sum(1 for w in obs.workers if w.role is Role.SPARE) + obs.starting.count(Role.SPARE)
         return spares + sum(1 for a in taken if a.kind is ActionKind.START and a.role is Role.SPARE)
+
+
+    # --------------------------------------------------------------------- forecast-driven
+
+    def _plan_to_targets(
+        self, obs: Observation, actions: list[Action], replacing: bool, prefill: float, decode: float,
+        inputs: dict[str, float],
+    ) -> Plan:
+        c = self.config
+        assert c.profile is not None and self._planned is not None
+        if obs.interval_s > 0:
+            self.forecaster.observe(obs.arrived, obs.interval_s, obs.arrived_input_tokens, obs.arrived_output_tokens)
+        forecast = self.forecaster.predict(c.forecast_rounds)
+        targets = self._targets(obs, actions, forecast, prefill, decode)
+        inputs = {**inputs, "forecast_rps": forecast.rate_rps, "forecast_input_tokens": forecast.input_tokens,
+                  "forecast_output_tokens": forecast.output_tokens, **{f"target_{r.value}": float(n) for r, n in targets.items()}}  # fmt: skip
+        if not replacing and self.forecaster.rounds > 0:
+            actions += self._toward(obs, actions, targets, prefill, decode, inputs)
+        return Plan(tuple(actions), prefill, decode, forecast, targets)
+
+    def _targets(
+        self, obs: Observation, taken: Sequence[Action], forecast: LoadForecast, prefill: float, decode: float
+    ) -> dict[Role, int]:
+        """Workers per serving role for the forecast, corrected by held pressures, within the bounds."""
+        c = self.config
+        assert c.profile is not None and self._planned is not None
+        sizing = size_fleet(c.profile, forecast, c.headroom)
+        room = c.max_workers - self._spares_and_starting(obs, taken)
+        if not self._disaggregated():
+            want = sizing.aggregated
+            if self._streaks["prefill"] >= c.hold_rounds or self._streaks["decode"] >= c.hold_rounds:
+                want = max(want, self._planned[Role.AGGREGATED] + 1)
+            return {Role.AGGREGATED: min(max(want, c.min_workers), max(room, 1))}
+        p, d = sizing.prefill, sizing.decode
+        if self._streaks["prefill"] >= c.hold_rounds:
+            p = max(p, self._planned[Role.PREFILL] + 1)
+        if self._streaks["decode"] >= c.hold_rounds:
+            d = max(d, self._planned[Role.DECODE] + 1)
+        p, d = max(p, c.min_prefill), max(d, c.min_decode)
+        room = max(room, c.min_prefill + c.min_decode)
+        if p + d > room:  # more than the fleet may hold: shared in proportion to the need
+            share = round(room * p / (p + d))
+            p = min(max(share, c.min_prefill), room - c.min_decode)
+            d = room - p
+        while p + d < c.min_workers:
+            if prefill > decode:
+                p += 1
+            else:
+                d += 1
+        return {Role.PREFILL: p, Role.DECODE: d}
+
+    def _toward(
+        self, obs: Observation, taken: Sequence[Action], targets: dict[Role, int], prefill: float, decode: float,
+        inputs: dict[str, float],
+    ) -> list[Action]:
+        assert self._planned is not None
+        c, planned = self.config, self._planned
+        short = [r for r, n in targets.items() if self._planned[r] < n]
+        over = [r for r, n in targets.items() if self._planned[r] > n and _pressure(r, prefill, decode) < c.high]
+        actions: list[Action] = []
+        for role in short:  # at once: a start takes time, the forecast has said it is needed
+            while self._planned[role] < targets[role] and self._fleet_size(obs, [*taken, *actions]) < c.max_workers:
+                self._planned[role] += 1
+                actions.append(Action(ActionKind.START, role, f"forecast needs {targets[role]} {role.value}", None, inputs))
+        if actions:
+            self._last_reshape_s = obs.now_s
+        if not over or actions:
+            self._target_streak = 0
+            return actions
+        self._target_streak += 1
+        if self._target_streak < c.hold_rounds or obs.now_s - self._last_reshape_s < c.cooldown_s:
+            return actions
+        frm = max(over, key=lambda r: planned[r] - targets[r])
+        donor = _least_loaded(obs, frm)
+        if donor is None:
+            return actions
+        self._planned[frm] -= 1
+        self._last_reshape_s = obs.now_s
+        self._target_streak = 0
+        still_short = [r for r in short if self._planned[r] < targets[r]]
+        if still_short:
+            self._planned[still_short[0]] += 1
+            why = f"forecast needs {targets[still_short[0]]} {still_short[0].value}, {targets[frm]} {frm.value}"
+            return [Action(ActionKind.MOVE, still_short[0], why, donor.worker_id, inputs)]
+        return [Action(ActionKind.STOP, frm, f"forecast needs {targets[frm]} {frm.value}", donor.worker_id, inputs)]
+
+
+def _pressure(role: Role, prefill: float, decode: float) -> float:
+    return prefill if role is Role.PREFILL else decode if role is Role.DECODE else max(prefill, decode)
 
 
 def _least_loaded(obs: Observation, role: Role) -> WorkerView | None:

@@ -1,0 +1,142 @@
+"""Capacity profile of the workers, and fleet sizing from it: pure but for the file.
+
+A profile says, for a grid of request mixes (mean prompt × output tokens), how many
+requests per second **one** worker carries while the fleet still meets the SLO for
+the profile's ``attainment`` share of requests: as a prefill worker (decode ample), as
+a decode worker (prefill ample) and aggregated. ``kvmesh replay --profile-capacity
+FILE`` measures one on the virtual-clock mocker (:mod:`kvmesh.replay.capacity`); the
+planner loads it with ``--capacity-profile FILE`` (replay and live alike).
+
+:func:`size_fleet` turns a :class:`~kvmesh.planner.forecast.LoadForecast` into worker
+counts: the forecast rate over one worker's capacity at the forecast mix (interpolated
+on the grid, log-linearly in both lengths; beyond the grid extrapolated along its
+edge, so a 100k-token prompt is not given a 16k-token one's capacity), divided by
+``headroom`` (< 1: the fleet is sized to run below its measured limit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from kvmesh.planner.forecast import LoadForecast
+
+__all__ = ["MAX_PROFILE_BYTES", "CapacityPoint", "CapacityProfile", "Sizing", "load_profile", "dump_profile", "size_fleet"]
+
+MAX_PROFILE_BYTES = 1 << 20
+_MAX_POINTS = 1024
+
+
+class CapacityPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One mix and what one worker carries of it (requests/s at the SLO)."""
+
+    input_tokens: int
+    output_tokens: int
+    prefill_rps: float
+    decode_rps: float
+    aggregated_rps: float
+
+
+class CapacityProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``points`` cover a full grid: every input length with every output length."""
+
+    slo_ttft_ms: float
+    slo_itl_ms: float
+    attainment: float
+    points: tuple[CapacityPoint, ...]
+    note: str = ""  # how it was measured (workers' options, trace)
+
+    def __post_init__(self) -> None:
+        if not (0 < self.attainment <= 1 and self.slo_ttft_ms > 0 and self.slo_itl_ms > 0):
+            raise ValueError("a capacity profile needs 0 < attainment <= 1 and positive SLOs")
+        if not 0 < len(self.points) <= _MAX_POINTS:
+            raise ValueError(f"a capacity profile holds 1 to {_MAX_POINTS} points, got {len(self.points)}")
+        for p in self.points:
+            values = (p.prefill_rps, p.decode_rps, p.aggregated_rps)
+            if min(p.input_tokens, p.output_tokens) < 1 or not all(math.isfinite(v) and v > 0 for v in values):
+                raise ValueError(f"a capacity point needs lengths >= 1 and positive finite rates, got {p}")
+        grid = {(p.input_tokens, p.output_tokens) for p in self.points}
+        if len(grid) != len(self.points) or len(grid) != len(self.inputs) * len(self.outputs):
+            raise ValueError("a capacity profile's points must cover each input length with each output length once")
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        return tuple(sorted({p.input_tokens for p in self.points}))
+
+    @property
+    def outputs(self) -> tuple[int, ...]:
+        return tuple(sorted({p.output_tokens for p in self.points}))
+
+    def at(self, input_tokens: float, output_tokens: float) -> CapacityPoint:
+        """One worker's capacity at this mix, interpolated (log-linear) on the grid."""
+        by = {(p.input_tokens, p.output_tokens): p for p in self.points}
+        (i0, i1, wi), (o0, o1, wo) = _segment(self.inputs, input_tokens), _segment(self.outputs, output_tokens)
+
+        def value(name: str) -> float:
+            def g(i: int, o: int) -> float:
+                return math.log(float(getattr(by[(i, o)], name)))
+
+            low = g(i0, o0) * (1 - wo) + g(i0, o1) * wo
+            high = g(i1, o0) * (1 - wo) + g(i1, o1) * wo
+            return math.exp(low * (1 - wi) + high * wi)
+
+        return CapacityPoint(round(input_tokens), round(output_tokens), value("prefill_rps"), value("decode_rps"),
+                             value("aggregated_rps"))  # fmt: skip
+
+
+def _segment(axis: Sequence[int], v: float) -> tuple[int, int, float]:
+    """The grid segment for ``v`` and its weight along it (log scale; outside the grid
+    the edge segment, extrapolated at most one segment's length)."""
+    if len(axis) == 1:
+        return axis[0], axis[0], 0.0
+    i = 0
+    while i < len(axis) - 2 and v > axis[i + 1]:
+        i += 1
+    a, b = axis[i], axis[i + 1]
+    w = (math.log(max(v, 1.0)) - math.log(a)) / (math.log(b) - math.log(a))
+    return a, b, min(max(w, -1.0), 2.0)
+
+
+def load_profile(path: str | Path) -> CapacityProfile:
+    """Read a profile (at most 1 MiB); ValueError saying what is wrong with it."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read the capacity profile {p}: {exc.strerror or exc}") from None
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ValueError(f"the capacity profile {p} is larger than {MAX_PROFILE_BYTES} bytes")
+    try:
+        return msgspec.json.decode(data, type=CapacityProfile)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise ValueError(f"the capacity profile {p} is not valid: {exc}") from None
+
+
+def dump_profile(profile: CapacityProfile, path: str | Path) -> None:
+    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """Workers the forecast needs per role (each at least 1), and the capacity used."""
+
+    prefill: int
+    decode: int
+    aggregated: int
+    capacity: CapacityPoint
+
+
+def size_fleet(profile: CapacityProfile, forecast: LoadForecast, headroom: float = 0.85) -> Sizing:
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be within (0, 1], got {headroom}")
+    cap = profile.at(max(forecast.input_tokens, 1.0), max(forecast.output_tokens, 1.0))
+
+    def need(rps: float) -> int:
+        return max(1, math.ceil(forecast.rate_rps / (rps * headroom) - 1e-9))
+
+    return Sizing(need(cap.prefill_rps), need(cap.decode_rps), need(cap.aggregated_rps), cap)

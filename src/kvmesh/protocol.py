@@ -117,6 +117,9 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
     overlap_weight: float | None = None
     router_temperature: float | None = None
     explain: bool = False
+    # issue 30: the caller's tenant (API keys file) and its weight: fair queuing's share
+    tenant: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    tenant_weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
 
 
 class KvLayout(msgspec.Struct, frozen=True):
@@ -154,8 +157,6 @@ class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
     kind: str = ""
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
-    # issue 30: the most LoRA adapters the engine keeps resident at once (0: no LoRA)
-    max_adapters: int = 0
     block_ids: list[int] = []
     worker_id: int | None = None
     first_token_id: int | None = None
@@ -287,6 +288,8 @@ class EngineConfig(msgspec.Struct, omit_defaults=True):
     max_num_batched_tokens: int
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    # issue 30: the most LoRA adapters the engine keeps resident at once (0: no LoRA)
+    max_adapters: int = 0
 
 
 class KvReservation(msgspec.Struct):

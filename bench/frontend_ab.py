@@ -45,6 +45,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--requests-64", type=int, default=1280, help="measured requests per round at c=64")
     p.add_argument("--requests-1", type=int, default=150, help="measured requests per round at c=1")
     p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--router-mode", default=None, help="every arm's --router-mode (kvmesh's default: round_robin)")
     return p.parse_args()
 
 
@@ -62,7 +63,8 @@ async def _main(a: argparse.Namespace) -> int:
             for label, src, extra in arms:
                 port = free_port()
                 env = dict(os.environ, PYTHONPATH=src, **extra)
-                servers.append((label, launch_server(kvmesh_command(port, extra=["--canary-interval", "0"]), port, env=env)))
+                servers.append((label, launch_server(kvmesh_command(port, router_mode=a.router_mode, extra=["--canary-interval", "0"]),
+                                                    port, env=env)))
             models = {}
             for label, server in servers:
                 models[label], _ = await wait_ready_async(server.url, 180, proc=server.proc)
@@ -98,7 +100,9 @@ async def _main(a: argparse.Namespace) -> int:
         pttft = statistics.median(a / b for a, b in zip(r["ttft1"], base["ttft1"]))
         print(f"{label:>10} {rps:11.1f} {rps / statistics.median(base['rps64']):6.3f} {prps:7.3f} {cpu:19.3f} "
               f"{cpu / statistics.median(base['cpu64']):6.3f} {ttft:11.2f}ms {ttft / statistics.median(base['ttft1']):6.3f} {pttft:7.3f}")
-    print(f"(medians of {a.rounds} rounds; 'paired': median of the per-round ratios to {first})")
+    pcpu = {label: statistics.median(a / b for a, b in zip(results[label]["cpu64"], base["cpu64"])) for label, _, _ in arms}
+    print(f"(medians of {a.rounds} rounds, router mode {a.router_mode or 'round_robin'}; 'paired': median of the per-round "
+          f"ratios to {first}; fe CPU paired: " + ", ".join(f"{k} {v:.3f}" for k, v in pcpu.items()) + ")")
     return 0
 
 

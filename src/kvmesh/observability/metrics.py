@@ -7,16 +7,19 @@ hot path never looks up labels.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client; no *_created series
 
-__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST", "count_discovery_refusals"]
+__all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST", "count_discovery_refusals",
+           "export_tenant_usage", "LoopHistogram", "LoopBuckets"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -31,6 +34,67 @@ _DECISION_BUCKETS = (
     0.00125, 0.0015, 0.002, 0.0025, 0.005, 0.01, 0.025,
 )  # fmt: skip
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class LoopBuckets:
+    """One label set of a :class:`LoopHistogram`: plain (non-cumulative) bucket counts
+    and a sum, with no lock: observed and read on the event loop's thread only."""
+
+    __slots__ = ("counts", "sum", "_bounds")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self._bounds, value)] += 1  # le: a value on a bound counts in its bucket
+        self.sum += value
+
+    def observe_many(self, value: float, n: int) -> None:
+        """``n`` observations of ``value`` (tokens that arrived together)."""
+        self.counts[bisect_left(self._bounds, value)] += n
+        self.sum += value * n
+
+
+class LoopHistogram(Collector):
+    """A histogram exported like ``prometheus_client.Histogram`` (same name, samples and
+    labels) for the request path's per-token and per-request latencies: an observation
+    is a bisect and two additions, where ``Histogram.observe`` takes two locks (issue
+    36). Not thread-safe: every observation and every scrape is on the event loop."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:  # fmt: skip
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(float(b) for b in buckets)
+        go: Callable[[float], str] = floatToGoString  # the ``le`` label as Histogram writes it
+        self._les = [go(b) for b in self.bounds] + ["+Inf"]
+        self._children: dict[tuple[str, ...], LoopBuckets] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopBuckets:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
+            child = self._children[values] = LoopBuckets(self.bounds)
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            total = 0
+            cumulative = []
+            for le, count in zip(self._les, child.counts):
+                total += count
+                cumulative.append((le, float(total)))
+            family.add_metric(list(values), cumulative, child.sum)
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
 
 class RouterMetrics:
@@ -68,6 +132,7 @@ class ModelMetrics:
         "input_tokens",
         "output_tokens",
         "_requests",
+        "_finished",
         "_model",
         "_decisions",
         "_routed",
@@ -80,6 +145,7 @@ class ModelMetrics:
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
         self._model = model
         self._requests = parent.requests
+        self._finished: dict[tuple[str, str], Counter] = {}
         self.inflight = parent.inflight.labels(model)
         self.ttft = parent.ttft.labels(model)
         self.itl = parent.itl.labels(model)
@@ -107,7 +173,10 @@ class ModelMetrics:
         child.inc()
 
     def finished(self, endpoint: str, status: str) -> None:
-        self._requests.labels(self._model, endpoint, status).inc()
+        child = self._finished.get((endpoint, status))
+        if child is None:
+            child = self._finished[(endpoint, status)] = self._requests.labels(self._model, endpoint, status)
+        child.inc()
 
 
 class _DiscoveryRefusals(Collector):
@@ -132,6 +201,47 @@ class _DiscoveryRefusals(Collector):
         return self.collect()
 
 
+class _TenantUsage(Collector):
+    """Per-tenant usage (issue 30), read from the frontend's tenant limiter at each scrape:
+    ``read()`` gives ``{tenant: {field: count}}``, tenant names from the keys file (never a
+    key), at most a bounded number of them (the rest folded into ``other`` by the reader)."""
+
+    _FIELDS = (
+        ("requests", "kvmesh_tenant_requests", "Requests admitted, by tenant (API keys file)"),
+        ("prompt_tokens", "kvmesh_tenant_prompt_tokens", "Prompt tokens of finished requests, by tenant"),
+        ("completion_tokens", "kvmesh_tenant_completion_tokens", "Tokens generated for finished requests, by tenant"),
+    )
+
+    def __init__(self, read: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        usage = self.read()
+        for field, name, doc in self._FIELDS:
+            family = CounterMetricFamily(name, doc, labels=["tenant"])
+            for tenant, counts in sorted(usage.items()):
+                family.add_metric([tenant], counts[field])
+            yield family
+        limited = CounterMetricFamily(
+            "kvmesh_tenant_rate_limited", "Requests refused with 429, by tenant and limit", labels=["tenant", "limit"]
+        )
+        inflight = GaugeMetricFamily("kvmesh_tenant_inflight_requests", "Requests being served, by tenant", labels=["tenant"])
+        for tenant, counts in sorted(usage.items()):
+            for limit in ("requests", "tokens", "concurrent"):
+                limited.add_metric([tenant, limit], counts[f"limited_{limit}"])
+            inflight.add_metric([tenant], counts["in_flight"])
+        yield limited
+        yield inflight
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+
+def export_tenant_usage(registry: CollectorRegistry, read: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+    """Export per-tenant usage (``read``: see :class:`_TenantUsage`) in ``registry``."""
+    registry.register(_TenantUsage(read))
+
+
 def count_discovery_refusals(registry: CollectorRegistry, refused: Mapping[str, int]) -> None:
     """Export ``refused`` (a discovery backend's ``refused``) in ``registry``, once."""
     try:
@@ -148,14 +258,15 @@ class FrontendMetrics:
             "kvmesh_frontend_requests", "Requests by model, endpoint and final status", ["model", "endpoint", "status"], registry=r
         )
         self.inflight = Gauge("kvmesh_frontend_inflight_requests", "Requests being served", ["model"], registry=r)
-        self.ttft = Histogram(
-            "kvmesh_frontend_time_to_first_token_seconds", "Time to first token", ["model"], buckets=_LATENCY_BUCKETS, registry=r
+        # observed on every request (ITL: every token) from the loop: lock-free (LoopHistogram)
+        self.ttft = LoopHistogram(
+            "kvmesh_frontend_time_to_first_token_seconds", "Time to first token", ["model"], _LATENCY_BUCKETS, r
         )
-        self.itl = Histogram(
-            "kvmesh_frontend_inter_token_latency_seconds", "Time between output tokens", ["model"], buckets=_ITL_BUCKETS, registry=r
+        self.itl = LoopHistogram(
+            "kvmesh_frontend_inter_token_latency_seconds", "Time between output tokens", ["model"], _ITL_BUCKETS, r
         )
-        self.duration = Histogram(
-            "kvmesh_frontend_request_duration_seconds", "Whole request time", ["model"], buckets=_DURATION_BUCKETS, registry=r
+        self.duration = LoopHistogram(
+            "kvmesh_frontend_request_duration_seconds", "Whole request time", ["model"], _DURATION_BUCKETS, r
         )
         self.input_tokens = Counter("kvmesh_frontend_input_tokens", "Prompt tokens", ["model"], registry=r)
         self.output_tokens = Counter("kvmesh_frontend_output_tokens", "Generated tokens", ["model"], registry=r)

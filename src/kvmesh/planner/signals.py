@@ -3,7 +3,8 @@
 :func:`window_quantile` is pure: a quantile of the observations made between two
 snapshots of a cumulative histogram (Prometheus buckets), so the planner judges the
 latency of the last round, not of the whole run. :func:`histogram_buckets` reads such
-a snapshot from a ``prometheus_client`` histogram (every label set summed).
+a snapshot from a histogram collector (``prometheus_client.Histogram`` or the
+frontend's ``LoopHistogram``; every label set summed).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from prometheus_client import Histogram
+from prometheus_client.registry import Collector
 
 __all__ = ["window_quantile", "histogram_buckets", "align", "Buckets"]
 
@@ -40,7 +41,7 @@ def window_quantile(bounds: Sequence[float], before: Sequence[float], now: Seque
     return lower_bound
 
 
-def histogram_buckets(histogram: Histogram) -> Buckets:
+def histogram_buckets(histogram: Collector) -> Buckets:
     """The histogram's cumulative bucket counts now, summed over its label sets."""
     sums: dict[float, float] = {}
     for family in histogram.collect():

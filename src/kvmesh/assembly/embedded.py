@@ -32,8 +32,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from kvmesh.assembly.records import PREFILL_FIRST_ID, Roster
-from kvmesh.config import RunConfig, RuntimeConfig
+from kvmesh.assembly.records import MODEL_ID_STRIDE, PREFILL_FIRST_ID, Roster
+from kvmesh.config import ModelFleet, RunConfig, RuntimeConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.frontend.server import bind_http
 from kvmesh.preprocess.model import bundled_model_path, load_model_folder
@@ -63,29 +63,45 @@ class StartError(Exception):
 @dataclasses.dataclass
 class Prepared:
     """What :func:`prepare` did before the event loop: the config with its model
-    folder resolved, the bound HTTP socket, the forked workers."""
+    folders resolved, the bound HTTP socket, the forked workers (one list per model)."""
 
     cfg: RunConfig
     sock: socket.socket
-    preforked: list[ForkedWorker]
+    preforked: list[list[ForkedWorker]]
 
 
 def prepare(cfg: RunConfig) -> Prepared:
-    """Check the model folder, bind the HTTP port, set the cluster secret, fork the
+    """Check the model folders, bind the HTTP port, set the cluster secret, fork the
     aggregated workers; :class:`StartError` with one line if it cannot."""
-    model_path = cfg.worker.model_path or str(bundled_model_path())
-    try:
-        load_model_folder(model_path)
-    except KvmeshError as exc:
-        raise StartError(exc.message) from exc
+    cfg = _resolve_folders(cfg)
     host, port = cfg.frontend.http_host, cfg.frontend.http_port
     try:
         sock = bind_http(host, port)
     except OSError as exc:
         raise StartError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
-    cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, model_path=model_path))
     own_cluster_secret()
     return Prepared(cfg, sock, _fork_workers(cfg, sock))
+
+
+def _resolve_folders(cfg: RunConfig) -> RunConfig:
+    """Every model's folder checked and made explicit (default: the bundled model), and
+    its served name fixed; two models under one name are refused."""
+    names: set[str] = set()
+
+    def resolved(fleet: ModelFleet) -> ModelFleet:
+        path = fleet.worker.model_path or str(bundled_model_path())
+        try:
+            name = fleet.worker.served_model_name or load_model_folder(path).name
+        except KvmeshError as exc:
+            raise StartError(exc.message) from exc
+        if name in names:
+            raise StartError(f"two models are served as {name!r}: give each [[models]] table its own name")
+        names.add(name)
+        return dataclasses.replace(fleet, worker=dataclasses.replace(fleet.worker, model_path=path, served_model_name=name))
+
+    if not cfg.models:
+        return dataclasses.replace(cfg, worker=resolved(cfg.fleets[0]).worker)
+    return dataclasses.replace(cfg, models=tuple(resolved(f) for f in cfg.models))
 
 
 def own_cluster_secret() -> None:
@@ -97,8 +113,9 @@ def own_cluster_secret() -> None:
     auth.process_secret()  # a bad secret file fails here, before anything starts
 
 
-def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
-    """Fork the aggregated workers now, before this process has an event loop.
+def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[list[ForkedWorker]]:
+    """Fork the aggregated workers now (each model's ids from its own
+    ``MODEL_ID_STRIDE`` range), before this process has an event loop.
     Disaggregated workers are started later: they need the address of the prefill
     queue this process serves."""
     if cfg.disaggregated:
@@ -106,7 +123,11 @@ def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[ForkedWorker]:
     if cfg.frontend.router_mode == "kv":
         import kvmesh.runtime.event_plane.zmq  # noqa: F401 - the KV event subscriber, as the workers publish
 
-    return prefork(cfg.worker, cfg.workers + _spares(cfg), close=[sock], per_process=cfg.workers_per_process)
+    per = cfg.workers_per_process
+    return [
+        prefork(f.worker, f.workers + _spares(cfg), first_id=i * MODEL_ID_STRIDE, close=[sock], per_process=per)
+        for i, f in enumerate(cfg.fleets)
+    ]
 
 
 def _spares(cfg: RunConfig) -> int:
@@ -134,9 +155,9 @@ async def serve(prepared: Prepared, log_level: str) -> str | None:
 
 
 async def _workers(
-    cfg: RunConfig, runtime: DistributedRuntime, roster: Roster, preforked: list[ForkedWorker]
+    cfg: RunConfig, runtime: DistributedRuntime, roster: Roster, preforked: list[list[ForkedWorker]]
 ) -> tuple[list[Supervisor], EmbeddedFleet | None]:
-    """The supervisors (not started) of ``workers`` aggregated workers (``preforked``
+    """The supervisors (not started) of each model's aggregated workers (``preforked``
     already), or (``--prefill-workers``/``--decode-workers``) decode and prefill ones
     sharing this process's prefill queue; under the planner, its fleet over them (a
     lost worker is replaced by the planner, not restarted by its supervisor)."""
@@ -144,8 +165,9 @@ async def _workers(
     queue: PrefillQueue | None = None
     if not cfg.disaggregated:
         supervisors = [
-            Supervisor(cfg.worker, cfg.workers + _spares(cfg), preforked=preforked, max_failed_starts=limit,
-                       restart=restart, per_process=cfg.workers_per_process),
+            Supervisor(f.worker, f.workers + _spares(cfg), first_id=i * MODEL_ID_STRIDE, preforked=forked,
+                       max_failed_starts=limit, restart=restart, per_process=cfg.workers_per_process)
+            for i, (f, forked) in enumerate(zip(cfg.fleets, preforked))
         ]  # fmt: skip
     else:
         address, queue = await _serve_prefill_queue(cfg, runtime, roster)
@@ -204,7 +226,8 @@ async def _serve_frontend(
     http.ignore_stop_signals()  # from here on: the workers' orderly stop must not be cut short
     # only the kv router subscribes to the workers' KV events
     events = make_event_plane("zmq", host=cfg.worker.host) if cfg.frontend.router_mode == "kv" else None
-    process = await http.FrontendProcess.over_discovery(cfg.frontend, runtime, events, cfg.worker.model_path)
+    models = [(f.worker.model_path or "", f.worker.served_model_name) for f in cfg.fleets]
+    process = await http.FrontendProcess.over_discovery(cfg.frontend, runtime, events, models)
     planner: PlannerService | None = None
     if fleet is not None:
         from kvmesh.assembly.planner import plan_embedded
@@ -242,13 +265,15 @@ async def _announce(cfg: RunConfig, process: FrontendProcess, server: HttpServer
     host, port = cfg.frontend.http_host, cfg.frontend.http_port
     if port == 0:
         port = server.servers[0].sockets[0].getsockname()[1]
-    print(f"kvmesh: serving {process.model!r} at http://{host}:{port}/v1 ({_fleet(cfg)})", flush=True)
+    for fleet in cfg.fleets:
+        print(f"kvmesh: serving {fleet.worker.served_model_name!r} at http://{host}:{port}/v1 ({_fleet(cfg, fleet)})",
+              flush=True)  # fmt: skip
 
 
-def _fleet(cfg: RunConfig) -> str:
-    engine = cfg.worker.engine
+def _fleet(cfg: RunConfig, fleet: ModelFleet) -> str:
+    engine = fleet.worker.engine
     if cfg.disaggregated:
         return f"{cfg.decode_workers} decode + {cfg.prefill_workers} prefill {engine} workers"
-    per = cfg.workers_per_process
-    where = f" in {-(-cfg.workers // per)} processes" if per > 1 else ""
-    return f"{cfg.workers} {engine} worker{'s' if cfg.workers > 1 else ''}{where}"
+    per, workers = cfg.workers_per_process, fleet.workers
+    where = f" in {-(-workers // per)} processes" if per > 1 else ""
+    return f"{workers} {engine} worker{'s' if workers > 1 else ''}{where}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +27,8 @@ from kvmesh.runtime.event_plane.base import EventPlane
 __all__ = ["FrontendProcess", "ignore_stop_signals", "GRACEFUL_SHUTDOWN_S"]
 
 GRACEFUL_SHUTDOWN_S = 5
+
+Models = str | None | Sequence[tuple[str, str | None]]  # a model folder, or (folder, served name) of each model
 
 
 class _Closable(Protocol):
@@ -45,15 +47,16 @@ class FrontendProcess:
     """A frontend and where its workers come from (closed by :meth:`close`)."""
 
     frontend: Frontend
-    model: str = ""  # the served model's name, when given a model folder
+    model: str = ""  # the (first) served model's name, when given model folders
     sources: list[_Closable] = field(default_factory=list)
 
     @classmethod
     async def over_discovery(
-        cls, cfg: FrontendConfig, runtime: DistributedRuntime, events: EventPlane | None, model_path: str | None
+        cls, cfg: FrontendConfig, runtime: DistributedRuntime, events: EventPlane | None, model_path: Models
     ) -> FrontendProcess:
         """Watch the runtime's discovery: the workers routed to, and the prefill workers
-        (observability: their metrics on the dashboard)."""
+        (observability: their metrics on the dashboard). ``model_path``: a model folder,
+        or several models' (folder, served name), loaded before their workers come."""
         process = cls._build(cfg, events, model_path)
         process.sources.append(await watch_workers(runtime, process.frontend.registry))
         process.sources.append(await watch_prefill_workers(runtime, process.frontend.prefill_workers))
@@ -69,10 +72,11 @@ class FrontendProcess:
         return process
 
     @classmethod
-    def _build(cls, cfg: FrontendConfig, events: EventPlane | None, model_path: str | None) -> FrontendProcess:
+    def _build(cls, cfg: FrontendConfig, events: EventPlane | None, model_path: Models) -> FrontendProcess:
         frontend = Frontend(cfg, events)
-        model = frontend.registry.add_model(model_path).name if model_path else ""
-        return cls(frontend, model)
+        models = [(model_path, None)] if isinstance(model_path, str) else model_path or []
+        names = [frontend.registry.add_model(path, name).name for path, name in models if path]
+        return cls(frontend, names[0] if names else "")
 
     async def serve(self, sock: socket.socket, log_level: str, *beside: Callable[[HttpServer], Coroutine[Any, Any, None]]) -> None:
         """Serve on ``sock`` until SIGTERM/SIGINT (or a ``beside`` task tells the server

@@ -14,9 +14,10 @@ from kvmesh.runtime.distributed import DistributedRuntime, instance_key, sign_re
 from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 from kvmesh.worker.supervisor import WorkerEvents
 
-__all__ = ["Roster", "PREFILL_FIRST_ID"]
+__all__ = ["Roster", "PREFILL_FIRST_ID", "MODEL_ID_STRIDE"]
 
 PREFILL_FIRST_ID = 1_000_000  # a disaggregated run's prefill workers' ids start here
+MODEL_ID_STRIDE = 10_000  # several models: model i's workers' ids start at i × this (64 models fit below the prefill ids)
 
 _encode = msgspec.json.encode
 

@@ -2,13 +2,22 @@
 
 A model entry appears with its first worker instance (its model folder gives the
 tokenizer and chat template) and stays while the frontend runs; requests for it wait
-(bounded) while it has no instance.
+(bounded) while it has no instance, then get a 503 naming the model. Several models are
+served side by side, each with its own workers, router and KV index.
+
+LoRA adapters (:class:`Adapters`): a request whose ``model`` names an adapter is served
+by its base model's entry with ``PreprocessedRequest.adapter`` set. The registry learns
+adapters from the admin routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``,
+fanned out to the model's workers that take adapters: ``EngineConfig.max_adapters`` > 0)
+and from each such worker's list when it attaches (its ``--lora`` adapters); each
+worker's answer also tells the KV router which adapters it holds (affinity).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -21,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvmesh.config import FrontendConfig
-from kvmesh.errors import InvalidArgument, ModelNotFound
+from kvmesh.errors import InvalidArgument, KvmeshError, ModelNotFound
 from kvmesh.health.breaker import BreakerConfig
 from kvmesh.health.degradation import CapacityConfig
 from kvmesh.health.monitor import HealthMonitor
@@ -30,17 +39,25 @@ from kvmesh.health.state import HealthConfig
 from kvmesh.observability.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.preprocess import Preprocessor
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
-from kvmesh.protocol import MAX_MODEL_FILE_BYTES, MODEL_FILE_NAMES, EngineConfig, InstanceInfo, ModelFiles
+from kvmesh.protocol import (
+    MAX_MODEL_FILE_BYTES, MODEL_FILE_NAMES, EngineConfig, InstanceInfo, LoraCommand, LoraState, ModelFiles,
+)  # fmt: skip
 from kvmesh.router.push import PushRouter, make_policy
 from kvmesh.runtime.distributed import RequestClient, call
 from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.instances import Instance, InstanceSet
-from kvmesh.runtime.names import KV_EVENTS_TOPIC, MODEL_FILES
+from kvmesh.runtime.names import KV_EVENTS_TOPIC, LORA, MODEL_FILES
 
 if TYPE_CHECKING:
     from kvmesh.router.service import KvRouterService
 
-__all__ = ["ModelEntry", "ModelRegistry", "fetch_model_files", "check_model_files", "model_cache_dir"]
+__all__ = ["Adapters", "ModelEntry", "ModelRegistry", "fetch_model_files", "check_model_files", "model_cache_dir"]
+
+log = logging.getLogger("kvmesh.frontend")
+
+MAX_SERVED_ADAPTERS = 4096  # adapter names one frontend knows, at most
+LORA_LIST_TIMEOUT_S = 2.0  # a LoRA worker's list of adapters, asked when it attaches
+_decode_lora = msgspec.msgpack.Decoder(LoraState).decode
 
 
 def _capacity_config(c: FrontendConfig) -> CapacityConfig:
@@ -153,6 +170,7 @@ class ModelRegistry:
                 self.health.latency_multiplier = lambda: shedder.controller.actions.latency_multiplier
         self.models: dict[str, ModelEntry] = {}
         self._worker_model: dict[int, str] = {}
+        self.adapters = Adapters(self)
 
     def add_model(self, path: str, name: str | None = None) -> ModelEntry:
         """Load a model folder (tokenizer, template) ahead of its workers."""
@@ -167,6 +185,9 @@ class ModelRegistry:
     def get(self, name: str) -> ModelEntry:
         entry = self.models.get(name)
         if entry is None:
+            base = self.adapters.parents.get(name)
+            if base is not None:
+                return self.models[base]  # an adapter: its base model's entry (the caller sets the request's adapter)
             available = ", ".join(sorted(self.models)) or "none yet"
             raise ModelNotFound(f"the model {name!r} does not exist; available models: {available}")
         return entry
@@ -181,11 +202,16 @@ class ModelRegistry:
             async with entry.kv_starting:  # subscribing awaits (NATS): the next attaches must wait for it
                 if entry.kv is None:
                     await self._start_kv(entry, info)
-        return self._add_instance(info, client)
+        instance = self._add_instance(info, client)
+        if info.engine.max_adapters > 0:
+            await self.adapters.ask(entry, instance)
+        return instance
 
     async def _start_kv(self, entry: ModelEntry, info: InstanceInfo) -> None:
         from kvmesh.router.core import RouterSettings
         from kvmesh.router.service import AdmissionSettings, KvPolicy, KvRouterService
+
+        from kvmesh.router.cost import adapter_load_tokens
 
         c = self.config
         settings = RouterSettings(
@@ -193,6 +219,8 @@ class ModelRegistry:
             mode=c.router_mode,
             overlap_weight=c.kv_overlap_weight,
             temperature=c.router_temperature,
+            adapter_load_tokens=adapter_load_tokens(c.lora_load_ms, c.router_prefill_rate),
+            tier_weights=(c.kv_tier_weights[0], c.kv_tier_weights[1]),
         )
         subscription = index = None
         if c.router_mode == "kv" and c.router_shards > 1:
@@ -294,3 +322,96 @@ class ModelRegistry:
 
     def ready(self) -> bool:
         return any(len(e.instances) for e in self.models.values())
+
+
+class Adapters:
+    """The LoRA adapters the frontend serves: each adapter's base model, and the
+    commands (load, unload, list) sent to that model's workers."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+        self.parents: dict[str, str] = {}  # adapter → its base model's name
+
+    def listed(self) -> list[tuple[str, str]]:
+        """(adapter, base model) of every adapter, by name."""
+        return sorted(self.parents.items())
+
+    def base_of(self, model: str | None) -> ModelEntry:
+        """The entry a load names (``model``), or the only one; a 400 that says what to send."""
+        models = self.registry.models
+        if model is None:
+            if len(models) != 1:
+                names = ", ".join(sorted(models)) or "none yet"
+                raise InvalidArgument(f"name the base model: send \"model\": one of {names}")
+            return next(iter(models.values()))
+        if model in self.parents:
+            raise InvalidArgument(f"{model!r} is an adapter; name its base model {self.parents[model]!r}")
+        return self.registry.get(model)
+
+    def check_name(self, name: str, entry: ModelEntry) -> None:
+        if name in self.registry.models:
+            raise InvalidArgument(f"lora_name {name!r} is a model's name; give the adapter another name")
+        parent = self.parents.get(name)
+        if parent is not None and parent != entry.name:
+            raise InvalidArgument(f"the adapter {name!r} is already loaded on model {parent!r}; unload it first")
+        if parent is None and len(self.parents) >= MAX_SERVED_ADAPTERS:
+            raise InvalidArgument(f"this frontend serves {MAX_SERVED_ADAPTERS} adapters already; unload one first")
+
+    def workers(self, entry: ModelEntry, worker: int | None) -> list[Instance]:
+        """The model's workers that take adapters (or the one named), else a 400."""
+        if worker is not None:
+            instance = entry.instances.get(worker)
+            if instance is None:
+                raise InvalidArgument(f"no worker {worker:x} serves {entry.name!r}; see GET /admin/workers")
+            chosen = [instance]
+        else:
+            chosen = entry.instances.all()
+        able = [i for i in chosen if i.info.engine.max_adapters > 0]
+        if not able:
+            raise InvalidArgument(
+                f"no worker of {entry.name!r} takes LoRA adapters now: start its workers with adapters enabled "
+                "(the engine's maximum of loaded adapters above 0)"
+            )
+        return able
+
+    async def command(self, entry: ModelEntry, workers: list[Instance], cmd: LoraCommand) -> dict[int, LoraState]:
+        """``cmd`` on every one of ``workers`` at once; each answer updates the router's
+        view of that worker. Raises the first worker's error when none succeeded."""
+        payload = msgspec.msgpack.encode(cmd)
+        got = await asyncio.gather(*(call(i.client, LORA, payload, _decode_lora) for i in workers), return_exceptions=True)
+        states: dict[int, LoraState] = {}
+        for instance, answer in zip(workers, got):
+            if isinstance(answer, LoraState):
+                states[instance.worker_id] = answer
+                self._observe(entry, instance.worker_id, answer)
+            elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer
+        if not states:
+            first = next(a for a in got if isinstance(a, Exception))
+            raise first
+        return states
+
+    async def ask(self, entry: ModelEntry, instance: Instance) -> None:
+        """A LoRA worker just attached: learn its adapters (those it was started with)."""
+        try:
+            cmd = msgspec.msgpack.encode(LoraCommand("list"))
+            state = await asyncio.wait_for(call(instance.client, LORA, cmd, _decode_lora), LORA_LIST_TIMEOUT_S)
+        except (KvmeshError, asyncio.TimeoutError, OSError) as exc:
+            log.warning("worker %x did not list its LoRA adapters: %s", instance.worker_id, exc)
+            return
+        if state is not None:
+            self._observe(entry, instance.worker_id, state)
+
+    def _observe(self, entry: ModelEntry, worker_id: int, state: LoraState) -> None:
+        for name in state.adapters:
+            if name not in self.registry.models and len(self.parents) < MAX_SERVED_ADAPTERS:
+                self.parents.setdefault(name, entry.name)
+        if entry.kv is not None:
+            entry.kv.adapters.observe(worker_id, state.adapters)
+
+    def forget(self, entry: ModelEntry, name: str) -> None:
+        """``name`` unloaded from every worker of ``entry``: no longer served."""
+        if self.parents.get(name) == entry.name:
+            del self.parents[name]
+        if entry.kv is not None:
+            entry.kv.adapters.forget(name)

@@ -48,6 +48,8 @@ _DESCRIPTIONS = {
     "/openapi.json": ("This document", None),
     "/admin/workers": ("Workers and their health (--admin)", None),
     "/admin/fault": ("Switch a worker's fault injection (--admin)", "FaultRequest"),
+    "/v1/load_lora_adapter": ('Load a LoRA adapter on a model\'s workers (--admin, admin key): {"lora_name", "lora_path"}', None),
+    "/v1/unload_lora_adapter": ('Unload a LoRA adapter (--admin, admin key): {"lora_name"}', None),
 }
 
 _FAULT = {

@@ -8,6 +8,12 @@ function::
     prefill_blocks(w) = (in-flight prefill tokens of w + this request's uncached tokens) / block_size
     decode_blocks(w)  = active blocks of w + this request's new blocks
 
+KV tiers: a prefix run a worker holds partly in host memory or on disk (G2/G3) counts
+as cached, each such block charged ``tier_weights`` of its prefill as prefill tokens.
+
+A LoRA adapter's request charges the workers that do not hold it the adapter's load
+time, as prefill tokens (``adapter_load_tokens``; :func:`~kvmesh.router.cost.with_adapter_load`).
+
 Temperature 0 → minimum cost, ties broken by fewest cached blocks, then at random;
 temperature > 0 → softmax sampling over normalised costs. Health routing weights in
 (0, 1] scale a worker's chance (weight 0: never chosen unless all are 0). The exact
@@ -38,8 +44,9 @@ the request's blocks on the chosen worker instead, for ``approx_ttl_s``.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,8 +63,10 @@ from kvmesh.router.cost import (
     select,
     select_greedy,
     uncached_tokens,
+    with_adapter_load,
 )
 from kvmesh.kv.hashing import block_hashes as hash_blocks
+from kvmesh.kv.tiers import DEFAULT_TIER_WEIGHTS, check_tier_weights
 from kvmesh.router.indexer import DEFAULT_MAX_BLOCKS_PER_WORKER, EventSequencer, KvIndexer
 from kvmesh.router.load import ActiveLoad
 
@@ -80,6 +89,8 @@ class RouterSettings:
     approx_ttl_s: float = 120.0
     approx_max_blocks: int = 1_000_000
     max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER  # the KV index's cap (see router/indexer.py)
+    adapter_load_tokens: float = 0.0  # a LoRA adapter's load on a worker lacking it, in prefill tokens (cost.py)
+    tier_weights: tuple[float, float] = DEFAULT_TIER_WEIGHTS  # price of a G2, G3 hit, a fraction of its prefill (kv/tiers.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -87,6 +98,9 @@ class RouterSettings:
         if self.mode not in MODES:
             raise ValueError(f"router mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         check_knobs(self.overlap_weight, self.temperature)
+        check_tier_weights(self.tier_weights)
+        if not (math.isfinite(self.adapter_load_tokens) and self.adapter_load_tokens >= 0):
+            raise ValueError(f"adapter_load_tokens must be a finite number >= 0, got {self.adapter_load_tokens!r}")
         for name in ("load_ttl_s", "approx_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -99,6 +113,7 @@ class Decision:
     worker_id: int
     overlap_blocks: int
     candidates: list[CandidateScore] = field(default_factory=list)
+    tiers: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # worker → leading blocks in G1, G2, G3 (only with lower-tier blocks)
 
 
 class KvRouterCore:
@@ -212,6 +227,8 @@ class KvRouterCore:
         temperature: float | None = None,
         block_hashes: Sequence[int] | None = None,
         matches: Mapping[int, int] | None = None,
+        salt: int | None = None,
+        holders: Collection[int] | None = None,
     ) -> Decision:
         """Pick a worker and book the request's load on it (until first token / finish).
 
@@ -219,7 +236,11 @@ class KvRouterCore:
         ``temperature`` override the settings for this request; ``block_hashes`` (the
         chained hashes of the prompt's full blocks) skips hashing when the caller has them;
         ``matches`` (``{worker: leading blocks held}``, from an index elsewhere: a sharded
-        one) replaces this core's own lookup.
+        one) replaces this core's own lookup; ``salt`` (:func:`kvmesh.kv.hashing.hash_salt`
+        of the request's adapter and cache namespace) starts the prompt's hash chain.
+        ``holders`` (a LoRA adapter's request: the workers holding it) charges every
+        other worker the settings' ``adapter_load_tokens`` more prefill
+        (:func:`kvmesh.router.cost.with_adapter_load`).
         Raises :class:`~kvmesh.errors.NoWorkers` when no worker was added.
         """
         if not self._workers:
@@ -229,12 +250,16 @@ class KvRouterCore:
         temp = s.temperature if temperature is None else temperature
         check_knobs(ow, temp)
         self._load.expire(now, s.load_ttl_s)
-        hashes = hash_blocks(token_ids, s.block_size) if block_hashes is None else block_hashes
+        hashes = hash_blocks(token_ids, s.block_size, salt) if block_hashes is None else block_hashes
         load = self._load
         found = self._matches(hashes, now) if matches is None else dict(matches)
-        inputs = CostInputs(
-            found, len(token_ids), load.prefill_by_worker, load.blocks_by_worker, s.block_size, ow
-        )
+        prefill: Mapping[int, float] = load.prefill_by_worker
+        if holders is not None:
+            prefill = with_adapter_load(prefill, self._workers, holders, s.adapter_load_tokens)
+        tier_runs = self._tier_runs(hashes) if matches is None else {}
+        if tier_runs:  # blocks in host/disk tiers: priced (kv/tiers.py)
+            found, prefill = self._price_tiers(tier_runs, prefill)
+        inputs = CostInputs(found, len(token_ids), prefill, load.blocks_by_worker, s.block_size, ow)
         if temp == 0 and len(self._workers) > _FAST_PATH_WORKERS:
             chosen, candidates = select_greedy(self._workers, inputs, weights, self._rng)
         else:
@@ -245,7 +270,7 @@ class KvRouterCore:
         self._load.add(request_id, w, uncached_tokens(n, overlap, bs), new_blocks(n, overlap, bs), now)
         if self._approx is not None and hashes:
             self._approx.record(w, hashes, now)
-        return Decision(w, overlap, candidates)
+        return Decision(w, overlap, candidates, tier_runs)
 
     def first_token(self, request_id: str, now: float) -> None:
         self._load.first_token(request_id, now)
@@ -254,6 +279,27 @@ class KvRouterCore:
         self._load.finished(request_id)
 
     # ------------------------------------------------------------------ steps of route
+
+    def _tier_runs(self, hashes: Sequence[int]) -> dict[int, tuple[int, int, int]]:
+        """``{worker: (g1, g2, g3)}`` leading blocks by tier, when any worker has blocks
+        in a lower tier (else empty: the G1 path alone)."""
+        index = self._indexer
+        if index is None or not hashes or not index.has_lower_tiers:
+            return {}
+        return index.find_tier_matches(hashes)
+
+    def _price_tiers(
+        self, runs: Mapping[int, tuple[int, int, int]], prefill: Mapping[int, float]
+    ) -> tuple[dict[int, int], dict[int, float]]:
+        """A run held in any tier counts as cached; its G2/G3 blocks cost their price
+        (``tier_weights``: a fraction of prefilling them) as prefill tokens."""
+        (w2, w3), bs = self.settings.tier_weights, self.settings.block_size
+        found = {w: sum(r) for w, r in runs.items()}
+        priced = dict(prefill)
+        for w, (_, n2, n3) in runs.items():
+            if n2 or n3:
+                priced[w] = priced.get(w, 0) + (w2 * n2 + w3 * n3) * bs
+        return found, priced
 
     def _matches(self, hashes: Sequence[int], now: float) -> dict[int, int]:
         if not hashes:

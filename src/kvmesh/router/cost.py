@@ -23,6 +23,16 @@ Selection (:func:`select`), with health weights ``weight(w) ≥ 0`` (1 when not 
   ``ĉ(w) = cost(w) / max cost`` (all 0 when the max is 0), and a worker is drawn with
   probability ``∝ weight(w) × exp(−ĉ(w) / T)``: the weight scales its chance
   directly. Small T is nearly greedy; large T nearly uniform (times the weights).
+
+A request for a LoRA adapter (:func:`adapter_load_tokens`, :func:`with_adapter_load`)
+costs a worker that does not hold the adapter the time loading it takes, as the prefill
+tokens the worker could have computed meanwhile::
+
+    load_tokens       = lora_load_ms × prefill_tokens_per_ms
+    prefill_blocks(w) = (in-flight prefill tokens of w + load_tokens + uncached(w)) / block_size   (w lacks it)
+
+so the holders win while they are no busier than that, and another worker is picked
+(and loads the adapter) once they are.
 """
 
 from __future__ import annotations
@@ -33,7 +43,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import NamedTuple
 
-__all__ = ["CandidateScore", "CostInputs", "check_knobs", "new_blocks", "score", "score_all", "select", "select_greedy", "uncached_tokens"]
+__all__ = [
+    "CandidateScore", "CostInputs", "adapter_load_tokens", "check_knobs", "new_blocks", "score", "score_all", "select",
+    "select_greedy", "uncached_tokens", "with_adapter_load",
+]  # fmt: skip
 
 # Relative tolerance under which two effective costs count as a tie.
 _TIE_RTOL = 1e-9
@@ -59,7 +72,7 @@ class CostInputs(NamedTuple):
 
     overlaps: Mapping[int, int]  # worker → leading blocks of the prompt it holds
     prompt_tokens: int
-    prefill_load_tokens: Mapping[int, int]  # worker → in-flight prefill tokens
+    prefill_load_tokens: Mapping[int, float]  # worker → in-flight prefill tokens (+ an adapter's load)
     active_blocks: Mapping[int, int]  # worker → active KV blocks
     block_size: int
     overlap_weight: float
@@ -71,6 +84,24 @@ def check_knobs(overlap_weight: float, temperature: float) -> None:
         raise ValueError(f"overlap_weight must be a finite number >= 0, got {overlap_weight!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+
+
+def adapter_load_tokens(load_ms: float, prefill_tokens_per_ms: float) -> float:
+    """The cost of loading an adapter, in prefill tokens: its load time × the prefill
+    rate (both finite, ``>= 0``, else ``ValueError``)."""
+    for name, value in (("lora load time", load_ms), ("prefill rate", prefill_tokens_per_ms)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return load_ms * prefill_tokens_per_ms
+
+
+def with_adapter_load(
+    prefill_load_tokens: Mapping[int, float], workers: Iterable[int], holders: Collection[int], load_tokens: float
+) -> dict[int, float]:
+    """Each worker's in-flight prefill tokens, a worker not in ``holders`` charged
+    ``load_tokens`` more (the adapter it must load first); the input is not changed."""
+    get = prefill_load_tokens.get
+    return {w: get(w, 0) + (0.0 if w in holders else load_tokens) for w in workers}
 
 
 def uncached_tokens(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:

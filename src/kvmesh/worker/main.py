@@ -62,13 +62,15 @@ def build_engine(cfg: WorkerConfig, publisher: EventPublisher | None = None) -> 
     model = load_model_folder(model_path)
     spec = EngineSpec(
         model_path=model_path,
-        served_model_name=model.name,
+        served_model_name=cfg.served_model_name or model.name,
         vocab_size=model.vocab_size,
         eos_token_ids=tuple(model.eos_token_ids),
         special_token_ids=tuple(model.special_token_ids),
         context_length=model.context_length,
         worker_id=cfg.worker_id,
         block_size=cfg.block_size,
+        loras=cfg.lora,
+        max_loras=cfg.max_loras,
     )
     return build(cfg.engine, cfg.engine_options, spec, publisher or NullPublisher()), model_path
 

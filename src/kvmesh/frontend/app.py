@@ -4,7 +4,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (OpenAI Responses), ``POST /v1/messages`` (Anthropic Messages), ``GET /v1/models``,
 ``GET /health`` (200 once a worker serves a model), ``GET /live``, ``GET /metrics``,
-``GET /openapi.json``; ``/admin/workers`` and ``/admin/fault`` only with ``--admin``.
+``GET /openapi.json``; ``/admin/workers``, ``/admin/fault`` and ``/admin/usage`` (per-tenant
+usage) only with ``--admin``.
 Who may call which route: :mod:`kvmesh.frontend.auth`.
 
 The generation routes are served by :mod:`kvmesh.frontend.generate` (one owner per
@@ -37,7 +38,8 @@ from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.server import Handler, HttpApp, Request, Response, StreamingResponse
 from kvmesh.frontend.sse import DeltaSSE, KeepAlive
 from kvmesh.observability import worker_metrics
-from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
+from kvmesh.frontend.tenant_state import TenantGate
+from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics, export_tenant_usage
 from kvmesh.protocol import WorkerMetrics
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import EventPlane
@@ -68,7 +70,8 @@ class Frontend:
         self.keepalive = KeepAlive(config.keepalive_s)
         self.auth = Authenticator(config.security)
         self.prefill_workers: dict[int, Any] = {}  # observability: id → client of workers not routed to
-        self.generation = Generation(config, self.registry, self.auth, self.keepalive, self.metrics)
+        self.tenants = _tenant_gate(self.auth, self.metrics)
+        self.generation = Generation(config, self.registry, self.auth, self.keepalive, self.metrics, self.tenants)
         store = ResponseStore(config.responses_store_entries, config.responses_store_bytes, config.responses_store_ttl_s)
         self._responses = responses_dialect(store)  # previous_response_id: this process's memory
         routes: dict[str, dict[str, Any]] = {
@@ -85,6 +88,7 @@ class Frontend:
         if config.security.admin:  # off by default: fault injection can crash workers
             routes["/admin/workers"] = {"GET": self._admin(self.list_workers)}
             routes["/admin/fault"] = {"POST": self._admin(self.set_fault)}
+            routes["/admin/usage"] = {"GET": self._admin(self.usage)}
         self._openapi = _json(openapi_document(routes))
         # observability: the live cluster page (behind any API key when keys are set, by
         # header or session cookie: the dashboard checks; not in the OpenAPI document)
@@ -112,7 +116,8 @@ class Frontend:
         if not request.path.startswith("/v1/"):
             return None
         try:
-            request.principal = self.auth.tier_of(presented(request.headers))
+            index = self.auth.key_of(presented(request.headers))
+            request.principal, request.tenant = self.auth.tier_at(index), self.auth.tenant_at(index)
         except KvmeshError as exc:
             return anthropic_error_response(exc) if request.path == "/v1/messages" else error_response(exc)
         request.checked = True
@@ -217,6 +222,10 @@ class Frontend:
                 )  # fmt: skip
         return Response(_json({"workers": out}))
 
+    async def usage(self, request: Request) -> Response:
+        """Every tenant's usage, limits and what is left (keys file tenants; none: empty)."""
+        return Response(self.tenants.usage_json() if self.tenants is not None else b'{"object":"usage","tenants":{}}')
+
     async def set_fault(self, request: Request) -> Response:
         """``{"worker": "<hex id>", "fault": "hang"}``: switch a worker's fault injection."""
         try:
@@ -250,6 +259,16 @@ class Frontend:
 
     def _read_body(self, request: Request) -> bytes:
         return self.generation._read_body(request)
+
+
+def _tenant_gate(auth: Authenticator, metrics: FrontendMetrics) -> TenantGate | None:
+    """The tenants' limiter when a key has a tenant, exported in /metrics."""
+    policies = auth.tenants()
+    if not policies:
+        return None
+    gate = TenantGate(policies)
+    export_tenant_usage(metrics.registry, gate.metric_usage)
+    return gate
 
 
 def _literal_host(host: str) -> bool:

@@ -9,6 +9,12 @@
 * Each key carries the highest priority tier its requests may ask for; without keys
   a client may ask for ``standard`` or ``best_effort`` only, unless the operator
   trusts the header (``--trust-priority-header``).
+* A key may name its tenant and the tenant's limits (:mod:`kvmesh.frontend.tenants`):
+  ``KEY [TIER] [tenant=NAME] [rpm=N] [tpm=N] [concurrent=N] [weight=W]``; the old
+  ``KEY [TIER]`` lines are keys without a tenant. :meth:`Authenticator.tenant_at`
+  gives a key's :class:`~kvmesh.frontend.tenants.TenantPolicy` (None: no tenant, no
+  limits; with ``--cache-isolation tenant`` every key has a tenant, ``key-N`` when the
+  file names none).
 * ``/admin/*`` needs the admin key when keys are configured (it is not served at all
   without ``--admin``: that is the app's routing).
 * ``/dashboard`` needs any API key when keys are configured. A browser's
@@ -27,8 +33,9 @@ from pathlib import Path
 
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthorized
+from kvmesh.frontend.tenants import TenantPolicy, parse_policy
 
-__all__ = ["Authenticator", "read_keys_file", "presented", "TIERS", "SESSION_S"]
+__all__ = ["Authenticator", "read_keys_file", "read_keys", "presented", "TIERS", "SESSION_S"]
 
 TIERS = ("best_effort", "standard", "premium")  # lowest to highest
 _RANK = {tier: i for i, tier in enumerate(TIERS)}
@@ -50,8 +57,15 @@ def presented(headers: Mapping[str, str]) -> str | None:
 
 
 def read_keys_file(path: str) -> list[tuple[str, str]]:
-    """``KEY [TIER]`` per line (TIER defaults to standard); ``#`` starts a comment.
-    A bad line is a ValueError naming its line number (the CLI prints it)."""
+    """``(key, tier)`` of every line of the keys file (:func:`read_keys`)."""
+    return [(key, tier) for key, tier, _ in read_keys(path)]
+
+
+def read_keys(path: str) -> list[tuple[str, str, str]]:
+    """``KEY [TIER] [OPTION=VALUE ...]`` per line (TIER defaults to standard; options:
+    :func:`kvmesh.frontend.tenants.parse_policy`); ``#`` starts a comment. Returns
+    ``(key, tier, options)`` with the options as written (checked here). A bad line is
+    a ValueError naming its line number (the CLI prints it)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -61,9 +75,15 @@ def read_keys_file(path: str) -> list[tuple[str, str]]:
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) > 2 or (len(words) == 2 and words[1] not in _RANK):
-            raise ValueError(f"--api-keys-file {path}:{number}: write 'KEY [{'|'.join(TIERS)}]'")
-        keys.append((words[0], words[1] if len(words) == 2 else _UNKEYED_TIER))
+        tiered = len(words) > 1 and "=" not in words[1]
+        options = words[2:] if tiered else words[1:]
+        if tiered and words[1] not in _RANK:
+            raise ValueError(f"--api-keys-file {path}:{number}: write 'KEY [{'|'.join(TIERS)}] [tenant=NAME rpm=N ...]'")
+        try:
+            parse_policy(options, "key")
+        except ValueError as exc:
+            raise ValueError(f"--api-keys-file {path}:{number}: {exc}") from None
+        keys.append((words[0], words[1] if tiered else _UNKEYED_TIER, " ".join(options)))
     if not keys:
         raise ValueError(f"--api-keys-file {path} holds no key")
     return keys
@@ -72,13 +92,31 @@ def read_keys_file(path: str) -> list[tuple[str, str]]:
 class Authenticator:
     """Checks one request's credentials against the frontend's SecurityConfig."""
 
-    __slots__ = ("_keys", "_admin_key", "_trust", "required")
+    __slots__ = ("_keys", "_admin_key", "_trust", "required", "_tenants")
 
     def __init__(self, config: SecurityConfig) -> None:
         self._keys = [(key.encode(), tier) for key, tier in config.api_keys]
         self._admin_key = config.admin_key.encode()
         self._trust = config.trust_priority_header
         self.required = bool(self._keys)
+        options = dict(config.api_key_options)
+        isolated = config.cache_isolation == "tenant"
+        self._tenants: list[TenantPolicy | None] = []
+        for i, (key, _) in enumerate(config.api_keys, 1):
+            words = options.get(key, "").split()
+            policy = parse_policy(words, f"key-{i}")
+            self._tenants.append(TenantPolicy(f"key-{i}") if policy is None and isolated else policy)
+
+    def tenant_at(self, index: int) -> TenantPolicy | None:
+        """The tenant of key ``index`` (:meth:`key_of`); None: no tenant."""
+        return self._tenants[index]
+
+    def tier_at(self, index: int) -> str:
+        return self._keys[index][1]
+
+    def tenants(self) -> list[TenantPolicy]:
+        """Every key's tenant (keys sharing a tenant: each listed once per key)."""
+        return [t for t in self._tenants if t is not None]
 
     def tier_of(self, authorization: str | None) -> str | None:
         """The highest tier of the caller's key; None when keys are off.

@@ -12,15 +12,16 @@ same for every dialect, here.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from kvmesh.config import FrontendConfig, SecurityConfig
-from kvmesh.errors import PayloadTooLarge, ResourceExhausted, UnsupportedMediaType
+from kvmesh.errors import PayloadTooLarge, ResourceExhausted, TooManyRequests, UnsupportedMediaType
 from kvmesh.frontend.auth import Authenticator, presented
-from kvmesh.frontend.deltas import BodyEncoder, StreamEncoder
+from kvmesh.frontend.deltas import BodyEncoder, StreamEncoder, Usage
 from kvmesh.frontend.dialects.chat import ChatBody, ChatStream
 from kvmesh.frontend.dialects.completions import CompletionBody, CompletionStream
 from kvmesh.frontend.failures import error_response, public_message
@@ -31,10 +32,12 @@ from kvmesh.frontend.pipeline import explain_route, new_request_id, preprocess_a
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, check_limits, parse
 from kvmesh.frontend.server import Request, Response
 from kvmesh.frontend.sse import DeltaSSE, KeepAlive
+from kvmesh.frontend.tenant_state import TenantGate
+from kvmesh.frontend.tenants import Grant, Refusal, TenantPolicy
 from kvmesh.frontend.tools import ToolReader
 from kvmesh.observability import tracing
 from kvmesh.observability.metrics import FrontendMetrics
-from kvmesh.protocol import GuidedDecoding
+from kvmesh.protocol import GuidedDecoding, PreprocessedRequest, RoutingHints
 from kvmesh.runtime.context import Context
 
 __all__ = ["Dialect", "CHAT", "COMPLETIONS", "Generation", "require_json"]
@@ -96,6 +99,7 @@ class Generation:
     auth: Authenticator
     keepalive: KeepAlive
     metrics: FrontendMetrics
+    tenants: TenantGate | None = None  # keys with a tenant (kvmesh.frontend.tenants); None: no key has one
 
     async def serve(self, request: Request, dialect: Dialect) -> Response | DeltaSSE:
         # tracing: the request's trace (root span when recording); the traceparent goes
@@ -118,24 +122,69 @@ class Generation:
             req, entry = self._accept(request, dialect)
             explain = request.headers.get("x-kvmesh-explain", "") not in ("", "0", "false")
             preq = await preprocess_async(entry, req, request_id, explain, self.config.security.allow_special_tokens)
+            if req.model != entry.name:  # a LoRA adapter of the entry's model (ModelRegistry.get)
+                preq.adapter = req.model
             if preq.guided is not None:
                 await _check_guided(preq.guided)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
             return dialect.error(exc, request_id)
+        grant: Grant | None = None
+        if request.tenant is not None:  # a key with a tenant: its limits, fair share and cache namespace
+            got = self._reserve(request.tenant, preq)
+            if isinstance(got, Refusal):
+                return _rate_limited(dialect, got, request_id)
+            grant = got
         entry.metrics.input_tokens.inc(len(preq.token_ids))
         preq.trace_context = trace.traceparent
         read = ReadBack(req.include_stop_str_in_output, req.skip_special_tokens, ToolReader.of(req))
         observer = RequestObserver(entry, dialect.endpoint, trace)
         owner = RequestOwner(entry, preq, Context(preq.request_id), observer, read)
+        if grant is not None:
+            owner.on_end = self._settle(grant)
         try:
             await owner.open()
         except Exception as exc:  # noqa: BLE001
-            return dialect.error(exc, request_id)
+            if owner.on_end is not None:
+                owner.on_end(owner.usage)
+            return _with_grant(dialect.error(exc, request_id), grant)
         route = explain_route(entry, preq.request_id, owner.worker_id) if preq.routing and preq.routing.explain else None
+        if route is not None and not self._may_see_overlaps(request):
+            route = {k: v for k, v in route.items() if k in ("worker", "mode")}
         if req.stream:
-            headers = [(b"x-kvmesh-route", _json(route))] if route is not None else None
+            headers = [(b"x-kvmesh-route", _json(route))] if route is not None else []
+            if grant is not None:
+                headers += [(k.encode(), v.encode()) for k, v in grant.headers]
             return DeltaSSE(owner, dialect.stream(req), self.keepalive, public_message, self.metrics.disconnects.inc, headers)
-        return await self._unary(request, owner, dialect.body(req, route), dialect, route)
+        return _with_grant(await self._unary(request, owner, dialect.body(req, route), dialect, route), grant)
+
+    def _reserve(self, tenant: TenantPolicy, preq: PreprocessedRequest) -> Grant | Refusal:
+        """Take the tenant's budget for ``preq`` (or refuse it), and mark it with its tenant:
+        fair queuing's share and, with --cache-isolation tenant, its cache namespace."""
+        assert self.tenants is not None  # set whenever a key has a tenant
+        got = self.tenants.reserve(tenant, len(preq.token_ids), preq.stop.max_tokens or 0)
+        if not isinstance(got, Grant):
+            return got
+        if self.config.security.cache_isolation == "tenant":
+            preq.cache_salt = tenant.name
+        hints = preq.routing if preq.routing is not None else RoutingHints()
+        hints.tenant, hints.tenant_weight = tenant.name, tenant.weight
+        preq.routing = hints
+        return got
+
+    def _settle(self, grant: Grant) -> Callable[[Usage], None]:
+        gate = self.tenants
+        assert gate is not None
+
+        def settle(usage: Usage) -> None:
+            gate.settle(grant, usage.prompt_tokens, usage.completion_tokens)
+
+        return settle
+
+    def _may_see_overlaps(self, request: Request) -> bool:
+        """Per-worker overlaps in ``router_explain`` tell which prefixes are cached: shown
+        without keys (one tenant), with --cache-isolation tenant (the caller's own blocks
+        only), else not (another tenant's prompts would show)."""
+        return not self.auth.required or self.config.security.cache_isolation == "tenant"
 
     def _accept(self, request: Request, dialect: Dialect) -> tuple[GenerationRequest, ModelEntry]:
         """The request's body, model, key tier and admission, checked (raises a 4xx/503)."""
@@ -185,6 +234,20 @@ class Generation:
                 f"the service is degraded and sheds {tier or 'standard'} requests now; retry later",
                 retry_after=decision.retry_after_s,
             )
+
+
+def _rate_limited(dialect: Dialect, refusal: Refusal, request_id: str) -> Response:
+    """The 429 of a request over its tenant's limit, with Retry-After and x-ratelimit-*."""
+    exc = TooManyRequests(refusal.message, retry_after=max(1, math.ceil(refusal.retry_after_s)))
+    response = dialect.error(exc, request_id)
+    response.headers.update(refusal.headers)
+    return response
+
+
+def _with_grant(response: Response, grant: Grant | None) -> Response:
+    if grant is not None:
+        response.headers.update(grant.headers)
+    return response
 
 
 # Constraints the grammar engine accepted already (validation is CPU work, done in a thread once).

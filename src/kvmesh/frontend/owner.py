@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -123,7 +123,7 @@ class RequestOwner:
 
     __slots__ = ("entry", "request", "ctx", "observer", "read", "worker_id", "_booking", "_tried", "_migrations_left",
                  "_generated", "_handoff", "_link", "_detok", "_matcher", "_ended", "_held", "_held_logprobs",
-                 "_cached", "_error", "_gen", "_decode", "_moving", "_want_logprobs")  # fmt: skip
+                 "_cached", "_error", "_gen", "_decode", "_moving", "_want_logprobs", "on_end")  # fmt: skip
 
     def __init__(self, entry: ModelEntry, request: PreprocessedRequest, ctx: Context, observer: RequestObserver,
                  read: ReadBack) -> None:  # fmt: skip
@@ -152,6 +152,8 @@ class RequestOwner:
         stops = request.stop.stop
         self._matcher = pre.stop_matcher(stops, read.include_stop) if stops else None
         self._decode = pre.tokenizer.decode
+        # called once with the usage when the request ends after open() (a tenant's budget settles)
+        self.on_end: Callable[[Usage], None] | None = None
 
     @property
     def usage(self) -> Usage:
@@ -185,6 +187,8 @@ class RequestOwner:
             else:
                 status = "200" if self._error is None else str(http_status(self._error))
             self.observer.finished(status, self.usage)
+            if self.on_end is not None:
+                self.on_end(self.usage)
 
     def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's delta stream (once per owner)."""

@@ -97,7 +97,7 @@ class Request:
     """One parsed request. ``headers``: lower-case names → last value."""
 
     __slots__ = ("method", "path", "query", "headers", "body", "body_size", "keep_alive", "http_version",
-                 "on_disconnect", "disconnected", "checked", "principal")  # fmt: skip
+                 "on_disconnect", "disconnected", "checked", "principal", "tenant")  # fmt: skip
 
     def __init__(
         self, method: str, path: str, query: str, headers: dict[str, str], body: bytes, body_size: int,
@@ -119,6 +119,7 @@ class Request:
         # its head: who the caller is, so that the handler need not check the key again
         self.checked = False
         self.principal: str | None = None
+        self.tenant: Any = None  # the caller's TenantPolicy (kvmesh.frontend.tenants), when its key has one
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)

@@ -28,7 +28,8 @@ decisions out. The decisions themselves are made by the pure
   the events go to the shard processes instead (no subscription here); workers are
   handed to it as they come and go, and each decision asks it for the overlaps.
 * Admission (optional): when every worker's in-flight prefill tokens are over
-  ``threshold`` × its batch token budget, requests wait in FCFS order; past
+  ``threshold`` × its batch token budget, requests wait, leaving in weighted fair
+  order across tenants (on tokens, inside each priority tier: :mod:`kvmesh.router.fair`); past
   ``max_queue`` waiting requests, a new one is refused with 503 + Retry-After.
 """
 
@@ -48,6 +49,7 @@ from kvmesh.kv.events import KvEventView, PayloadTooLarge, decode_kv_view
 from kvmesh.kv.hashing import block_hashes as hash_blocks
 from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
+from kvmesh.router.fair import FairQueue
 from kvmesh.router.indexer import check_event_data
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import Subscription
@@ -108,7 +110,7 @@ class KvRouterService:
         self._failed_at: dict[int, float] = {}  # worker -> when its last repair failed
         self.repair_backoff_s = REPAIR_BACKOFF_S
         self._replaying: int | None = None  # the worker whose held events are being applied after its repair
-        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiting: FairQueue[asyncio.Future[None]] = FairQueue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
         self.rejected_events = 0
@@ -327,8 +329,9 @@ class KvRouterService:
     def _all_busy(self) -> bool:
         return bool(self.workers) and all(self._over_budget(w) for w in self.workers)
 
-    async def admit(self) -> None:
-        """Wait (FCFS) while every worker is over the admission threshold."""
+    async def admit(self, request: PreprocessedRequest | None = None) -> None:
+        """Wait while every worker is over the admission threshold; waiters leave in
+        weighted fair order across tenants on tokens, by tier (:mod:`kvmesh.router.fair`)."""
         if self.admission.threshold is None or (not self._waiting and not self._all_busy()):
             return
         if len(self._waiting) >= self.admission.max_queue:
@@ -338,22 +341,24 @@ class KvRouterService:
                 retry_after=self.admission.retry_after_s,
             )
         fut = asyncio.get_running_loop().create_future()
-        self._waiting.append(fut)
+        hints = request.routing if request is not None else None
+        cost = len(request.token_ids) + (request.stop.max_tokens or 0) if request is not None else 1
+        if hints is None:
+            self._waiting.push(fut, cost=cost)
+        else:
+            self._waiting.push(fut, hints.tenant or "", hints.tenant_weight, cost, hints.priority)
         self.metrics.queue_depth.set(len(self._waiting))
         try:
             await fut
         finally:
             if not fut.done():
                 fut.cancel()
-            try:
-                self._waiting.remove(fut)
-            except ValueError:
-                pass
+            self._waiting.remove(fut)
             self.metrics.queue_depth.set(len(self._waiting))
 
     def _admit_waiting(self) -> None:
         while self._waiting and not self._all_busy():
-            fut = self._waiting.popleft()
+            fut = self._waiting.pop()
             if not fut.done():
                 fut.set_result(None)
                 # one at a time: the admitted request books its load before the next check
@@ -418,7 +423,7 @@ class KvPolicy:
         return decision.worker_id
 
     async def admit(self, request: PreprocessedRequest) -> None:
-        await self.service.admit()
+        await self.service.admit(request)
 
     def first_token(self, request_id: str) -> None:
         self.service.first_token(request_id)

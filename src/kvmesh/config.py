@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvmesh.kv.tiers import DEFAULT_TIER_WEIGHTS, check_tier_weights
 from kvmesh.settings import port as a_port
 from kvmesh.settings import NO_FLAG, EngineSettings, at_least, check, non_negative, positive, setting, split_commas
 
@@ -27,6 +28,7 @@ __all__ = [
     "LogConfig",
     "LOG_LEVELS",
     "RunConfig",
+    "ModelFleet",
     "PlannerConfig",
     "RuntimeConfig",
     "ROUTER_MODES",
@@ -47,6 +49,16 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _DISAGG = "disaggregated prefill/decode"
 
 
+def _model_name_ok(value: object) -> str | None:
+    ok = isinstance(value, str) and 0 < len(value) <= 256 and value.isprintable()
+    return None if ok else "must be 1 to 256 printable characters"
+
+
+def _lora_ok(value: object) -> str | None:
+    bad = [v for v in value if not str(v).partition("=")[0] or not str(v).partition("=")[2]] if isinstance(value, tuple) else [value]
+    return f"must be NAME=PATH, got {bad[0]!r}" if bad else None
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """One worker process. ``engine_options``: the settings of ``engine`` (its
@@ -58,9 +70,21 @@ class WorkerConfig:
         env="KVMESH_MODEL", metavar="NAME",
     )  # fmt: skip
     engine: str = setting("mocker", "engine to run in each worker")
+    served_model_name: str | None = setting(
+        None, "the name clients ask for (default: the model folder's name)", check=_model_name_ok, metavar="NAME"
+    )
     engine_options: EngineSettings | None = None
     block_size: int = setting(16, "KV block size in tokens (mocker and hf; vLLM: --vllm-block-size)", check=positive)
     worker_id: int = setting(0, "id in static mode (default: the port); distributed mode uses the lease id", check=non_negative)
+    # LoRA adapters (issue 30; kvmesh.engines.lora): PEFT folders loaded at start, and how many stay resident
+    lora: tuple[str, ...] = setting(
+        (), "a LoRA adapter to load at start: NAME=PATH of a PEFT folder (repeat the flag for more)",
+        env="KVMESH_LORA", metavar="NAME=PATH", check=lambda v: _lora_ok(v),
+    )  # fmt: skip
+    max_loras: int = setting(
+        4, "LoRA adapters resident at once per worker (the least recently used idle one is unloaded; 0: no LoRA)",
+        env="KVMESH_MAX_LORAS", check=non_negative,
+    )  # fmt: skip
     host: str = "127.0.0.1"  # from the runtime's --host
     port: int = setting(0, "request-plane TCP port (0: any free port)", check=a_port)
     validate_streams: bool = setting(False, "check every engine stream against the contract (also KVMESH_DEBUG=1)")
@@ -219,6 +243,23 @@ _KV = "KV-aware routing (--router-mode kv | kv-approx)"
 _STORE = "stored responses (/v1/responses previous_response_id; in this process's memory)"
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in split_commas(text))
+    except ValueError:
+        raise ValueError("is not a comma-separated list of numbers") from None
+
+
+def _tier_weights_ok(value: object) -> str | None:
+    if not isinstance(value, tuple):
+        return "must be two numbers in [0, 1]: HOST,DISK"
+    try:
+        check_tier_weights(value)
+    except ValueError:
+        return "must be two numbers in [0, 1]: HOST,DISK"
+    return None
+
+
 @dataclass(frozen=True)
 class FrontendConfig:
     http_host: str = setting("127.0.0.1", "address to serve HTTP on")
@@ -234,6 +275,18 @@ class FrontendConfig:
     kv_block_size: int | None = setting(
         None, "router block size (default: the workers'; must match them)", check=positive, group=_KV
     )
+    lora_load_ms: float = setting(
+        50.0, "what loading a LoRA adapter on a worker that lacks it costs in routing (ms)", check=non_negative, group=_KV
+    )
+    router_prefill_rate: float = setting(
+        8.0, "a worker's prefill rate in tokens per ms: what --lora-load-ms is worth in prefill tokens",
+        check=positive, group=_KV,
+    )  # fmt: skip
+    kv_tier_weights: tuple[float, ...] = setting(
+        tuple(round(w, 4) for w in DEFAULT_TIER_WEIGHTS), "price of a prefix hit in a worker's host (G2) and disk (G3) "
+        "KV tiers, as a fraction of prefilling it: HOST,DISK in [0, 1] (default: the mocker's bandwidths; kv/tiers.py)",
+        parse=_fractions, check=_tier_weights_ok, metavar="HOST,DISK", group=_KV,
+    )  # fmt: skip
     admission_threshold: float | None = setting(
         None, "queue requests while every worker has more than this × its batch token budget in prefill (default: off)",
         check=positive, group=_KV,
@@ -310,6 +363,16 @@ class PlannerConfig:
                                         check=non_negative, group=_PLAN)  # fmt: skip
     planner_hold_rounds: int = setting(3, "rounds a signal must hold before the planner reshapes", check=positive,
                                        group=_PLAN)  # fmt: skip
+    capacity_profile: str | None = setting(
+        None, "the workers' capacity profile (JSON, from kvmesh replay --profile-capacity): size each role from the "
+        "load forecast", metavar="FILE", group=_PLAN,
+    )  # fmt: skip
+    # kvmesh planner only: the local worker processes it may start and stop (issue 32)
+    worker_flags: str = setting(
+        "", "kvmesh planner: start and stop local `kvmesh worker` processes with these flags (one string, split like a"
+        " shell; e.g. \"--engine mocker --speedup 10\"; its own runtime settings are added); empty: it only promotes"
+        " --standby workers", env="KVMESH_PLANNER_WORKER_FLAGS", metavar="FLAGS", group=_PLAN,
+    )  # fmt: skip
     # kvmesh planner only: its /metrics (kvmesh run serves them on the frontend's)
     planner_metrics_port: int | None = setting(None, "serve the planner's Prometheus metrics on this port",
                                                check=a_port, group=_PLAN)  # fmt: skip
@@ -342,9 +405,14 @@ class RunConfig:
         check=positive,
     )  # fmt: skip
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    # several models (``[[models]]`` tables of --config): each its workers' config and count;
+    # empty: the one model of ``worker`` × ``workers``
+    models: tuple[ModelFleet, ...] = ()
 
     def __post_init__(self) -> None:
         check(self)
+        if self.models and (self.disaggregated or self.planner.planner):
+            raise ValueError("several models ([[models]] in --config) run aggregated workers without --planner for now")
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ValueError("disaggregated serving needs both --prefill-workers and --decode-workers (at least 1 each)")
         if self.planner.hot_spares and not self.planner.planner:
@@ -357,6 +425,25 @@ class RunConfig:
     @property
     def disaggregated(self) -> bool:
         return self.decode_workers > 0
+
+    @property
+    def fleets(self) -> tuple[ModelFleet, ...]:
+        """Every model's workers: ``models``, or the one model of ``worker`` × ``workers``."""
+        return self.models or (ModelFleet(self.worker, self.workers),)
+
+
+@dataclass(frozen=True)
+class ModelFleet:
+    """One model of ``kvmesh run`` (a ``[[models]]`` table): its workers' config and count."""
+
+    worker: WorkerConfig
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.worker.mode != "aggregated":
+            raise ValueError(f"a model's workers are aggregated (mode = {self.worker.mode!r} is not for [[models]])")
 
 
 def _default_file_dir() -> str:

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 
 from kvmesh.config import (
     ClusterCredentials,
@@ -19,6 +20,7 @@ from kvmesh.config import (
     FrontendConfig,
     HttpLimits,
     LogConfig,
+    ModelFleet,
     PlannerConfig,
     RunConfig,
     RuntimeConfig,
@@ -34,7 +36,7 @@ __all__ = ["main", "build_parser"]
 # Every flag below comes from a declaration (kvmesh.settings.setting) in kvmesh.config or
 # kvmesh.engines.settings, except the few that are no setting of a config object
 # (--static, --config).
-_ENGINE_FIELDS = ("model", "model_path", "engine", "block_size", "validate_streams")
+_ENGINE_FIELDS = ("model", "model_path", "served_model_name", "engine", "block_size", "validate_streams")
 _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
                   "remote_prefill_timeout_s", "drain_migrate", "metrics_port", "metrics_host")  # fmt: skip
 _WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")
@@ -87,7 +89,7 @@ def _file(ns: argparse.Namespace, *classes: type) -> dict[str, object]:
     if not path:
         return {}
     data = load_file(path)
-    known = set(_EXTRA_FILE_KEYS)
+    known = set(_EXTRA_FILE_KEYS) | ({"models"} if ns.command == "run" else set())
     for cls in classes:
         known |= file_keys(cls)
     unknown = sorted(set(data) - known)
@@ -137,53 +139,81 @@ def _guard_listeners(ns: argparse.Namespace, file: dict[str, object], insecure: 
         auth.warn_insecure(", ".join(exposed))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvmesh`` parser. Every subcommand is listed; with ``command`` (one of them),
+    only that one gets its flags: ``kvmesh run`` does not build the ~350 flags (and
+    import the modules) of commands it does not run, before it forks its workers
+    (issue 36)."""
     parser = argparse.ArgumentParser(prog="kvmesh", description="Distributed LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if command is None or command == name or command not in _COMMANDS:
+            add(p)
+    return parser
 
-    run = sub.add_parser("run", help="serve a model: frontend + N worker processes on this host, no external services")
-    _add_config_arg(run)
-    add_flags(run, RunConfig, title="worker processes")
-    add_flags(run, PlannerConfig, title="planner", exclude=("planner_metrics_port", "planner_metrics_host"))
-    _add_frontend_args(run)
-    _add_engine_args(run)
-    _add_secret_arg(run, distributed=False)
 
-    frontend = sub.add_parser("frontend", help="serve the HTTP API for the workers that discovery (or --static-workers) names")
-    _add_config_arg(frontend)
-    _add_frontend_args(frontend)
-    _add_runtime_args(frontend)
-    add_flags(frontend, FrontendCommandConfig)
-    _add_secret_arg(frontend)
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    _add_config_arg(p)
+    add_flags(p, RunConfig, title="worker processes")
+    add_flags(p, PlannerConfig, title="planner", exclude=("planner_metrics_port", "planner_metrics_host", "worker_flags"))
+    _add_frontend_args(p)
+    _add_engine_args(p)
+    _add_secret_arg(p, distributed=False)
 
+
+def _frontend_flags(p: argparse.ArgumentParser) -> None:
+    _add_config_arg(p)
+    _add_frontend_args(p)
+    _add_runtime_args(p)
+    add_flags(p, FrontendCommandConfig)
+    _add_secret_arg(p)
+
+
+def _canary_flags(p: argparse.ArgumentParser) -> None:
     from kvmesh.cli.canary import add_canary_args
+
+    add_canary_args(p)
+
+
+def _replay_flags(p: argparse.ArgumentParser) -> None:
     from kvmesh.cli.replay import add_replay_args
 
-    canary = sub.add_parser("canary", help="canary sets for health checks")
-    add_canary_args(canary)
+    add_replay_args(p)
 
-    replay = sub.add_parser("replay", help="replay a Mooncake-format trace against mocker workers and compare routing policies")
-    add_replay_args(replay)
 
-    planner = sub.add_parser("planner", help="the planner for a distributed fleet: signed orders to --standby workers")
-    _add_config_arg(planner)
-    add_flags(planner, PlannerConfig, title="planner", exclude=("planner",))
-    add_flags(planner, LogConfig)
-    _add_runtime_args(planner)
-    _add_secret_arg(planner)
+def _planner_flags(p: argparse.ArgumentParser) -> None:
+    _add_config_arg(p)
+    add_flags(p, PlannerConfig, title="planner", exclude=("planner",))
+    add_flags(p, LogConfig)
+    _add_runtime_args(p)
+    _add_secret_arg(p)
 
-    worker = sub.add_parser("worker", help="run one worker process")
-    _add_config_arg(worker)
-    add_flags(worker, WorkerConfig, only=_WORKER_ONLY, title="this worker")
-    _add_engine_args(worker)
-    _add_runtime_args(worker)
-    worker.add_argument("--static", action="store_true", help="no discovery: serve TCP on --host/--port only")
-    worker.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
-    _add_secret_arg(worker)
 
-    token = sub.add_parser("metrics-token", help="print the bearer token workers' and the planner's /metrics ask for")
-    add_flags(token, ClusterCredentials, only=("cluster_secret_file",))
-    return parser
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    _add_config_arg(p)
+    add_flags(p, WorkerConfig, only=_WORKER_ONLY, title="this worker")
+    _add_engine_args(p)
+    _add_runtime_args(p)
+    p.add_argument("--static", action="store_true", help="no discovery: serve TCP on --host/--port only")
+    p.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    _add_secret_arg(p)
+
+
+def _metrics_token_flags(p: argparse.ArgumentParser) -> None:
+    add_flags(p, ClusterCredentials, only=("cluster_secret_file",))
+
+
+# each subcommand: its help line and what adds its flags
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "run": ("serve a model: frontend + N worker processes on this host, no external services", _run_flags),
+    "frontend": ("serve the HTTP API for the workers that discovery (or --static-workers) names", _frontend_flags),
+    "canary": ("canary sets for health checks", _canary_flags),
+    "replay": ("replay a Mooncake-format trace against mocker workers and compare routing policies", _replay_flags),
+    "planner": ("the planner for a distributed fleet: signed orders to --standby workers, local worker processes (--worker-flags)", _planner_flags),
+    "worker": ("run one worker process", _worker_flags),
+    "metrics-token": ("print the bearer token workers' and the planner's /metrics ask for", _metrics_token_flags),
+}
 
 
 def _named_model(cfg: WorkerConfig) -> WorkerConfig:
@@ -209,6 +239,15 @@ def _worker_config(ns: argparse.Namespace, file: dict[str, object] | None = None
     cfg = _named_model(resolve(WorkerConfig, ns, file=file, given=given))
     options = resolve(registry.entry(cfg.engine).settings, ns, file=file)
     return dataclasses.replace(cfg, engine_options=options)
+
+
+def _model_fleets(ns: argparse.Namespace, file: dict[str, object], workers: int) -> tuple[ModelFleet, ...]:
+    """``kvmesh run``'s ``[[models]]``: each table's keys over the file's top level."""
+    from kvmesh.cli.models import model_fleets
+
+    known = file_keys(WorkerConfig).union(*(file_keys(cls) for cls in _ENGINE_SETTINGS))
+    top = {k: v for k, v in file.items() if k != "models"}
+    return model_fleets(file["models"], known, workers, lambda keys: _worker_config(ns, {**top, **keys}))
 
 
 def _frontend_config(ns: argparse.Namespace, file: dict[str, object]) -> FrontendConfig:
@@ -254,8 +293,9 @@ def warn_secrets_on_argv(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    parser = build_parser(args[0] if args and not args[0].startswith("-") else None)
+    ns = parser.parse_args(args)
     warn_secrets_on_argv(ns)
     try:
         if ns.command == "run":
@@ -264,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             parts = {"frontend": _frontend_config(ns, file), "worker": _worker_config(ns, file),
                      "planner": resolve(PlannerConfig, ns, file=file)}  # fmt: skip
             cfg = resolve(RunConfig, ns, file=file, given=parts)
+            if "models" in file:  # several models: [[models]] tables (kvmesh.cli.models)
+                cfg = dataclasses.replace(cfg, models=_model_fleets(ns, file, cfg.workers))
             from kvmesh.cli.run import run_embedded
 
             return run_embedded(cfg, _log_level(ns, file))

@@ -242,3 +242,98 @@ def test_cli_bad_arms_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert status == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------- issue 32: cost, scaling, the day
+
+
+def _day_stream(seconds: float = 60.0, trough: float = 0.5, peak: float = 8.0):  # type: ignore[no-untyped-def]
+    from kvmesh.replay.synth import Day, day_trace
+
+    trace = load_trace_rows(day_trace(Day(seconds, trough, peak, 2_000, 60), seed=4))
+    return list(arrivals(trace, TokenSynth(OPTIONS.vocab_size)))
+
+
+def _hand_profile():  # type: ignore[no-untyped-def]
+    from kvmesh.planner.profile import CapacityPoint, CapacityProfile
+
+    pts = tuple(CapacityPoint(i, o, 4.0, 8.0, 2.0) for i in (1000, 4000) for o in (30, 120))
+    return CapacityProfile(5000.0, 100.0, 0.99, pts)
+
+
+@pytest.mark.timeout(120)
+def test_fixed_arms_hold_their_workers_for_the_makespan() -> None:
+    stream = _day_stream(20.0, 2.0, 4.0)
+    for arm in ("aggregated", "disagg:1p1d"):
+        run = _run(arm, stream, workers=2)
+        first = min(r.arrival_ms for r in run.records)
+        last = max(r.finish_ms for r in run.records if r.finish_ms is not None)
+        assert run.worker_seconds == pytest.approx(2 * (last - first) / 1000.0)
+
+
+@pytest.mark.timeout(120)
+def test_planner_scales_an_aggregated_fleet_with_a_day_and_counts_its_worker_seconds() -> None:
+    from kvmesh.planner.core import PlannerConfig
+
+    stream = _day_stream(60.0, 0.5, 5.0)  # 1 worker at the trough, 3 at the peak (2 req/s each, headroom 0.85)
+    cfg = PlannerConfig(slo_ttft_ms=5000.0, slo_itl_ms=100.0, profile=_hand_profile(), hold_rounds=2, cooldown_s=4.0)
+    settings = PlannerSettings(interval_s=1.0, window_s=5.0, config=cfg, min_workers=1, start_s=2.0)
+    run = _run("planner:aggregated", stream, workers=4, planner=settings)
+    assert run.counters["starts"] >= 2 and run.counters["stops"] >= 2, run.decisions
+    assert all(r.finish_reason == "length" for r in run.records)  # a stopped worker drained: nothing lost
+    first = min(r.arrival_ms for r in run.records)
+    last = max(r.finish_ms for r in run.records if r.finish_ms is not None)
+    makespan = (last - first) / 1000.0
+    assert makespan < run.worker_seconds < 3 * makespan  # it scaled down between the peaks: not 4 the whole time
+    sizes = [row[3] for row in run.timeline]
+    assert max(sizes) >= 3 and sizes[0] == 1 and sizes[-1] <= 2
+    assert any(row[5] > 0 for row in run.timeline)  # the forecast, per tick
+    assert any("forecast_rps=" in d and " start -> aggregated" in d for d in run.decisions)
+
+
+def test_arms_json_reports_worker_seconds_and_goodput_per_worker_hour(tmp_path: Path) -> None:
+    from kvmesh.replay.goodput import COST_JSON_FIELDS
+
+    records = [_record("a", 0.0, [100.0, 110.0]), _record("b", 1000.0, [1100.0, 1110.0])]
+    res = summarize_arm("planner", records, Slo(), arrival_window_s([0.0, 1000.0]), {"starts": 2, "stops": 1}, (), {},
+                        worker_seconds=1800.0)  # fmt: skip
+    d = res.to_json()
+    assert set(COST_JSON_FIELDS) <= set(d)
+    assert d["worker_seconds"] == 1800.0 and d["goodput_per_worker_hour"] == pytest.approx(4.0)  # 2 good in 0.5 h
+    assert (d["starts"], d["stops"]) == (2, 1)
+
+
+def test_cli_planner_arm_takes_min_workers_and_a_capacity_profile(tmp_path: Path) -> None:
+    from kvmesh.planner.profile import dump_profile
+
+    profile = tmp_path / "p.json"
+    dump_profile(_hand_profile(), profile)
+    out = tmp_path / "arms.json"
+    status = replay_main([
+        str(_trace(tmp_path)), "--workers", "3", "--block-size", "64", "--num-blocks", "4096", "--no-progress",
+        "--arms", "aggregated,planner:aggregated", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "100",
+        "--min-workers", "1", "--capacity-profile", str(profile), "--planner-start", "1", "--json", str(out),
+    ])  # fmt: skip
+    assert status == 0
+    fixed, planner = json.loads(out.read_text())
+    assert fixed["worker_seconds"] > planner["worker_seconds"] > 0
+    assert planner["planner_timeline"] and fixed["planner_timeline"] == []
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert replay_main([str(_trace(tmp_path)), "--arms", "planner", "--capacity-profile", str(bad)]) == 2
+    assert replay_main([str(_trace(tmp_path)), "--arms", "planner", "--workers", "2", "--min-workers", "3"]) == 2
+
+
+def test_day_trace_rises_tenfold_to_its_middle_and_falls_back() -> None:
+    from kvmesh.replay.synth import Day, day_rate, day_trace
+
+    day = Day(200.0, 1.0, 10.0)
+    assert day_rate(day, 0.0) == pytest.approx(1.0) and day_rate(day, 100.0) == pytest.approx(10.0)
+    rows = day_trace(day, seed=5)
+    assert rows == day_trace(day, seed=5)
+    ts = [int(r["timestamp"]) / 1000.0 for r in rows]  # type: ignore[call-overload]
+    edges = sum(1 for t in ts if t < 20 or t >= 180)
+    middle = sum(1 for t in ts if 80 <= t < 120)
+    assert middle > 4 * edges / 2  # 40 s at ~9.6/s against 40 s at ~1.2/s
+    assert abs(len(rows) - 1100) < 150  # the integral of the curve: 200 s x 5.5/s
+    assert all(0.75 * 4000 <= int(r["input_length"]) <= 1.25 * 4000 for r in rows)  # type: ignore[call-overload]

@@ -62,6 +62,10 @@ def run_replay(ns: argparse.Namespace) -> int:
         config = _config(ns)
     except ValueError as exc:
         return fail(str(exc), 2)
+    if config.profile_capacity:
+        from kvmesh.cli.replay_arms import run_profile
+
+        return run_profile(ns.trace, config)
     if config.arms:
         from kvmesh.cli.replay_arms import run_arms
 

@@ -24,14 +24,17 @@ if TYPE_CHECKING:
 
     _Setup = tuple[ReplayConfig, DisaggModel, PlannerSettings, Slo]
 
-__all__ = ["run_arms"]
+__all__ = ["run_arms", "run_profile"]
 
 
 def run_arms(trace_path: str, base: ReplayConfig) -> int:
     """``base``: the replay's config (arms, workers, speed, SLOs, planner, mocker options)
     from ``kvmesh replay``'s flags."""
     from kvmesh.replay.arms import parse_arms
+    from kvmesh.replay.tier_arms import is_tier_arms
 
+    if is_tier_arms(base.arms):
+        return _run_tier_arms(trace_path, base)
     try:
         setup = _setup(base)
         arms = parse_arms(base.arms, base.workers)
@@ -59,10 +62,66 @@ def run_arms(trace_path: str, base: ReplayConfig) -> int:
     return _output(base, results, setup[3], f"{len(trace)} requests, {base.workers} workers")
 
 
+def _run_tier_arms(trace_path: str, base: ReplayConfig) -> int:
+    """``--arms g1,g1+g2,g1+g2+g3``: KV tiers (:mod:`kvmesh.replay.tier_arms`)."""
+    from kvmesh.replay.arms import default_router
+    from kvmesh.replay.goodput import Slo
+    from kvmesh.replay.runner import fit_context
+    from kvmesh.replay.tier_arms import format_tier_arms, parse_tier_arms, run_tier_arm
+    from kvmesh.replay.trace import TokenSynth, arrivals
+
+    try:
+        arms, slo = parse_tier_arms(base.arms, base.mocker), Slo(base.slo_ttft_ms, base.slo_tpot_ms)
+    except ValueError as exc:
+        return fail(str(exc), 2)
+    trace = read_trace(trace_path, base)
+    if isinstance(trace, int):
+        return trace
+    options = fit_context(base.mocker, trace)
+    print(f"replaying {len(trace)} requests on {base.workers} mocker workers of {options.num_blocks} blocks, virtual clock")
+    results = []
+    for arm in arms:
+        stream = arrivals(trace, TokenSynth(options.vocab_size), base.speed)
+        router = default_router(base.router, options, base.seed)
+        results.append(run_tier_arm(arm, stream, options, base.workers, router, slo))
+    print(format_tier_arms(results))
+    status = write_json(base.json, results)
+    return 0 if status is None else status
+
+
+def run_profile(trace_path: str, base: ReplayConfig) -> int:
+    """``--profile-capacity OUT.json``: measure the workers' capacity profile for the
+    trace's mixes (:mod:`kvmesh.replay.capacity`) and write it."""
+    from kvmesh.planner.profile import dump_profile
+    from kvmesh.replay.capacity import measure_profile, trace_mixes
+
+    assert base.profile_capacity is not None
+    try:
+        _, model, _, slo = _setup(base)
+    except ValueError as exc:
+        return fail(str(exc), 2)
+    trace = read_trace(trace_path, base)
+    if isinstance(trace, int):
+        return trace
+    inputs, outputs = trace_mixes(trace)
+    print(f"measuring one worker's capacity at the SLOs for prompts {inputs} x outputs {outputs} tokens (virtual clock)")
+    try:
+        profile = measure_profile(inputs, outputs, base.mocker, slo, model, router=base.router, seed=base.seed, progress=print)
+    except ValueError as exc:
+        return fail(str(exc), 2)
+    try:
+        dump_profile(profile, base.profile_capacity)
+    except OSError as exc:
+        return fail(f"cannot write {base.profile_capacity}: {exc.strerror or exc}", 1)
+    print(f"capacity profile written to {base.profile_capacity}")
+    return 0
+
+
 def _setup(c: ReplayConfig) -> _Setup:
     """The arms' models from the config (its KV transfer: the mocker's --kv-bytes-per-token
     and --kv-bandwidth; the planner's SLOs: the goodput's, as the live planner's are the frontend's)."""
     from kvmesh.planner.core import PlannerConfig
+    from kvmesh.planner.profile import load_profile
     from kvmesh.protocol import DisaggThresholds
     from kvmesh.replay.arms import DisaggModel, PlannerSettings
     from kvmesh.replay.goodput import Slo
@@ -70,10 +129,15 @@ def _setup(c: ReplayConfig) -> _Setup:
     thresholds = DisaggThresholds(c.max_local_prefill_length, c.max_prefill_queue_size, c.max_prefill_queue_tokens)
     model = DisaggModel(thresholds, pipeline=not c.no_pipeline)
     slo = Slo(c.slo_ttft_ms, c.slo_tpot_ms)
+    profile = load_profile(c.capacity_profile) if c.capacity_profile else None
     planner_cfg = PlannerConfig(
-        slo_ttft_ms=slo.ttft_ms, slo_itl_ms=slo.itl_ms, hold_rounds=c.planner_hold_rounds, cooldown_s=c.planner_cooldown_s
+        slo_ttft_ms=slo.ttft_ms, slo_itl_ms=slo.itl_ms, hold_rounds=c.planner_hold_rounds, cooldown_s=c.planner_cooldown_s,
+        profile=profile,
     )
-    planner = PlannerSettings(c.planner_interval_s, c.planner_window_s, planner_cfg)
+    lowest = c.min_workers if c.min_workers is not None else 1
+    if lowest > c.workers:
+        raise ValueError(f"--min-workers ({lowest}) must be at most --workers ({c.workers}, the planner's maximum)")
+    planner = PlannerSettings(c.planner_interval_s, c.planner_window_s, planner_cfg, lowest, c.planner_start_s)
     return c, model, planner, slo
 
 
@@ -88,7 +152,9 @@ def _one(arm: Arm, trace: Sequence[TraceRequest], setup: _Setup) -> ArmResult:
     stream = arrivals(trace, TokenSynth(options.vocab_size), config.speed)
     run = run_arm(arm, stream, options, config.workers, default_router(config.router, options, config.seed), model, planner)
     window = arrival_window_s([r.arrival_ms for r in run.records])
-    return summarize_arm(arm.name, run.records, slo, window, run.counters, run.decisions, run.resources)
+    return summarize_arm(
+        arm.name, run.records, slo, window, run.counters, run.decisions, run.resources, run.worker_seconds, run.timeline
+    )
 
 
 def _output(c: ReplayConfig, results: Sequence[ArmResult], slo: Slo, title: str) -> int:

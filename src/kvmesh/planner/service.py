@@ -172,6 +172,10 @@ class PlannerService:
             "itl_p90_ms": obs.itl_p90_ms, "degradation_level": obs.degradation_level,
             "request_rate_rps": obs.request_rate_rps, "starting": len(obs.starting),
         }  # fmt: skip
+        if plan.forecast is not None:  # with a capacity profile: what the targets were sized for
+            signals.update(forecast_rps=plan.forecast.rate_rps, forecast_input_tokens=plan.forecast.input_tokens,
+                           forecast_output_tokens=plan.forecast.output_tokens)  # fmt: skip
+            signals.update({f"target_{role.value}": n for role, n in plan.targets.items()})
         for name, value in signals.items():
             m.inputs.labels(name).set(value)
         # the fleet as this plan leaves it: a promoted spare counts in its new role

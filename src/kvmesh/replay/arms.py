@@ -24,14 +24,21 @@ takes one job at a time, FIFO:
   which computes its last prompt token in its next pass (as on the real clock).
 
 **Planner** (``planner`` or ``planner:<P>p<D>d`` for its starting split, default half
-and half): the same disaggregated fleet, with :class:`~kvmesh.planner.core.Planner`
+and half, P + D at most ``--workers``; ``planner:aggregated`` / ``planner:<N>agg``: an
+aggregated fleet starting with 1 / N workers): the same fleet, with :class:`~kvmesh.planner.core.Planner`
 (pure) fed an :class:`~kvmesh.planner.core.Observation` every ``interval_s`` of virtual
 time: each worker's role, KV use and queue; the prefill queue's tokens; the p90 of the
 TTFTs and of the mean ITLs seen in the last ``window_s``. A MOVE takes the worker out of
 routing (decode → prefill) or out of pulling (prefill → decode); it changes role once
 its in-flight work is done (no hand-off: a drain at the worker's own pace, which can
 only make the planner slower than the real one). Every decision is logged with its
-inputs. The total worker count is fixed (``min_workers = max_workers = workers``).
+inputs. The fleet scales between ``PlannerSettings.min_workers`` and ``--workers``: a
+START provisions a worker that serves ``start_s`` later (a fresh mocker: empty cache); a
+STOP takes it out of routing (or pulling), and it is released once its work is done.
+``worker_seconds`` counts every worker from its start order to its release (a fixed
+arm: ``--workers`` × the makespan), over the makespan (first arrival → last finish).
+With a capacity profile the planner sizes from its forecast (:mod:`kvmesh.planner.core`);
+each tick's fleet, observed rate and forecast go to ``ArmRun.timeline`` for the plot.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from dataclasses import dataclass, field, replace
 
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, WorkerUsage
-from kvmesh.planner.core import Action, Observation, Planner, PlannerConfig, Role, WorkerView
+from kvmesh.planner.core import Action, ActionKind, Observation, Planner, PlannerConfig, Role, WorkerView
 from kvmesh.protocol import DisaggThresholds, KvEvent, LoadReport, PreprocessedRequest
 from kvmesh.replay.policies import KvPolicy, ReplayPolicy, make_policy
 from kvmesh.replay.report import percentile
@@ -56,16 +63,19 @@ from kvmesh.runtime.events import CallbackPublisher
 __all__ = ["Arm", "ArmRun", "DisaggModel", "PlannerSettings", "parse_arms", "run_arm"]
 
 _SPLIT = re.compile(r"^(\d+)p(\d+)d$")
+_AGG = re.compile(r"^(\d+)agg$")
 
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    """``prefill`` / ``decode``: the split (the planner's starting one); 0/0 when aggregated."""
+    """``prefill`` / ``decode``: the split (the planner's starting one); 0/0 when aggregated
+    (``aggregated``: an aggregated planner's starting workers)."""
 
     name: str
     prefill: int = 0
     decode: int = 0
     planner: bool = False
+    aggregated: int = 0
 
 
 def parse_arms(text: str, workers: int) -> tuple[Arm, ...]:
@@ -86,17 +96,25 @@ def _arm(name: str, workers: int) -> Arm:
         _check_split(name, p, workers - p, workers)
         return Arm(name, p, workers - p, planner=True)
     kind, _, split = name.partition(":")
-    m = _SPLIT.match(split)
+    m, agg = _SPLIT.match(split), _AGG.match(split)
+    if kind == "planner" and (split == "aggregated" or agg is not None):
+        n = int(agg.group(1)) if agg is not None else 1
+        if not 1 <= n <= workers:
+            raise ValueError(f"arm {name}: starts with 1 to --workers {workers} aggregated workers")
+        return Arm(name, planner=True, aggregated=n)
     if kind not in ("disagg", "planner") or m is None:
-        raise ValueError(f"unknown arm {name!r} (aggregated, disagg:<P>p<D>d, planner or planner:<P>p<D>d)")
+        raise ValueError(
+            f"unknown arm {name!r} (aggregated, disagg:<P>p<D>d, planner, planner:<P>p<D>d, planner:aggregated, planner:<N>agg)"
+        )
     p, d = int(m.group(1)), int(m.group(2))
-    _check_split(name, p, d, workers)
+    _check_split(name, p, d, workers, at_most=kind == "planner")
     return Arm(name, p, d, planner=kind == "planner")
 
 
-def _check_split(name: str, p: int, d: int, workers: int) -> None:
-    if p < 1 or d < 1 or p + d != workers:
-        raise ValueError(f"arm {name}: needs at least 1 prefill and 1 decode worker, {p} + {d} = --workers {workers}")
+def _check_split(name: str, p: int, d: int, workers: int, at_most: bool = False) -> None:
+    if p < 1 or d < 1 or (p + d > workers if at_most else p + d != workers):
+        rule = "<=" if at_most else "="
+        raise ValueError(f"arm {name}: needs at least 1 prefill and 1 decode worker, {p} + {d} {rule} --workers {workers}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,15 +126,20 @@ class DisaggModel:
 @dataclass(frozen=True, slots=True)
 class PlannerSettings:
     """How often the planner looks (virtual seconds), over which window, with what config
-    (its worker bounds and SLOs are set by the replay)."""
+    (its SLOs are set by the replay; its maximum is the arm's workers, its minimum
+    ``min_workers``, None: a fixed fleet), and how long a started worker takes to serve."""
 
     interval_s: float = 1.0
     window_s: float = 10.0
     config: PlannerConfig = field(default_factory=PlannerConfig)
+    min_workers: int | None = None
+    start_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not (self.interval_s > 0 and self.window_s > 0):
             raise ValueError("the planner's interval and window must be positive")
+        if self.start_s < 0 or (self.min_workers is not None and self.min_workers < 1):
+            raise ValueError("the planner's start time must be >= 0 and --min-workers >= 1")
 
 
 @dataclass
@@ -128,6 +151,17 @@ class ArmRun:
     counters: dict[str, int]
     decisions: list[str]
     resources: dict[str, float] = field(default_factory=dict)
+    worker_seconds: float = 0.0
+    # per planner tick: (t_s, prefill, decode, aggregated workers serving, observed rps, forecast rps)
+    timeline: list[tuple[float, int, int, int, float, float]] = field(default_factory=list)
+
+
+def _span_ms(records: Sequence[RequestRecord]) -> tuple[float, float]:
+    """First arrival → last finish (the makespan worker-seconds are counted over)."""
+    ends = [r.finish_ms for r in records if r.finish_ms is not None]
+    if not records or not ends:
+        return 0.0, 0.0
+    return min(r.arrival_ms for r in records), max(ends)
 
 
 def _resources(
@@ -171,10 +205,13 @@ def run_arm(
     on_done: Callable[[], None] | None = None,
 ) -> ArmRun:
     """Replay ``arrivals`` under one arm; ``make_router(n)`` builds the router over n workers."""
-    if arm.prefill == 0:
+    if arm.prefill == 0 and not arm.planner:
         usage: list[WorkerUsage] = []
         records = simulate(arrivals, make_router(workers), fleet_options(options, workers), on_done, usage)
-        return ArmRun(records, {"local_prefills": len(records)}, [], _resources(records, usage, [], []))
+        t0, t1 = _span_ms(records)
+        run = ArmRun(records, {"local_prefills": len(records)}, [], _resources(records, usage, [], []))
+        run.worker_seconds = workers * (t1 - t0) / 1000.0
+        return run
     fleet = _DisaggFleet(arm, options, workers, make_router, model or DisaggModel(), planner, on_done)
     return fleet.run(arrivals)
 
@@ -203,6 +240,11 @@ class _Node:
     worker: VirtualWorker
     role: Role
     moving_to: Role | None = None
+    on: bool = True  # provisioned (starting, serving or draining to stop)
+    ready: bool = True  # a started worker serves once its start time has passed
+    stopping: bool = False  # out of routing / pulling, released once idle
+    up_ms: float = 0.0  # provisioned since
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (up, released) per provisioning
     computing: bool = False  # a prefill job in hand (compute; unpipelined: until written)
     link_free_ms: float = 0.0  # when its last KV write ends
     compute_ms: float = 0.0  # time spent computing prefill jobs
@@ -212,7 +254,15 @@ class _Node:
 
     @property
     def pulls(self) -> bool:
-        return self.role is Role.PREFILL and self.moving_to is None and not self.computing
+        return self.role is Role.PREFILL and self.moving_to is None and not self.computing and self.serving
+
+    @property
+    def serving(self) -> bool:
+        return self.on and self.ready and not self.stopping
+
+    @property
+    def idle(self) -> bool:
+        return not self.worker.busy and self.awaiting == 0 and not self.computing and self.writes == 0
 
 
 class _Router:
@@ -258,11 +308,14 @@ class _DisaggFleet:
         self.options = options
         self.model = model
         self.on_done = on_done
-        # the router's worker ids are node indices; decode workers first
-        self.router = _Router(make_router(workers), range(arm.decode))
+        # the router's worker ids are node indices; decode (or aggregated) workers first, then
+        # prefill ones, then those a planner may start
+        routed = arm.aggregated or arm.decode
+        self.router = _Router(make_router(workers), range(routed))
+        first = Role.AGGREGATED if arm.aggregated else Role.DECODE
         self.nodes = [
-            _Node(i, VirtualWorker(replace(options, worker_id=i), CallbackPublisher(self._kv_event, _drop_load)),
-                  Role.DECODE if i < arm.decode else Role.PREFILL)
+            _Node(i, self._worker(i), first if i < routed else Role.PREFILL if i < routed + arm.prefill else first,
+                  on=i < routed + arm.prefill)
             for i in range(workers)
         ]  # fmt: skip
         self.queue: deque[_Job] = deque()
@@ -271,21 +324,27 @@ class _DisaggFleet:
         self.events: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.counters = dict.fromkeys(
-            ("remote_prefills", "local_prefills", "local_by_queue", "queue_max", "kv_bytes", "moves"), 0
+            ("remote_prefills", "local_prefills", "local_by_queue", "queue_max", "kv_bytes", "moves", "starts", "stops"), 0
         )
         self.decisions: list[str] = []
         self.first_tokens: deque[tuple[float, float]] = deque()  # (time, TTFT)
         self.finishes: deque[tuple[float, float]] = deque()  # (time, mean ITL)
         self.arrived: deque[float] = deque()  # arrival times (the request rate)
+        self.round_arrivals = [0, 0, 0]  # since the last tick: requests, prompt tokens, max_tokens
+        self.timeline: list[tuple[float, int, int, int, float, float]] = []
         self._started: set[str] = set()
         self.now = 0.0
         self.planner: Planner | None = None
         self.planner_settings = planner
         if arm.planner:
             settings = planner or PlannerSettings()
-            cfg = replace(settings.config, min_workers=workers, max_workers=workers, hot_spares=0)
+            lowest = settings.min_workers if settings.min_workers is not None else routed + arm.prefill
+            cfg = replace(settings.config, min_workers=min(lowest, workers), max_workers=workers, hot_spares=0)
             self.planner = Planner(cfg)
             self.planner_settings = replace(settings, config=cfg)
+
+    def _worker(self, index: int) -> VirtualWorker:
+        return VirtualWorker(replace(self.options, worker_id=index), CallbackPublisher(self._kv_event, _drop_load))
 
     def _kv_event(self, event: KvEvent) -> None:
         self.router.policy.on_kv_event(event)
@@ -313,6 +372,9 @@ class _DisaggFleet:
                     self._tick(t)
                     assert self.planner_settings is not None
                     self._push(t + self.planner_settings.interval_s * 1000.0, "tick", None)
+                elif kind == "ready":
+                    assert isinstance(data, int)
+                    self._ready(t, data)
                 else:
                     assert isinstance(data, tuple)
                     self._prefill_event(t, kind, data)
@@ -327,7 +389,10 @@ class _DisaggFleet:
         serving = [n.worker.usage for n in self.nodes if n.worker.usage.passes]
         pulling = [n for n in self.nodes if n.compute_ms > 0]
         resources = _resources(records, serving, [n.compute_ms for n in pulling], [n.link_ms for n in pulling])
-        return ArmRun(records, self.counters, self.decisions, resources)
+        t0, t1 = _span_ms(records)
+        spans = [span for n in self.nodes for span in n.spans] + [(n.up_ms, math.inf) for n in self.nodes if n.on]
+        worker_s = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans) / 1000.0
+        return ArmRun(records, self.counters, self.decisions, resources, worker_s, self.timeline)
 
     def _busy(self) -> bool:
         return bool(self.queue) or any(
@@ -342,7 +407,12 @@ class _DisaggFleet:
     def _arrive(self, t: float, request: PreprocessedRequest) -> None:
         if self.planner is not None:
             self.arrived.append(t)
+            r = self.round_arrivals
+            r[0], r[1], r[2] = r[0] + 1, r[1] + len(request.token_ids), r[2] + (request.stop.max_tokens or 0)
         node = self.nodes[self.router.route(request, t)]
+        if node.role is Role.AGGREGATED:
+            self._local(node, request, t)
+            return
         sched = node.worker.scheduler
         seq = sched.reserve_request(request)
         if seq is None:  # no room to hold the blocks now: the scheduler queues it
@@ -449,28 +519,41 @@ class _DisaggFleet:
             self.arrived.popleft()
         views = []
         for n in self.nodes:
+            if not (n.on and n.ready):  # off, or starting (in ``starting``)
+                continue
             s = n.worker.scheduler
-            usage = s.blocks.active_blocks / self.options.num_blocks if n.role is Role.DECODE else 0.0
+            usage = s.blocks.active_blocks / self.options.num_blocks if n.role is not Role.PREFILL else 0.0
             waiting = s.num_waiting + (len(self.queue) if n.role is Role.PREFILL else 0)
-            views.append(WorkerView(n.index, n.role, n.moving_to is None, usage, s.num_running, waiting,
-                                    self.options.max_num_seqs))
+            views.append(WorkerView(n.index, n.role, n.moving_to is None and not n.stopping, usage, s.num_running,
+                                    waiting, self.options.max_num_seqs))  # fmt: skip
+        arrived, tokens_in, tokens_out = self.round_arrivals
         return Observation(
             now_s=t / 1000.0,
             workers=tuple(views),
-            starting=tuple(n.moving_to for n in self.nodes if n.moving_to is not None),
+            starting=tuple(n.moving_to for n in self.nodes if n.moving_to is not None)
+            + tuple(n.role for n in self.nodes if n.on and not n.ready),
             prefill_queue_tokens=self.queue_tokens,
             ttft_p90_ms=_p90([v for _, v in self.first_tokens]),
             itl_p90_ms=_p90([v for _, v in self.finishes]),
             request_rate_rps=len(self.arrived) / self.planner_settings.window_s,
+            interval_s=self.planner_settings.interval_s,
+            arrived=arrived,
+            arrived_input_tokens=tokens_in,
+            arrived_output_tokens=tokens_out,
         )
 
     def _tick(self, t: float) -> None:
         assert self.planner is not None
         obs = self._observe(t)
+        self.round_arrivals = [0, 0, 0]
         plan = self.planner.plan(obs)
         for action in plan.actions:
             self._log(t, action, obs)
-            self._act(action)
+            self._act(action, t)
+        serving = [n.role for n in self.nodes if n.serving]
+        forecast = plan.forecast.rate_rps if plan.forecast is not None else 0.0
+        self.timeline.append((t / 1000.0, serving.count(Role.PREFILL), serving.count(Role.DECODE),
+                              serving.count(Role.AGGREGATED), obs.arrived / obs.interval_s, forecast))  # fmt: skip
 
     def _log(self, t: float, a: Action, obs: Observation) -> None:
         inputs = {**a.inputs, "ttft_p90_ms": obs.ttft_p90_ms, "itl_p90_ms": obs.itl_p90_ms,
@@ -479,26 +562,56 @@ class _DisaggFleet:
         who = "" if a.worker_id is None else f" worker {a.worker_id}"
         self.decisions.append(f"t={t / 1000.0:.1f}s {a.kind.value}{who} -> {a.role.value}: {a.reason} ({shown})")
 
-    def _act(self, a: Action) -> None:
-        if a.kind.value != "move" or a.worker_id is None:
-            return  # a fixed fleet: nothing to start, stop or promote
-        node = self.nodes[a.worker_id]
-        if node.moving_to is not None or node.role is a.role:
+    def _act(self, a: Action, t: float) -> None:
+        if a.kind is ActionKind.START and a.role is not Role.SPARE:
+            self._start(a.role, t)
             return
-        node.moving_to = a.role
-        self.counters["moves"] += 1
-        if node.role is Role.DECODE:
+        if a.worker_id is None or a.kind not in (ActionKind.MOVE, ActionKind.STOP):
+            return  # no hot spares on the virtual clock: nothing to promote
+        node = self.nodes[a.worker_id]
+        if node.moving_to is not None or node.stopping or not node.on:
+            return
+        if a.kind is ActionKind.STOP:
+            node.stopping = True
+            self.counters["stops"] += 1
+        elif node.role is a.role:
+            return
+        else:
+            node.moving_to = a.role
+            self.counters["moves"] += 1
+        if node.role is not Role.PREFILL and node.index in self.router.decode:
             self.router.remove(node.index)  # no new requests; it drains what it has
+
+    def _start(self, role: Role, t: float) -> None:
+        node = next((n for n in self.nodes if not n.on), None)
+        if node is None:
+            return  # every worker is provisioned (one may still be draining to stop)
+        assert self.planner_settings is not None
+        node.worker, node.role, node.on, node.ready, node.up_ms = self._worker(node.index), role, True, False, t
+        self.counters["starts"] += 1
+        self._push(t + self.planner_settings.start_s * 1000.0, "ready", node.index)
+
+    def _ready(self, t: float, index: int) -> None:
+        node = self.nodes[index]
+        node.ready = True
+        if node.role is Role.PREFILL:
+            self._dispatch(t)
+        else:
+            self.router.add(index)
 
     def _settle_moves(self) -> None:
         for node in self.nodes:
+            if node.stopping and node.idle:
+                node.spans.append((node.up_ms, self.now))
+                node.on = node.stopping = False
+                continue
             if node.moving_to is None:
                 continue
             if node.role is Role.DECODE and not node.worker.busy and node.awaiting == 0:
                 node.role, node.moving_to = Role.PREFILL, None
                 self._dispatch(self.now)
             elif node.role is Role.PREFILL and not node.computing and node.writes == 0:
-                node.role, node.moving_to = Role.DECODE, None
+                node.role, node.moving_to = node.moving_to, None
                 self.router.add(node.index)
 
 

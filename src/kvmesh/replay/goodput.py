@@ -11,7 +11,10 @@ Definitions (the same as ``bench/disagg.py``, so the two can be compared):
   N gaps), the same for every arm of one trace slice; when every request arrives at
   once, the arm's own first arrival → last completion;
 * ``slo_met_fraction`` = requests meeting the SLOs ÷ requests sent;
-* TTFT and ITL percentiles are over completed requests (ITL: the per-request means).
+* TTFT and ITL percentiles are over completed requests (ITL: the per-request means);
+* ``worker_seconds``: the workers the arm held, integrated over its makespan (first
+  arrival → last finish; a planner's workers from their start order to their release),
+  and ``goodput_per_worker_hour`` = good requests ÷ worker-hours: the cost side.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from kvmesh.engines.mocker.sim import RequestRecord
 from kvmesh.replay.report import percentile
 
-__all__ = ["ARM_JSON_FIELDS", "ArmResult", "Slo", "arrival_window_s", "format_arms", "mean_itl_ms", "meets", "summarize_arm"]
+__all__ = ["ARM_JSON_FIELDS", "COST_JSON_FIELDS", "ArmResult", "Slo", "arrival_window_s", "format_arms", "mean_itl_ms", "meets", "summarize_arm"]
 
 ARM_JSON_FIELDS = (
     "arm",
@@ -42,6 +45,7 @@ ARM_JSON_FIELDS = (
     "queue_max",
     "kv_bytes",
 )
+COST_JSON_FIELDS = ("worker_seconds", "goodput_per_worker_hour", "starts", "stops", "moves")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +97,15 @@ class ArmResult:
     counters: dict[str, int] = field(default_factory=dict)
     decisions: list[str] = field(default_factory=list)
     resources: dict[str, float] = field(default_factory=dict)
+    worker_seconds: float = 0.0
     ttfts_ms: list[float] = field(default_factory=list, repr=False)
     itls_ms: list[float] = field(default_factory=list, repr=False)
+    # a planner arm's ticks: (t_s, prefill, decode, aggregated workers serving, observed rps, forecast rps)
+    timeline: list[tuple[float, int, int, int, float, float]] = field(default_factory=list, repr=False)
+
+    @property
+    def goodput_per_worker_hour(self) -> float:
+        return self.good / (self.worker_seconds / 3600.0) if self.worker_seconds > 0 else math.nan
 
     def to_json(self) -> dict[str, object]:
         d: dict[str, object] = {
@@ -111,7 +122,12 @@ class ArmResult:
         }
         for key in ARM_JSON_FIELDS[10:]:
             d[key] = self.counters.get(key, 0)
+        d["worker_seconds"] = self.worker_seconds
+        d["goodput_per_worker_hour"] = self.goodput_per_worker_hour
+        for key in COST_JSON_FIELDS[2:]:
+            d[key] = self.counters.get(key, 0)
         d["planner_decisions"] = list(self.decisions)
+        d["planner_timeline"] = [list(row) for row in self.timeline]
         d["resources"] = dict(self.resources)
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
 
@@ -124,6 +140,8 @@ def summarize_arm(
     counters: dict[str, int] | None = None,
     decisions: Sequence[str] = (),
     resources: dict[str, float] | None = None,
+    worker_seconds: float = 0.0,
+    timeline: Sequence[tuple[float, int, int, int, float, float]] = (),
 ) -> ArmResult:
     done = [r for r in records if r.finish_reason in ("stop", "length")]
     ttfts = sorted(r.ttft_ms for r in done if r.ttft_ms is not None)
@@ -144,8 +162,10 @@ def summarize_arm(
         counters=dict(counters or {}),
         decisions=list(decisions),
         resources=dict(resources or {}),
+        worker_seconds=worker_seconds,
         ttfts_ms=ttfts,
         itls_ms=itls,
+        timeline=list(timeline),
     )
 
 
@@ -157,14 +177,15 @@ def _makespan_s(done: Sequence[RequestRecord]) -> float:
 def format_arms(results: Sequence[ArmResult], slo: Slo) -> str:
     """A table, one row per arm, then each arm's goodput against the best aggregated one."""
     head = f"{'arm':<16}{'goodput':>10}{'SLO met':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
-    head += f"{'remote/local(full)':>20}"
+    head += f"{'remote/local(full)':>20}{'worker-s':>10}{'good/wkr-h':>11}"
     lines = [f"SLOs: TTFT <= {slo.ttft_ms:g} ms, mean ITL <= {slo.itl_ms:g} ms; goodput in requests/s", head]
     for r in results:
         c = r.counters
         split = f"{c.get('remote_prefills', 0)}/{c.get('local_prefills', 0)}({c.get('local_by_queue', 0)})"
         lines.append(
             f"{r.arm:<16}{r.goodput_rps:>10.3f}{r.slo_met_fraction:>9.1%}{_ms(r.ttft_p50_ms):>10}{_ms(r.ttft_p99_ms):>10}"
-            f"{_ms(r.itl_p50_ms, 1):>9}{_ms(r.itl_p99_ms, 1):>9}{split:>20}"
+            f"{_ms(r.itl_p50_ms, 1):>9}{_ms(r.itl_p99_ms, 1):>9}{split:>20}{r.worker_seconds:>10,.0f}"
+            f"{_ms(r.goodput_per_worker_hour):>11}"
         )
     lines.append("where the time went (per worker, fraction of the makespan; KV: pool use of serving workers)")
     lines.append(f"{'arm':<16}{'serve busy':>11}{'of it prefill':>14}{'prefill wkr':>12}{'KV link':>9}{'KV max':>8}{'KV mean':>8}{'batch max':>10}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvmesh.replay.goodput import ArmResult, Slo
 from kvmesh.replay.report import PolicyResult
@@ -52,14 +53,20 @@ def plot_ttft_cdf(results: Sequence[PolicyResult], path: str | Path, title: str 
 
 def plot_arms(results: Sequence[ArmResult], path: str | Path, slo: Slo, title: str = "") -> None:
     """Two panels, one curve per deployment arm: the CDF of TTFT and of the per-request
-    mean ITL, with the SLOs as vertical lines. Raises ``ImportError`` without matplotlib."""
+    mean ITL, with the SLOs as vertical lines; with a planner arm, a third: its workers
+    over time and the arrival rate it saw and forecast. Raises ``ImportError`` without
+    matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, (ax_ttft, ax_itl) = plt.subplots(1, 2, figsize=(12, 4.5))
+    planned = [r for r in results if r.timeline]
+    fig, axes = plt.subplots(1, 3 if planned else 2, figsize=(18 if planned else 12, 4.5))
+    ax_ttft, ax_itl = axes[0], axes[1]
     try:
+        if planned:
+            _plot_timeline(axes[2], planned)
         for r in results:
             label = f"{r.arm} ({r.goodput_rps:.2f} req/s good)"
             for ax, xs in ((ax_ttft, r.ttfts_ms), (ax_itl, r.itls_ms)):
@@ -78,3 +85,22 @@ def plot_arms(results: Sequence[ArmResult], path: str | Path, slo: Slo, title: s
         fig.savefig(path, dpi=120)
     finally:
         plt.close(fig)
+
+
+def _plot_timeline(ax: Any, results: Sequence[ArmResult]) -> None:
+    """Serving workers per planner arm (steps) and, on a second axis, the arrival rate
+    each round saw and the rate the planner forecast (when it had a capacity profile)."""
+    rates = ax.twinx()
+    for r in results:
+        t = [row[0] for row in r.timeline]
+        ax.step(t, [row[1] + row[2] + row[3] for row in r.timeline], where="post", label=f"{r.arm} workers")
+        rates.plot(t, [row[4] for row in r.timeline], alpha=0.3, linewidth=0.8, label=f"{r.arm} arrivals/s")
+        if any(row[5] > 0 for row in r.timeline):
+            rates.plot(t, [row[5] for row in r.timeline], linestyle="--", linewidth=1, label=f"{r.arm} forecast/s")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("serving workers")
+    rates.set_ylabel("requests/s")
+    ax.grid(True, alpha=0.3)
+    handles = ax.get_legend_handles_labels()
+    more = rates.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", fontsize=7)

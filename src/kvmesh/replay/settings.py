@@ -80,6 +80,15 @@ class ReplaySettings:
     planner_window_s: float = setting(10.0, "TTFT/ITL window the planner sees (virtual seconds)", check=positive, group=_ARMS)
     planner_hold_rounds: int = live(PlannerConfig, "planner_hold_rounds", group=_ARMS)
     planner_cooldown_s: float = live(PlannerConfig, "planner_cooldown_s", group=_ARMS)
+    capacity_profile: str | None = live(PlannerConfig, "capacity_profile", group=_ARMS)
+    # the planner arm's bounds: --workers its maximum (a fixed arm holds it), this its minimum (default 1)
+    min_workers: int | None = live(PlannerConfig, "min_workers", group=_ARMS)
+    planner_start_s: float = setting(10.0, "virtual seconds a worker the planner starts takes to serve",
+                                     check=non_negative, group=_ARMS)  # fmt: skip
+    profile_capacity: str | None = setting(
+        None, "measure the workers' capacity profile on the virtual clock (per prompt x output mix of the trace, "
+        "at the SLOs) and write it as JSON, instead of replaying", metavar="OUT.json", group=_ARMS,
+    )  # fmt: skip
     # output
     json: str | None = setting(None, "write the per-policy (per-arm) results as a JSON list", metavar="OUT", group=_OUT)
     plot: str | None = setting(

@@ -1,0 +1,188 @@
+"""Issue 32: the planner's load forecast (planner/forecast.py), the capacity profile and
+the sizing from it (planner/profile.py), and the core sizing to a forecast."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from kvmesh.planner.core import ActionKind, Observation, Planner, PlannerConfig, Role, WorkerView
+from kvmesh.planner.forecast import METHODS, Holt, Kalman, LastValue, LoadForecast, LoadForecaster, forecast_errors
+from kvmesh.planner.profile import CapacityPoint, CapacityProfile, dump_profile, load_profile, size_fleet
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---------------------------------------------------------------------------- forecasters
+
+
+@pytest.mark.parametrize("make", [Holt, Kalman])
+def test_a_ramp_is_forecast_ahead_not_behind(make: type) -> None:
+    f = make()
+    for k in range(30):
+        f.update(10.0 + 2.0 * k)  # the last value seen: 68; five rounds on: 78
+    assert abs(f.forecast(5) - 78.0) < 0.1 * 78.0
+    assert f.forecast(5) > f.forecast(1) > 68.0  # it extrapolates the trend
+    last = LastValue()
+    last.update(68.0)
+    assert abs(last.forecast(5) - 78.0) >= 0.1 * 78.0  # the baseline lags: the bound has teeth
+
+
+@pytest.mark.parametrize("method", ["holt", "kalman"])
+def test_a_daily_sine_is_forecast_within_a_bound_and_better_than_the_last_value(method: str) -> None:
+    day = [50.0 + 45.0 * math.sin(2 * math.pi * k / 100.0) for k in range(300)]  # arrivals per round, 10x
+    err = forecast_errors(day, method, steps=3)
+    assert err.wape < 0.08
+    assert err.wape < forecast_errors(day, "last", steps=3).wape
+
+
+def test_kalman_smooths_poisson_noise_better_than_the_last_value() -> None:
+    rng = random.Random(7)
+    series = []
+    for k in range(400):
+        lam = 20.0 + 15.0 * math.sin(2 * math.pi * k / 200.0)
+        n, t = 0, rng.expovariate(lam)  # a Poisson count in one unit of time
+        while t < 1.0:
+            n, t = n + 1, t + rng.expovariate(lam)
+        series.append(float(n))
+    assert forecast_errors(series, "kalman").wape < 0.85 * forecast_errors(series, "last").wape
+
+
+def test_forecasts_are_never_negative_and_bad_inputs_say_what_is_wrong() -> None:
+    for method in METHODS:
+        f = METHODS[method]()
+        assert f.forecast(1) == 0.0
+        for v in (10.0, 5.0, 1.0, 0.0):
+            f.update(v)
+        assert f.forecast(10) >= 0.0
+    with pytest.raises(ValueError, match="unknown forecast method 'arima'"):
+        LoadForecaster("arima")
+    with pytest.raises(ValueError, match="too short"):
+        forecast_errors([1.0, 2.0], "holt", steps=3)
+
+
+def test_load_forecaster_forecasts_the_peak_rate_and_keeps_the_mix_through_quiet_rounds() -> None:
+    f = LoadForecaster()
+    for k in range(20):
+        f.observe(10 + k, 1.0, (10 + k) * 4000, (10 + k) * 300)
+    for _ in range(2):
+        f.observe(0, 1.0, 0, 0)  # no arrivals: the rate falls, the mix stays
+    got = f.predict(3)
+    assert got.input_tokens == pytest.approx(4000, rel=0.01) and got.output_tokens == pytest.approx(300, rel=0.01)
+    rising = LoadForecaster()
+    for k in range(20):
+        rising.observe(10 + 2 * k, 1.0, 1000, 100)
+    assert rising.predict(5).rate_rps > rising.predict(1).rate_rps > 48.0
+
+
+# ---------------------------------------------------------------------------- the profile
+
+
+def _profile(prefill: float = 4.0) -> CapacityProfile:
+    points = tuple(
+        CapacityPoint(i, o, prefill * 1000 / i, 20.0 * 100 / o, prefill * 500 / i) for i in (1000, 8000) for o in (100, 800)
+    )
+    return CapacityProfile(2000.0, 35.0, 0.99, points)
+
+
+def test_profile_is_exact_on_its_grid_log_linear_between_and_extrapolated_beyond() -> None:
+    p = _profile()
+    assert p.at(8000, 100).prefill_rps == pytest.approx(0.5)
+    assert p.at(1000, 800).decode_rps == pytest.approx(2.5)
+    mid = p.at(math.sqrt(1000 * 8000), 100).prefill_rps  # halfway in log: the geometric mean
+    assert mid == pytest.approx(math.sqrt(4.0 * 0.5))
+    assert p.at(16_000, 100).prefill_rps == pytest.approx(0.25)  # a longer prompt than measured: less, not the edge's
+
+
+def test_profile_round_trips_as_json_and_a_bad_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    dump_profile(_profile(), path)
+    assert load_profile(path) == _profile()
+    doc = json.loads(path.read_text())
+    doc["points"] = doc["points"][:3]  # a hole in the grid
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="each input length with each output length"):
+        load_profile(path)
+    doc = json.loads(path.read_text())
+    doc["points"][0]["prefill_rps"] = -1.0
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="positive finite rates"):
+        load_profile(path)
+    path.write_bytes(b" " * (1 << 20) + b"{}")
+    with pytest.raises(ValueError, match="larger than"):
+        load_profile(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_size_fleet_divides_the_forecast_by_one_workers_capacity_with_headroom() -> None:
+    p = _profile()  # at 1000/100: prefill 4, decode 20, aggregated 2 requests/s per worker
+    s = size_fleet(p, LoadForecast(10.0, 1000, 100), headroom=1.0)
+    assert (s.prefill, s.decode, s.aggregated) == (3, 1, 5)
+    s = size_fleet(p, LoadForecast(10.0, 1000, 100), headroom=0.8)
+    assert (s.prefill, s.decode, s.aggregated) == (4, 1, 7)
+    assert size_fleet(p, LoadForecast(0.0, 0.0, 0.0)).aggregated == 1  # never below one
+
+
+# ---------------------------------------------------------------------------- the core with a profile
+
+
+def _obs(t: float, workers: dict[int, Role], rate: float, starting: tuple[Role, ...] = ()) -> Observation:
+    views = tuple(WorkerView(i, r, True) for i, r in workers.items())
+    n = round(rate)
+    return Observation(t, views, starting, interval_s=1.0, arrived=n, arrived_input_tokens=n * 1000,
+                       arrived_output_tokens=n * 100)  # fmt: skip
+
+
+def test_with_a_profile_the_planner_starts_what_the_forecast_needs_at_once_and_stops_after_hold_and_cooldown() -> None:
+    cfg = PlannerConfig(min_workers=1, max_workers=6, profile=_profile(), headroom=1.0, hold_rounds=3, cooldown_s=5.0)
+    planner = Planner(cfg)
+    fleet = {0: Role.AGGREGATED}
+    plan = planner.plan(_obs(0.0, fleet, 2.0))  # 2 req/s at 2 per worker: one is enough
+    assert plan.actions == () and plan.targets == {Role.AGGREGATED: 1}
+    starts = []
+    for k in range(1, 6):  # the load jumps to 8 req/s: four workers, started in the round it is seen
+        plan = planner.plan(_obs(float(k), fleet, 8.0, tuple(Role.AGGREGATED for _ in starts)))
+        starts += [a for a in plan.actions if a.kind is ActionKind.START]
+        if k == 1:
+            assert starts, plan
+    assert len(starts) >= 3 and all(a.role is Role.AGGREGATED for a in starts)
+    assert plan.forecast is not None and plan.forecast.rate_rps > 6.0
+    assert "forecast_rps" in starts[0].inputs and "target_aggregated" in starts[0].inputs
+    fleet = {i: Role.AGGREGATED for i in range(1 + len(starts))}
+    stops = []
+    for k in range(6, 60):  # the load falls to 1 req/s: one stop per hold, spaced by the cool-down
+        plan = planner.plan(_obs(float(k), fleet, 1.0))
+        for a in plan.actions:
+            assert a.kind is ActionKind.STOP and a.worker_id is not None
+            stops.append((k, a))
+            del fleet[a.worker_id]
+    assert len(fleet) == 1 and len(stops) == len(starts)
+    gaps = [b[0] - a[0] for a, b in zip(stops, stops[1:])]
+    assert all(g >= 5 for g in gaps)
+    assert stops[0][0] - 6 >= 2  # the target had to hold
+
+
+def test_with_a_profile_a_full_disaggregated_fleet_moves_workers_to_the_forecast_split() -> None:
+    cfg = PlannerConfig(min_workers=4, max_workers=4, profile=_profile(), headroom=1.0, hold_rounds=2, cooldown_s=0.0)
+    planner = Planner(cfg)
+    fleet = {0: Role.DECODE, 1: Role.DECODE, 2: Role.DECODE, 3: Role.PREFILL}
+    moves = []
+    for k in range(8):  # 10 req/s of 1000/100: prefill needs 3 (4/s each), decode 1 (20/s)
+        plan = planner.plan(_obs(float(k), fleet, 10.0))
+        for a in plan.actions:
+            assert a.kind is ActionKind.MOVE and a.worker_id is not None and a.role is Role.PREFILL
+            moves.append(a)
+            fleet[a.worker_id] = Role.PREFILL
+    assert plan.targets == {Role.PREFILL: 3, Role.DECODE: 1}
+    assert sorted(fleet.values(), key=lambda r: r.value) == [Role.DECODE, Role.PREFILL, Role.PREFILL, Role.PREFILL]
+    assert len(moves) == 2
+
+
+def test_without_a_profile_the_planner_makes_no_forecast() -> None:
+    plan = Planner(PlannerConfig()).plan(_obs(0.0, {0: Role.AGGREGATED}, 50.0))
+    assert plan.forecast is None and plan.targets == {}

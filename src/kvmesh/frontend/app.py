@@ -5,7 +5,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/resp
 (OpenAI Responses), ``POST /v1/messages`` (Anthropic Messages), ``GET /v1/models``,
 ``GET /health`` (200 once a worker serves a model), ``GET /live``, ``GET /metrics``,
 ``GET /openapi.json``; ``/admin/workers``, ``/admin/fault`` and ``/admin/usage`` (per-tenant
-usage) only with ``--admin``.
+usage) only with ``--admin``, as are vLLM's LoRA routes ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (admin key; a load reads a folder on the workers' hosts).
 Who may call which route: :mod:`kvmesh.frontend.auth`.
 
 The generation routes are served by :mod:`kvmesh.frontend.generate` (one owner per
@@ -21,12 +22,12 @@ import asyncio
 import contextlib
 import ipaddress
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from kvmesh.config import FrontendConfig
-from kvmesh.errors import InvalidArgument, KvmeshError, MethodNotAllowed, PermissionDenied, RouteNotFound
+from kvmesh.errors import InvalidArgument, KvmeshError, MethodNotAllowed, ModelNotFound, PermissionDenied, RouteNotFound
 from kvmesh.frontend.auth import Authenticator, presented
 from kvmesh.frontend.dialects.messages import MESSAGES, anthropic_error_response
 from kvmesh.frontend.dialects.responses import responses_dialect
@@ -40,7 +41,7 @@ from kvmesh.frontend.sse import DeltaSSE, KeepAlive
 from kvmesh.observability import worker_metrics
 from kvmesh.frontend.tenant_state import TenantGate
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics, export_tenant_usage
-from kvmesh.protocol import WorkerMetrics
+from kvmesh.protocol import MAX_ADAPTER_NAME, MAX_LORA_PATH, LoraCommand, LoraState, WorkerMetrics
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.names import FAULT, METRICS
@@ -89,6 +90,8 @@ class Frontend:
             routes["/admin/workers"] = {"GET": self._admin(self.list_workers)}
             routes["/admin/fault"] = {"POST": self._admin(self.set_fault)}
             routes["/admin/usage"] = {"GET": self._admin(self.usage)}
+            routes[LOAD_LORA] = {"POST": self._admin(self.load_lora)}
+            routes[UNLOAD_LORA] = {"POST": self._admin(self.unload_lora)}
         self._openapi = _json(openapi_document(routes))
         # observability: the live cluster page (behind any API key when keys are set, by
         # header or session cookie: the dashboard checks; not in the OpenAPI document)
@@ -119,6 +122,8 @@ class Frontend:
             index = self.auth.key_of(presented(request.headers))
             request.principal, request.tenant = self.auth.tier_at(index), self.auth.tenant_at(index)
         except KvmeshError as exc:
+            if request.path in _ADMIN_V1:  # the admin key, checked by the route (_admin)
+                return None
             return anthropic_error_response(exc) if request.path == "/v1/messages" else error_response(exc)
         request.checked = True
         return None
@@ -172,11 +177,55 @@ class Frontend:
 
     # ------------------------------------------------------------------ small routes
     async def list_models(self, request: Request) -> Response:
-        data = [
-            {"id": name, "object": "model", "created": e.created, "owned_by": "kvmesh"}
-            for name, e in sorted(self.registry.models.items())
+        """Every model, then every LoRA adapter with its base model as ``parent``."""
+        models = self.registry.models
+        data: list[dict[str, object]] = [
+            {"id": name, "object": "model", "created": e.created, "owned_by": "kvmesh"} for name, e in sorted(models.items())
+        ]
+        data += [
+            {"id": name, "object": "model", "created": models[base].created, "owned_by": "kvmesh", "parent": base}
+            for name, base in self.registry.adapters.listed()
         ]
         return Response(_json({"object": "list", "data": data}))
+
+    async def load_lora(self, request: Request) -> Response:
+        """vLLM's ``{"lora_name", "lora_path"}`` (+ ``model``: the base model, needed when
+        several are served; ``worker``: one worker's hex id, default all of the model's
+        workers that take adapters): loaded on each; the answer lists each worker's adapters."""
+        try:
+            body = _decode_load_lora(self._read_body(request))
+            adapters = self.registry.adapters
+            entry = adapters.base_of(body.model)
+            adapters.check_name(body.lora_name, entry)
+            workers = adapters.workers(entry, _worker_id(body.worker))
+            states = await adapters.command(entry, workers, LoraCommand("load", body.lora_name, body.lora_path))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return error_response(InvalidArgument(f'send {{"lora_name": "<name>", "lora_path": "<folder>"}}: {exc}'))
+        except KvmeshError as exc:
+            return error_response(exc)
+        adapters.parents[body.lora_name] = entry.name
+        return Response(_lora_answer(body.lora_name, entry.name, states))
+
+    async def unload_lora(self, request: Request) -> Response:
+        """vLLM's ``{"lora_name"}`` (+ ``worker``): unloaded from the base model's workers
+        (then no longer served), or from the one worker named."""
+        try:
+            body = _decode_unload_lora(self._read_body(request))
+            adapters = self.registry.adapters
+            base = adapters.parents.get(body.lora_name)
+            if base is None:
+                raise ModelNotFound(f"no adapter {body.lora_name!r} is loaded; see GET /v1/models")
+            entry, worker = self.registry.models[base], _worker_id(body.worker)
+            try:
+                states = await adapters.command(entry, adapters.workers(entry, worker), LoraCommand("unload", body.lora_name))
+            except ModelNotFound:  # no worker held it any more
+                states = {}
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return error_response(InvalidArgument(f'send {{"lora_name": "<name>"}}: {exc}'))
+        except KvmeshError as exc:
+            return error_response(exc)
+        adapters.forget(entry, body.lora_name, worker)
+        return Response(_lora_answer(body.lora_name, base, states))
 
     async def health(self, request: Request) -> Response:
         models = {name: len(e.instances) for name, e in self.registry.models.items()}
@@ -259,6 +308,37 @@ class Frontend:
 
     def _read_body(self, request: Request) -> bytes:
         return self.generation._read_body(request)
+
+
+LOAD_LORA, UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+_ADMIN_V1 = frozenset((LOAD_LORA, UNLOAD_LORA))  # /v1/ routes behind the admin key, not an API key
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADAPTER_NAME)]
+_Worker = Annotated[str, msgspec.Meta(min_length=1, max_length=16, pattern="^[0-9a-fA-F]+$")]
+
+
+class _LoadLora(msgspec.Struct, frozen=True):
+    lora_name: _Name
+    lora_path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_PATH)]
+    model: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    worker: _Worker | None = None
+
+
+class _UnloadLora(msgspec.Struct, frozen=True):
+    lora_name: _Name
+    worker: _Worker | None = None
+
+
+_decode_load_lora = msgspec.json.Decoder(_LoadLora).decode
+_decode_unload_lora = msgspec.json.Decoder(_UnloadLora).decode
+
+
+def _worker_id(text: str | None) -> int | None:
+    return None if text is None else int(text, 16)
+
+
+def _lora_answer(name: str, model: str, states: dict[int, LoraState]) -> bytes:
+    workers = {f"{w:x}": {"adapters": s.adapters, "load_ms": s.load_ms} for w, s in sorted(states.items())}
+    return _json({"lora_name": name, "model": model, "workers": workers})
 
 
 def _tenant_gate(auth: Authenticator, metrics: FrontendMetrics) -> TenantGate | None:

@@ -409,9 +409,10 @@ class Adapters:
         if entry.kv is not None:
             entry.kv.adapters.observe(worker_id, state.adapters)
 
-    def forget(self, entry: ModelEntry, name: str) -> None:
-        """``name`` unloaded from every worker of ``entry``: no longer served."""
-        if self.parents.get(name) == entry.name:
+    def forget(self, entry: ModelEntry, name: str, worker: int | None = None) -> None:
+        """``name`` unloaded from ``worker``, or from every worker of ``entry`` (then
+        no longer served)."""
+        if worker is None and self.parents.get(name) == entry.name:
             del self.parents[name]
         if entry.kv is not None:
-            entry.kv.adapters.forget(name)
+            entry.kv.adapters.forget(name, worker)

@@ -197,7 +197,7 @@ class RequestOwner:
 
     async def _run(self) -> AsyncGenerator[Delta, None]:
         request = self.request
-        yield Start(request.request_id, self.entry.name, int(time.time()), len(request.token_ids))
+        yield Start(request.request_id, request.adapter or self.entry.name, int(time.time()), len(request.token_ids))
         lost_end: OutputChunk | None = None  # a failure after every token: only the end is made up
         try:
             next_request: PreprocessedRequest | None = request

@@ -47,7 +47,9 @@ import msgspec
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
 from kvmesh.kv.events import KvEventView, PayloadTooLarge, decode_kv_view
 from kvmesh.kv.hashing import block_hashes as hash_blocks
+from kvmesh.kv.hashing import hash_salt
 from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
+from kvmesh.router.adapters import AdapterAffinity
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
 from kvmesh.router.fair import FairQueue
 from kvmesh.router.indexer import check_event_data
@@ -101,6 +103,7 @@ class KvRouterService:
         self.settings = settings
         self.index = index  # a ShardedKvIndex, or None: this core's own index
         self.core = KvRouterCore(settings)
+        self.adapters = AdapterAffinity()  # which worker holds which LoRA adapter (adapter requests only)
         self.subscription = subscription
         self.metrics = metrics
         self.admission = admission or AdmissionSettings()
@@ -151,6 +154,7 @@ class KvRouterService:
             )
         self.workers[instance.worker_id] = instance
         self.core.add_worker(instance.worker_id)
+        self.adapters.add_worker(instance.worker_id, instance.info.engine.max_adapters)
         if self.index is not None:
             self.index.add_worker(instance)
             self._admit_waiting()
@@ -167,6 +171,7 @@ class KvRouterService:
         if instance is None:
             return
         self.core.remove_worker(worker_id)
+        self.adapters.remove_worker(worker_id)
         if self.index is not None:
             self.index.remove_worker(worker_id)
         self._last_applied.pop(worker_id, None)
@@ -374,9 +379,14 @@ class KvRouterService:
             allowed = set(candidates)
             weights = {w: (health.get(w, 1.0) if health else 1.0) if w in allowed else 0.0 for w in self.workers}
         start, cpu = time.perf_counter(), time.thread_time()
-        hashes = matches = None
+        hashes = matches = salt = holders = None
+        adapter = request.adapter
+        if adapter is not None or request.cache_salt is not None:  # (never for plain requests)
+            salt = hash_salt(adapter, request.cache_salt)
+            if adapter is not None:
+                holders, weights = self._adapter_candidates(adapter, weights)
         if self.index is not None:
-            hashes = hash_blocks(request.token_ids, self.settings.block_size)
+            hashes = hash_blocks(request.token_ids, self.settings.block_size, salt)
             matches = self.index.find_matches(hashes)
         decision = self.core.route(
             request.request_id,
@@ -387,7 +397,11 @@ class KvRouterService:
             temperature=hints.router_temperature if hints is not None else None,
             block_hashes=hashes,
             matches=matches,
+            salt=salt,
+            holders=holders,
         )
+        if adapter is not None:
+            self.adapters.routed(decision.worker_id, adapter)
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - start  # (the observations are not timed)
         self.metrics.decision_cpu_seconds.observe(cpu)
         self.metrics.decision_seconds.observe(wall)
@@ -395,6 +409,18 @@ class KvRouterService:
             cached = decision.overlap_blocks * self.settings.block_size
             self.metrics.overlap.observe(min(1.0, cached / len(request.token_ids)))
         return decision
+
+    def _adapter_candidates(
+        self, adapter: str, weights: dict[int, float] | None
+    ) -> tuple[set[int], dict[int, float] | None]:
+        """The workers holding ``adapter``, and the weights with the workers that cannot
+        load it (they do not know its folder) left out, unless none can."""
+        knows = self.adapters.knows(adapter)
+        unable = [w for w in self.workers if w not in knows]
+        if unable and len(unable) < len(self.workers):
+            weights = dict(weights) if weights is not None else {w: 1.0 for w in self.workers}
+            weights.update(dict.fromkeys(unable, 0.0))
+        return self.adapters.holders(adapter), weights
 
     def first_token(self, request_id: str) -> None:
         self.core.first_token(request_id, time.monotonic())

@@ -101,10 +101,13 @@ def test_affinity_follows_the_workers_lru() -> None:
     assert a.held(1) == ["x", "z"] and a.holders("y") == set()
     a.routed(2, "x")  # a worker that takes no adapters holds none
     assert a.holders("x") == {1} and not a.capable(2) and a.capable(1)
+    assert a.knows("y") == {1}  # unloaded by LRU, its folder still known: worker 1 can load it again
     a.observe(1, ["q", "r", "s"])  # the worker's own list wins, bounded by its capacity
     assert a.held(1) == ["r", "s"]
     a.forget("s")
-    assert a.holders("s") == set()
+    assert a.holders("s") == set() and a.knows("s") == set()  # an admin unload forgets the folder too
+    a.forget("x", worker_id=1)
+    assert a.knows("x") == set() and a.knows("y") == {1}
     a.remove_worker(1)
     assert a.holders("r") == set()
     a.observe(1, ["r"])  # a removed worker is not brought back by a late answer

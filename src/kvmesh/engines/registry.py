@@ -48,6 +48,8 @@ class EngineSpec:
     context_length: int
     worker_id: int = 0
     block_size: int = 16
+    loras: tuple[str, ...] = ()  # --lora NAME=PATH
+    max_loras: int | None = None  # None: the engine's default
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,11 @@ class MockerSettings(EngineSettings):
     kv_bandwidth: float = setting(
         10e9, "modelled KV-transfer link, bytes/s", env="KVMESH_MOCKER_KV_BANDWIDTH", check=positive, group=_MOCKER
     )
+    lora_load_ms: float = setting(
+        50.0, "modelled time to load a LoRA adapter (÷ speedup; the router's own estimate is --lora-load-ms)",
+        flag="--mocker-lora-load-ms", env="KVMESH_MOCKER_LORA_LOAD_MS",
+        check=non_negative, group=_MOCKER,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)
@@ -186,6 +191,10 @@ class HfSettings(EngineSettings):
     enforce_eager: bool = setting(
         False, "GPU: no CUDA graphs (decode passes are captured per batch size at start otherwise)",
         flag="--enforce-eager", env="KVMESH_HF_ENFORCE_EAGER", group=_HF,
+    )  # fmt: skip
+    max_lora_rank: int = setting(
+        16, "the highest LoRA rank an adapter may have (sizes the adapter slots' weights)", flag="--max-lora-rank",
+        env="KVMESH_HF_MAX_LORA_RANK", check=positive, group=_HF,
     )  # fmt: skip
 
     def __post_init__(self) -> None:

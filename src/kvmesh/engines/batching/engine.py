@@ -16,6 +16,11 @@ the loop idles). KV introspection reads the scheduler's block manager.
 A subclass provides the scheduler (:meth:`_core`), how a request is queued
 (:meth:`_admit`), its mailbox type (:meth:`_new_box`) and the loop (:meth:`_loop`),
 which pays one :meth:`_idle` call per pass when there is nothing to do.
+
+LoRA adapters (:class:`~kvmesh.engines.base.LoraAdapters`): an engine that sets
+``self.adapters`` (an :class:`~kvmesh.engines.batching.adapters.AdapterHost`) serves
+them; ``generate`` makes a request's adapter resident before admitting it (only
+requests that name one pay anything), and load reports list the resident ones.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 from kvmesh.engines.base import BatchTuning, Engine, KvEventSource, LoadReporting
+from kvmesh.engines.batching.adapters import AdapterHost
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.batching.scheduler import Finished
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
-from kvmesh.errors import EngineShutdown, ResourceExhausted
-from kvmesh.protocol import KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
+from kvmesh.errors import EngineShutdown, InvalidArgument, ResourceExhausted
+from kvmesh.protocol import KvDump, KvEvent, LoadReport, LoraState, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
 
@@ -58,6 +64,7 @@ class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_load: tuple[int, int, int] | None = None
+        self.adapters: AdapterHost | None = None  # LoRA: set by an engine that serves adapters
 
     # ------------------------------------------------------------------ what a subclass provides
 
@@ -134,7 +141,38 @@ class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[
         return self._started_core().blocks.ring.since(event_id)
 
     def load_report(self) -> LoadReport:
-        return self._started_core().load_report(time.time() * 1000.0)
+        report = self._started_core().load_report(time.time() * 1000.0)
+        if self.adapters is not None:
+            report.adapters = self.adapters.table.resident
+        return report
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def _lora(self) -> AdapterHost:
+        if self.adapters is None:
+            raise InvalidArgument(f"the {self.engine_name} engine serves no LoRA adapters (--max-loras 0)")
+        return self.adapters
+
+    def lora_state(self) -> LoraState:
+        return self._lora().state()
+
+    async def lora_load(self, name: str, path: str | None) -> LoraState:
+        return await self._lora().load(name, path)
+
+    def lora_unload(self, name: str) -> LoraState:
+        return self._lora().unload(name)
+
+    def _adapters_in_use(self) -> set[str]:
+        """The adapters of every live sequence (streams and KV reservations)."""
+        core = self._core()
+        if core is None:
+            return set()
+        live = [core.get(sid) for sid in self._boxes] + core.reservations()
+        return {s.adapter for s in live if s is not None and s.adapter is not None}
+
+    def _adapters_changed(self) -> None:
+        self._last_load = None  # publish: the report lists the resident adapters
+        self._publish_load()
 
     def set_batch_multiplier(self, multiplier: float) -> None:
         self._started_core().set_batch_multiplier(multiplier)
@@ -153,6 +191,8 @@ class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[
             raise EngineShutdown(f"{self.engine_name} engine is not running")
         if request.guided is not None:
             await self._prepare_guided(request)
+        if request.adapter is not None:  # resident before admission, in this same run of the loop
+            await self._lora().prepare(request)
         sid = self._admit(request)
         box = self._boxes[sid] = self._new_box(sid)
         self._sids[request.request_id] = sid

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.config import WorkerConfig
-from kvmesh.settings import non_negative, positive, require
+from kvmesh.engines.lora import parse_lora_flags
+from kvmesh.protocol import MAX_ADAPTERS
+from kvmesh.settings import non_negative, positive, require, within
 
 __all__ = ["BatchingOptions", "check_positive_ints"]
 
@@ -30,6 +32,9 @@ class BatchingOptions:
     long_prefill_token_threshold: int = 0
     max_long_partial_prefills: int = 1
     max_num_partial_prefills: int = 0  # 0: no cap on the prefills of one pass
+    # LoRA adapters (issue 30): NAME=PATH loaded at start, and how many may be resident
+    loras: tuple[str, ...] = WorkerConfig.lora
+    max_loras: int = WorkerConfig.max_loras
 
     def __post_init__(self) -> None:
         check_positive_ints(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "event_ring_capacity")
@@ -38,6 +43,9 @@ class BatchingOptions:
         require("long_prefill_token_threshold", self.long_prefill_token_threshold, non_negative)
         require("max_num_partial_prefills", self.max_num_partial_prefills, non_negative)
         require("max_long_partial_prefills", self.max_long_partial_prefills, positive)
+        require("max_loras", self.max_loras, within(0, MAX_ADAPTERS))
+        if parse_lora_flags(self.loras) and self.max_loras == 0:
+            raise ValueError("--lora needs --max-loras above 0")
 
 
 def check_positive_ints(options: object, *names: str) -> None:

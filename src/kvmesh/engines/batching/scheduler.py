@@ -274,7 +274,7 @@ class Scheduler(Generic[S]):
         self._seqs[seq.id] = seq
         if self._caching:
             seq.local_hashes = local_block_hashes(seq.tokens, self.limits.block_size)
-            seq.seq_hashes = chain_hashes(seq.local_hashes)
+            seq.seq_hashes = chain_hashes(seq.local_hashes, seq.salt)  # salted: adapter, namespace
 
     def add(self, seq: S) -> int:
         """Queue a new sequence (FCFS within its tier); returns its id."""
@@ -681,7 +681,7 @@ class Scheduler(Generic[S]):
         if self._caching and length % bs == 0:
             local = local_block_hashes(tokens[-bs:], bs)[0]
             seq.local_hashes.append(local)
-            seq.seq_hashes.append(chain_one(seq.seq_hashes[-1] if seq.seq_hashes else None, local))
+            seq.seq_hashes.append(chain_one(seq.seq_hashes[-1] if seq.seq_hashes else seq.salt, local))
         if token in seq.stop_ids and output >= seq.min_tokens:
             return "stop"
         if output >= seq.max_tokens or length >= self.limits.context_length:

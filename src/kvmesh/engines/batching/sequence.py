@@ -25,12 +25,15 @@ class Seq:
     """One request as the scheduler sees it. ``tokens`` = prompt + output; the first
     ``num_computed`` have KV in the pool. ``prefill_upto`` set: a remote prefill that
     computes that many tokens and samples nothing. Engines subclass it for their own
-    per-request state (sampling parameters, the mocker's token oracle key)."""
+    per-request state (sampling parameters, the mocker's token oracle key). ``salt``: the
+    parent its block hash chain starts from (:func:`kvmesh.kv.hashing.hash_salt` of its
+    LoRA adapter and cache namespace; None: the base model's shared namespace); ``adapter``
+    the adapter's name."""
 
     __slots__ = (
         "id", "request_id", "tokens", "prompt_len", "max_tokens", "min_tokens", "ignore_eos",
         "eos_ids", "stop_ids", "rank", "local_hashes", "seq_hashes", "num_computed",
-        "cached_tokens", "state", "admitted", "prefill_upto",
+        "cached_tokens", "state", "admitted", "prefill_upto", "salt", "adapter",
     )  # fmt: skip
 
     def __init__(
@@ -45,6 +48,8 @@ class Seq:
         stop_ids: frozenset[int] = frozenset(),
         rank: int = 1,
         prefill_upto: int | None = None,
+        salt: int | None = None,
+        adapter: str | None = None,
     ) -> None:
         self.id = -1  # assigned by the scheduler
         self.request_id = request_id
@@ -63,6 +68,8 @@ class Seq:
         self.state = State.WAITING
         self.admitted = -1
         self.prefill_upto = prefill_upto
+        self.salt = salt
+        self.adapter = adapter  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def num_output(self) -> int:

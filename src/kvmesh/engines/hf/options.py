@@ -51,6 +51,7 @@ class HfOptions(BatchingOptions):
     gpu_memory_fraction: float = HfSettings.gpu_memory_fraction
     random_weights: str = HfSettings.random_weights
     enforce_eager: bool = HfSettings.enforce_eager
+    max_lora_rank: int = HfSettings.max_lora_rank  # LoRA slots are sized for this rank (engines/hf/lora.py)
 
     def __post_init__(self) -> None:
         BatchingOptions.__post_init__(self)  # no zero-argument super() in a slots dataclass
@@ -60,3 +61,4 @@ class HfOptions(BatchingOptions):
         if self.num_blocks is not None:
             require("num_blocks", self.num_blocks, positive)
         require("threads", self.threads, non_negative)
+        require("max_lora_rank", self.max_lora_rank, positive)

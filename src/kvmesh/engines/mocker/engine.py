@@ -41,7 +41,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvmesh.engines.base import KvBlockAccess
+from kvmesh.engines.batching.adapters import AdapterHost
 from kvmesh.engines.batching.engine import StepLoopEngine
+from kvmesh.engines.lora import AdapterFiles, parse_lora_flags
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
 from kvmesh.engines.mocker.faults import FaultInjector, FaultSpec
@@ -109,6 +111,22 @@ class _LogprobMailbox(_Mailbox):
         self.push(token)
 
 
+class _ModelledLoads:
+    """The mocker's adapter loads: a checked PEFT folder and ``--lora-load-ms`` of waiting."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def check(self, files: AdapterFiles) -> None:
+        """The mocker has no weights to check the adapter against."""
+
+    async def install(self, slot: int, files: AdapterFiles) -> None:
+        await asyncio.sleep(self.seconds)
+
+    def clear(self, slot: int) -> None:
+        """Nothing is held per slot."""
+
+
 class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAccess):
     """A simulated vLLM-style engine; see the module docstring."""
 
@@ -131,6 +149,10 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAcc
         self.set_fault(self.options.fault)
         # set by _admit for the _new_box that follows it: (stream key, next position, top n)
         self._scored: tuple[int, int, int] | None = None
+        if self.options.max_loras > 0:  # LoRA adapters: modelled load time and capacity
+            known = parse_lora_flags(self.options.loras)
+            loader = _ModelledLoads(self.options.lora_load_ms / 1000.0 / self.options.speedup)
+            self.adapters = AdapterHost(self.options.max_loras, known, loader, self._adapters_in_use, self._adapters_changed)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -138,11 +160,15 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAcc
         if self._task is None:
             self._scheduler.reset()
             self._start_loop()
+            if self.adapters is not None:
+                await self.adapters.open()
         return self.config
 
     @property
     def config(self) -> EngineConfig:
-        return self._scheduler.limits.engine_config(self.options.model, self.options.served_name)
+        config = self._scheduler.limits.engine_config(self.options.model, self.options.served_name)
+        config.max_adapters = self.options.max_loras
+        return config
 
     async def cleanup(self) -> None:
         if await self._stop_loop():

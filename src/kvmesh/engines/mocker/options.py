@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.engines.batching.options import BatchingOptions, check_positive_ints
 from kvmesh.engines.mocker.fault_spec import FaultSpec
 from kvmesh.engines.settings import MockerSettings, options_from
-from kvmesh.settings import positive, require, within
+from kvmesh.settings import non_negative, positive, require, within
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -68,6 +68,7 @@ class MockerOptions(BatchingOptions):
     # kv_bandwidth seconds, divided by speedup.
     kv_bytes_per_token: int = MockerSettings.kv_bytes_per_token
     kv_bandwidth: float = MockerSettings.kv_bandwidth
+    lora_load_ms: float = MockerSettings.lora_load_ms  # a LoRA adapter's modelled load time
     load_report_interval_steps: int = 1
     fault: FaultSpec = FaultSpec()
 
@@ -75,6 +76,7 @@ class MockerOptions(BatchingOptions):
         BatchingOptions.__post_init__(self)  # no zero-argument super() in a slots dataclass
         check_positive_ints(self, "num_blocks", "vocab_size", "context_length", "load_report_interval_steps", "kv_bytes_per_token")
         require("kv_bandwidth", self.kv_bandwidth, positive)
+        require("lora_load_ms", self.lora_load_ms, non_negative)
         if not self.model:
             raise ValueError("model must be a non-empty string")
         require("speedup", self.speedup, positive)

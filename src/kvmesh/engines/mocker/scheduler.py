@@ -46,6 +46,7 @@ from kvmesh.engines.mocker.tokens import (
     token_at,
 )
 from kvmesh.engines.mocker.guided import guided_token
+from kvmesh.kv.hashing import hash_salt
 from kvmesh.preprocess.guided import Guide, GuidedTokenizer
 from kvmesh.protocol import PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher
@@ -90,6 +91,8 @@ class MockSeq(Seq):
             stop_ids=frozenset(stop.stop_token_ids),
             rank=priority_rank(request.routing.priority if request.routing else None),
             prefill_upto=prefill_upto,
+            salt=hash_salt(request.adapter, request.cache_salt),  # issue 30: no block shared across adapters
+            adapter=request.adapter,
         )
         origin = request.original_prompt_len
         self.origin_len = self.prompt_len if origin is None else min(origin, self.prompt_len)

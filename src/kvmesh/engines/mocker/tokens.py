@@ -61,17 +61,22 @@ TOP_LOGPROB_MAX = -0.05
 
 def request_key(request: PreprocessedRequest) -> int:
     """The stream key: the request's seed if set, else a hash of its (original) prompt,
-    so a request re-issued after a migration continues the same stream."""
+    so a request re-issued after a migration continues the same stream; mixed with the
+    LoRA adapter's name when the request names one."""
     seed = request.sampling.seed
     if seed is not None:
-        return seed & _MASK64
-    prompt = request.token_ids
-    if request.original_prompt_len is not None:
-        prompt = prompt[: request.original_prompt_len]
-    arr = array("I", prompt)
-    if sys.byteorder == "big":  # pragma: no cover
-        arr.byteswap()
-    return _xxh3(arr.tobytes(), TOKEN_SEED)
+        key = seed & _MASK64
+    else:
+        prompt = request.token_ids
+        if request.original_prompt_len is not None:
+            prompt = prompt[: request.original_prompt_len]
+        arr = array("I", prompt)
+        if sys.byteorder == "big":  # pragma: no cover
+            arr.byteswap()
+        key = _xxh3(arr.tobytes(), TOKEN_SEED)
+    if request.adapter is not None:  # a LoRA adapter is another model: another stream
+        key = _xxh3(_PAIR(key, _xxh3(request.adapter.encode(), TOKEN_SEED)), TOKEN_SEED)
+    return key
 
 
 def position_hash(key: int, position: int) -> int:

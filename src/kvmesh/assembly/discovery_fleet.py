@@ -1,11 +1,16 @@
-"""The planner's fleet in ``kvmesh planner`` (distributed): it acts through signed
-orders in discovery (see :mod:`kvmesh.planner.orders` for the keys, the orders and the
-standby workers).
+"""The planner's fleet in ``kvmesh planner`` (distributed): it observes through
+discovery and acts through its actuators (:mod:`kvmesh.planner.actuators`): signed
+orders to standby workers (see :mod:`kvmesh.planner.orders` for the keys, the orders
+and the standby workers), and with ``--worker-flags`` local ``kvmesh worker``
+processes it starts and stops itself.
 
 :class:`DiscoveryFleet` observes the instances (serving: ``backend``; prefill:
 ``prefill``), the standby workers and their load reports; a standby is vetted by a
 greedy canary whose answer must agree with a serving worker's (tokens and top
-log-probability). It cannot start processes: ``start`` promotes a vetted standby.
+log-probability). A start promotes a vetted standby when there is one, else starts a
+process (when an actuator can); a stop goes to the actuator that owns the worker; a
+move starts a worker in the new role and stops the old one once a new worker of that
+role is registered.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Literal
+from collections.abc import Sequence
 
 import msgspec
 
@@ -22,7 +27,8 @@ from kvmesh.errors import KvmeshError
 from kvmesh.health.canary import CanaryOutput, agree
 from kvmesh.health.monitor import generate_greedy
 from kvmesh.planner.core import Observation, Role, WorkerView, worker_view
-from kvmesh.planner.orders import Order, order_key, planner_prefix, sign_order
+from kvmesh.planner.actuators import Actuator, StandbyActuator
+from kvmesh.planner.orders import planner_prefix
 from kvmesh.planner.service import PlannerService
 from kvmesh.protocol import InstanceInfo, LoadReport
 from kvmesh.runtime.auth import ClusterSecret
@@ -45,24 +51,39 @@ class DiscoveryFleet:
     """The planner's fleet through discovery (see the module docstring)."""
 
     def __init__(
-        self, runtime: DistributedRuntime, min_serving: int = 1, clock: Callable[[], float] = time.monotonic
+        self,
+        runtime: DistributedRuntime,
+        min_serving: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        actuators: Sequence[Actuator] = (),
     ) -> None:
         self.runtime = runtime
         self.ns = runtime.config.namespace
         self.min_serving = min_serving
         self.clock = clock
         self.vetted: dict[int, bool] = {}  # standby -> its canary agreed with a serving worker
-        self.promoting: dict[int, Role] = {}  # standby ordered to serve, not registered yet
-        self.moves: dict[int, int] = {}  # promoted standby -> the worker it takes over from
+        self.standbys = StandbyActuator(runtime, self._ready_standbys)
+        # start: the first that can (a warm standby first); stop: the first that owns the
+        # worker (the process actuators first: a signed stop order is the fallback)
+        self.actuators: tuple[Actuator, ...] = (self.standbys, *actuators)
+        self._stoppers: tuple[Actuator, ...] = (*actuators, self.standbys)
+        self.moves: list[tuple[Role, int]] = []  # (new role, the worker to stop once a new one serves in it)
         self.loads: dict[int, LoadReport | None] = {}
         self._poller: asyncio.Task[None] | None = None
         self._serving: dict[int, tuple[Role, InstanceInfo]] = {}
         self._standby: dict[int, InstanceInfo] = {}
 
+    @property
+    def promoting(self) -> dict[int, Role]:
+        """Standbys ordered to serve, not registered yet."""
+        return self.standbys.promoting
+
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
+        for actuator in self.actuators:
+            await actuator.close()
 
     async def watch_losses(self, service: PlannerService) -> None:
         """Wake the planner when a serving instance's record goes (a lost worker)."""
@@ -72,7 +93,16 @@ class DiscoveryFleet:
                 service.wake()
 
     async def settled(self) -> None:
-        """Wait until ``min_serving`` serving workers are registered (the plan's sizes)."""
+        """Wait until ``min_serving`` serving workers are registered (the plan's sizes);
+        an actuator that starts processes starts the missing ones first."""
+        await self._scan()
+        present = self._serving.keys() | self._standby.keys()
+        on_the_way = sum(len(a.starting(present)) for a in self.actuators)
+        for _ in range(self.min_serving - len(self._serving) - on_the_way):
+            try:
+                await self.start(Role.AGGREGATED)
+            except KvmeshError:
+                break  # standbys only: wait for workers started elsewhere
         while True:
             await self._scan()
             if len(self._serving) >= self.min_serving:
@@ -87,48 +117,40 @@ class DiscoveryFleet:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
         views = [self._view(w, role) for w, (role, _) in sorted(self._serving.items())]
         views += [WorkerView(w, Role.SPARE, self.vetted.get(w, False)) for w in sorted(self._standby) if w not in self.promoting]
-        starting = tuple(self.promoting.values())
+        present = self._serving.keys() | self._standby.keys()
+        starting = tuple(role for a in self.actuators for role in a.starting(present))
         return Observation(self.clock(), tuple(views), starting)
 
     async def promote(self, worker_id: int, role: Role) -> None:
-        """Order a vetted standby of ``role``'s kind to serve: ``worker_id`` if it fits
-        (a prefill standby for the prefill role, another for the rest), else another."""
-        fits = self._ready_standbys(role)
-        if not fits:
-            raise KvmeshError(f"no vetted {role.value} standby to promote")
-        chosen = worker_id if worker_id in fits else fits[0]
-        await self._order(chosen, "serve", f"promoted to {role.value}")
-        self.promoting[chosen] = role
+        """Order a vetted standby of ``role``'s kind to serve (see StandbyActuator.promote)."""
+        await self.standbys.promote(worker_id, role)
 
     async def start(self, role: Role) -> None:
-        """The planner cannot start processes here: a start promotes a ready standby."""
-        if role is Role.SPARE or not self._ready_standbys(role):
-            raise KvmeshError(f"no standby to start a {role.value} worker from: start `kvmesh worker --standby` processes")
-        await self.promote(self._ready_standbys(role)[0], role)
+        """A ready standby promoted, else a process started (an actuator that can)."""
+        actuator = next((a for a in self.actuators if a.can_start(role)), None)
+        if actuator is None:
+            hint = "start `kvmesh worker --standby` processes, or give kvmesh planner --worker-flags"
+            raise KvmeshError(f"no standby to start a {role.value} worker from: {hint}")
+        await actuator.start(role)
 
     async def stop(self, worker_id: int) -> None:
-        await self._order(worker_id, "stop", "planner: scale down")
+        actuator = next(a for a in self._stoppers if a.owns(worker_id))
+        await actuator.stop(worker_id)
 
     async def move(self, worker_id: int, role: Role) -> None:
-        """A worker's role is fixed by its flags here: a standby of the new role is
-        promoted, and ``worker_id`` is ordered to drain once that one is registered."""
+        """Drain + start: a worker in ``role`` is started (a standby promoted, or a
+        process), and ``worker_id`` is stopped once a new worker serves in that role."""
         await self.start(role)
-        self.moves[next(w for w, r in self.promoting.items() if r is role)] = worker_id
+        self.moves.append((role, worker_id))
 
     def _ready_standbys(self, role: Role) -> list[int]:
         component = PREFILL_COMPONENT if role is Role.PREFILL else COMPONENT
         return [
             w for w, info in sorted(self._standby.items())
-            if self.vetted.get(w) and w not in self.promoting and (info.component or COMPONENT) == component
+            if self.vetted.get(w) and (info.component or COMPONENT) == component
         ]  # fmt: skip
 
     # ------------------------------------------------------------ steps
-    async def _order(self, worker_id: int, action: Literal["serve", "stop"], reason: str) -> None:
-        rt = self.runtime
-        key = order_key(self.ns, worker_id)
-        order = sign_order(rt.secret, key, Order(worker_id, action, time.time_ns(), reason))
-        await rt.put_leased(key, _encode(order))
-
     async def _scan(self) -> None:
         """Serving instances and standby workers with a valid record."""
         secret = self.runtime.secret
@@ -145,14 +167,23 @@ class DiscoveryFleet:
             info = self._valid(secret, key, value)
             if info is not None and info.worker_id not in serving:
                 standby[info.worker_id] = info
-        for w in [w for w in self.promoting if w in serving or w not in standby]:
-            del self.promoting[w]  # registered (or gone)
-            old = self.moves.pop(w, None)
-            if old is not None and w in serving:  # the move's new worker serves: the old one drains
-                await self._order(old, "stop", f"moved to worker {w:x}")
+        self.standbys.seen(serving, standby)
+        await self._end_moves([(r, w) for w, (r, _) in serving.items() if w not in self._serving])
         self._serving, self._standby = serving, standby
         for w in [w for w in self.vetted if w not in standby]:
             del self.vetted[w]
+
+    async def _end_moves(self, newcomers: list[tuple[Role, int]]) -> None:
+        """A move ends when a new worker serves in its role: the old one drains."""
+        for role, new in newcomers:
+            old = next((m for m in self.moves if m[0] is role), None)
+            if old is not None:
+                self.moves.remove(old)
+                log.warning("planner: worker %x serves as %s: stopping worker %x (moved)", new, role.value, old[1])
+                try:
+                    await self.stop(old[1])
+                except KvmeshError as exc:
+                    log.warning("planner: worker %x not stopped: %s", old[1], exc.message)
 
     @staticmethod
     def _valid(secret: ClusterSecret | None, key: str, value: bytes) -> InstanceInfo | None:

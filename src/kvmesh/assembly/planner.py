@@ -4,6 +4,7 @@ over a distributed fleet through discovery (``kvmesh planner``)."""
 from __future__ import annotations
 
 import asyncio
+import shlex
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -15,15 +16,22 @@ from kvmesh.config import PlannerConfig as PlannerSettings
 from kvmesh.config import RunConfig, RuntimeConfig
 from kvmesh.observability.metrics import PlannerMetrics, count_discovery_refusals
 from kvmesh.observability.metrics_server import MetricsServer, serve_registry
+from kvmesh.errors import KvmeshError
+from kvmesh.planner.actuators import Actuator, ProcessActuator
 from kvmesh.planner.core import Planner, PlannerConfig, Role
 from kvmesh.planner.service import PlannerService
 from kvmesh.runtime import auth
 from kvmesh.runtime.distributed import DistributedRuntime
+from kvmesh.settings import settings_of
+from kvmesh.worker.registration import READY_PREFIX
 
 if TYPE_CHECKING:
     from kvmesh.frontend.app import Frontend
 
-__all__ = ["planner_config", "planned_roles", "embedded_fleet", "plan_embedded", "plan_distributed"]
+__all__ = [
+    "planner_config", "planned_roles", "embedded_fleet", "plan_embedded", "plan_distributed", "runtime_env",
+    "process_actuators",
+]  # fmt: skip
 
 
 def planner_config(cfg: RunConfig) -> PlannerConfig:
@@ -99,11 +107,13 @@ async def plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfig
     if settings.planner_metrics_port is not None:  # on this loop, loopback by default, token asked with a secret
         host, port = settings.planner_metrics_host, settings.planner_metrics_port
         metrics_server, _ = await serve_registry(metrics.registry, host, port, auth.process_secret())
-    fleet = DiscoveryFleet(runtime, min_serving=min_workers)
+    fleet = DiscoveryFleet(runtime, min_serving=min_workers, actuators=process_actuators(settings, runtime_cfg, config))
     service = PlannerService(Planner(config), fleet, settings.planner_interval_s, metrics)
     watch = loop.create_task(fleet.watch_losses(service))
     service.start()
-    print(f"kvmesh planner: planning namespace {runtime_cfg.namespace!r} ({settings.hot_spares} hot spares)", flush=True)
+    starts = "starting local workers" if settings.worker_flags else "promoting standbys"
+    print(f"kvmesh planner: planning namespace {runtime_cfg.namespace!r} ({settings.hot_spares} hot spares,"
+          f" {config.min_workers}..{config.max_workers} workers, {starts})", flush=True)  # fmt: skip
     try:
         await stop.wait()
     finally:
@@ -115,3 +125,26 @@ async def plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfig
             await metrics_server.close()
         await runtime.shutdown()
     return 0
+
+
+def process_actuators(settings: PlannerSettings, runtime_cfg: RuntimeConfig, config: PlannerConfig) -> tuple[Actuator, ...]:
+    """With ``--worker-flags``: the actuator that starts and stops local ``kvmesh worker``
+    processes (with those flags, in this planner's runtime), at most ``max_workers``."""
+    if not settings.worker_flags:
+        return ()
+    try:
+        flags = shlex.split(settings.worker_flags)
+    except ValueError as exc:
+        raise KvmeshError(f"--worker-flags does not split like a shell line: {exc}") from exc
+    return (ProcessActuator(flags, runtime_env(runtime_cfg), READY_PREFIX, max_processes=config.max_workers),)
+
+
+def runtime_env(cfg: RuntimeConfig) -> dict[str, str]:
+    """``cfg`` as the environment variables of its settings (a started worker joins the
+    same fleet: namespace, discovery, planes, host, lease)."""
+    env = {}
+    for f, meta in settings_of(RuntimeConfig):
+        value = getattr(cfg, f.name)
+        if meta.env and value not in ("", None):
+            env[meta.env] = ",".join(value) if isinstance(value, tuple) else str(value)
+    return env

@@ -39,7 +39,7 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
 from kvmesh.preprocess.stop import StopMatcher
 from kvmesh.preprocess.template import ChatTemplate
-from kvmesh.preprocess.tokenizer import IncrementalDetokenizer, Tokenizer, encode_chat
+from kvmesh.preprocess.tokenizer import Detokenizer, Tokenizer, encode_chat
 
 __all__ = ["Preprocessor", "OFFLOAD_CHARS", "LONG_CHARS", "SizedPool", "preprocess_pool"]
 
@@ -219,8 +219,8 @@ class Preprocessor:
         size = len(prompt) if isinstance(prompt, str) else 0
         return await _run(functools.partial(self.text_prompt, prompt, parse_special), size)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        return self.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens)
 
     def stop_matcher(self, stop: str | Iterable[str] | None, include_stop: bool = False) -> StopMatcher:
         """A matcher for an OpenAI ``stop`` field (a string, a list, or null)."""

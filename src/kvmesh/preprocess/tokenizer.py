@@ -7,12 +7,16 @@
   (``parse_special=False``), so a user cannot spoof a role or end a turn;
   :func:`encode_chat` keeps the chat template's own markers as control tokens while
   the user's text in it (messages' content, template arguments) is plain text.
-* :class:`IncrementalDetokenizer` is built once per request (one stream of generated
-  ids) and is not shared: it holds the ids whose text is not yet complete.
+* A :class:`Detokenizer` is built once per request (one stream of generated ids) and
+  is not shared: it holds the ids whose text is not yet complete. For a byte-level BPE
+  tokenizer (GPT-2, Llama 3, Qwen: decoder ``ByteLevel`` alone) it is a
+  :class:`ByteLevelDetokenizer` (a cached text per id, UTF-8 read incrementally; issue
+  36), else an :class:`IncrementalDetokenizer` (``DecodeStream``).
 """
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +28,7 @@ from tokenizers.decoders import DecodeStream
 
 from kvmesh.errors import InvalidArgument
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizers_file", "encode_chat"]
+__all__ = ["Tokenizer", "Detokenizer", "IncrementalDetokenizer", "ByteLevelDetokenizer", "load_tokenizers_file", "encode_chat"]
 
 # Inputs longer than this (in characters) go through ``encode_batch_fast``: it skips
 # offset tracking (~30% faster) and releases the GIL, so a caller may tokenize a long
@@ -60,7 +64,7 @@ class Tokenizer:
 
     __slots__ = (
         "_tok", "_encode", "_encode_long", "_decode", "vocab_size", "specials", "_plain", "max_token_chars", "_splits",
-        "_framing",
+        "_framing", "_bytes",
     )  # fmt: skip
 
     def __init__(self, tok: tokenizers.Tokenizer) -> None:
@@ -81,6 +85,7 @@ class Tokenizer:
         self.max_token_chars: int = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1) or 1
         self._splits = _cuts_are_exact(tok)
         self._framing = _post_processor_framing(tok)
+        self._bytes: _BytePieces | None | bool = False  # False: not looked at yet (on the first detokenizer)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -144,11 +149,151 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        """One stream's detokenizer: byte-level tokenizers get the table-driven one."""
+        pieces = self._bytes
+        if pieces is False:
+            pieces = self._bytes = _BytePieces.of(self._tok)
+        if isinstance(pieces, _BytePieces):
+            return ByteLevelDetokenizer(pieces, skip_special_tokens)
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
 
-class IncrementalDetokenizer:
+class Detokenizer:
+    """Turns one request's stream of generated ids into text, a piece at a time:
+    ``step(ids)`` for each chunk of ids, then ``flush()`` once at the end. The
+    concatenation of everything returned equals ``tokenizer.decode(all_ids,
+    skip_special_tokens)``; a UTF-8 character split across tokens is held back until
+    its last byte arrives, and ``flush`` releases what is still held (an unfinished
+    character becomes U+FFFD) and starts over."""
+
+    __slots__ = ()
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def flush(self) -> str:
+        raise NotImplementedError
+
+
+# GPT-2's byte-level alphabet: byte b is written as the character _BYTE_CHARS[b]
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_BYTE_CHARS = {b: chr(b) if b in _PRINTABLE else "" for b in range(256)}
+for _n, _b in enumerate(b for b in range(256) if b not in _PRINTABLE):
+    _BYTE_CHARS[_b] = chr(256 + _n)
+_TO_LATIN1 = {ord(c): b for b, c in _BYTE_CHARS.items()}  # str.translate: alphabet → chr(byte)
+_ALPHABET = {ord(c): None for c in _BYTE_CHARS.values()}  # str.translate: drops the alphabet
+_UTF8 = codecs.getincrementaldecoder("utf-8")
+_PROBE = 512  # ids checked against tokenizers' own decode before the table is trusted
+
+
+class _BytePieces:
+    """Each token id's bytes and (when they are whole UTF-8) text, for a tokenizer whose
+    decoder is ``ByteLevel`` alone: there, decoding ids is joining their bytes (a
+    token's characters mapped back through the byte-level alphabet; one with a
+    character outside it: its UTF-8) and reading them as UTF-8, invalid bytes as U+FFFD
+    (``tokenizers``' ``from_utf8_lossy``, which Python's ``"replace"`` matches). Texts
+    are cached per id as ids are seen (at most the vocabulary; thread-safe enough: a
+    race computes an entry twice)."""
+
+    __slots__ = ("_tok", "_size", "_special", "texts")
+
+    def __init__(self, tok: tokenizers.Tokenizer) -> None:
+        self._tok = tok
+        self._size = tok.get_vocab_size(with_added_tokens=True)
+        self._special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        self.texts: tuple[dict[int, str | None], dict[int, str | None]] = ({}, {})  # by skip_special_tokens
+
+    @classmethod
+    def of(cls, tok: tokenizers.Tokenizer) -> _BytePieces | None:
+        """The table for ``tok``, or None when its decoder is not ``ByteLevel`` alone or
+        a probe of ids (the added tokens, the first and a spread of the rest) decodes
+        otherwise than ``tokenizers`` does."""
+        if type(tok.decoder) is not tokenizers.decoders.ByteLevel:
+            return None
+        pieces = cls(tok)
+        size = pieces._size
+        probe = sorted({*tok.get_added_tokens_decoder(), *range(min(size, _PROBE)), *range(0, size, max(1, size // _PROBE))})
+        for skip in (False, True):
+            want = tok.decode_batch([[i] for i in probe], skip_special_tokens=skip)
+            if [pieces.piece(i, skip).decode("utf-8", "replace") for i in probe] != want:
+                return None
+        return pieces
+
+    def piece(self, token_id: int, skip: bool) -> bytes:
+        """The bytes of ``token_id`` (b"": a skipped special token, an id outside the
+        vocabulary, which ``tokenizers`` ignores too)."""
+        if not 0 <= token_id < self._size or (skip and token_id in self._special):
+            return b""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token.translate(_ALPHABET):  # a character outside the alphabet (an added token's text)
+            return token.encode()
+        return token.translate(_TO_LATIN1).encode("latin-1")
+
+    def text(self, token_id: int, skip: bool) -> str | None:
+        """The text of ``token_id`` alone, None when its bytes are not whole UTF-8."""
+        try:
+            text: str | None = self.piece(token_id, skip).decode()
+        except UnicodeDecodeError:
+            text = None
+        self.texts[skip][token_id] = text
+        return text
+
+
+class ByteLevelDetokenizer(Detokenizer):
+    """A :class:`Detokenizer` over a byte-level tokenizer's :class:`_BytePieces`: a token
+    whose bytes are whole UTF-8 (most) is a dictionary lookup while nothing is held;
+    otherwise the bytes go through an incremental UTF-8 decoder, which holds a
+    character's first bytes until the rest arrive."""
+
+    __slots__ = ("_pieces", "_skip", "_texts", "_utf8", "_held")
+
+    def __init__(self, pieces: _BytePieces, skip_special_tokens: bool = True) -> None:
+        self._pieces = pieces
+        self._skip = skip_special_tokens
+        self._texts = pieces.texts[skip_special_tokens]
+        self._utf8: codecs.IncrementalDecoder | None = None  # made when a token is not whole UTF-8
+        self._held = False  # the UTF-8 decoder holds the start of a character
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        if not self._held:
+            texts = self._texts
+            if len(token_ids) == 1:
+                text = texts.get(token_ids[0])
+                if text is not None:
+                    return text
+            else:
+                parts = [texts.get(i) for i in token_ids]
+                if None not in parts:
+                    return "".join(parts)  # type: ignore[arg-type]  # no None among them
+        return self._decode(token_ids)
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        pieces, skip, texts = self._pieces, self._skip, self._texts
+        for i in token_ids:
+            if i not in texts:
+                pieces.text(i, skip)
+        utf8 = self._utf8
+        if utf8 is None:
+            utf8 = self._utf8 = _UTF8("replace")
+        text: str = utf8.decode(b"".join([pieces.piece(i, skip) if texts[i] is None else texts[i].encode()  # type: ignore[union-attr]
+                                          for i in token_ids]))  # fmt: skip
+        self._held = bool(utf8.getstate()[0])
+        return text
+
+    def flush(self) -> str:
+        utf8 = self._utf8
+        if utf8 is None:
+            return ""
+        text: str = utf8.decode(b"", True)
+        utf8.reset()
+        self._held = False
+        return text
+
+
+class IncrementalDetokenizer(Detokenizer):
     """Turns one request's stream of generated ids into text, a piece at a time.
 
     Lifecycle: ``step(ids)`` for each chunk of ids the engine yields, then ``flush()``

@@ -186,3 +186,67 @@ def test_with_a_profile_a_full_disaggregated_fleet_moves_workers_to_the_forecast
 def test_without_a_profile_the_planner_makes_no_forecast() -> None:
     plan = Planner(PlannerConfig()).plan(_obs(0.0, {0: Role.AGGREGATED}, 50.0))
     assert plan.forecast is None and plan.targets == {}
+
+
+def test_a_profile_without_reported_arrivals_falls_back_to_the_pressures() -> None:
+    planner = Planner(PlannerConfig(profile=_profile(), hold_rounds=1))
+    obs = Observation(0.0, (WorkerView(0, Role.AGGREGATED, True),))  # interval_s 0: the fleet reports no arrivals
+    plan = planner.plan(obs)
+    assert plan.forecast is None and plan.targets == {} and planner.forecaster.rounds == 0
+
+
+class _OneWorkerFleet:
+    def __init__(self) -> None:
+        self.started: list[Role] = []
+        self.k = 0
+
+    async def settled(self) -> None:
+        return None
+
+    async def observe(self) -> Observation:
+        self.k += 1
+        return _obs(float(self.k), {0: Role.AGGREGATED}, 6.0, tuple(self.started))
+
+    async def start(self, role: Role) -> None:
+        self.started.append(role)
+
+    async def promote(self, worker_id: int, role: Role) -> None:
+        raise AssertionError("no spares")
+
+    async def stop(self, worker_id: int) -> None:
+        raise AssertionError("no stop")
+
+    async def move(self, worker_id: int, role: Role) -> None:
+        raise AssertionError("no move")
+
+
+async def test_the_service_exports_the_forecast_and_targets_as_planner_inputs() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvmesh.observability.metrics import PlannerMetrics
+    from kvmesh.planner.service import PlannerService
+
+    registry = CollectorRegistry()
+    fleet = _OneWorkerFleet()
+    cfg = PlannerConfig(min_workers=1, max_workers=4, profile=_profile(), headroom=1.0)
+    service = PlannerService(Planner(cfg), fleet, 1.0, PlannerMetrics(registry))
+    plan = await service.round()
+    assert plan.targets == {Role.AGGREGATED: 3} and fleet.started == [Role.AGGREGATED, Role.AGGREGATED]
+
+    def value(signal: str) -> float | None:
+        return registry.get_sample_value("kvmesh_planner_input", {"signal": signal})
+
+    assert value("forecast_rps") == pytest.approx(6.0) and value("target_aggregated") == 3.0
+    assert value("forecast_input_tokens") == pytest.approx(1000.0)
+    assert all(d.action.inputs["forecast_rps"] == pytest.approx(6.0) for d in service.history)  # logged with it
+
+
+def test_counter_total_sums_every_label_set() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    from kvmesh.planner.signals import counter_total
+
+    c = Counter("reqs", "r", ["status"], registry=CollectorRegistry())
+    c.labels("200").inc(3)
+    c.labels("500").inc(2)
+    assert counter_total(c) == 5.0

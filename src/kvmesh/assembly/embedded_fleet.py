@@ -42,7 +42,7 @@ from kvmesh.health.state import CheckKind
 from kvmesh.observability.metrics import PlannerMetrics
 from kvmesh.planner.core import SERVING, Observation, Role, WorkerView, worker_view
 from kvmesh.planner.service import PlannerService
-from kvmesh.planner.signals import Buckets, align, histogram_buckets, window_quantile
+from kvmesh.planner.signals import Buckets, align, counter_total, histogram_buckets, window_quantile
 from kvmesh.protocol import InstanceInfo, LoadReport
 from kvmesh.runtime.distributed import DistributedRuntime, call
 from kvmesh.runtime.instances import Instance
@@ -134,6 +134,7 @@ class EmbeddedFleet:
         self._polling = False
         self._wired = asyncio.Event()  # set once the frontend and runtime are known
         self._last: tuple[float, Buckets, Buckets] | None = None
+        self._last_counts: tuple[float, float, float, float] | None = None  # the forecast's: at, requests, tokens
 
     def attach(
         self, service: PlannerService, frontend: Frontend | None = None, runtime: DistributedRuntime | None = None
@@ -207,7 +208,9 @@ class EmbeddedFleet:
         if self.frontend is not None and self.frontend.registry.shedder is not None:
             level = int(self.frontend.registry.shedder.controller.level)
         queued = await self.queue_tokens() if self.queue_tokens is not None else 0
-        return Observation(now, tuple(views), tuple(starting), queued, ttft, itl, level, rate)
+        interval, arrived, tokens_in, tokens_out = self._arrivals(now)
+        return Observation(now, tuple(views), tuple(starting), queued, ttft, itl, level, rate, interval, arrived, tokens_in,
+                           tokens_out)  # fmt: skip
 
     async def promote(self, worker_id: int, role: Role) -> None:
         member = self.members.get(worker_id)
@@ -383,6 +386,18 @@ class EmbeddedFleet:
         p_itl = window_quantile(itl[0], align(itl0, itl), itl[1], 0.9) * 1000.0
         done = ttft[1][-1] - align(ttft0, ttft)[-1] if ttft[1] else 0.0
         return p_ttft, p_itl, done / (now - at) if now > at else 0.0
+
+    def _arrivals(self, now: float) -> tuple[float, int, int, int]:
+        """Seconds since the last round and the requests the frontend finished in them, with
+        their prompt and generated tokens (the planner's forecast input; 0s at the first)."""
+        if self.frontend is None:
+            return 0.0, 0, 0, 0
+        m = self.frontend.metrics
+        counts = (now, counter_total(m.requests), counter_total(m.input_tokens), counter_total(m.output_tokens))
+        last, self._last_counts = self._last_counts, counts
+        if last is None or now <= last[0]:
+            return 0.0, 0, 0, 0
+        return now - last[0], int(counts[1] - last[1]), int(counts[2] - last[2]), int(counts[3] - last[3])
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         async def run() -> None:

@@ -19,6 +19,7 @@ from kvmesh.observability.metrics_server import MetricsServer, serve_registry
 from kvmesh.errors import KvmeshError
 from kvmesh.planner.actuators import Actuator, ProcessActuator
 from kvmesh.planner.core import Planner, PlannerConfig, Role
+from kvmesh.planner.profile import load_profile
 from kvmesh.planner.service import PlannerService
 from kvmesh.runtime import auth
 from kvmesh.runtime.distributed import DistributedRuntime
@@ -48,6 +49,7 @@ def planner_config(cfg: RunConfig) -> PlannerConfig:
         slo_itl_ms=cfg.frontend.slo_tpot_ms,
         hold_rounds=p.planner_hold_rounds,
         cooldown_s=p.planner_cooldown_s,
+        profile=load_profile(p.capacity_profile) if p.capacity_profile else None,
     )
 
 

@@ -4,7 +4,9 @@
 snapshots of a cumulative histogram (Prometheus buckets), so the planner judges the
 latency of the last round, not of the whole run. :func:`histogram_buckets` reads such
 a snapshot from a histogram collector (``prometheus_client.Histogram`` or the
-frontend's ``LoopHistogram``; every label set summed).
+frontend's ``LoopHistogram``; every label set summed); :func:`counter_total` a
+counter's total (the planner's forecast takes each round's requests and tokens from the
+frontend's counters).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 
 from prometheus_client.registry import Collector
 
-__all__ = ["window_quantile", "histogram_buckets", "align", "Buckets"]
+__all__ = ["window_quantile", "histogram_buckets", "counter_total", "align", "Buckets"]
 
 Buckets = tuple[tuple[float, ...], tuple[float, ...]]  # (upper bounds, cumulative counts), +Inf last
 
@@ -51,6 +53,11 @@ def histogram_buckets(histogram: Collector) -> Buckets:
                 sums[le] = sums.get(le, 0.0) + sample.value
     bounds = tuple(sorted(sums))
     return bounds, tuple(sums[b] for b in bounds)
+
+
+def counter_total(counter: Collector) -> float:
+    """The counter's value now, summed over its label sets."""
+    return sum(s.value for family in counter.collect() for s in family.samples if s.name.endswith("_total"))
 
 
 def align(before: Buckets, now: Buckets) -> tuple[float, ...]:

@@ -1,7 +1,10 @@
 """Heavy modules are paid for on first use (issue 36): the frontend does not import the
-grammar engine until a request carries an output constraint, and building the CLI's
+grammar engine until a request carries an output constraint; building the CLI's
 parser (every ``kvmesh`` command, the ``kvmesh run`` process before it forks) does not
-import the replay's mocker."""
+import the replay's mocker; ``kvmesh run``'s process, up to its fork, imports nothing
+its workers do not need (no HTTP app, tokenizer or template engine: they are imported
+after the fork, while the workers start); and a mocker worker starts without the
+grammar engine (numpy, llguidance), which its first guided request loads."""
 
 from __future__ import annotations
 
@@ -11,10 +14,14 @@ import sys
 import pytest
 
 _HEAVY = ("numpy", "llguidance", "kvmesh.preprocess.guided", "kvmesh.engines.mocker")
+# what the frontend imports after the fork (the workers need none of it)
+_FRONTEND_ONLY = ("tokenizers", "jinja2", "prometheus_client", "kvmesh.frontend.app", "kvmesh.preprocess.tokenizer",
+                  "kvmesh.preprocess.template", "kvmesh.preprocess.preprocessor")  # fmt: skip
+_GRAMMAR = ("numpy", "llguidance", "kvmesh.preprocess.guided", "kvmesh.engines.mocker.guided")
 
 
-def _loaded_after(code: str) -> list[str]:
-    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {_HEAVY!r} if m in sys.modules))"
+def _loaded_after(code: str, names: tuple[str, ...] = _HEAVY) -> list[str]:
+    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {names!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
@@ -33,3 +40,47 @@ def test_cli_parser_imports_no_engine() -> None:
 @pytest.mark.timeout(150)
 def test_replay_names_still_import_from_the_package() -> None:
     assert "kvmesh.engines.mocker" in _loaded_after("from kvmesh.replay import replay, POLICIES, TraceError")
+
+
+# what `kvmesh run` does before its workers fork: its modules, its parser, the model
+# folder's check (kvmesh.assembly.embedded.prepare)
+_RUN_UNTIL_FORK = """
+from kvmesh.cli.main import build_parser
+import kvmesh.cli.run
+build_parser("run").parse_args(["run"])
+from kvmesh.assembly.embedded import bundled_model_path, load_model_folder
+load_model_folder(bundled_model_path())
+"""
+
+
+@pytest.mark.timeout(150)
+def test_kvmesh_run_imports_no_frontend_only_module_before_it_forks() -> None:
+    assert _loaded_after(_RUN_UNTIL_FORK, _FRONTEND_ONLY + _HEAVY) == []
+
+
+@pytest.mark.timeout(150)
+def test_kvmesh_run_parser_builds_only_the_run_flags() -> None:
+    # another command's modules (the replay's flags) are not imported to parse `run`
+    assert _loaded_after(_RUN_UNTIL_FORK, ("kvmesh.cli.replay", "kvmesh.cli.canary")) == []
+    assert _loaded_after("from kvmesh.cli.main import build_parser\nbuild_parser()", ("kvmesh.cli.replay",)) == [
+        "kvmesh.cli.replay"
+    ]
+
+
+@pytest.mark.timeout(150)
+def test_preprocess_package_names_still_import() -> None:
+    code = "from kvmesh.preprocess import Preprocessor, Tokenizer, ChatTemplate, StopMatcher, load_model_folder"
+    assert _loaded_after(code, ("tokenizers", "jinja2")) == ["tokenizers", "jinja2"]
+
+
+_MOCKER_WORKER = """
+from kvmesh.config import WorkerConfig
+from kvmesh.worker.main import build_engine
+import kvmesh.worker.disagg
+build_engine(WorkerConfig(engine="mocker"))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_mocker_worker_starts_without_the_grammar_engine() -> None:
+    assert _loaded_after(_MOCKER_WORKER, _GRAMMAR + _FRONTEND_ONLY) == []

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.preprocess.tokenizer import load_tokenizers_file
 
 __all__ = ["ModelInfo", "load_model_folder", "bundled_model_path", "BUNDLED_MODEL_NAME"]
 
@@ -266,6 +265,8 @@ class _TokenIds:
 
     def _load(self) -> Any:
         if self._tokenizer is None:
+            from kvmesh.preprocess.tokenizer import load_tokenizers_file  # the tokenizers library: only if needed
+
             self._tokenizer = load_tokenizers_file(self._folder / TOKENIZER_FILE)
         return self._tokenizer
 

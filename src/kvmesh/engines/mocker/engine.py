@@ -39,6 +39,7 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.engines.base import KvBlockAccess
 from kvmesh.engines.batching.adapters import AdapterHost
@@ -51,7 +52,6 @@ from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import MockSeq, Scheduler, StepOutput
 from kvmesh.engines.mocker.tokens import logprob_at, request_key, top_alternatives
 from kvmesh.errors import InvalidArgument, ResourceExhausted
-from kvmesh.preprocess.guided import GuidedTokenizer
 from kvmesh.protocol import (
     EngineConfig,
     GuidedDecoding,
@@ -62,6 +62,9 @@ from kvmesh.protocol import (
 )
 from kvmesh.kv.hashing import chain_hashes, chain_one, local_block_hashes
 from kvmesh.runtime.events import EventPublisher
+
+if TYPE_CHECKING:  # the grammar engine (llguidance, numpy): imported by the first guided request
+    from kvmesh.preprocess.guided import GuidedTokenizer
 
 __all__ = ["MockerEngine"]
 
@@ -332,6 +335,8 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAcc
                 raise InvalidArgument(
                     "structured outputs on the mocker need a model folder with tokenizer.json (--model-path)"
                 )
+            from kvmesh.preprocess.guided import GuidedTokenizer
+
             opts = self.options
             eos = opts.eos_token_ids or (0,)
             tok = GuidedTokenizer.from_folder(folder, opts.vocab_size, eos)

@@ -33,6 +33,7 @@ next step with ``error``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.engines.batching.scheduler import EOS, Finished, Seq, SchedulerLimits, priority_rank
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
@@ -45,11 +46,12 @@ from kvmesh.engines.mocker.tokens import (
     request_key,
     token_at,
 )
-from kvmesh.engines.mocker.guided import guided_token
 from kvmesh.kv.hashing import hash_salt
-from kvmesh.preprocess.guided import Guide, GuidedTokenizer
 from kvmesh.protocol import PreprocessedRequest
 from kvmesh.runtime.events import EventPublisher
+
+if TYPE_CHECKING:  # the grammar engine (llguidance, numpy): imported by the first guided request
+    from kvmesh.preprocess.guided import Guide, GuidedTokenizer
 
 __all__ = ["Scheduler", "StepOutput", "Finished", "MockSeq"]
 
@@ -219,6 +221,8 @@ class Scheduler(BatchScheduler[MockSeq]):
         h = position_hash(seq.key, len(seq.tokens))
         eos_allowed = not seq.ignore_eos and seq.num_output >= seq.min_tokens and len(seq.tokens) > seq.origin_len
         if seq.guide is not None:
+            from kvmesh.engines.mocker.guided import guided_token  # loaded with the guide's tokenizer
+
             eos_drawn = eos_allowed and (h >> 32) < self._eos_threshold
             token = guided_token(seq.guide, h, seq.vocab, seq.max_tokens - seq.num_output, eos_drawn)
             return EOS if token is None else token

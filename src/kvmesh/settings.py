@@ -46,6 +46,7 @@ __all__ = [
     "Setting",
     "EngineSettings",
     "setting",
+    "declared",
     "add_flags",
     "resolve",
     "check",
@@ -105,6 +106,17 @@ def setting(
         raise TypeError("use a tuple (immutable) as a setting's default")
     field: T = dataclasses.field(default=default, metadata={_META: meta})
     return field
+
+
+def declared(cls: type, name: str, *, group: str = "") -> Any:
+    """``cls.name``'s declaration as a field of another settings class (a command that
+    shares a setting with the live system: the same default, help, flag, variable and
+    check; ``group``: the section it is listed in, if not the live one's)."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(_META)
+        if f.name == name and isinstance(meta, Setting):
+            return dataclasses.field(default=f.default, metadata={_META: dataclasses.replace(meta, group=group or meta.group)})
+    raise KeyError(f"{cls.__name__} declares no setting {name!r}")
 
 
 class EngineSettings:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),
     ("runtime", "preprocess", "observability"),
     ("engines", "router", "health", "planner"),
-    ("disagg", "testing", "replay"),
+    ("disagg", "testing", "replay", "simulate"),
     ("frontend", "worker"),
     ("assembly",),
     ("cli",),

@@ -182,6 +182,12 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
     add_replay_args(p)
 
 
+def _simulate_flags(p: argparse.ArgumentParser) -> None:
+    from kvmesh.cli.simulate import add_simulate_args
+
+    add_simulate_args(p)
+
+
 def _planner_flags(p: argparse.ArgumentParser) -> None:
     _add_config_arg(p)
     add_flags(p, PlannerConfig, title="planner", exclude=("planner",))
@@ -210,6 +216,7 @@ _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "frontend": ("serve the HTTP API for the workers that discovery (or --static-workers) names", _frontend_flags),
     "canary": ("canary sets for health checks", _canary_flags),
     "replay": ("replay a Mooncake-format trace against mocker workers and compare routing policies", _replay_flags),
+    "simulate": ("a day of a large fleet on the virtual clock: faults at the seed's rates, the live policies", _simulate_flags),
     "planner": ("the planner for a distributed fleet: signed orders to --standby workers, local worker processes (--worker-flags)", _planner_flags),
     "worker": ("run one worker process", _worker_flags),
     "metrics-token": ("print the bearer token workers' and the planner's /metrics ask for", _metrics_token_flags),
@@ -335,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvmesh.cli.replay import run_replay
 
             return run_replay(ns)
+        if ns.command == "simulate":
+            from kvmesh.cli.simulate import run_simulate
+
+            return run_simulate(ns)
         if ns.command == "worker":
             file = _file(ns, *WORKER_CLASSES)
             _apply_cluster_secret(ns, file)

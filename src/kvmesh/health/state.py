@@ -3,6 +3,8 @@
 The state machine (one per worker)::
 
     HEALTHY ──1 failure──▶ SUSPICIOUS ──3 consecutive failures──▶ UNHEALTHY ──▶ DRAINING ──▶ DEAD
+       │                                                               ▲
+       └──── a wrong answer (corruption: wrong tokens, logits out of range) ┘
        ▲                       │                                      │            │
        ├──── check passes ─────┘                                      │            │
        ├──── recovery trial passes (breaker half-open) ───────────────┘            │
@@ -291,6 +293,13 @@ class HealthStateMachine:
             return self._on_pass(now)
         if self._status is HealthStatus.UNHEALTHY:
             return self._on_failed_recovery(result, now)
+        if result.corruption and self._status in (HealthStatus.HEALTHY, HealthStatus.SUSPICIOUS):
+            # NOTE: wrong answers are never load: out of routing at once. Needing three
+            # in a row let a worker that fails one check in two (subtly wrong logits)
+            # serve corrupt output for 20 minutes at p99 (issue 34's simulated day).
+            self._successes = 0
+            self._failures = max(self._failures + 1, self.config.unhealthy_after_failures)
+            return self._move(HealthStatus.UNHEALTHY, f"check: {result.kind.value}", now)
         return self._on_failure(f"check: {result.kind.value}", now, may_eject=may_eject)
 
     def on_stream_failure(self, now: float, *, fatal: bool = False) -> Transition | None:

@@ -7,6 +7,7 @@ import pytest
 from kvmesh.errors import Cancelled, CannotConnect, EngineShutdown, InvalidArgument
 from kvmesh.health.breaker import BreakerConfig, BreakerState
 from kvmesh.health.state import (
+    CORRUPTION_KINDS,
     CheckKind,
     CheckResult,
     EmaBaseline,
@@ -17,7 +18,8 @@ from kvmesh.health.state import (
 )
 
 OK = CheckResult(CheckKind.OK, 0.02)
-BAD = CheckResult(CheckKind.WRONG_TOKENS, 0.02)
+BAD = CheckResult(CheckKind.ERROR, 0.02, "engine error")
+CORRUPT = CheckResult(CheckKind.WRONG_TOKENS, 0.02)
 H, S, U, D, X = (
     HealthStatus.HEALTHY,
     HealthStatus.SUSPICIOUS,
@@ -78,7 +80,7 @@ def test_failures_walk_healthy_suspicious_unhealthy_draining() -> None:
     m = HealthStateMachine(worker_id=7)
     t1 = m.on_check(BAD, 1.0)
     assert t1 is not None and (t1.worker_id, t1.src, t1.dst, t1.at) == (7, H, S, 1.0)
-    assert "wrong_tokens" in t1.reason and m.weight == 0.5
+    assert "error" in t1.reason and m.weight == 0.5
     assert m.on_check(BAD, 2.0) is None
     t3 = m.on_check(CheckResult(CheckKind.TIMEOUT), 3.0)
     assert t3 is not None and (t3.src, t3.dst) == (S, U) and m.weight == 0.0
@@ -86,6 +88,20 @@ def test_failures_walk_healthy_suspicious_unhealthy_draining() -> None:
     assert m.on_check(BAD, 4.0) is None and m.on_check(BAD, 5.0) is None
     t6 = m.on_check(BAD, 6.0)
     assert t6 is not None and (t6.src, t6.dst) == (U, D)
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTION_KINDS))
+@pytest.mark.parametrize("status", [H, S])
+def test_a_wrong_answer_takes_the_worker_out_at_once(kind: CheckKind, status: HealthStatus) -> None:
+    """Corruption is never load: one canary with wrong tokens or logits out of range
+    ejects (issue 34: a subtly corrupt worker that fails one check in two stayed in
+    routing for 20 simulated minutes at p99 when it needed three in a row)."""
+    m = machine_at(status)
+    t = m.on_check(CheckResult(kind, 0.02), 1.0)
+    assert t is not None and (t.src, t.dst) == (status, U) and m.weight == 0.0
+    assert kind.value in t.reason
+    # out of routing until a recovery trial passes, as for any ejection
+    assert m.on_check(OK, 2.0) is not None and m.status is H
 
 
 @pytest.mark.parametrize("status", [S, U])

@@ -250,3 +250,24 @@ def test_counter_total_sums_every_label_set() -> None:
     c.labels("200").inc(3)
     c.labels("500").inc(2)
     assert counter_total(c) == 5.0
+
+
+def test_a_forecast_move_that_would_fill_the_donors_kv_is_vetoed() -> None:
+    cfg = PlannerConfig(min_workers=4, max_workers=4, profile=_profile(), headroom=1.0, hold_rounds=2, cooldown_s=0.0)
+
+    def run(kv: float) -> list[object]:
+        planner = Planner(cfg)
+        views = (WorkerView(0, Role.DECODE, True, kv), WorkerView(1, Role.DECODE, True, kv),
+                 WorkerView(2, Role.PREFILL, True), WorkerView(3, Role.PREFILL, True))  # fmt: skip
+        actions: list[object] = []
+        for k in range(6):  # the forecast wants 3 prefill, 1 decode
+            obs = Observation(float(k), views, interval_s=1.0, arrived=10, arrived_input_tokens=10_000,
+                              arrived_output_tokens=1_000)  # fmt: skip
+            plan = planner.plan(obs)
+            assert plan.targets == {Role.PREFILL: 3, Role.DECODE: 1}
+            actions += plan.actions
+        return actions
+
+    assert run(0.6) == []  # one decode worker would hold 120 % of its KV
+    moved = run(0.3)  # 60 %: fine
+    assert len(moved) == 1 and moved[0].kind is ActionKind.MOVE  # type: ignore[attr-defined]

@@ -43,8 +43,10 @@ worker to its role's target (the profile's error, corrected by what is measured)
 a role whose pressure is at ``high`` is not shrunk. Then, in order: roles below target
 start workers at once (a ramp does not wait: no hold, no cool-down); a role above
 target gives a worker to one below it (MOVE) or, the fleet above its total target,
-stops one (STOP): both only once the target has held ``hold_rounds`` rounds and
-``cooldown_s`` has passed since the last reshaping action.
+stops one (STOP): both only once the target has held ``hold_rounds`` rounds,
+``cooldown_s`` has passed since the last reshaping action, and the role would stay
+below ``high`` with one worker less by what scales with its workers (KV use; the
+prefill queue): what is measured vetoes a forecast that would starve a role.
 
 Every action carries the reason and the inputs it was decided on, for the log and
 the metrics; a plan carries the forecast and the targets it was made with.
@@ -417,6 +419,9 @@ class Planner:
         self._target_streak += 1
         if self._target_streak < c.hold_rounds or obs.now_s - self._last_reshape_s < c.cooldown_s:
             return actions
+        over = [r for r in over if self._keeps_up_without_one(obs, r)]
+        if not over:
+            return actions
         frm = max(over, key=lambda r: planned[r] - targets[r])
         donor = _least_loaded(obs, frm)
         if donor is None:
@@ -430,6 +435,20 @@ class Planner:
             why = f"forecast needs {targets[still_short[0]]} {still_short[0].value}, {targets[frm]} {frm.value}"
             return [Action(ActionKind.MOVE, still_short[0], why, donor.worker_id, inputs)]
         return [Action(ActionKind.STOP, frm, f"forecast needs {targets[frm]} {frm.value}", donor.worker_id, inputs)]
+
+
+    def _keeps_up_without_one(self, obs: Observation, role: Role) -> bool:
+        """Whether ``role`` stays below ``high`` with one worker less by what scales with its
+        workers (KV use for decode and aggregated workers, the queue for prefill): the
+        measured veto on a forecast that would starve a role (a lone decode worker's full KV)."""
+        views = [w for w in obs.workers if w.role is role and w.routable]
+        if len(views) < 2:
+            return True  # the floors and min_workers keep the last ones
+        if role is Role.PREFILL:
+            used = obs.prefill_queue_tokens / (self.config.queue_tokens_per_prefill * len(views))
+        else:
+            used = sum(w.kv_usage for w in views) / len(views)
+        return used * len(views) / (len(views) - 1) < self.config.high
 
 
 def _pressure(role: Role, prefill: float, decode: float) -> float:

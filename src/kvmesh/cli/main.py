@@ -36,7 +36,7 @@ __all__ = ["main", "build_parser"]
 # Every flag below comes from a declaration (kvmesh.settings.setting) in kvmesh.config or
 # kvmesh.engines.settings, except the few that are no setting of a config object
 # (--static, --config).
-_ENGINE_FIELDS = ("model", "model_path", "served_model_name", "engine", "block_size", "validate_streams")
+_ENGINE_FIELDS = ("model", "model_path", "served_model_name", "engine", "block_size", "validate_streams", "lora", "max_loras")
 _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
                   "remote_prefill_timeout_s", "drain_migrate", "metrics_port", "metrics_host")  # fmt: skip
 _WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")

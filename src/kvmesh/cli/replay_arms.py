@@ -64,10 +64,9 @@ def run_arms(trace_path: str, base: ReplayConfig) -> int:
 
 def _run_tier_arms(trace_path: str, base: ReplayConfig) -> int:
     """``--arms g1,g1+g2,g1+g2+g3``: KV tiers (:mod:`kvmesh.replay.tier_arms`)."""
-    from kvmesh.replay.arms import default_router
     from kvmesh.replay.goodput import Slo
     from kvmesh.replay.runner import fit_context
-    from kvmesh.replay.tier_arms import format_tier_arms, parse_tier_arms, run_tier_arm
+    from kvmesh.replay.tier_arms import format_tier_arms, parse_tier_arms, run_tier_arm, tier_router
     from kvmesh.replay.trace import TokenSynth, arrivals
 
     try:
@@ -82,7 +81,7 @@ def _run_tier_arms(trace_path: str, base: ReplayConfig) -> int:
     results = []
     for arm in arms:
         stream = arrivals(trace, TokenSynth(options.vocab_size), base.speed)
-        router = default_router(base.router, options, base.seed)
+        router = tier_router(base.router, arm.options(options), base.seed)
         results.append(run_tier_arm(arm, stream, options, base.workers, router, slo))
     print(format_tier_arms(results))
     status = write_json(base.json, results)

@@ -106,6 +106,24 @@ class MockerSettings(EngineSettings):
         flag="--mocker-lora-load-ms", env="KVMESH_MOCKER_LORA_LOAD_MS",
         check=non_negative, group=_MOCKER,
     )  # fmt: skip
+    # KV tiers below the device pool (engines/batching/tiers.py): evicted blocks are written
+    # down to host memory, then disk; a prefix hit there is brought back at the tier's bandwidth
+    host_kv_blocks: int = setting(
+        0, "host-memory KV tier (G2), in blocks (0: none)", env="KVMESH_MOCKER_HOST_KV_BLOCKS", check=non_negative,
+        group=_MOCKER,
+    )  # fmt: skip
+    disk_kv_blocks: int = setting(
+        0, "local-disk KV tier (G3), in blocks (0: none)", env="KVMESH_MOCKER_DISK_KV_BLOCKS", check=non_negative,
+        group=_MOCKER,
+    )  # fmt: skip
+    host_kv_gbps: float = setting(
+        25.0, "modelled host-to-device KV bandwidth, GB/s", env="KVMESH_MOCKER_HOST_KV_GBPS", check=positive,
+        group=_MOCKER,
+    )  # fmt: skip
+    disk_kv_gbps: float = setting(
+        3.0, "modelled disk-to-device KV bandwidth, GB/s", env="KVMESH_MOCKER_DISK_KV_GBPS", check=positive,
+        group=_MOCKER,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)

@@ -166,7 +166,7 @@ def explain_route(entry: ModelEntry, request_id: str, worker_id: int | None) -> 
     out["mode"] = entry.kv.settings.mode if entry.kv is not None else "kv"
     out["block_size"] = entry.kv.settings.block_size if entry.kv is not None else None
     out["overlap_blocks"] = decision.overlap_blocks
-    out["candidates"] = [
+    out["candidates"] = rows = [
         {
             "worker": f"{c.worker_id:x}",
             "overlap_blocks": c.overlap_blocks,
@@ -177,4 +177,8 @@ def explain_route(entry: ModelEntry, request_id: str, worker_id: int | None) -> 
         }
         for c in decision.candidates
     ]
+    if decision.tiers:  # a prefix in host/disk KV tiers: each candidate's run by tier
+        for row, c in zip(rows, decision.candidates):
+            g1, g2, g3 = decision.tiers.get(c.worker_id, (0, 0, 0))
+            row["tier_blocks"] = {"g1": g1, "g2": g2, "g3": g3}
     return out

@@ -21,6 +21,12 @@ either way. Bounds:
   allocating it, and checks every hash is an int ``>= 0`` (msgpack has none over u64).
   So a hostile payload costs at most ~10× its bytes, and a decoded one needs no
   further check.
+
+Tiers: ``BlockStored`` and ``BlockRemoved`` carry ``tier`` (:data:`G1` device,
+:data:`G2` host memory, :data:`G3` disk; a value outside 1..3 does not decode), G1 by
+default and then not encoded: events without the field decode as G1, and G1 events are
+byte-for-byte what they were before tiers. A block is in one tier at a time; a move is
+a removal from one tier and a store into the other, in that order, in one batch.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from __future__ import annotations
 from typing import Annotated, Union
 
 import msgspec
+
+from kvmesh.kv.tiers import G1, G2, G3, TIERS
 
 __all__ = [
     "AllBlocksCleared",
@@ -44,6 +52,11 @@ __all__ = [
     "MAX_BATCH_EVENTS",
     "MAX_EVENT_BLOCKS",
     "MAX_PAYLOAD_BYTES",
+    "G1",
+    "G2",
+    "G3",
+    "TIERS",
+    "Tier",
     "PayloadTooLarge",
     "StoredHashes",
     "decode_kv_payload",
@@ -61,18 +74,27 @@ MAX_PAYLOAD_BYTES = 2 * 1024 * 1024
 Hash = Annotated[int, msgspec.Meta(ge=0)]
 Hashes = Annotated[list[Hash], msgspec.Meta(max_length=MAX_EVENT_BLOCKS)]
 
+# KV tiers (kv/tiers.py): G1 the device pool, G2 host memory, G3 local disk. A
+# stored/removed event names the tier its blocks entered/left; G1, the default, is left
+# off the wire, so an engine without tiers sends the bytes it always sent.
+Tier = Annotated[int, msgspec.Meta(ge=G1, le=G3)]
+
 
 # The event payloads are untracked by the cyclic GC (gc=False: they hold only ints and
 # lists of ints, so they cannot be part of a cycle): a router decodes ~100 per envelope,
 # and tracked ones would set off a young-generation collection every few envelopes.
 
 
-class StoredHashes(msgspec.Struct, tag="stored", omit_defaults=True, gc=False):
-    """What the router reads of a :class:`BlockStored` (which is one): the chained
-    hashes. Decoded from a ``BlockStored`` on the wire by :func:`decode_kv_view`, which
-    skips the other fields instead of building them."""
-
+class _StoredBlocks(msgspec.Struct, tag="stored", omit_defaults=True, gc=False):
     block_hashes: Hashes
+
+
+class StoredHashes(_StoredBlocks, tag="stored", omit_defaults=True, kw_only=True):
+    """What the router reads of a :class:`BlockStored` (which is one): the chained
+    hashes and the tier they entered. Decoded from a ``BlockStored`` on the wire by
+    :func:`decode_kv_view`, which skips the other fields instead of building them."""
+
+    tier: Tier = G1
 
 
 class BlockStored(StoredHashes, tag="stored", omit_defaults=True):
@@ -84,8 +106,15 @@ class BlockStored(StoredHashes, tag="stored", omit_defaults=True):
     parent_hash: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag="removed", gc=False):
+class _RemovedBlocks(msgspec.Struct, tag="removed", omit_defaults=True, gc=False):
     block_hashes: Hashes
+
+
+class BlockRemoved(_RemovedBlocks, tag="removed", omit_defaults=True, kw_only=True):
+    """Blocks left ``tier`` (evicted from it, or moved to another tier: a move is a
+    ``BlockRemoved`` from one tier followed by a ``BlockStored`` into the other)."""
+
+    tier: Tier = G1
 
 
 class AllBlocksCleared(msgspec.Struct, tag="cleared", gc=False):

@@ -54,6 +54,16 @@ cost per stored block stays O(1) amortised. ``evicted`` counts the blocks droppe
 not an unsigned 64-bit int, too many blocks in one event) before anything is changed;
 a payload decoded with the types of :mod:`kvmesh.kv.events` has had the same checks
 while it was decoded. ``apply_many`` applies a batch's payloads in order, inline.
+
+KV tiers: a stored/removed event names the tier (G1 device, G2 host, G3 disk) its
+blocks entered or left. G1 is this index; each lower tier has an index of its own
+(another :class:`KvIndexer`, made when its first event arrives, with the same cap), so
+``find_matches`` and the hot path stay G1's. ``find_tier_matches(block_hashes)`` →
+``{worker_id: (g1, g2, g3)}``: the leading run of blocks a worker holds in *any* tier,
+counted by tier (a block in several tiers, between a move's two events, counts in the
+fastest). ``blocks_of(w, tier)`` lists one tier. ``AllBlocksCleared`` and
+``remove_worker`` clear every tier; ``load_dump`` (a G1 dump) clears the worker's lower
+tiers, which a dump does not carry (they are learnt again from the next moves).
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ from operator import attrgetter, is_not, ne
 from typing import Literal
 
 from kvmesh.kv.events import MAX_EVENT_BLOCKS, KvEventView, StoredHashes
+from kvmesh.kv.tiers import G1, G2, G3
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
@@ -135,12 +146,16 @@ class _NotPayload(TypeError):
 
 
 _HASHES = attrgetter("block_hashes")
+_TIER = attrgetter("tier")
 
 
 class KvIndexer:
     """Which workers hold which blocks; see the module docstring for the contract."""
 
-    __slots__ = ("_nodes", "_log", "_count", "_bits", "_index", "_ids", "_free", "_decoded", "max_blocks_per_worker", "evicted")
+    __slots__ = (
+        "_nodes", "_log", "_count", "_bits", "_index", "_ids", "_free", "_decoded", "_lower", "max_blocks_per_worker",
+        "evicted",
+    )  # fmt: skip
 
     def __init__(self, max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER) -> None:
         if max_blocks_per_worker < 8:
@@ -158,6 +173,7 @@ class KvIndexer:
         # the same few masks, and decoding 500 bits costs more than the rest of a query.
         # Valid while dense indices keep their worker ids: cleared when one is freed.
         self._decoded: dict[int, tuple[int, ...]] = {}
+        self._lower: dict[int, KvIndexer] = {}  # tier (G2, G3) -> its index, once it has had an event
 
     # ------------------------------------------------------------------ queries
 
@@ -196,13 +212,48 @@ class KvIndexer:
         out.update(dict.fromkeys(self._workers_in(live), depth))
         return out
 
-    def worker_block_count(self, worker_id: int) -> int:
-        """Blocks ``worker_id`` holds (0 for an unknown worker)."""
+    def find_tier_matches(self, block_hashes: Sequence[int]) -> dict[int, tuple[int, int, int]]:
+        """``{worker_id: (g1, g2, g3)}``: for workers holding the first block in any tier,
+        the leading run of ``block_hashes`` they hold in some tier, counted by tier.
+        Without lower-tier blocks: :meth:`find_matches`'s runs, all G1."""
+        if not self.has_lower_tiers:
+            return {w: (n, 0, 0) for w, n in self.find_matches(block_hashes).items()}
+        tiers = [(G1, self)] + [(t, self._lower[t]) for t in (G2, G3) if t in self._lower]
+        counts: dict[int, list[int]] = {}
+        live: set[int] | None = None
+        for h in block_hashes:
+            holders: dict[int, int] = {}
+            for t, index in reversed(tiers):  # the fastest tier last: it wins
+                m = index._nodes.get(h)
+                if m is not None:
+                    holders.update(dict.fromkeys(index._workers_in(m), t))
+            if live is not None:
+                holders = {w: t for w, t in holders.items() if w in live}
+            if not holders:
+                break
+            for w, t in holders.items():
+                counts.setdefault(w, [0, 0, 0])[t - 1] += 1
+            live = set(holders)
+        return {w: (c[0], c[1], c[2]) for w, c in counts.items()}
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether any worker holds blocks in G2 or G3."""
+        return any(index._nodes for index in self._lower.values())
+
+    def worker_block_count(self, worker_id: int, tier: int = G1) -> int:
+        """Blocks ``worker_id`` holds in ``tier`` (0 for an unknown worker)."""
+        if tier != G1:
+            lower = self._lower.get(tier)
+            return 0 if lower is None else lower.worker_block_count(worker_id)
         i = self._index.get(worker_id)
         return 0 if i is None else self._count[i]
 
-    def blocks_of(self, worker_id: int) -> set[int]:
-        """The hashes ``worker_id`` holds (empty for an unknown worker)."""
+    def blocks_of(self, worker_id: int, tier: int = G1) -> set[int]:
+        """The hashes ``worker_id`` holds in ``tier`` (empty for an unknown worker)."""
+        if tier != G1:
+            lower = self._lower.get(tier)
+            return set() if lower is None else lower.blocks_of(worker_id)
         i = self._index.get(worker_id)
         return set() if i is None else set(self._live(i))
 
@@ -220,6 +271,12 @@ class KvIndexer:
 
     def apply(self, worker_id: int, data: KvEventView) -> None:
         """Apply one KV event payload of ``worker_id`` (see the module docstring)."""
+        if isinstance(data, (StoredHashes, BlockRemoved)) and data.tier != G1:
+            self._apply_lower(worker_id, data.tier, isinstance(data, StoredHashes), data.block_hashes)
+            return
+        if isinstance(data, AllBlocksCleared):
+            for lower in self._lower.values():
+                lower.apply(worker_id, data)
         if isinstance(data, StoredHashes):  # a BlockStored, or what the router decodes of one
             self._store(self._dense(worker_id), data.block_hashes)
         elif isinstance(data, BlockRemoved):
@@ -250,13 +307,21 @@ class KvIndexer:
         try:
             for kind, group in groupby(events, type):
                 if kind is StoredHashes or kind is BlockStored:
+                    run = list(group)
+                    if max(map(_TIER, run)) != G1:  # a lower tier's blocks among them
+                        run = self._lower_run(worker_id, run, True)
                     if i is None:
                         i = self._dense(worker_id)
-                    delta += self._store_run(i, list(chain.from_iterable(map(_HASHES, group))))
+                    delta += self._store_run(i, list(chain.from_iterable(map(_HASHES, run))))
                 elif kind is BlockRemoved:
+                    run = list(group)
+                    if max(map(_TIER, run)) != G1:
+                        run = self._lower_run(worker_id, run, False)
                     if i is not None:
-                        delta -= self._remove_run(i, list(chain.from_iterable(map(_HASHES, group))))
+                        delta -= self._remove_run(i, list(chain.from_iterable(map(_HASHES, run))))
                 elif kind is AllBlocksCleared:
+                    for lower in self._lower.values():
+                        lower.apply(worker_id, AllBlocksCleared())
                     if i is not None:
                         self._count[i] += delta
                         delta = 0
@@ -270,6 +335,30 @@ class KvIndexer:
         finally:
             if i is not None:
                 self._settle(i, delta)
+
+    def _lower_run(self, worker_id: int, run: list[KvEventView], stored: bool) -> list[KvEventView]:
+        """Apply the lower-tier events of a run of one kind (in order: a hash moves
+        between lower tiers within one run); returns the run's G1 events."""
+        g1: list[KvEventView] = []
+        for data in run:
+            if isinstance(data, AllBlocksCleared) or data.tier == G1:
+                g1.append(data)
+            else:
+                self._apply_lower(worker_id, data.tier, stored, data.block_hashes)
+        return g1
+
+    def _apply_lower(self, worker_id: int, tier: int, stored: bool, hashes: list[int]) -> None:
+        lower = self._lower.get(tier)
+        if lower is None:
+            if not stored:
+                return
+            lower = self._lower[tier] = KvIndexer(self.max_blocks_per_worker)
+        if stored:
+            lower._store(lower._dense(worker_id), hashes)
+        else:
+            j = lower._index.get(worker_id)
+            if j is not None:
+                lower._remove(j, hashes)
 
     def _store_run(self, i: int, hashes: list[int]) -> int:
         """Give worker ``i`` the blocks ``hashes``; returns how many it did not hold.
@@ -324,6 +413,8 @@ class KvIndexer:
 
     def remove_worker(self, worker_id: int) -> None:
         """Drop all of ``worker_id``'s blocks and free its dense index (no-op if unknown)."""
+        for lower in self._lower.values():
+            lower.remove_worker(worker_id)
         i = self._index.pop(worker_id, None)
         if i is None:
             return
@@ -333,7 +424,10 @@ class KvIndexer:
         heapq.heappush(self._free, i)
 
     def load_dump(self, worker_id: int, block_hashes: Iterable[int]) -> None:
-        """Make ``worker_id``'s blocks exactly ``block_hashes``, touching only the difference."""
+        """Make ``worker_id``'s G1 blocks exactly ``block_hashes``, touching only the
+        difference; its lower tiers are cleared (a dump does not list them)."""
+        for lower in self._lower.values():
+            lower.remove_worker(worker_id)
         i = self._dense(worker_id)
         dump = set(block_hashes)
         held = set(self._live(i))

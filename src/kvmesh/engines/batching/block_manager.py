@@ -24,6 +24,17 @@ with ``event_id`` 0, 1, 2, ... (per manager, no gaps; :meth:`reset` does not res
 the count): ``BlockStored`` for each contiguous run of newly cached blocks,
 ``BlockRemoved`` for blocks evicted by one allocation, ``AllBlocksCleared`` on
 :meth:`reset`. Replaying every event into a set gives exactly :meth:`dump`.
+
+Tiers (``host_blocks`` / ``disk_blocks`` > 0; :mod:`.tiers`): a cached block evicted
+from this pool (G1) is written down to G2/G3 instead of being dropped (events: its
+``BlockRemoved`` from G1, then ``BlockStored``/``BlockRemoved`` with ``tier`` for the
+moves below). :meth:`lookup` counts a leading run cached in any tier, and
+:meth:`allocate` brings the lower-tier part of it back (onboarding: fresh G1 blocks take
+those hashes at once, ``BlockRemoved`` from their tier then ``BlockStored`` into G1);
+:meth:`take_onboarded` tells the caller how many blocks came up from each tier since it
+last asked, which the engine pays for in time (the mocker: bytes ÷ the tier's
+bandwidth). Replaying the events into one set per tier gives :meth:`dump_tiers`.
+Without tiers nothing changes: no lower-tier event is ever emitted.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvmesh.engines.batching.tiers import G1, TIERS, LowerTiers, Move
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventData
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
 
@@ -60,6 +72,8 @@ class BlockManager:
         worker_id: int = 0,
         enable_prefix_caching: bool = True,
         ring_capacity: int = 1024,
+        host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
@@ -70,6 +84,8 @@ class BlockManager:
         self.ring = KvEventRing(ring_capacity)
         self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
         self._next_event_id = 0
+        self.tiers = LowerTiers(host_blocks, disk_blocks) if enable_prefix_caching else LowerTiers()
+        self._onboarding = dict.fromkeys(TIERS, 0)  # blocks brought up since take_onboarded
         self._init_pool()
 
     def _init_pool(self) -> None:
@@ -116,6 +132,13 @@ class BlockManager:
             return 0
         cached = self._cached
         n = 0
+        if self.tiers.enabled:
+            lower = self.tiers
+            for h in seq_hashes:
+                if h not in cached and h not in lower:
+                    break
+                n += 1
+            return n
         for h in seq_hashes:
             if h not in cached:
                 break
@@ -133,8 +156,18 @@ class BlockManager:
         return list(seq.blocks) if seq is not None else []
 
     def dump(self) -> set[int]:
-        """Sequence hashes of every cached block, referenced or free."""
+        """Sequence hashes of every cached block, referenced or free (G1 only)."""
         return set(self._cached)
+
+    def dump_tiers(self) -> dict[int, set[int]]:
+        """Each tier's sequence hashes (G1: :meth:`dump`)."""
+        return {G1: self.dump(), **{t: self.tiers.blocks(t) for t in TIERS if t != G1}}
+
+    def take_onboarded(self) -> dict[int, int]:
+        """Blocks brought up into G1 from each lower tier since the last call (tier →
+        count, zeros included); the counts start over."""
+        out, self._onboarding = self._onboarding, dict.fromkeys(TIERS, 0)
+        return out
 
     # ------------------------------------------------------------------ mutations
 
@@ -152,11 +185,15 @@ class BlockManager:
             if need <= len(seq.blocks):
                 return True
             return self._grow(seq, need - len(seq.blocks))
-        hits = [self._cached[h] for h in prefix_hashes[:need]]
+        hashes = prefix_hashes[:need]
+        if self.tiers.enabled and not all(map(self._cached.__contains__, hashes)):
+            return self._allocate_tiered(seq_id, need, hashes)
+        hits = [self._cached[h] for h in hashes]
         reclaimed = sum(1 for b in hits if self._ref[b] == 0)
         fresh = need - len(hits)
         if fresh > self.free_blocks - reclaimed:
             return False
+        self.tiers.stats.hits[G1] += len(hits)
         seq = self._seqs[seq_id] = _SeqBlocks()
         # Touch hits before taking fresh blocks so they cannot be evicted by this call.
         for b in hits:
@@ -167,6 +204,47 @@ class BlockManager:
         seq.committed = len(hits)
         if fresh > 0:
             seq.blocks.extend(self._take(fresh))
+        return True
+
+    def _allocate_tiered(self, seq_id: int, need: int, hashes: Sequence[int]) -> bool:
+        """:meth:`allocate` of a new sequence whose prefix is partly in a lower tier: its
+        G1 blocks are reused, the others onboarded into fresh blocks (all or nothing)."""
+        cached, ref = self._cached, self._ref
+        hits = [cached.get(h, -1) for h in hashes]
+        up = [h for h, b in zip(hashes, hits) if b < 0]
+        reclaimed = sum(1 for b in hits if b >= 0 and ref[b] == 0)
+        if need - (len(hits) - len(up)) > self.free_blocks - reclaimed:
+            return False
+        seq = self._seqs[seq_id] = _SeqBlocks()
+        for b in hits:
+            if b >= 0:
+                if ref[b] == 0:
+                    del self._lru[b]
+                ref[b] += 1
+        # NOTE: out of their tier before fresh blocks are taken, so that the write-down
+        # of what this allocation evicts from G1 cannot push them out of it
+        moves = self.tiers.take(up)
+        for move in moves:
+            self._onboarding[move.tier] += len(move.hashes)
+            self.tiers.stats.hits[move.tier] += len(move.hashes)
+        self.tiers.stats.hits[G1] += len(hits) - len(up)
+        self._emit_moves(moves)
+        fresh = iter(self._take(need - len(hits) + len(up)))
+        run_start = -1
+        for i, (h, b) in enumerate(zip(hashes, hits)):
+            if b < 0:
+                b = next(fresh)
+                cached[h] = b
+                self._hash[b] = h
+                run_start = i if run_start < 0 else run_start
+            elif run_start >= 0:
+                self._stored(hashes, (), run_start, i)
+                run_start = -1
+            seq.blocks.append(b)
+        if run_start >= 0:
+            self._stored(hashes, (), run_start, len(hashes))
+        seq.blocks.extend(fresh)
+        seq.committed = len(hashes)
         return True
 
     def _grow(self, seq: _SeqBlocks, fresh: int) -> bool:
@@ -194,7 +272,13 @@ class BlockManager:
             out.append(b)
         if evicted:
             self._emit(BlockRemoved(block_hashes=evicted))
+            if self.tiers.enabled:
+                self._emit_moves(self.tiers.demote(evicted))
         return out
+
+    def _emit_moves(self, moves: list[Move]) -> None:
+        for tier, stored, hashes in moves:
+            self._emit(BlockStored(block_hashes=hashes, tier=tier) if stored else BlockRemoved(block_hashes=hashes, tier=tier))
 
     def commit(self, seq_id: int, seq_hashes: Sequence[int], local_hashes: Sequence[int], num_full: int) -> None:
         """Register ``seq_id``'s first ``num_full`` blocks as full of computed tokens.
@@ -230,7 +314,7 @@ class BlockManager:
         self._emit(
             BlockStored(
                 block_hashes=list(seq_hashes[lo:hi]),
-                token_hashes=list(local_hashes[lo:hi]),
+                token_hashes=list(local_hashes[lo:hi]),  # (none for onboarded blocks)
                 parent_hash=seq_hashes[lo - 1] if lo > 0 else None,
             )
         )
@@ -254,8 +338,9 @@ class BlockManager:
                     empty.append(b)
 
     def reset(self) -> None:
-        """Drop every sequence and all cached content; emits ``AllBlocksCleared``."""
+        """Drop every sequence and all cached content (every tier's); emits ``AllBlocksCleared``."""
         self._init_pool()
+        self.tiers.clear()
         if self.enable_prefix_caching:
             self._emit(AllBlocksCleared())
 

@@ -100,6 +100,9 @@ class SchedulerLimits:
     long_prefill_token_threshold: int = 0
     max_long_partial_prefills: int = 1
     max_num_partial_prefills: int = 0  # 0: no cap on the prefills of one pass
+    # KV tiers below the device pool (batching/tiers.py), in blocks: 0, none
+    host_kv_blocks: int = 0
+    disk_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
@@ -200,6 +203,8 @@ class Scheduler(Generic[S]):
             worker_id=limits.worker_id,
             enable_prefix_caching=limits.enable_prefix_caching,
             ring_capacity=limits.event_ring_capacity,
+            host_blocks=limits.host_kv_blocks,
+            disk_blocks=limits.disk_kv_blocks,
         )
         self._caching = limits.enable_prefix_caching
         # graceful degradation may shrink the batch at run time (set_batch_multiplier)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.engines.batching.options import BatchingOptions, check_positive_ints
+from kvmesh.engines.batching.tiers import G2, G3
 from kvmesh.engines.mocker.fault_spec import FaultSpec
 from kvmesh.engines.settings import MockerSettings, options_from
 from kvmesh.settings import non_negative, positive, require, within
@@ -69,6 +71,12 @@ class MockerOptions(BatchingOptions):
     kv_bytes_per_token: int = MockerSettings.kv_bytes_per_token
     kv_bandwidth: float = MockerSettings.kv_bandwidth
     lora_load_ms: float = MockerSettings.lora_load_ms  # a LoRA adapter's modelled load time
+    # KV tiers (engines/batching/tiers.py): sizes in blocks, and the bandwidths (GB/s) that
+    # onboarding a block of block_size · kv_bytes_per_token bytes from them is charged at
+    host_kv_blocks: int = MockerSettings.host_kv_blocks
+    disk_kv_blocks: int = MockerSettings.disk_kv_blocks
+    host_kv_gbps: float = MockerSettings.host_kv_gbps
+    disk_kv_gbps: float = MockerSettings.disk_kv_gbps
     load_report_interval_steps: int = 1
     fault: FaultSpec = FaultSpec()
 
@@ -77,6 +85,10 @@ class MockerOptions(BatchingOptions):
         check_positive_ints(self, "num_blocks", "vocab_size", "context_length", "load_report_interval_steps", "kv_bytes_per_token")
         require("kv_bandwidth", self.kv_bandwidth, positive)
         require("lora_load_ms", self.lora_load_ms, non_negative)
+        for name in ("host_kv_gbps", "disk_kv_gbps"):
+            require(name, getattr(self, name), positive)
+        if self.host_kv_blocks < 0 or self.disk_kv_blocks < 0:
+            raise ValueError("host_kv_blocks and disk_kv_blocks must be >= 0")
         if not self.model:
             raise ValueError("model must be a non-empty string")
         require("speedup", self.speedup, positive)
@@ -132,6 +144,24 @@ class MockerOptions(BatchingOptions):
             total += self.prefill_ms(chunk)
             left -= chunk
         return total / self.speedup
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Modelled bytes of one KV block."""
+        return self.block_size * self.kv_bytes_per_token
+
+    def onboard_ms(self, blocks_by_tier: Mapping[int, int]) -> float:
+        """Model time of bringing blocks up from G2/G3 (tier → blocks) into the device
+        pool, no speedup: each tier's bytes ÷ its bandwidth, one after the other."""
+        gbps = {G2: self.host_kv_gbps, G3: self.disk_kv_gbps}
+        return sum(n * self.kv_block_bytes / (gbps[t] * 1e6) for t, n in blocks_by_tier.items() if n and t in gbps)
+
+    def tiered_step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float, onboard_ms: float) -> float:
+        """:meth:`step_ms` of a pass whose prefills wait for ``onboard_ms`` of onboarding
+        (no speedup): the copies overlap the pass's decode part, which does not need
+        them, and delay its prefill part by what is left."""
+        decode = self.decode_ms(kv_usage) if decode_seqs > 0 else 0.0
+        return self.step_ms(prefill_tokens, decode_seqs, kv_usage) + max(0.0, onboard_ms - decode) / self.speedup
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
         """Duration of one pass, speedup applied: the prefill part over all the pass's new

@@ -13,6 +13,11 @@ oracle draws one token (:mod:`kvmesh.engines.mocker.tokens`) for every request w
 sequence the pass completes, and the core applies the pass: computed tokens advance,
 full blocks join the prefix cache, finish rules free the blocks of ended requests.
 
+With KV tiers (``host_kv_blocks``/``disk_kv_blocks``), the blocks the pass's
+admissions brought up from host memory or disk cost their bytes ÷ the tier's bandwidth,
+overlapped with the pass's decode part (:meth:`MockerOptions.tiered_step_ms`); writing
+blocks down is off the critical path (free).
+
 The step's modelled duration is :meth:`MockerOptions.step_ms` over the pass's new
 prefill tokens (all of its prefills together), its decode count and the KV its decodes
 attend to (:class:`~kvmesh.engines.batching.scheduler.Plan`). With
@@ -35,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvmesh.engines.batching.scheduler import EOS, Finished, Seq, SchedulerLimits, priority_rank
+from kvmesh.engines.batching.scheduler import EOS, Finished, Plan, Seq, SchedulerLimits, priority_rank
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.tokens import (
@@ -213,8 +218,16 @@ class Scheduler(BatchScheduler[MockSeq]):
             preempted=plan.preempted,
             prefill_tokens=plan.prefill_tokens,
             decode_seqs=plan.decode_seqs,
-            duration_ms=self.options.step_ms(plan.prefill_tokens, plan.decode_seqs, plan.kv_usage),
+            duration_ms=self._duration_ms(plan),
         )
+
+    def _duration_ms(self, plan: Plan[MockSeq]) -> float:
+        """The pass's modelled time; with KV tiers, plus the onboarding its prefills wait for."""
+        opts = self.options
+        if not self.blocks.tiers.enabled:
+            return opts.step_ms(plan.prefill_tokens, plan.decode_seqs, plan.kv_usage)
+        onboard = opts.onboard_ms(self.blocks.take_onboarded())
+        return opts.tiered_step_ms(plan.prefill_tokens, plan.decode_seqs, plan.kv_usage, onboard)
 
     def _draw(self, seq: MockSeq) -> int:
         """The oracle's token at the sequence's next position (:data:`EOS`: it ends)."""

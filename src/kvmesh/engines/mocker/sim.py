@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.engines.batching.tiers import TierStats
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.scheduler import Scheduler, StepOutput
 from kvmesh.protocol import FinishReason, PreprocessedRequest
@@ -81,7 +82,8 @@ class RequestRecord:
 @dataclass(slots=True)
 class WorkerUsage:
     """Where a virtual worker's time went: model milliseconds of passes, of their
-    prefill part, prefill tokens computed, and the KV pool's use after each pass."""
+    prefill part, prefill tokens computed, and the KV pool's use after each pass;
+    ``tiers``: its block manager's counts of prefix hits and moves by KV tier."""
 
     busy_ms: float = 0.0
     prefill_ms: float = 0.0
@@ -90,6 +92,7 @@ class WorkerUsage:
     kv_usage_max: float = 0.0
     kv_usage_sum: float = 0.0  # over passes: ÷ passes is the mean
     running_max: int = 0
+    tiers: TierStats = field(default_factory=TierStats)  # the KV pool's, live (prefix hits, moves by tier)
 
     def add(self, out: StepOutput, options: MockerOptions, kv_usage: float, running: int) -> None:
         self.busy_ms += out.duration_ms
@@ -115,7 +118,7 @@ class VirtualWorker:
         self._inflight: StepOutput | None = None
         self._inflight_end = 0.0
         self._last_load: tuple[int, int, int] | None = None
-        self.usage = WorkerUsage()
+        self.usage = WorkerUsage(tiers=self.scheduler.blocks.tiers.stats)
 
     @property
     def worker_id(self) -> int:

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 import msgspec
 
 from kvmesh.config import FrontendConfig, SecurityConfig
-from kvmesh.errors import PayloadTooLarge, ResourceExhausted, TooManyRequests, UnsupportedMediaType
+from kvmesh.errors import (
+    InvalidArgument,
+    PayloadTooLarge,
+    PermissionDenied,
+    ResourceExhausted,
+    TooManyRequests,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from kvmesh.frontend.auth import Authenticator, presented
 from kvmesh.frontend.deltas import BodyEncoder, StreamEncoder, Usage
 from kvmesh.frontend.dialects.chat import ChatBody, ChatStream
@@ -44,6 +52,7 @@ __all__ = ["Dialect", "CHAT", "COMPLETIONS", "Generation", "require_json"]
 
 _json = msgspec.json.encode
 _JSON = "application/json"
+PIN_HEADER = "x-kvmesh-worker"  # direct routing (see Generation._pin)
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 
@@ -126,6 +135,8 @@ class Generation:
                 preq.adapter = req.model
             if preq.guided is not None:
                 await _check_guided(preq.guided)
+            if self.config.security.admin and PIN_HEADER in request.headers:  # off without --admin: no lookup
+                self._pin(request, preq)
         except Exception as exc:  # noqa: BLE001 - every error becomes one response
             return dialect.error(exc, request_id)
         grant: Grant | None = None
@@ -156,6 +167,26 @@ class Generation:
                 headers += [(k.encode(), v.encode()) for k, v in grant.headers]
             return DeltaSSE(owner, dialect.stream(req), self.keepalive, public_message, self.metrics.disconnects.inc, headers)
         return _with_grant(await self._unary(request, owner, dialect.body(req, route), dialect, route), grant)
+
+    def _pin(self, request: Request, preq: PreprocessedRequest) -> None:
+        """``x-kvmesh-worker: <worker id, hex>`` (direct routing, canaries and debugging):
+        honoured with ``--admin`` only, and with API keys only beside the admin key in
+        ``x-kvmesh-admin-key``; the request goes to that worker or fails (no other)."""
+        if self.auth.required:
+            try:
+                self.auth.check_admin("Bearer " + request.headers.get("x-kvmesh-admin-key", ""))
+            except Unauthorized:
+                raise PermissionDenied(f"{PIN_HEADER} (direct routing) needs the admin key in x-kvmesh-admin-key") from None
+        text = request.headers[PIN_HEADER].strip()
+        try:
+            worker_id = int(text, 16)
+        except ValueError:
+            worker_id = -1
+        if not 0 <= worker_id < 1 << 64:
+            raise InvalidArgument(f"{PIN_HEADER} must be a worker id in hex (GET /admin/workers lists them), got {text[:40]!r}")
+        hints = preq.routing if preq.routing is not None else RoutingHints()
+        hints.worker_id = worker_id
+        preq.routing = hints
 
     def _reserve(self, tenant: TenantPolicy, preq: PreprocessedRequest) -> Grant | Refusal:
         """Take the tenant's budget for ``preq`` (or refuse it), and mark it with its tenant:

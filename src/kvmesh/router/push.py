@@ -115,10 +115,10 @@ class PushRouter:
         if not exclude:  # a retry elsewhere was admitted already
             await self.policy.admit(request)
         hints = request.routing
-        if hints is not None and hints.worker_id is not None:
-            instance = self.instances.get(hints.worker_id)
+        if hints is not None and hints.worker_id is not None:  # direct: that worker or none (a retry too)
+            instance = self.instances.get(hints.worker_id) if hints.worker_id not in exclude else None
             if instance is None:
-                raise NoWorkers(f"worker {hints.worker_id} does not serve {self.what}")
+                raise NoWorkers(f"worker {hints.worker_id:x} (pinned) does not serve {self.what}")
             return instance
         ids = self.instances.ids
         if exclude:

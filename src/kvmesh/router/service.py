@@ -27,6 +27,12 @@ decisions out. The decisions themselves are made by the pure
 * Sharded index (optional, ``index``: a :class:`~kvmesh.router.shards.ShardedKvIndex`):
   the events go to the shard processes instead (no subscription here); workers are
   handed to it as they come and go, and each decision asks it for the overlaps.
+* LoRA adapters (:class:`~kvmesh.router.adapters.AdapterAffinity`): which worker holds
+  which adapter, from the router's own decisions and the workers' answers; once a
+  request has named an adapter, every ``ADAPTER_REFRESH_S`` the workers that take
+  adapters are asked for their load report, whose ``adapters`` replace the guess
+  (another frontend's requests move adapters too). Nothing is asked in a fleet whose
+  requests never named one.
 * Admission (optional): when every worker's in-flight prefill tokens are over
   ``threshold`` × its batch token budget, requests wait, leaving in weighted fair
   order across tenants (on tokens, inside each priority tier: :mod:`kvmesh.router.fair`); past
@@ -48,7 +54,7 @@ from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
 from kvmesh.kv.events import KvEventView, PayloadTooLarge, decode_kv_view
 from kvmesh.kv.hashing import block_hashes as hash_blocks
 from kvmesh.kv.hashing import hash_salt
-from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, PreprocessedRequest
+from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, LoadReport, PreprocessedRequest
 from kvmesh.router.adapters import AdapterAffinity
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
 from kvmesh.router.fair import FairQueue
@@ -56,7 +62,7 @@ from kvmesh.router.indexer import check_event_data
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import Subscription
 from kvmesh.runtime.instances import Instance
-from kvmesh.runtime.names import KV_DUMP, KV_EVENTS
+from kvmesh.runtime.names import KV_DUMP, KV_EVENTS, LOAD
 
 __all__ = ["KvRouterService", "KvPolicy", "AdmissionSettings"]
 
@@ -66,6 +72,9 @@ log = logging.getLogger("kvmesh.router")
 REPAIR_BACKOFF_S = 1.0
 # events held per worker while its repair runs, at most (a busy worker sends ~1,400/s)
 MAX_HELD_EVENTS = 16 * 1024
+# seconds between two refreshes of the workers' resident adapters (LoadReport.adapters)
+ADAPTER_REFRESH_S = 5.0
+_decode_load = msgspec.msgpack.Decoder(LoadReport).decode
 # envelopes applied before the reader lets the loop run other tasks: a busy mocker's batch
 # (one engine step, ~130 events) takes ~0.1 ms to apply, and a decision must not wait for a backlog
 _ENVELOPES_PER_TURN = 2
@@ -104,6 +113,8 @@ class KvRouterService:
         self.index = index  # a ShardedKvIndex, or None: this core's own index
         self.core = KvRouterCore(settings)
         self.adapters = AdapterAffinity()  # which worker holds which LoRA adapter (adapter requests only)
+        self.adapter_refresh_s = ADAPTER_REFRESH_S
+        self._refresher: asyncio.Task[None] | None = None  # started by the first adapter request
         self.subscription = subscription
         self.metrics = metrics
         self.admission = admission or AdmissionSettings()
@@ -128,7 +139,7 @@ class KvRouterService:
                 self.metrics.events_dropped.set_function(lambda: inbox.dropped)
 
     async def close(self) -> None:
-        tasks = list(self._tasks) + ([self._reader] if self._reader else [])
+        tasks = list(self._tasks) + [t for t in (self._reader, self._refresher) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -385,6 +396,8 @@ class KvRouterService:
             salt = hash_salt(adapter, request.cache_salt)
             if adapter is not None:
                 holders, weights = self._adapter_candidates(adapter, weights)
+                if self._refresher is None:
+                    self._refresher = asyncio.get_running_loop().create_task(self._refresh_adapters())
         if self.index is not None:
             hashes = hash_blocks(request.token_ids, self.settings.block_size, salt)
             matches = self.index.find_matches(hashes)
@@ -421,6 +434,26 @@ class KvRouterService:
             weights = dict(weights) if weights is not None else {w: 1.0 for w in self.workers}
             weights.update(dict.fromkeys(unable, 0.0))
         return self.adapters.holders(adapter), weights
+
+    async def _refresh_adapters(self) -> None:
+        """Every ``adapter_refresh_s``: each adapter-taking worker's resident adapters,
+        from its load report (a worker that does not answer keeps the guess)."""
+        while True:
+            await asyncio.sleep(self.adapter_refresh_s)
+            await self.refresh_adapters_once()
+
+    async def refresh_adapters_once(self) -> None:
+        able = [w for w in self.workers if self.adapters.capable(w)]
+
+        async def one(worker_id: int) -> None:
+            try:
+                report = await asyncio.wait_for(self._call(worker_id, LOAD, b"\xc0", _decode_load), self.adapter_refresh_s)
+            except (KvmeshError, asyncio.TimeoutError, OSError):
+                return
+            if report is not None and worker_id in self.workers:
+                self.adapters.observe(worker_id, report.adapters)
+
+        await asyncio.gather(*(one(w) for w in able))
 
     def first_token(self, request_id: str) -> None:
         self.core.first_token(request_id, time.monotonic())

@@ -10,7 +10,9 @@ import pytest
 
 from kvmesh.kv.events import BlockStored
 from kvmesh.kv.hashing import block_hashes, hash_salt
-from kvmesh.protocol import KvEvent
+from kvmesh.protocol import EngineConfig, InstanceInfo, KvEvent, LoadReport, PreprocessedRequest, SamplingOptions, StopConditions
+from kvmesh.router.service import KvRouterService
+from kvmesh.runtime.instances import Instance
 from kvmesh.router.adapters import AdapterAffinity
 from kvmesh.router.core import KvRouterCore, RouterSettings
 from kvmesh.router.cost import CostInputs, adapter_load_tokens, score_all, select_greedy, with_adapter_load
@@ -112,3 +114,62 @@ def test_affinity_follows_the_workers_lru() -> None:
     assert a.holders("r") == set()
     a.observe(1, ["r"])  # a removed worker is not brought back by a late answer
     assert a.holders("r") == set()
+
+
+class _Reports:
+    """A worker's request-plane client that answers ``load`` with a report holding ``adapters``."""
+
+    def __init__(self, worker_id: int, adapters: list[str]) -> None:
+        self.report = LoadReport(worker_id, 0, 100, 0, 0, adapters=adapters)
+        self.asked = 0
+
+    async def stream(self, endpoint: str, payload: bytes, ctx: object, decode: object = None):  # type: ignore[no-untyped-def]
+        assert endpoint == "load"
+        self.asked += 1
+        yield self.report
+
+    async def close(self) -> None:
+        pass
+
+
+def _service(clients: dict[int, _Reports], max_adapters: int = 2) -> KvRouterService:
+    from kvmesh.observability.metrics import FrontendMetrics
+
+    service = KvRouterService(RouterSettings(block_size=BS, adapter_load_tokens=400.0), None, FrontendMetrics().model("m").router)
+    engine = EngineConfig("mocker", "m", 2048, BS, 1024, 8, 1024, max_adapters=max_adapters)
+    for w, client in clients.items():
+        service.workers[w] = Instance(InstanceInfo(w, f"127.0.0.1:{9000 + w}", engine, ""), client)  # type: ignore[arg-type]
+        service.core.add_worker(w)
+        service.adapters.add_worker(w, max_adapters)
+    return service
+
+
+def _request(i: int, adapter: str | None) -> PreprocessedRequest:
+    return PreprocessedRequest(f"r{i}", "m", list(range(64)), SamplingOptions(), StopConditions(max_tokens=4), adapter=adapter)
+
+
+async def test_load_reports_correct_the_routers_guess() -> None:
+    clients = {1: _Reports(1, []), 2: _Reports(2, ["sql"])}
+    service = _service(clients)
+    service.adapters.observe(1, ["sql"])  # the router believes worker 1 holds it; worker 1 evicted it since
+    service.adapters.observe(2, [])
+    assert service.route(_request(0, "sql"), [1, 2]).worker_id == 1
+    service.finished("r0")
+    await service.refresh_adapters_once()
+    assert service.adapters.holders("sql") == {2} and service.adapters.knows("sql") == {1, 2}
+    assert service.route(_request(1, "sql"), [1, 2]).worker_id == 2
+    await service.close()
+
+
+async def test_plain_requests_ask_nothing_and_unknown_adapters_stay_off_other_workers() -> None:
+    clients = {1: _Reports(1, []), 2: _Reports(2, [])}
+    service = _service(clients)
+    for i in range(4):
+        service.route(_request(i, None), [1, 2])
+    assert service._refresher is None  # no adapter request yet: no refresh loop, no calls
+    service.adapters.routed(2, "sql")  # only worker 2 knows the folder
+    service.core.route("busy", list(range(640)), 0.0, weights={1: 0.0, 2: 1.0})  # worker 2 is busy
+    assert service.route(_request(9, "sql"), [1, 2]).worker_id == 2  # worker 1 could not load it
+    assert service._refresher is not None
+    await service.close()
+    assert sum(c.asked for c in clients.values()) == 0

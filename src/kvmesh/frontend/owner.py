@@ -19,8 +19,9 @@ tokens so far, with the rest of the budget, to another worker), finish (every to
 was delivered), or fail — so the client sees one stream with no token missing or
 repeated. What happens is reported to the :class:`~kvmesh.frontend.observer.RequestObserver`.
 
-Per chunk there are two async generators: the request plane's ``client.stream`` and
-:meth:`RequestOwner.deltas`; detokenizing, stop strings and counting are plain calls.
+Per chunk there is one async generator, :meth:`RequestOwner.deltas`: the request
+plane's stream is read through its mailbox (``client.open_stream``), and detokenizing,
+stop strings and counting are plain calls.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from kvmesh.router.push import PushRouter
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.instances import Instance
 from kvmesh.runtime.names import GENERATE
+from kvmesh.runtime.stream import END, OpenStream
 
 __all__ = ["RequestOwner", "ReadBack", "merge_chunks"]
 
@@ -202,22 +204,27 @@ class RequestOwner:
         try:
             next_request: PreprocessedRequest | None = request
             while next_request is not None and self._ended is None:
-                stream = self._stream_on(next_request)
+                stream: OpenStream | None = None
                 try:
-                    async for chunk in stream:
+                    stream = await self._stream_on(next_request)
+                    next_chunk = stream.next  # no generator between the mailbox and this one
+                    while True:
+                        chunk = await next_chunk()
+                        if chunk is END:
+                            next_request = None
+                            break
                         text = self._on_chunk(chunk)
                         if text is not None:
                             yield text
                         if self._ended is not None:
                             break
-                    else:
-                        next_request = None
                 except MIGRATABLE as exc:
                     next_request = await self._recover(exc)
                     if next_request is None:
                         lost_end = OutputChunk(finish_reason="length")
                 finally:
-                    await stream.aclose()
+                    if stream is not None:
+                        await stream.close()
                     self.observer.attempt_closed()
             if lost_end is not None:
                 text = self._on_chunk(lost_end)
@@ -231,11 +238,11 @@ class RequestOwner:
             self._error = exc
             raise
 
-    def _stream_on(self, request: PreprocessedRequest) -> AsyncGenerator[OutputChunk, None]:
+    async def _stream_on(self, request: PreprocessedRequest) -> OpenStream:
         instance = self._booking.instance
         assert instance is not None  # booked by open() or _recover()
         self.observer.attempt(instance, request, len(self._tried))
-        return instance.client.stream(GENERATE, _encode_request(request), self.ctx, decode=_decode_chunk, merge=merge_chunks)
+        return await instance.client.open_stream(GENERATE, _encode_request(request), self.ctx, _decode_chunk, merge_chunks)
 
     def _on_chunk(self, chunk: OutputChunk) -> Text | None:
         """One worker chunk → the text it releases (None: nothing to send yet); sets

@@ -37,7 +37,8 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, MAX_REQUEST_FRAME, MAX_STREAMS, FrameReader, FrameWriter
 from kvmesh.runtime.sockets import tune_stream_socket
 
-__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks", "StreamServer", "StreamClient"]
+__all__ = ["Handler", "RequestServer", "RequestClient", "StreamHost", "Mailbox", "END", "Decode", "Merge", "FramedConnection", "StreamTasks", "StreamServer", "StreamClient",
+           "OpenStream"]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -75,6 +76,8 @@ class RequestClient(Protocol):
         decode: Callable[[msgspec.Raw], T],
         merge: Callable[[T, T], T] | None = None,
     ) -> AsyncGenerator[T, None]: ...
+    async def open_stream(self, endpoint: str, payload: bytes, ctx: Context, decode: Decode | None = None,
+                          merge: Merge | None = None) -> OpenStream: ...  # fmt: skip
     async def close(self) -> None: ...
 
 
@@ -287,9 +290,36 @@ class StreamServer:
         return await self.tasks.wait_idle(timeout)
 
 
+class OpenStream:
+    """One stream read without a generator of its own (the frontend's per-chunk path,
+    issue 36): ``await next()`` gives each item, then :data:`END` (or raises the
+    stream's error); ``close()`` once the caller is done, however it ended (a stream
+    left before its end is killed)."""
+
+    __slots__ = ("next", "_done")
+
+    def __init__(self, box: Mailbox, done: Callable[[], Awaitable[None] | None]) -> None:
+        self.next = box.next
+        self._done: Callable[[], Awaitable[None] | None] | None = done
+
+    async def close(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            more = done()
+            if more is not None:
+                await more
+
+
 class StreamClient:
     """What both request clients (TCP, NATS) do alike: a :class:`Mailbox` per stream,
-    its items yielded until :data:`END`. A plane implements :meth:`_open`."""
+    its items yielded until :data:`END` (or read through an :class:`OpenStream`). A
+    plane implements :meth:`_open`."""
+
+    async def open_stream(self, endpoint: str, payload: bytes, ctx: Context, decode: Decode | None = None,
+                          merge: Merge | None = None) -> OpenStream:  # fmt: skip
+        """Send one request (as :meth:`stream` does); its items through the handle."""
+        box = Mailbox(decode, merge)
+        return OpenStream(box, await self._open(endpoint, payload, ctx, box))
 
     async def stream(
         self,

@@ -37,7 +37,12 @@ class AdapterLoader(Protocol):
         """InvalidArgument when ``files`` does not fit the engine's model."""
         ...
 
-    async def install(self, slot: int, files: AdapterFiles) -> None:
+    async def read(self, files: AdapterFiles) -> object:
+        """Read (and check) the adapter's weights, touching no slot: a load that fails
+        here evicts nothing. Returns what :meth:`install` takes."""
+        ...
+
+    async def install(self, slot: int, files: AdapterFiles, weights: object) -> None:
         """Make ``slot`` hold the adapter of ``files`` (replacing whatever it held)."""
         ...
 
@@ -97,9 +102,10 @@ class AdapterHost:
             t0 = time.perf_counter()
             files = await asyncio.to_thread(read_adapter, where)
             self._loader.check(files)
+            weights = await self._loader.read(files)
             slot, _evicted = self.table.place(name, self._in_use())
             try:
-                await self._loader.install(slot, files)
+                await self._loader.install(slot, files, weights)
             except BaseException:
                 self._loader.clear(slot)  # the slot is free again (place took it out)
                 raise

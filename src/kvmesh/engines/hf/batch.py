@@ -36,6 +36,15 @@ class Chunk:
     start: int
     block_table: Sequence[int]
     wants_logits: bool
+    lora_slot: int = 0  # the LoRA adapter slot its rows run with (0: the base model)
+
+
+def _lora_rows(chunks: Sequence[Chunk], device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Each row's LoRA slot, or None when no chunk of the pass has an adapter."""
+    if not any(c.lora_slot for c in chunks):
+        return None
+    rows = [c.lora_slot for c in chunks for _ in c.tokens]
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _long(values: list[int]) -> torch.Tensor:
@@ -74,6 +83,7 @@ def make_inputs(chunks: Sequence[Chunk], block_size: int) -> StepInputs:
         mask=_mask(chunks, lengths, ends, width, keys),
         causal=len(chunks) == 1 and chunks[0].start == 0 and width > 1,
         sample_index=_long(sample_rows),
+        lora_rows=_lora_rows(chunks),
     )
 
 
@@ -175,6 +185,7 @@ def make_paged_inputs(chunks: Sequence[Chunk], block_size: int, device: torch.de
         paged=True,
         decode=decode,
         prefills=tuple(_span(first, c, block_size, device) for first, c in spans),
+        lora_rows=_lora_rows(chunks, device),
     )
 
 

@@ -39,6 +39,10 @@ Shape (one event loop, one forward thread)::
 * **Prefix caching, KV events, load reports**: the shared batching block manager, so the
   KV router treats an ``hf`` worker like any other. ``start`` resets the pool, so the
   first event of every start is ``AllBlocksCleared``.
+* **LoRA adapters** (``--lora``, ``--max-loras``, the ``lora`` endpoint): PEFT folders
+  checked against the model, their weights in the slots of a :class:`~.lora.LoraBank`
+  (written by the forward thread); a pass mixes any adapters, each row with its own
+  (:mod:`.lora`), and a request's block hashes are salted with its adapter.
 """
 
 from __future__ import annotations
@@ -56,12 +60,16 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.engines.base import KvBlockAccess
+from kvmesh.engines.batching.adapters import AdapterHost
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.engines.batching.mailbox import Mailbox
 from kvmesh.engines.hf.batch import Chunk, make_inputs, make_paged_inputs
 from kvmesh.engines.hf.cpus import auto_threads
 from kvmesh.engines.hf.device import DecodeGraphs, gpu_kv_bytes, profile_peak, resolve_device, resolve_dtype
 from kvmesh.engines.hf.kv import KvPool
+from kvmesh.engines.hf.lora import LoraBank, load_tensors, projection_shapes
+from kvmesh.engines.lora import AdapterFiles, check_against, parse_lora_flags
+from kvmesh.kv.hashing import hash_salt
 from kvmesh.engines.hf.model import LlamaModel, LlamaSpec, StepInputs, load_weights
 from kvmesh.engines.hf.options import HfOptions
 from kvmesh.engines.hf.sampling import Sampled, SampleParams, params_for, sample
@@ -132,7 +140,8 @@ class _Loaded:
         them, else the tensors of a packed (CPU) or paged (GPU) pass."""
         if not self.paged:
             return make_inputs(chunks, block_size)
-        bucket = self.graphs.bucket(chunks) if self.graphs is not None else None
+        graphed = self.graphs is not None and not any(c.lora_slot for c in chunks)  # graphs hold no adapters
+        bucket = self.graphs.bucket(chunks) if graphed and self.graphs is not None else None
         if bucket is not None:
             return bucket, chunks
         return make_paged_inputs(chunks, block_size, self.model.device)
@@ -162,6 +171,9 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
         self._guided: GuidedTokenizer | None = None
         self._small_cpu_s = math.inf  # CPU seconds of the last pass of <= _INLINE_TOKENS tokens
         self.stats = EngineStats()
+        if options.max_loras > 0:
+            known = parse_lora_flags(options.loras)
+            self.adapters = AdapterHost(options.max_loras, known, _HfLoads(self), self._adapters_in_use, self._adapters_changed)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,6 +192,8 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-forward")
         self.stats = EngineStats()
         self._start_loop()
+        if self.adapters is not None:
+            await self.adapters.open()
         return self.config
 
     def _load(self, device: torch.device) -> _Loaded:
@@ -268,7 +282,9 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
 
     @property
     def config(self) -> EngineConfig:
-        return self._started_core().limits.engine_config(self.options.model_path, self._require().name)
+        config = self._started_core().limits.engine_config(self.options.model_path, self._require().name)
+        config.max_adapters = self.options.max_loras
+        return config
 
     async def cleanup(self) -> None:
         await self._stop_loop()
@@ -326,7 +342,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
             origin = request.original_prompt_len
             generated = tokens[origin:] if origin is not None else []
             params.guide = self._guided_tokenizer().guide(request.guided, generated)
-        return Seq(
+        seq = Seq(
             request.request_id,
             tokens,
             params,
@@ -337,7 +353,12 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
             stop_ids=frozenset(request.stop.stop_token_ids),
             rank=priority_rank(request.routing.priority if request.routing else None),
             prefill_upto=prefill_upto,
+            salt=hash_salt(request.adapter, request.cache_salt),  # no KV block shared across adapters
+            adapter=request.adapter,
         )
+        if request.adapter is not None:  # resident: StepLoopEngine.generate made it so
+            seq.lora_slot = self._lora().slot(request.adapter)
+        return seq
 
     def _enqueue(self, request: PreprocessedRequest) -> Seq:
         """The request's sequence queued: its reservation if it holds one, else new."""
@@ -355,6 +376,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
         seq.prompt_len, seq.params = fresh.prompt_len, fresh.params
         seq.max_tokens, seq.min_tokens, seq.ignore_eos = fresh.max_tokens, fresh.min_tokens, fresh.ignore_eos
         seq.eos_ids, seq.stop_ids, seq.rank = fresh.eos_ids, fresh.stop_ids, fresh.rank
+        seq.lora_slot = fresh.lora_slot
         return seq
 
     def _admit(self, request: PreprocessedRequest) -> int:
@@ -419,7 +441,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
             start = seq.num_computed
             table = sched.block_table(seq)[: -(-(start + n) // bs)]
             wants = seq.prefill_upto is None and start + n == len(seq.tokens)
-            chunks.append(Chunk(seq.tokens[start : start + n], start, table, wants))
+            chunks.append(Chunk(seq.tokens[start : start + n], start, table, wants, seq.lora_slot))
         return chunks
 
     @staticmethod
@@ -533,6 +555,38 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
             return loaded.pool.export(table[first : -(-upto // bs)])
         finally:
             self._release_prefill(seq.id)
+
+class _HfLoads:
+    """The hf engine's adapter loads: checked against the model's shapes, tensors read
+    in a thread, written into the bank's slot by the forward thread."""
+
+    def __init__(self, engine: HfEngine) -> None:
+        self._engine = engine
+
+    def check(self, files: AdapterFiles) -> None:
+        spec = self._engine._require().model.spec
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        shapes = projection_shapes(spec.hidden_size, q, kv, spec.intermediate_size)
+        check_against(files, spec.num_layers, shapes, self._engine.options.max_lora_rank)
+
+    async def read(self, files: AdapterFiles) -> object:
+        return await asyncio.to_thread(load_tensors, files)
+
+    async def install(self, slot: int, files: AdapterFiles, weights: object) -> None:
+        assert isinstance(weights, dict)
+        tensors: dict[str, torch.Tensor] = weights
+        engine = self._engine
+        model, opts = engine._require().model, engine.options
+        if model.lora is None:  # the first adapter: the slots' weights, all zero
+            spec = model.spec
+            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            shapes = projection_shapes(spec.hidden_size, q, kv, spec.intermediate_size)
+            model.lora = LoraBank(spec.num_layers, shapes, opts.max_loras, opts.max_lora_rank, model.device, model.dtype)
+        await asyncio.get_running_loop().run_in_executor(engine._executor, model.lora.write, slot, files, tensors)
+
+    def clear(self, slot: int) -> None:
+        """Nothing to do: no row runs with a slot that holds no resident adapter."""
+
 
 def _reservation(sched: Scheduler, seq: Seq) -> KvReservation:
     return KvReservation(seq.request_id, sched.block_table(seq), len(seq.tokens), seq.num_computed)

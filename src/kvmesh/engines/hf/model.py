@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvmesh.engines.hf.kv import KvPool
+from kvmesh.engines.hf.lora import LoraBank, LoraMasks
 from kvmesh.engines.hf.paged_attention import decode_attention
 from kvmesh.errors import InvalidArgument
 
@@ -253,6 +254,7 @@ class StepInputs:
     paged: bool = False
     decode: DecodeRows | None = None
     prefills: tuple[PrefillSpan, ...] = ()
+    lora_rows: torch.Tensor | None = None  # (T,) long, each row's LoRA slot (0: none); None: no adapter in the pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +304,7 @@ class LlamaModel:
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
         self.inv_freq = inv_frequencies(spec)
         self._cos, self._sin = self._rope_table(spec.max_position_embeddings)
+        self.lora: LoraBank | None = None  # LoRA adapter slots (.lora), set on the first adapter load
 
     def _prep(self, w: torch.Tensor) -> torch.Tensor:
         return _t(w) if self.transposed else w.contiguous()
@@ -356,9 +359,11 @@ class LlamaModel:
         hidden = (self.spec.hidden_size,)
         x = self._embed(inp.input_ids)
         cos, sin = self._rope(inp)
+        bank = self.lora
+        masks = bank.masks(inp.lora_rows) if bank is not None and inp.lora_rows is not None else None
         for i, layer in enumerate(self.layers):
-            x += self._attention(layer, i, F.rms_norm(x, hidden, layer.norm_in, eps), cos, sin, inp, pool)
-            x += self._mlp(layer, F.rms_norm(x, hidden, layer.norm_post, eps))
+            x += self._attention(layer, i, F.rms_norm(x, hidden, layer.norm_in, eps), cos, sin, inp, pool, masks)
+            x += self._mlp(layer, i, F.rms_norm(x, hidden, layer.norm_post, eps), masks)
         last = F.rms_norm(x.index_select(0, inp.sample_index), hidden, self.norm, eps)
         return self._linear(last, self.lm_head)
 
@@ -367,13 +372,24 @@ class LlamaModel:
             return F.embedding(ids, self.embed)
         return self.lm_head.index_select(1, ids).t().contiguous()  # tied on the CPU: columns of the head
 
-    def _attention(
-        self, layer: _Layer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inp: StepInputs, pool: KvPool
+    def _adapted(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, index: int, group: str, masks: LoraMasks | None
     ) -> torch.Tensor:
+        """``x`` through a fused projection, plus what the rows' LoRA adapters add (.lora)."""
+        y = self._linear(x, w, bias)
+        if masks is not None:
+            assert self.lora is not None
+            y += self.lora.delta(index, group, x, masks)
+        return y
+
+    def _attention(
+        self, layer: _Layer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inp: StepInputs,
+        pool: KvPool, masks: LoraMasks | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         s = self.spec
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
         nq, nqk = heads * d, (heads + kv_heads) * d
-        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._adapted(x, layer.qkv, layer.qkv_bias, index, "qkv", masks)
         qk = qkv[:, :nqk].view(-1, heads + kv_heads, d)
         rotated = qk * cos  # q and k rotated together: x·cos + rotate_half(x)·sin
         rotated.addcmul_(qk.roll(d // 2, -1), sin)
@@ -382,7 +398,7 @@ class LlamaModel:
         pool.write(index, inp.slots, k, v)
         if inp.paged:
             out = self._paged_attention(index, q, k, v, inp, pool)
-            return self._linear(out.view(-1, nq), layer.o, layer.o_bias)
+            return self._adapted(out.view(-1, nq), layer.o, layer.o_bias, index, "o", masks)
         b, w = inp.batch, inp.width
         if inp.causal:  # one prompt from position 0: its keys are exactly the new ones
             keys, values = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
@@ -395,7 +411,7 @@ class LlamaModel:
         packed = out.transpose(1, 2).reshape(b * w, nq)
         if inp.out_rows is not None:
             packed = packed.index_select(0, inp.out_rows)
-        return self._linear(packed, layer.o, layer.o_bias)
+        return self._adapted(packed, layer.o, layer.o_bias, index, "o", masks)
 
     def _paged_attention(
         self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInputs, pool: KvPool
@@ -439,9 +455,9 @@ class LlamaModel:
             out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=span.mask, is_causal=span.mask is None)
         return out[0].transpose(0, 1)
 
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear(x, layer.gate_up)
+    def _mlp(self, layer: _Layer, index: int, x: torch.Tensor, masks: LoraMasks | None = None) -> torch.Tensor:
+        gate_up = self._adapted(x, layer.gate_up, None, index, "gate_up", masks)
         ff = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :ff])
         act.mul_(gate_up[:, ff:])
-        return self._linear(act, layer.down)
+        return self._adapted(act, layer.down, None, index, "down", masks)

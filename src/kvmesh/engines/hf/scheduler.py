@@ -24,14 +24,15 @@ __all__ = ["Scheduler", "SchedulerLimits", "Seq", "State", "Plan", "Finished"]
 class Seq(BatchSeq):
     """A request with the sampling parameters its rows of the forward pass use."""
 
-    __slots__ = ("params",)
+    __slots__ = ("params", "lora_slot")
 
     def __init__(self, request_id: str, tokens: list[int], params: SampleParams, **limits: Any) -> None:
         """``limits``: the keyword arguments of :class:`~kvmesh.engines.batching.scheduler.Seq`
         (``max_tokens``, ``min_tokens``, ``ignore_eos``, ``eos_ids``, ``stop_ids``,
-        ``rank``, ``prefill_upto``)."""
+        ``rank``, ``prefill_upto``, ``salt``, ``adapter``)."""
         super().__init__(request_id, tokens, **limits)
         self.params = params
+        self.lora_slot = 0  # the LoRA adapter slot of its rows (0: the base model)
 
 
 class Scheduler(BatchScheduler[Seq]):

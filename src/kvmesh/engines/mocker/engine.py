@@ -123,8 +123,12 @@ class _ModelledLoads:
     def check(self, files: AdapterFiles) -> None:
         """The mocker has no weights to check the adapter against."""
 
-    async def install(self, slot: int, files: AdapterFiles) -> None:
+    async def read(self, files: AdapterFiles) -> object:
         await asyncio.sleep(self.seconds)
+        return None
+
+    async def install(self, slot: int, files: AdapterFiles, weights: object) -> None:
+        """Nothing is held per slot."""
 
     def clear(self, slot: int) -> None:
         """Nothing is held per slot."""

@@ -139,3 +139,37 @@ def test_bad_models_tables_are_one_line(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-m", "kvmesh.cli.main", "run", "--config", str(path)],
                              capture_output=True, text=True, timeout=50)  # fmt: skip
         assert out.returncode == 2 and want in out.stderr, (text, out.stderr)
+
+
+@pytest.mark.timeout(90)
+def test_distributed_workers_of_two_models_register_side_by_side(tmp_path: Path) -> None:
+    """File discovery: one `kvmesh frontend`, a `kvmesh worker` per model (--served-model-name,
+    another block size each); each model's requests reach its own worker only."""
+    from tests.helpers import KvmeshProcess, free_port, wait_healthy
+
+    env = {"KVMESH_DISCOVERY": "file", "KVMESH_FILE_DISCOVERY_DIR": str(tmp_path / "disc"), "KVMESH_NAMESPACE": "models"}
+    port = free_port()
+    procs = [KvmeshProcess(tmp_path, "frontend", "--http-port", str(port), "--router-mode", "kv", "--canary-interval", "0", env=env)]
+    try:
+        ids = {}
+        for name, block in (("alpha", "16"), ("beta", "32")):
+            procs.append(KvmeshProcess(tmp_path, "worker", "--served-model-name", name, "--block-size", block,
+                                       "--speedup", "1e9", env=env))  # fmt: skip
+            ids[name] = f"{procs[-1].wait_ready()['lease_id']:x}"
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc=procs[0].proc)
+        _wait_models(url, {"alpha": 1, "beta": 1})
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["alpha", "beta"]
+
+        async def load() -> list[tuple[str, str, str]]:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            jobs = [(m, i) for i in range(8) for m in ("alpha", "beta")]
+            got = await asyncio.gather(*(_one(client, m, i) for m, i in jobs))
+            await client.close()
+            return [(m, echoed, worker) for (m, _), (echoed, worker) in zip(jobs, got)]
+
+        for model, echoed, worker in asyncio.run(load()):
+            assert echoed == model and worker == ids[model], (model, worker, ids)
+    finally:
+        for p in reversed(procs):
+            p.stop()

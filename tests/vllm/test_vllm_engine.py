@@ -222,3 +222,48 @@ async def test_disaggregation_through_a_vllm_kv_connector(tmp_path):
     assert [t for c in decoded for t in c.token_ids] == want
     # the prompt's KV came through the connector: all full blocks but the last token's
     assert decoded[-1].usage.cached_tokens >= 32 * ((len(ids) - 1) // 32)
+
+
+def _peft_adapter(folder) -> str:
+    """A random (non-zero) PEFT LoRA adapter on the test model, saved by peft."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(str(model_folder()), dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(str(folder))
+    return str(folder)
+
+
+def _peft_greedy(ids: list[int], n: int, folder: str) -> list[int]:
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_folder()), dtype=torch.float32), folder)
+    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    tokens = out[0][len(ids) :].tolist()
+    eos = set(Preprocessor.from_folder(model_folder()).eos_token_ids)
+    return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+
+async def test_a_lora_adapter_passes_through_as_a_lora_request(tmp_path):
+    """issue 30: ``PreprocessedRequest.adapter`` → vLLM's ``LoRARequest``; greedy tokens equal
+    transformers + peft on the same adapter; run-time load and unload through the engine."""
+    pytest.importorskip("peft")
+    folder = _peft_adapter(tmp_path / "a")
+    engine = VllmEngine(_options(loras=(f"a={folder}",), max_loras=2))
+    config = await asyncio.wait_for(engine.start(), START_TIMEOUT_S)
+    try:
+        assert config.max_adapters == 2 and engine.lora_state().adapters == ["a"]
+        ids = _prompt_ids(PROMPTS[1])
+        request = _greedy(ids, 16, "lora-1")
+        request.adapter = "a"
+        tokens = [t for c in await _collect(engine, request) for t in c.token_ids]
+        assert tokens == _peft_greedy(ids, 16, folder)
+        assert (await engine.lora_load("b", folder)).adapters == ["a", "b"]
+        assert (await engine.lora_unload("b")).adapters == ["a"]
+    finally:
+        await engine.cleanup()

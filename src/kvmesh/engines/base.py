@@ -239,7 +239,7 @@ class LoraAdapters(Protocol):
         what is wrong with the folder. Loading a resident name again reloads it."""
         ...
 
-    def lora_unload(self, name: str) -> LoraState:
+    async def lora_unload(self, name: str) -> LoraState:
         """Drop ``name`` and forget its path; refused while a running sequence uses it."""
         ...
 

@@ -200,7 +200,7 @@ class WorkerService:
         if command.op == "load":
             yield await engine.lora_load(command.name, command.path)
         else:
-            yield engine.lora_unload(command.name)
+            yield await engine.lora_unload(command.name)
 
     async def _fault(self, payload: bytes, ctx: Context) -> AsyncIterator[str]:
         """Switch fault injection at run time: payload = a fault spec string ("" clears)."""

@@ -114,7 +114,7 @@ async def test_an_adapter_in_use_is_never_unloaded(folders: dict[str, str]) -> N
         with pytest.raises(ResourceExhausted, match="in use"):
             await engine.lora_load("b", folders["b"])
         with pytest.raises(InvalidArgument, match="in use"):
-            engine.lora_unload("a")
+            await engine.lora_unload("a")
         await stream.aclose()  # a is idle now
         state = await engine.lora_load("b", folders["b"])
         assert state.adapters == ["b"] and state.load_ms >= 0

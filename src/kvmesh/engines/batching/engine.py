@@ -159,7 +159,7 @@ class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[
     async def lora_load(self, name: str, path: str | None) -> LoraState:
         return await self._lora().load(name, path)
 
-    def lora_unload(self, name: str) -> LoraState:
+    async def lora_unload(self, name: str) -> LoraState:
         return self._lora().unload(name)
 
     def _adapters_in_use(self) -> set[str]:

@@ -18,6 +18,7 @@ except ImportError:
         return TokensPrompt(prompt_token_ids=ids)
 
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -30,6 +31,7 @@ __all__ = [
     "GracefulHTTPError",
     "KVEventsConfig",
     "KVTransferConfig",
+    "LoRARequest",
     "RequestOutputKind",
     "SamplingParams",
     "StatLoggerBase",

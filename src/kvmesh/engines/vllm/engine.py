@@ -47,10 +47,11 @@ from typing import Any
 
 from kvmesh.engines.base import Engine, KvEventSource, LoadReporting
 from kvmesh.engines.vllm.events import VllmKvEventBridge
-from kvmesh.engines.vllm.mapping import OutputMapper, sampling_kwargs, structured_outputs_kwargs
+from kvmesh.engines.lora import check_name, parse_lora_flags, read_adapter
+from kvmesh.engines.vllm.mapping import LoraIds, OutputMapper, sampling_kwargs, structured_outputs_kwargs
 from kvmesh.engines.vllm.options import VllmOptions, default_kv_cache_gb, mem_available_bytes
 from kvmesh.errors import EngineShutdown, InvalidArgument, KvmeshError, ResourceExhausted, Unknown
-from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import EngineConfig, KvDump, KvEvent, LoadReport, LoraState, OutputChunk, PreprocessedRequest
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.events import EventPublisher, NullPublisher
 
@@ -83,6 +84,7 @@ class VllmEngine(Engine, LoadReporting, KvEventSource):
         self._calls = 0  # makes each generate call's vLLM request id unique
         self._active: set[str] = set()  # vLLM request ids of open streams
         self._stopping = False  # cleanup() is ending the open streams
+        self._loras = LoraIds(parse_lora_flags(options.loras))  # LoRA adapters: name -> (vLLM id, path)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -132,6 +134,7 @@ class VllmEngine(Engine, LoadReporting, KvEventSource):
             total_kv_blocks=vc.cache_config.num_gpu_blocks or 0,
             max_num_seqs=vc.scheduler_config.max_num_seqs,
             max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
+            max_adapters=opts.max_loras if opts.serves_loras else 0,
         )
 
     async def drain(self) -> None:
@@ -173,7 +176,11 @@ class VllmEngine(Engine, LoadReporting, KvEventSource):
         if ctx.is_stopped():
             yield OutputChunk.cancelled()
             return
-        stream = llm.generate(vllm.prompt(list(request.token_ids)), params, rid)
+        prompt = vllm.prompt(list(request.token_ids))
+        extra: dict[str, Any] = {}
+        if request.adapter is not None or request.cache_salt is not None:
+            extra = self._lora_and_salt(vllm, request, prompt)
+        stream = llm.generate(prompt, params, rid, **extra)
         finished = False
         self._active.add(rid)
         try:
@@ -207,6 +214,43 @@ class VllmEngine(Engine, LoadReporting, KvEventSource):
             with contextlib.suppress(Exception):
                 await stream.aclose()
         raise EngineShutdown("vLLM ended a stream without finishing it")
+
+    def _lora_and_salt(self, vllm: Any, request: PreprocessedRequest, prompt: Any) -> dict[str, Any]:
+        """The request's adapter as vLLM's ``lora_request`` (vLLM salts its block hashes with
+        it); its cache namespace as the prompt's ``cache_salt`` (a dict prompt)."""
+        if request.cache_salt is not None and isinstance(prompt, dict):
+            prompt["cache_salt"] = request.cache_salt
+        args = self._loras.request_args(request.adapter)
+        if args is None:
+            return {}
+        if not self.options.serves_loras:
+            raise InvalidArgument("this vLLM worker serves no LoRA adapters (start it with --lora NAME=PATH)")
+        return {"lora_request": vllm.LoRARequest(*args)}
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def lora_state(self, load_ms: float = 0.0) -> LoraState:
+        max_adapters = self.options.max_loras if self.options.serves_loras else 0
+        return LoraState(adapters=self._loras.names, max_adapters=max_adapters, load_ms=load_ms)
+
+    async def lora_load(self, name: str, path: str | None) -> LoraState:
+        """Check the PEFT folder, then vLLM's ``add_lora`` (its own LRU of resident adapters)."""
+        check_name(name)
+        llm = self._llm
+        if llm is None or not self.options.serves_loras:
+            raise InvalidArgument("this vLLM worker serves no LoRA adapters (start it with --lora NAME=PATH)")
+        where = path or (self._loras.request_args(name) or (name, 0, ""))[2]
+        t0 = time.perf_counter()
+        await asyncio.to_thread(read_adapter, where)
+        vllm = _import_vllm()
+        await llm.add_lora(vllm.LoRARequest(*self._loras.add(name, where)))
+        return self.lora_state((time.perf_counter() - t0) * 1000.0)
+
+    async def lora_unload(self, name: str) -> LoraState:
+        lora_id = self._loras.remove(name)
+        if self._llm is not None:
+            await self._llm.remove_lora(lora_id)
+        return self.lora_state()
 
     def _sampling_params(self, vllm: Any, request: PreprocessedRequest) -> Any:
         kw = sampling_kwargs(request, self._vllm_eos)
@@ -261,6 +305,7 @@ class VllmEngine(Engine, LoadReporting, KvEventSource):
             num_waiting=waiting,
             num_running=running,
             timestamp_ms=time.time() * 1000.0,
+            adapters=self._loras.names,
         )
         self._last_load = report
         self._publisher.publish_load(report)

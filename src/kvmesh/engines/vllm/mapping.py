@@ -33,6 +33,12 @@ Output (vLLM deltas → ``OutputChunk``), following the Engine contract's finish
   prompt's length on a migrated request, as the other engines count them; completion
   tokens: the tokens emitted; cached tokens: vLLM's prefix-cache hit);
 * ``cached_tokens`` is set on the first chunk, as soon as vLLM reports it.
+
+LoRA adapters (issue 30): vLLM names an adapter by ``LoRARequest(name, int id, path)``;
+:class:`LoraIds` gives each adapter name a stable positive id and keeps its path, and
+:meth:`LoraIds.request_args` is what a request naming ``adapter`` runs with (vLLM salts
+its own block hashes with the adapter). A request's ``cache_salt`` goes to vLLM's prompt
+(``cache_salt``), so cache namespaces hold there too.
 """
 
 from __future__ import annotations
@@ -42,10 +48,50 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, ModelNotFound
 from kvmesh.protocol import GuidedDecoding, OutputChunk, PreprocessedRequest, TokenLogprob, Usage
 
-__all__ = ["sampling_kwargs", "structured_outputs_kwargs", "OutputMapper"]
+__all__ = ["sampling_kwargs", "structured_outputs_kwargs", "OutputMapper", "LoraIds"]
+
+
+class LoraIds:
+    """The adapters a vLLM worker knows: name → (stable positive id, PEFT folder path). Pure."""
+
+    def __init__(self, known: Mapping[str, str] | None = None) -> None:
+        self._paths: dict[str, str] = {}
+        self._ids: dict[str, int] = {}
+        self._next = 1
+        for name, path in (known or {}).items():
+            self.add(name, path)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._paths)
+
+    def add(self, name: str, path: str) -> tuple[str, int, str]:
+        """Know ``name`` at ``path`` (a known name keeps its id); its ``LoRARequest`` arguments."""
+        if name not in self._ids:
+            self._ids[name] = self._next
+            self._next += 1
+        self._paths[name] = path
+        return name, self._ids[name], path
+
+    def remove(self, name: str) -> int:
+        """Forget ``name``; its id. ModelNotFound when it is not known."""
+        if name not in self._paths:
+            raise ModelNotFound(f"this worker has no LoRA adapter {name!r}")
+        del self._paths[name]
+        return self._ids.pop(name)
+
+    def request_args(self, adapter: str | None) -> tuple[str, int, str] | None:
+        """``LoRARequest(lora_name, lora_int_id, lora_path)`` arguments for a request's
+        adapter (None: the base model); ModelNotFound for an adapter this worker lacks."""
+        if adapter is None:
+            return None
+        path = self._paths.get(adapter)
+        if path is None:
+            raise ModelNotFound(f"this worker has no LoRA adapter {adapter!r} (load it first, or start it with --lora)")
+        return adapter, self._ids[adapter], path
 
 # kvmesh SamplingOptions field -> vLLM SamplingParams field (same meaning, same units)
 _SAMPLING_FIELDS = (

@@ -91,6 +91,11 @@ class VllmOptions:
     gpu_memory_utilization: float | None = VllmSettings.gpu_memory_utilization
     kv_transfer_config: Mapping[str, Any] | None = VllmSettings.kv_transfer_config
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # VllmSettings.engine_args None: none
+    # LoRA adapters (issue 30): --lora NAME=PATH turns on vLLM's LoRA (enable_lora) with
+    # max_loras adapters per batch; without --lora the worker serves none (vLLM's LoRA
+    # layers cost memory and speed, so they are not on by default)
+    loras: tuple[str, ...] = ()
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -128,5 +133,11 @@ class VllmOptions:
             "gpu_memory_utilization": self.gpu_memory_utilization,
         }
         kw.update({k: v for k, v in optional.items() if v is not None})
+        if self.serves_loras:
+            kw.update(enable_lora=True, max_loras=self.max_loras)
         kw.update(self.engine_args)
         return kw
+
+    @property
+    def serves_loras(self) -> bool:
+        return bool(self.loras) and self.max_loras > 0

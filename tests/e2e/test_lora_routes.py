@@ -71,6 +71,8 @@ def test_adapter_routes_listing_and_affinity(tmp_path: Path, monkeypatch: pytest
         chat = {"lora_name": "chat", "lora_path": str(folder), "worker": other}
         loaded = httpx.post(url + "/v1/load_lora_adapter", json=chat, headers=admin)
         assert loaded.status_code == 200 and loaded.json()["workers"] == {other: {"adapters": ["chat"], "load_ms": pytest.approx(loaded.json()["workers"][other]["load_ms"])}}
+        seen = httpx.get(url + "/admin/workers", headers=admin).json()["workers"]
+        assert {w["worker"]: w.get("adapters") for w in seen} == {holder: ["sql"], other: ["chat"]}
         models = httpx.get(url + "/v1/models", headers=user).json()["data"]
         assert [(m["id"], m.get("parent")) for m in models] == [("kvmesh-tiny", None), ("chat", "kvmesh-tiny"), ("sql", "kvmesh-tiny")]
 

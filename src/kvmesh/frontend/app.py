@@ -22,20 +22,16 @@ import asyncio
 import contextlib
 import ipaddress
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import InvalidArgument, KvmeshError, MethodNotAllowed, ModelNotFound, PermissionDenied, RouteNotFound
 from kvmesh.frontend.auth import Authenticator, presented
-from kvmesh.frontend.dialects.messages import MESSAGES, anthropic_error_response
-from kvmesh.frontend.dialects.responses import responses_dialect
-from kvmesh.frontend.dialects.store import ResponseStore
 from kvmesh.frontend.failures import error_response, protocol_error, public_message
 from kvmesh.frontend.generate import CHAT, COMPLETIONS, Generation, require_json
 from kvmesh.frontend.models import ModelRegistry
-from kvmesh.frontend.openapi import openapi_document
 from kvmesh.frontend.server import Handler, HttpApp, Request, Response, StreamingResponse
 from kvmesh.frontend.sse import DeltaSSE, KeepAlive
 from kvmesh.observability import worker_metrics
@@ -45,6 +41,9 @@ from kvmesh.protocol import MAX_ADAPTER_NAME, MAX_LORA_PATH, LoraCommand, LoraSt
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import EventPlane
 from kvmesh.runtime.names import FAULT, METRICS
+
+if TYPE_CHECKING:  # the Anthropic and Responses dialects: imported by their first request (issue 36)
+    from kvmesh.frontend.generate import Dialect
 
 __all__ = ["Frontend", "error_response", "protocol_error", "public_message"]
 
@@ -73,8 +72,7 @@ class Frontend:
         self.prefill_workers: dict[int, Any] = {}  # observability: id → client of workers not routed to
         self.tenants = _tenant_gate(self.auth, self.metrics)
         self.generation = Generation(config, self.registry, self.auth, self.keepalive, self.metrics, self.tenants)
-        store = ResponseStore(config.responses_store_entries, config.responses_store_bytes, config.responses_store_ttl_s)
-        self._responses = responses_dialect(store)  # previous_response_id: this process's memory
+        self._responses: Dialect | None = None  # built by the first /v1/responses request
         routes: dict[str, dict[str, Any]] = {
             "/v1/chat/completions": {"POST": self.chat_completions},
             "/v1/completions": {"POST": self.completions},
@@ -92,7 +90,8 @@ class Frontend:
             routes["/admin/usage"] = {"GET": self._admin(self.usage)}
             routes[LOAD_LORA] = {"POST": self._admin(self.load_lora)}
             routes[UNLOAD_LORA] = {"POST": self._admin(self.unload_lora)}
-        self._openapi = _json(openapi_document(routes))
+        self._documented = dict(routes)  # /openapi.json: built by its first GET (issue 36: ~0.1 s at start)
+        self._openapi: bytes | None = None
         # observability: the live cluster page (behind any API key when keys are set, by
         # header or session cookie: the dashboard checks; not in the OpenAPI document)
         from kvmesh.frontend.dashboard import Dashboard
@@ -124,7 +123,11 @@ class Frontend:
         except KvmeshError as exc:
             if request.path in _ADMIN_V1:  # the admin key, checked by the route (_admin)
                 return None
-            return anthropic_error_response(exc) if request.path == "/v1/messages" else error_response(exc)
+            if request.path == "/v1/messages":
+                from kvmesh.frontend.dialects.messages import anthropic_error_response
+
+                return anthropic_error_response(exc)
+            return error_response(exc)
         request.checked = True
         return None
 
@@ -160,6 +163,10 @@ class Frontend:
         return admin
 
     async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            from kvmesh.frontend.openapi import openapi_document
+
+            self._openapi = _json(openapi_document(self._documented))
         return Response(self._openapi)
 
     @contextlib.asynccontextmanager
@@ -198,13 +205,15 @@ class Frontend:
             entry = adapters.base_of(body.model)
             adapters.check_name(body.lora_name, entry)
             workers = adapters.workers(entry, _worker_id(body.worker))
-            states = await adapters.command(entry, workers, LoraCommand("load", body.lora_name, body.lora_path))
+            states, errors = await adapters.command(entry, workers, LoraCommand("load", body.lora_name, body.lora_path))
+            if not states:  # no worker loaded it: the first one's reason
+                raise next(iter(errors.values()))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return error_response(InvalidArgument(f'send {{"lora_name": "<name>", "lora_path": "<folder>"}}: {exc}'))
-        except KvmeshError as exc:
+        except Exception as exc:  # noqa: BLE001 - a KvmeshError, or a worker's unexpected one: one answer
             return error_response(exc)
         adapters.parents[body.lora_name] = entry.name
-        return Response(_lora_answer(body.lora_name, entry.name, states))
+        return Response(_lora_answer(body.lora_name, entry.name, states, errors))
 
     async def unload_lora(self, request: Request) -> Response:
         """vLLM's ``{"lora_name"}`` (+ ``worker``): unloaded from the base model's workers
@@ -216,16 +225,21 @@ class Frontend:
             if base is None:
                 raise ModelNotFound(f"no adapter {body.lora_name!r} is loaded; see GET /v1/models")
             entry, worker = self.registry.models[base], _worker_id(body.worker)
-            try:
-                states = await adapters.command(entry, adapters.workers(entry, worker), LoraCommand("unload", body.lora_name))
-            except ModelNotFound:  # no worker held it any more
-                states = {}
+            states, errors = await adapters.command(entry, adapters.workers(entry, worker), LoraCommand("unload", body.lora_name))
+            # a worker that does not know the adapter (any more) is done with it too
+            kept = {w: e for w, e in errors.items() if not isinstance(e, ModelNotFound)}
+            if kept and not states:
+                raise next(iter(kept.values()))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return error_response(InvalidArgument(f'send {{"lora_name": "<name>"}}: {exc}'))
-        except KvmeshError as exc:
+        except Exception as exc:  # noqa: BLE001 - a KvmeshError, or a worker's unexpected one: one answer
             return error_response(exc)
-        adapters.forget(entry, body.lora_name, worker)
-        return Response(_lora_answer(body.lora_name, base, states))
+        # no refusal: gone from every worker (no longer served), or from the one named; else
+        # from those that unloaded it (still served by the others)
+        done: list[int | None] = [worker] if not kept else [*states, *(errors.keys() - kept.keys())]
+        for w in done:
+            adapters.forget(entry, body.lora_name, w)
+        return Response(_lora_answer(body.lora_name, base, states, kept))
 
     async def health(self, request: Request) -> Response:
         models = {name: len(e.instances) for name, e in self.registry.models.items()}
@@ -269,6 +283,9 @@ class Frontend:
                      "status": status.name.lower() if status is not None else "unknown",
                      "weight": health.weight(inst.worker_id) if health is not None else 1.0}
                 )  # fmt: skip
+                held = entry.kv.adapters.held(inst.worker_id) if entry.kv is not None else []
+                if held:  # LoRA adapters it holds, as the router sees it
+                    out[-1]["adapters"] = held
         return Response(_json({"workers": out}))
 
     async def usage(self, request: Request) -> Response:
@@ -301,9 +318,22 @@ class Frontend:
         return await self.generation.serve(request, COMPLETIONS)
 
     async def responses(self, request: Request) -> Response | DeltaSSE:
-        return await self.generation.serve(request, self._responses)
+        return await self.generation.serve(request, self._responses or self._responses_dialect())
+
+    def _responses_dialect(self) -> Dialect:
+        """The Responses dialect over this process's store (previous_response_id: its memory)."""
+        from kvmesh.frontend.dialects.responses import responses_dialect
+        from kvmesh.frontend.dialects.store import ResponseStore
+
+        if self._responses is None:
+            c = self.config
+            store = ResponseStore(c.responses_store_entries, c.responses_store_bytes, c.responses_store_ttl_s)
+            self._responses = responses_dialect(store)
+        return self._responses
 
     async def messages(self, request: Request) -> Response | DeltaSSE:
+        from kvmesh.frontend.dialects.messages import MESSAGES  # imported by the first /v1/messages request
+
         return await self.generation.serve(request, MESSAGES)
 
     def _read_body(self, request: Request) -> bytes:
@@ -336,9 +366,13 @@ def _worker_id(text: str | None) -> int | None:
     return None if text is None else int(text, 16)
 
 
-def _lora_answer(name: str, model: str, states: dict[int, LoraState]) -> bytes:
+def _lora_answer(name: str, model: str, states: dict[int, LoraState], errors: dict[int, Exception]) -> bytes:
+    """Each worker's adapters after the command, and each failed worker's reason."""
     workers = {f"{w:x}": {"adapters": s.adapters, "load_ms": s.load_ms} for w, s in sorted(states.items())}
-    return _json({"lora_name": name, "model": model, "workers": workers})
+    out: dict[str, object] = {"lora_name": name, "model": model, "workers": workers}
+    if errors:
+        out["errors"] = {f"{w:x}": public_message(e, "lora")[0] for w, e in sorted(errors.items())}
+    return _json(out)
 
 
 def _tenant_gate(auth: Authenticator, metrics: FrontendMetrics) -> TenantGate | None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvmesh.config import FrontendConfig
-from kvmesh.errors import InvalidArgument, KvmeshError, ModelNotFound
+from kvmesh.errors import InvalidArgument, KvmeshError, ModelNotFound, ResponseTimeout, StreamIncomplete
 from kvmesh.health.breaker import BreakerConfig
 from kvmesh.health.degradation import CapacityConfig
 from kvmesh.health.monitor import HealthMonitor
@@ -57,6 +57,7 @@ log = logging.getLogger("kvmesh.frontend")
 
 MAX_SERVED_ADAPTERS = 4096  # adapter names one frontend knows, at most
 LORA_LIST_TIMEOUT_S = 2.0  # a LoRA worker's list of adapters, asked when it attaches
+LORA_COMMAND_TIMEOUT_S = 60.0  # a worker's answer to an admin load / unload (a real load reads and places weights)
 _decode_lora = msgspec.msgpack.Decoder(LoraState).decode
 
 
@@ -374,22 +375,32 @@ class Adapters:
             )
         return able
 
-    async def command(self, entry: ModelEntry, workers: list[Instance], cmd: LoraCommand) -> dict[int, LoraState]:
-        """``cmd`` on every one of ``workers`` at once; each answer updates the router's
-        view of that worker. Raises the first worker's error when none succeeded."""
+    async def command(
+        self, entry: ModelEntry, workers: list[Instance], cmd: LoraCommand
+    ) -> tuple[dict[int, LoraState], dict[int, Exception]]:
+        """``cmd`` on every one of ``workers`` at once (each within ``LORA_COMMAND_TIMEOUT_S``):
+        each worker's answer, which updates the router's view of it, or its error."""
         payload = msgspec.msgpack.encode(cmd)
-        got = await asyncio.gather(*(call(i.client, LORA, payload, _decode_lora) for i in workers), return_exceptions=True)
+
+        async def one(instance: Instance) -> LoraState | None:
+            return await asyncio.wait_for(call(instance.client, LORA, payload, _decode_lora), LORA_COMMAND_TIMEOUT_S)
+
+        got = await asyncio.gather(*(one(i) for i in workers), return_exceptions=True)
         states: dict[int, LoraState] = {}
+        errors: dict[int, Exception] = {}
         for instance, answer in zip(workers, got):
             if isinstance(answer, LoraState):
                 states[instance.worker_id] = answer
                 self._observe(entry, instance.worker_id, answer)
-            elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
+            elif isinstance(answer, asyncio.TimeoutError):
+                errors[instance.worker_id] = ResponseTimeout(f"no answer within {LORA_COMMAND_TIMEOUT_S:g} s")
+            elif isinstance(answer, Exception):
+                errors[instance.worker_id] = answer
+            elif isinstance(answer, BaseException):
                 raise answer
-        if not states:
-            first = next(a for a in got if isinstance(a, Exception))
-            raise first
-        return states
+            else:
+                errors[instance.worker_id] = StreamIncomplete("the worker sent no answer")
+        return states, errors
 
     async def ask(self, entry: ModelEntry, instance: Instance) -> None:
         """A LoRA worker just attached: learn its adapters (those it was started with)."""

@@ -84,3 +84,16 @@ build_engine(WorkerConfig(engine="mocker"))
 @pytest.mark.timeout(150)
 def test_mocker_worker_starts_without_the_grammar_engine() -> None:
     assert _loaded_after(_MOCKER_WORKER, _GRAMMAR + _FRONTEND_ONLY) == []
+
+
+@pytest.mark.timeout(150)
+def test_frontend_builds_the_openapi_document_and_other_dialects_on_first_use() -> None:
+    # /openapi.json (msgspec's JSON-schema generation, ~0.1 s), /v1/responses and
+    # /v1/messages are built by their first request, not by the frontend's start
+    lazy = ("kvmesh.frontend.openapi", "kvmesh.frontend.dialects.messages_api", "kvmesh.frontend.dialects.messages",
+            "kvmesh.frontend.dialects.responses")  # fmt: skip
+    start = "\n".join(("from kvmesh.config import FrontendConfig", "from kvmesh.frontend.app import Frontend",
+                       "f = Frontend(FrontendConfig())"))
+    assert _loaded_after(start, lazy) == []
+    first_get = start + "\nimport asyncio\nassert b'/v1/messages' in asyncio.run(f.openapi(None)).body"
+    assert _loaded_after(first_get, lazy[:2]) == list(lazy[:2])

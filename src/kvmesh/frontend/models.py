@@ -229,7 +229,7 @@ class ModelRegistry:
         elif self.event_plane is not None and c.router_mode == "kv":
             subscription = await self.event_plane.subscribe(KV_EVENTS_TOPIC)
         admission = AdmissionSettings(threshold=c.admission_threshold, max_queue=c.admission_max_queue)
-        entry.kv = KvRouterService(settings, subscription, entry.metrics.router, admission, index)
+        entry.kv = KvRouterService(settings, subscription, entry.metrics.router, admission, index, self._worker_model)
         entry.kv.start()
         entry.router.policy = KvPolicy(entry.kv)
 

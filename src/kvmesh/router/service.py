@@ -22,6 +22,8 @@ decisions out. The decisions themselves are made by the pure
   Bounds are checked before the payload is decoded (its size) or while it is (list
   lengths from their headers), so a hostile envelope cannot make the router allocate
   more than ~10× ``MAX_PAYLOAD_BYTES`` (see :mod:`kvmesh.kv.events`).
+  A worker of another model of the same frontend (``fleet``) is not a rejection: its
+  envelopes are skipped uncounted (on NATS every model's router hears every worker).
   Reasons: ``malformed``, ``too_large``, ``publisher_mismatch``, ``unknown_worker``,
   ``bad_hash``, ``too_many_blocks``, ``too_many_events``, ``not_applicable``.
 * Sharded index (optional, ``index``: a :class:`~kvmesh.router.shards.ShardedKvIndex`):
@@ -45,7 +47,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -108,9 +110,13 @@ class KvRouterService:
         metrics: Any,
         admission: AdmissionSettings | None = None,
         index: Any = None,
+        fleet: Container[int] = (),
     ) -> None:
         self.settings = settings
         self.index = index  # a ShardedKvIndex, or None: this core's own index
+        # every worker this frontend routes to, of any model: another model's events (one
+        # topic on NATS) are skipped without counting them as rejected
+        self.fleet = fleet
         self.core = KvRouterCore(settings)
         self.adapters = AdapterAffinity()  # which worker holds which LoRA adapter (adapter requests only)
         self.adapter_refresh_s = ADAPTER_REFRESH_S
@@ -217,7 +223,7 @@ class KvRouterService:
         if worker != envelope.publisher_id:
             return "publisher_mismatch"
         if worker not in self.workers:
-            return "unknown_worker"
+            return None if worker in self.fleet else "unknown_worker"
         # NOTE: no check of the events here: decoding checked every hash and list length
         try:
             self._on_events(worker, batch.first_event_id, events)

@@ -173,3 +173,18 @@ async def test_plain_requests_ask_nothing_and_unknown_adapters_stay_off_other_wo
     assert service._refresher is not None
     await service.close()
     assert sum(c.asked for c in clients.values()) == 0
+
+
+def test_another_models_events_are_skipped_not_rejected() -> None:
+    """On NATS every model's router hears every worker's KV events: a worker of another
+    model of this frontend is skipped quietly; a worker nobody knows is still a rejection."""
+    import msgspec
+
+    from kvmesh.kv.events import KvEventBatch
+    from kvmesh.runtime.event_plane.base import Envelope
+
+    service = _service({1: _Reports(1, [])})
+    service.fleet = {1, 7}  # worker 7 serves another model here
+    for worker, rejected in ((7, 0), (9, 1)):
+        payload = msgspec.msgpack.encode(KvEventBatch(worker, 0, [BlockStored(block_hashes=[1, 2])]))
+        assert service._on_envelope(Envelope(worker, 0, "kv_events", payload)) == (None if rejected == 0 else "unknown_worker")

@@ -25,6 +25,7 @@ What :func:`serve` builds, in order (nothing is patched after it is built):
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import os
@@ -268,6 +269,16 @@ async def _announce(cfg: RunConfig, process: FrontendProcess, server: HttpServer
     for fleet in cfg.fleets:
         print(f"kvmesh: serving {fleet.worker.served_model_name!r} at http://{host}:{port}/v1 ({_fleet(cfg, fleet)})",
               flush=True)  # fmt: skip
+    _release_start_memory()
+
+
+def _release_start_memory() -> None:
+    """Once serving: hand the heap the start freed (imports, the parser, the model folder)
+    back to the OS, ~0.7 MiB of the idle frontend's RSS (issue 36). glibc only."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
 
 
 def _fleet(cfg: RunConfig, fleet: ModelFleet) -> str:

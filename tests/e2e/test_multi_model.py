@@ -106,6 +106,11 @@ def test_two_models_side_by_side_never_cross(tmp_path: Path) -> None:
         for model in ("alpha", "beta"):
             served = sum(after.get(w, 0) - before.get(w, 0) for w in owners[model])
             assert served == 24, (model, after, before)
+        # the worker series carry their model: its workers' requests under its label
+        text = httpx.get(server.url + "/metrics").text
+        labelled = re.findall(r'^kvmesh_worker_requests_total\{[^}]*worker_id="(\w+)"[^}]*model="(\w+)"[^}]*\}', text, re.M)
+        labelled += [(w, m) for m, w in re.findall(r'^kvmesh_worker_requests_total\{[^}]*model="(\w+)"[^}]*worker_id="(\w+)"', text, re.M)]
+        assert {m: {w for w, mm in labelled if mm == m} for m in ("alpha", "beta")} == {m: owners[m] for m in ("alpha", "beta")}
 
         # a model with no worker: 503 naming it, while the others keep serving
         with pytest.raises(openai.APIStatusError) as refused:

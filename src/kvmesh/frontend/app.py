@@ -252,7 +252,9 @@ class Frontend:
 
     async def render_metrics(self, request: Request) -> Response:
         # one view of the fleet: the frontend's metrics, then every worker's, labelled by worker
-        workers = worker_metrics.render(await self.worker_samples())
+        # the workers' series labelled with their model too (several models side by side)
+        models = {f"{i.worker_id:x}": name for name, e in self.registry.models.items() for i in e.instances.all()}
+        workers = worker_metrics.render(await self.worker_samples(), models)
         return Response(self.metrics.render() + workers, content_type=CONTENT_TYPE_LATEST)
 
     async def worker_samples(self, timeout_s: float = 1.0) -> list[tuple[str, WorkerMetrics]]:

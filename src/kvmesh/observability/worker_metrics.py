@@ -12,7 +12,7 @@ the engine on demand, and rendered for Prometheus, labelled by worker.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.protocol import DisaggStats, LoadReport, OutputChunk, WorkerMetrics
@@ -105,17 +105,22 @@ _DISAGG_GAUGES = {
 }
 
 
-def families(samples: Sequence[tuple[str, WorkerMetrics]], extra: Sequence[str] = ()) -> Iterator[Metric]:
+def families(
+    samples: Sequence[tuple[str, WorkerMetrics]], extra: Sequence[str] = (), models: Mapping[str, str] | None = None
+) -> Iterator[Metric]:
     """Metric families for ``(worker label, sample)`` pairs; labels ``worker``, ``role``
-    and ``extra`` names (values appended by the caller in each pair's label)."""
+    and ``extra`` names (values appended by the caller in each pair's label); with
+    ``models`` (worker label → its model: a frontend's view) the worker series carry a
+    ``model`` label too."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    labels = ["worker_id", "role"]
+    labels = ["worker_id", "role"] if models is None else ["worker_id", "role", "model"]
     for name, kind, doc, attr in _WORKER:
         cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
         family = cls(f"kvmesh_worker_{name}", doc, labels=labels)
         for worker, m in samples:
-            family.add_metric([worker, m.mode], float(getattr(m, attr)))
+            values = [worker, m.mode] if models is None else [worker, m.mode, models.get(worker, "")]
+            family.add_metric(values, float(getattr(m, attr)))
         yield family
     with_disagg = [(w, m, m.disagg) for w, m in samples if m.disagg is not None]
     for name, doc in DISAGG_COUNTERS.items():
@@ -130,14 +135,14 @@ def families(samples: Sequence[tuple[str, WorkerMetrics]], extra: Sequence[str] 
         yield gauge
 
 
-def render(samples: Sequence[tuple[str, WorkerMetrics]]) -> bytes:
-    """The Prometheus text of ``samples`` (an empty list: nothing)."""
+def render(samples: Sequence[tuple[str, WorkerMetrics]], models: Mapping[str, str] | None = None) -> bytes:
+    """The Prometheus text of ``samples`` (an empty list: nothing); ``models``: see :func:`families`."""
     if not samples:
         return b""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed(list(families(samples))))
+    registry.register(_Fixed(list(families(samples, models=models))))
     return generate_latest(registry)
 
 

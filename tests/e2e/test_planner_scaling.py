@@ -170,3 +170,21 @@ def test_a_load_ramp_grows_the_fleet_and_its_end_shrinks_it_with_no_failed_reque
         # the stopped workers' processes are gone (drained and ended), one is left
         _wait(lambda: len(server.worker_pids()) == 1, 30, lambda: f"one worker process ({server.worker_pids()})")
         print(f"fleet size over time: {sizes.changes()}; {ramp.done} requests, 0 failed")
+
+
+@pytest.mark.timeout(150)
+def test_a_planned_run_whose_workers_cannot_start_gives_up_with_the_engines_error():
+    """Under the planner a worker that cannot start is started again (the first ones
+    by the fleet, later ones by the planner) and the failed starts count: kvmesh run
+    exits 1 with the worker's own error instead of waiting forever with no worker."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    argv = ["run", "--planner", "--min-workers", "1", "--max-workers", "2", "--fault", "start", "--workers", "1",
+            "--max-failed-starts", "3", "--planner-interval", "0.2", "--http-port", str(free_port())]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "kvmesh.cli.main", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == "kvmesh run: 3 worker starts in a row failed; the last: RuntimeError: mocker fault 'start': the engine refuses to start", r.stderr[-3000:]

@@ -31,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -58,6 +58,7 @@ log = logging.getLogger("kvmesh.planner")
 _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
 _LOAD_TIMEOUT_S = 0.5
 _ROUTABLE_POLL_S = 0.002
+_RETRY_S, _RETRY_MAX_S = 0.5, 10.0  # backoff of a first worker started again (doubled per failure in a row)
 
 
 class Launcher(Protocol):
@@ -94,6 +95,7 @@ class _Member:
     stopping: bool = False
     load: LoadReport | None = None
     replaces: list[float] = field(default_factory=list)  # loss times this worker makes good
+    first: bool = False  # one of the run's first workers (in the plan's starting sizes)
 
 
 class EmbeddedFleet:
@@ -120,7 +122,7 @@ class EmbeddedFleet:
         self.clock = clock
         self.vet_spare = vet if vet is not None else self._canary_check
         self.revet_s = 30.0  # a ready spare is canary-checked again this often (idle canaries)
-        self.members: dict[int, _Member] = {wid: _Member(role) for wid, role in roles.items()}
+        self.members: dict[int, _Member] = {wid: _Member(role, first=True) for wid, role in roles.items()}
         # set by attach(): the frontend is built while the first workers start
         self.frontend: Frontend | None = None
         self.runtime: DistributedRuntime | None = None
@@ -128,6 +130,8 @@ class EmbeddedFleet:
         self.metrics: PlannerMetrics | None = None
         self._lost: list[float] = []  # serving workers lost and not yet replaced (when)
         self._moves: dict[int, int] = {}  # new worker -> the one it takes over from
+        self._retrying: list[Role] = []  # first workers that failed to start, about to start again
+        self._failed_in_a_row = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._settled = asyncio.Event()
         self._closing = False
@@ -152,6 +156,7 @@ class EmbeddedFleet:
     async def on_ready(self, info: InstanceInfo) -> None:
         member = self.members.setdefault(info.worker_id, _Member(Role.AGGREGATED))
         member.info = info
+        self._failed_in_a_row = 0
         if member.role is Role.SPARE:
             self._spawn(self._vet(info.worker_id))
         else:
@@ -172,13 +177,26 @@ class EmbeddedFleet:
 
     async def on_failed(self, worker_id: int, why: str) -> None:
         """A worker exited before it was ready: forgotten (the planner starts another at
-        its next round, so a crash loop is paced by the planner's interval)."""
+        its next round, so a crash loop is paced by the planner's interval). One of the
+        run's first workers, before the planner's first round (the plan's sizes are not
+        known yet), is started again here, after a backoff. The supervisor counts the
+        failed starts and gives up on a crash loop (kvmesh run exits 1 with the error)."""
         member = self.members.pop(worker_id, None)
         if member is not None:
             log.error("planner: %s worker %x failed to start: %s", member.role.value, worker_id, why)
             if member.replaces:
                 self._lost[:0] = member.replaces  # still to be made good
+            if member.first and not self._closing and (self.service is None or self.service.rounds == 0):
+                self._retrying.append(member.role)
+                self._spawn(self._start_again(member.role))
         self._check_settled()
+
+    async def _start_again(self, role: Role) -> None:
+        self._failed_in_a_row += 1
+        await asyncio.sleep(min(_RETRY_S * 2 ** (self._failed_in_a_row - 1), _RETRY_MAX_S))
+        self._retrying.remove(role)
+        if not self._closing:
+            self.members[self._supervisor(role).launch()] = _Member(role, first=True)
 
     # ------------------------------------------------------------ the Fleet seam
     async def settled(self) -> None:
@@ -195,7 +213,7 @@ class EmbeddedFleet:
         for wid, m in self.members.items():  # idle canaries on the ready spares
             if m.role is Role.SPARE and m.vetted and not m.vetting and now - m.vetted_at >= self.revet_s:
                 self._spawn(self._vet(wid))
-        views, starting = [], []
+        views, starting = [], list(self._retrying)
         for wid, m in sorted(self.members.items()):
             if m.stopping:
                 continue
@@ -251,7 +269,7 @@ class EmbeddedFleet:
         return supervisor
 
     def _check_settled(self) -> None:
-        if all(m.info is not None for m in self.members.values()):
+        if not self._retrying and all(m.info is not None for m in self.members.values()):
             self._settled.set()
 
     def _take_loss(self) -> list[float]:
@@ -399,16 +417,16 @@ class EmbeddedFleet:
             return 0.0, 0, 0, 0
         return now - last[0], int(counts[1] - last[1]), int(counts[2] - last[2]), int(counts[3] - last[3])
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        async def run() -> None:
-            try:
-                await coro
-            except Exception:  # noqa: BLE001 - logged; the next round sees the fleet as it is
-                log.exception("planner fleet task failed")
-
-        task = asyncio.get_running_loop().create_task(run())
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        # the coroutine is the task (one cancelled before it ran is closed, never left unawaited)
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # logged; the next round sees the fleet as it is
+            log.error("planner fleet task failed", exc_info=task.exception())
 
     def info_of(self, worker_id: int) -> InstanceInfo | None:
         """A running worker's card, routed to or not (a spare's KV endpoint, for the

@@ -266,6 +266,8 @@ class Supervisor:
             return
         if not ready and not self._stopping:
             log.warning("worker %d did not start: %s", cfg.worker_id, why)
+        if not self._stopping:
+            self._count_start(ready, why)  # a crash loop under the planner ends the run too
 
     def terminate(self, worker_id: int) -> bool:
         """SIGTERM ``worker_id`` (it drains, then exits); False if it is not running."""
@@ -285,9 +287,9 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - keep supervising the other slots
                 log.exception("worker %d failed to run", worker_id)
                 ready, why = False, f"{type(exc).__name__}: {exc}"
-            if self._stopping or not self.restart:
+            if self._stopping:
                 return
-            if not self._count_start(ready, why):
+            if not self._count_start(ready, why) or not self.restart:
                 return
             await asyncio.sleep(self._delay())
             worker_id = self._next_id

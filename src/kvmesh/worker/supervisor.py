@@ -11,7 +11,9 @@ failed start) doubles the backoff (capped at ``max_backoff_s``); a worker that g
 ready resets it. After ``max_failed_starts`` failed starts in a row the supervisor
 gives up: :attr:`Supervisor.failed` is set and :attr:`Supervisor.error` holds the
 worker's own error on one line (its ``KVMESH_FAILED`` line, the same for every
-engine), which ``kvmesh run`` prints before it exits 1.
+engine), which ``kvmesh run`` prints before it exits 1. Under the planner (no restarts
+here: the planner replaces workers) the failed starts of the workers it launches count
+the same way.
 
 Start-up: :func:`prefork` forks the first workers from the ``kvmesh run`` process
 before its event loop and HTTP stack exist. There is no exec: a child keeps the

@@ -183,7 +183,7 @@ for _n, _b in enumerate(b for b in range(256) if b not in _PRINTABLE):
     _BYTE_CHARS[_b] = chr(256 + _n)
 _TO_LATIN1 = {ord(c): b for b, c in _BYTE_CHARS.items()}  # str.translate: alphabet → chr(byte)
 _ALPHABET = {ord(c): None for c in _BYTE_CHARS.values()}  # str.translate: drops the alphabet
-_UTF8 = codecs.getincrementaldecoder("utf-8")
+_utf8_decode = codecs.utf_8_decode  # (data, errors, final) -> (text, bytes used): what the incremental decoder runs
 _PROBE = 512  # ids checked against tokenizers' own decode before the table is trusted
 
 
@@ -196,13 +196,15 @@ class _BytePieces:
     are cached per id as ids are seen (at most the vocabulary; thread-safe enough: a
     race computes an entry twice)."""
 
-    __slots__ = ("_tok", "_size", "_special", "texts")
+    __slots__ = ("_tok", "_size", "_special", "texts", "raw")
 
     def __init__(self, tok: tokenizers.Tokenizer) -> None:
         self._tok = tok
         self._size = tok.get_vocab_size(with_added_tokens=True)
         self._special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
-        self.texts: tuple[dict[int, str | None], dict[int, str | None]] = ({}, {})  # by skip_special_tokens
+        # by skip_special_tokens: an id's text (None: its bytes are not whole UTF-8) ...
+        self.texts: tuple[dict[int, str | None], dict[int, str | None]] = ({}, {})
+        self.raw: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})  # ... and then its bytes
 
     @classmethod
     def of(cls, tok: tokenizers.Tokenizer) -> _BytePieces | None:
@@ -232,30 +234,32 @@ class _BytePieces:
             return token.encode()
         return token.translate(_TO_LATIN1).encode("latin-1")
 
-    def text(self, token_id: int, skip: bool) -> str | None:
-        """The text of ``token_id`` alone, None when its bytes are not whole UTF-8."""
+    def learn(self, token_id: int, skip: bool) -> bytes:
+        """Cache ``token_id``'s text (or, when its bytes are not whole UTF-8, its
+        bytes); return its bytes."""
+        data = self.piece(token_id, skip)
         try:
-            text: str | None = self.piece(token_id, skip).decode()
+            self.texts[skip][token_id] = data.decode()
         except UnicodeDecodeError:
-            text = None
-        self.texts[skip][token_id] = text
-        return text
+            self.texts[skip][token_id] = None
+            self.raw[skip][token_id] = data
+        return data
 
 
 class ByteLevelDetokenizer(Detokenizer):
     """A :class:`Detokenizer` over a byte-level tokenizer's :class:`_BytePieces`: a token
     whose bytes are whole UTF-8 (most) is a dictionary lookup while nothing is held;
-    otherwise the bytes go through an incremental UTF-8 decoder, which holds a
-    character's first bytes until the rest arrive."""
+    otherwise the bytes are read as UTF-8 after those held, and a character's first
+    bytes are held until the rest arrive."""
 
-    __slots__ = ("_pieces", "_skip", "_texts", "_utf8", "_held")
+    __slots__ = ("_pieces", "_skip", "_texts", "_raw", "_held")
 
     def __init__(self, pieces: _BytePieces, skip_special_tokens: bool = True) -> None:
         self._pieces = pieces
         self._skip = skip_special_tokens
         self._texts = pieces.texts[skip_special_tokens]
-        self._utf8: codecs.IncrementalDecoder | None = None  # made when a token is not whole UTF-8
-        self._held = False  # the UTF-8 decoder holds the start of a character
+        self._raw = pieces.raw[skip_special_tokens]
+        self._held = b""  # the start of a character, waiting for its other bytes
 
     def step(self, token_ids: Sequence[int]) -> str:
         if not self._held:
@@ -271,26 +275,27 @@ class ByteLevelDetokenizer(Detokenizer):
         return self._decode(token_ids)
 
     def _decode(self, token_ids: Sequence[int]) -> str:
-        pieces, skip, texts = self._pieces, self._skip, self._texts
+        texts, raw = self._texts, self._raw
+        parts = [self._held]
         for i in token_ids:
-            if i not in texts:
-                pieces.text(i, skip)
-        utf8 = self._utf8
-        if utf8 is None:
-            utf8 = self._utf8 = _UTF8("replace")
-        text: str = utf8.decode(b"".join([pieces.piece(i, skip) if texts[i] is None else texts[i].encode()  # type: ignore[union-attr]
-                                          for i in token_ids]))  # fmt: skip
-        self._held = bool(utf8.getstate()[0])
-        return text
+            text = texts.get(i)
+            if text is not None:
+                parts.append(text.encode())
+            elif i in raw:
+                parts.append(raw[i])
+            else:
+                parts.append(self._pieces.learn(i, self._skip))
+        data = b"".join(parts)
+        out, used = _utf8_decode(data, "replace", False)  # an unfinished character at the end stays
+        self._held = data[used:]
+        return out
 
     def flush(self) -> str:
-        utf8 = self._utf8
-        if utf8 is None:
+        if not self._held:
             return ""
-        text: str = utf8.decode(b"", True)
-        utf8.reset()
-        self._held = False
-        return text
+        out, _ = _utf8_decode(self._held, "replace", True)
+        self._held = b""
+        return out
 
 
 class IncrementalDetokenizer(Detokenizer):

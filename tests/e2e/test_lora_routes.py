@@ -44,6 +44,14 @@ def _route(client: openai.OpenAI, model: str, prompt: str) -> tuple[str, str]:
     return raw.parse().model, json.loads(raw.headers["x-kvmesh-route"])["worker"]
 
 
+def _cached(url: str, model: str, prompt: str) -> tuple[str, int]:
+    """(the worker, the prompt tokens it found cached) of one request (with API keys the
+    route's overlaps are not shown: another tenant's prefixes would be)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "router_explain": True}
+    got = httpx.post(url + "/v1/completions", json=body, headers={"authorization": f"Bearer {USER}"}).json()
+    return got["kvmesh_route"]["worker"], got["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 @pytest.mark.timeout(120)
 def test_adapter_routes_listing_and_affinity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = write_adapter(tmp_path / "sql-adapter")
@@ -81,6 +89,12 @@ def test_adapter_routes_listing_and_affinity(tmp_path: Path, monkeypatch: pytest
         assert adapter == [("sql", holder)] * 8  # one at a time: the holder is never busy
         plain = {_route(client, "kvmesh-tiny", f"plain prompt number {i}")[1] for i in range(8)}
         assert plain == {holder, other}  # plain requests are not pinned to the adapter's holder
+
+        # an adapter's KV blocks are its own (hashes salted with its name, in the router and the
+        # engine alike): a repeat matches them, the base model's same prompt does not
+        long = " ".join(f"word{i}" for i in range(60))
+        seen = [_cached(url, model, long) for model in ("sql", "sql", "kvmesh-tiny")]
+        assert seen[0] == (holder, 0) and seen[1][0] == holder and seen[1][1] >= 192 and seen[2][1] == 0, seen
 
         gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=admin)
         assert gone.status_code == 200, gone.text

@@ -81,11 +81,12 @@ def test_corrupt_groups_are_found_within_the_canary_budget() -> None:
 
 def test_subtle_corruption_leaves_at_its_first_failed_check() -> None:
     """Issue 34's finding, through the simulation: with a corruption verdict ejecting at
-    once, a subtle fault seen by half the checks is out within a few rounds at p99."""
+    once, a subtle fault seen by half the checks is out within ten rounds at p99 (with
+    three failed checks in a row needed, one round in eight: ~36 rounds)."""
     day = _day()
     detect = day["time_to_detect"]["sdc_logits"]
     assert detect["n"] > 5
-    assert detect["p99_s"] <= 8 * SMALL.canary_interval_s
+    assert detect["p99_s"] <= 10 * SMALL.canary_interval_s  # one check in two: 0.5^10 < 0.1 %
 
 
 def test_schedule_follows_the_rates() -> None:

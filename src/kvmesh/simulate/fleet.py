@@ -411,9 +411,9 @@ class FleetSim:
             for gid in range(f.worker, min(f.worker + self.c.rack_size, len(self.groups))):
                 self._partition(self.groups[gid], f)
             return
-        g = self.groups[f.worker]
-        if g.retired or g.fault is not None or g.role is Role.SPARE:
-            return  # already out, or a spare (the planner's promotion vets it)
+        g = self._target(f.worker)
+        if g is None:
+            return
         g.since = now
 
         def strike() -> None:
@@ -427,6 +427,17 @@ class FleetSim:
         self._change(g, strike)
         if f.kind is FaultKind.SLOW:
             self._push(now + f.duration_s, "slow_end", g.gid)
+
+    def _target(self, drawn: int) -> _Group | None:
+        """The serving group a GPU fault lands on: the drawn one, or (when that one was
+        replaced, is a spare or is already faulty) another drawn uniformly; the same
+        rate keeps hitting the fleet however many groups it has replaced."""
+        g = self.groups[drawn]
+        for _ in range(64):
+            if not g.retired and g.fault is None and g.role is not Role.SPARE and not g.unreachable:
+                return g
+            g = self.groups[self.rng.randrange(len(self.groups))]
+        return None
 
     def _partition(self, g: _Group, f: Fault) -> None:
         if g.retired or g.role is Role.SPARE or g.unreachable:
@@ -586,6 +597,7 @@ class FleetSim:
                 next_views = t + VIEW_REFRESH_S
             self._slice(t, arrivals_rng)
         self._events_until(horizon)
+        self._now = horizon
         self._finish()
         return self.out
 
@@ -696,9 +708,12 @@ class FleetSim:
     def _finish(self) -> None:
         out = self.out
         out.served = int(round(out.admitted)) - sum(out.lost.values())
+        due = self.c.canary_interval_s + (self.p.health.canary_max_retries + 1) * self.c.canary_timeout_s
         for g in self.groups:
             if g.fault is not None and not g.retired and g.tracker.weight > 0:
-                out.undetected[g.fault.kind.value] += 1
+                # a fault younger than one round and its check was not due to be found yet
+                key = "not_yet_checked" if self._now - g.since <= due else g.fault.kind.value
+                out.undetected[key] += 1
         # the seed's budget: a corrupt group serves until the next round finds it, so at
         # most one check interval (+ the check) of its token rate per event
         per_group_tokens_s = self.timing.rps * self.c.output_tokens * self.c.peak_utilisation

@@ -371,7 +371,8 @@ class PlannerConfig:
     worker_flags: str = setting(
         "", "kvmesh planner: start and stop local `kvmesh worker` processes with these flags (one string, split like a"
         " shell; e.g. \"--engine mocker --speedup 10\"; its own runtime settings are added); empty: it only promotes"
-        " --standby workers", env="KVMESH_PLANNER_WORKER_FLAGS", metavar="FLAGS", group=_PLAN,
+        " --standby workers", env="KVMESH_PLANNER_WORKER_FLAGS", metavar="FLAGS", check=lambda v: _shell_line_ok(v),
+        group=_PLAN,
     )  # fmt: skip
     # kvmesh planner only: its /metrics (kvmesh run serves them on the frontend's)
     planner_metrics_port: int | None = setting(None, "serve the planner's Prometheus metrics on this port",
@@ -450,6 +451,16 @@ def _default_file_dir() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"kvmesh-discovery-{os.getuid()}")
+
+
+def _shell_line_ok(value: object) -> str | None:
+    import shlex  # kvmesh planner --worker-flags only
+
+    try:
+        shlex.split(str(value))
+    except ValueError as exc:
+        return f"must split like a shell line ({exc})"
+    return None
 
 
 def _namespace_ok(value: object) -> str | None:

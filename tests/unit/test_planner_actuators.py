@@ -205,3 +205,11 @@ async def test_the_fleet_prefers_a_standby_and_stops_through_the_owner() -> None
     finally:
         await fleet.close()
         await runtime.shutdown()
+
+
+def test_worker_flags_that_do_not_split_like_a_shell_line_are_refused_at_start() -> None:
+    from kvmesh.config import PlannerConfig as PlannerSettings
+
+    with pytest.raises(ValueError, match="split like a shell line"):
+        PlannerSettings(worker_flags='--model-path "/models/x')
+    assert PlannerSettings(worker_flags="--speedup 10 --model-path '/a b'").worker_flags

@@ -386,6 +386,8 @@ class PlannerConfig:
         check(self)
         if self.max_workers is not None and self.min_workers is not None and self.max_workers < self.min_workers:
             raise ValueError(f"--max-workers ({self.max_workers}) must be at least --min-workers ({self.min_workers})")
+        if self.worker_flags and self.max_workers is None:
+            raise ValueError("--worker-flags needs --max-workers: how many worker processes the planner may run here")
 
 
 @dataclass(frozen=True)

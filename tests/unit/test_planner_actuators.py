@@ -207,9 +207,11 @@ async def test_the_fleet_prefers_a_standby_and_stops_through_the_owner() -> None
         await runtime.shutdown()
 
 
-def test_worker_flags_that_do_not_split_like_a_shell_line_are_refused_at_start() -> None:
+def test_worker_flags_that_do_not_split_like_a_shell_line_or_have_no_bound_are_refused_at_start() -> None:
     from kvmesh.config import PlannerConfig as PlannerSettings
 
     with pytest.raises(ValueError, match="split like a shell line"):
-        PlannerSettings(worker_flags='--model-path "/models/x')
-    assert PlannerSettings(worker_flags="--speedup 10 --model-path '/a b'").worker_flags
+        PlannerSettings(worker_flags='--model-path "/models/x', max_workers=2)
+    with pytest.raises(ValueError, match="--worker-flags needs --max-workers"):
+        PlannerSettings(worker_flags="--speedup 10")  # no bound on the processes it may start
+    assert PlannerSettings(worker_flags="--speedup 10 --model-path '/a b'", max_workers=2).worker_flags

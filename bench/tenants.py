@@ -10,19 +10,33 @@ file (tenants A and B, weight 1 each), real HTTP (httpx, streamed completions). 
 round runs two phases, alternated so that the shared machine's noise hits both:
 
 * alone:  tenant B at ``--b-rate`` requests/s;
-* beside: B at the same rate, and tenant A at ``--ratio`` × B's rate, which with B is
-  past the fleet's capacity (the fleet saturates and A's requests pile up).
+* beside A: B at the same rate, and tenant A at ``--ratio`` × B's rate, which with B is
+  past the fleet's capacity (the fleet saturates and A's requests pile up);
+* beside A FCFS: the same, B's requests sent with a key of A's tenant: one tenant, so
+  the queue serves them in arrival order (what the queue did before fair queuing).
 
-Printed: per phase, B's TTFT p50/p99, B's requests lost (any answer but 200), A's
+Printed: per phase and round, B's TTFT p50/p99, B's requests lost (any answer but 200), A's
 answers by status (200 served, 429 limited, anything else an error), and the goal's
-ratio B p99 beside / B p99 alone (goal ≤ 1.5; B loses none; A gets no error).
+ratio B p99 beside / B p99 alone, fair and FCFS (goal ≤ 1.5; B loses none; A gets no
+error).
 Open loop: arrivals are Poisson and do not wait for answers.
+
+    PYTHONPATH=src python bench/tenants.py --hit-rate ../shared/traces/mooncake_conversation_trace.jsonl
+
+What ``--cache-isolation tenant`` costs in prefix-cache hit rate: the trace's
+conversations dealt to ``--tenants`` tenants (a conversation is its first block after the
+shared one, ``hash_ids[1]``), replayed (``kvmesh replay --policy kv``, virtual clock)
+twice: as is (tenants share blocks), and with every block id made the tenant's own
+(``id × tenants + tenant``: what salting the hashes does), so a prefix common to
+several tenants (the system prompt, block 0) is cached once per tenant.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import subprocess
 import os
 import random
 import sys
@@ -43,7 +57,9 @@ from _lib import percentile  # noqa: E402
 from tests.helpers import kvmesh_run  # noqa: E402
 
 MODEL = "kvmesh-tiny"
-KEYS = "sk-bench-a tenant=A weight=1\nsk-bench-b tenant=B weight=1\n"
+# sk-bench-b-in-a: B's traffic under A's tenant, the FCFS baseline (one tenant: arrival order)
+KEYS = "sk-bench-a tenant=A weight=1\nsk-bench-b tenant=B weight=1\nsk-bench-b-in-a tenant=A\n"
+PHASES = (("B alone", False, "sk-bench-b"), ("beside A", True, "sk-bench-b"), ("beside A FCFS", True, "sk-bench-b-in-a"))
 
 
 @dataclass
@@ -80,11 +96,11 @@ async def _tenant_load(client: httpx.AsyncClient, tenant: str, key: str, rate: f
     await asyncio.gather(*tasks)
 
 
-async def _phase(url: str, args: argparse.Namespace, beside: bool, seed: int) -> list[Result]:
+async def _phase(url: str, args: argparse.Namespace, beside: bool, b_key: str, seed: int) -> list[Result]:
     out: list[Result] = []
     limits = httpx.Limits(max_connections=4000, max_keepalive_connections=4000)
     async with httpx.AsyncClient(base_url=url, timeout=args.duration * 10, limits=limits) as client:
-        loads = [_tenant_load(client, "B", "sk-bench-b", args.b_rate, args, seed, out)]
+        loads = [_tenant_load(client, "B", b_key, args.b_rate, args, seed, out)]
         if beside:
             loads.append(_tenant_load(client, "A", "sk-bench-a", args.b_rate * args.ratio, args, seed + 1, out))
         await asyncio.gather(*loads)
@@ -106,20 +122,59 @@ def _row(name: str, results: list[Result]) -> tuple[str, float | None]:
     return line, p99
 
 
+def _conversation(row: dict) -> int:
+    ids = row["hash_ids"]
+    return ids[1] if len(ids) > 1 else ids[0]
+
+
+def _replay_hit_rate(trace: Path, args: argparse.Namespace, out: Path) -> float:
+    cmd = [sys.executable, "-m", "kvmesh.cli.main", "replay", str(trace), "--policy", "kv", "--no-progress",
+           "--workers", str(args.workers), "--json", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return float(json.loads(out.read_text())[0]["cache_hit_rate"])
+
+
+def hit_rate(args: argparse.Namespace) -> None:
+    rows = [json.loads(line) for line in open(args.hit_rate)][: args.limit]
+    with tempfile.TemporaryDirectory() as tmp:
+        shared, isolated = Path(tmp) / "shared.jsonl", Path(tmp) / "isolated.jsonl"
+        shared.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        n = args.tenants
+        salted = [{**r, "hash_ids": [h * n + _conversation(r) % n for h in r["hash_ids"]]} for r in rows]
+        isolated.write_text("".join(json.dumps(r) + "\n" for r in salted))
+        print(f"{len(rows)} requests of {args.hit_rate}, {n} tenants, {args.workers} mocker workers, kv router "
+              f"(virtual clock)")
+        print(f"{'cache isolation':<16} {'hit rate':>9}")
+        rate = {}
+        for name, trace in (("none", shared), ("tenant", isolated)):
+            rate[name] = _replay_hit_rate(trace, args, Path(tmp) / f"{name}.json")
+            print(f"{name:<16} {rate[name] * 100:>8.1f}%", flush=True)
+        print(f"isolation costs {100 * (rate['none'] - rate['tenant']):.1f} points of hit rate "
+              f"({rate['tenant'] / rate['none']:.2f}x of the shared cache's hits)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
     p.add_argument("--b-rate", type=float, default=2.0, help="tenant B's requests per second")
     p.add_argument("--ratio", type=float, default=10.0, help="tenant A's rate over B's")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=None, help="mocker workers (default 2; --hit-rate: 4, replay's)")
     p.add_argument("--speedup", type=float, default=0.25, help="mocker speed (1: a real GPU's timing)")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--threshold", type=float, default=0.05, help="--admission-threshold")
+    p.add_argument("--prompt-tokens", type=int, default=1536)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--threshold", type=float, default=0.01, help="--admission-threshold")
     p.add_argument("--extra", default="", help="more kvmesh run flags")
+    p.add_argument("--hit-rate", metavar="TRACE", help="measure cache isolation's hit-rate cost on this trace instead")
+    p.add_argument("--tenants", type=int, default=8, help="--hit-rate: tenants the conversations are dealt to")
+    p.add_argument("--limit", type=int, default=2000, help="--hit-rate: the trace's first N requests")
     args = p.parse_args()
+    if args.hit_rate:
+        args.workers = args.workers or 4
+        hit_rate(args)
+        return
+    args.workers = args.workers or 2
     flags = ["--router-mode", "kv", "--admission-threshold", str(args.threshold), "--max-num-seqs", str(args.max_num_seqs),
              "--canary-interval", "0", *args.extra.split()]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,22 +186,24 @@ def main() -> None:
                   f"admission threshold {args.threshold}; prompts {args.prompt_tokens} tokens, {args.max_tokens} generated; "
                   f"B {args.b_rate}/s, A {args.b_rate * args.ratio}/s; {args.duration:.0f} s per phase (shared machine)")
             print(f"{'phase':<14} {'B req':>5} {'B lost':>6} {'B p50ms':>8} {'B p99ms':>8}   A answers by status")
-            alone: list[Result] = []
-            beside: list[Result] = []
+            pooled: dict[str, list[Result]] = {name: [] for name, _, _ in PHASES}
             for r in range(args.rounds):
-                for is_beside in (False, True):
-                    got = asyncio.run(_phase(s.url, args, is_beside, seed=100 * r + is_beside))
-                    (beside if is_beside else alone).extend(got)
-                    print(_row(f"{'beside A' if is_beside else 'B alone'} #{r + 1}", got)[0], flush=True)
-            line_alone, p99_alone = _row("B alone (all)", alone)
-            line_beside, p99_beside = _row("beside A (all)", beside)
-            print(line_alone)
-            print(line_beside)
-            if p99_alone and p99_beside:
-                a_errors = sum(1 for x in beside if x.tenant == "A" and x.status not in (200, 429))
-                b_lost = sum(1 for x in beside + alone if x.tenant == "B" and (x.status != 200 or x.ttft_s is None))
-                print(f"B TTFT p99 beside / alone: {p99_beside / p99_alone:.2f} (goal <= 1.5); B lost {b_lost}; "
-                      f"A errors {a_errors}")
+                for i, (name, beside, b_key) in enumerate(PHASES):
+                    got = asyncio.run(_phase(s.url, args, beside, b_key, seed=100 * r + i))
+                    pooled[name].extend(got)
+                    print(_row(f"{name} #{r + 1}", got)[0], flush=True)
+            p99 = {}
+            for name, results in pooled.items():
+                line, p99[name] = _row(f"{name} (all)", results)
+                print(line)
+            everything = [x for results in pooled.values() for x in results]
+            a_errors = sum(1 for x in everything if x.tenant == "A" and x.status not in (200, 429))
+            b_lost = sum(1 for x in everything if x.tenant == "B" and (x.status != 200 or x.ttft_s is None))
+            alone = p99["B alone"]
+            if alone:
+                fair, fcfs = p99["beside A"], p99["beside A FCFS"]
+                print(f"B TTFT p99 beside A / alone: fair {fair / alone:.2f} (goal <= 1.5), FCFS {fcfs / alone:.2f}; "
+                      f"B lost {b_lost}; A errors {a_errors}")
 
 
 if __name__ == "__main__":

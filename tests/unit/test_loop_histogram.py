@@ -61,3 +61,41 @@ def test_frontend_metrics_render_latencies() -> None:
 def test_wrong_label_count_refused() -> None:
     with pytest.raises(ValueError):
         LoopHistogram("y_seconds", "doc", ["model"], _BOUNDS, CollectorRegistry()).labels("a", "b")
+
+
+@pytest.mark.parametrize("gauge", [False, True])
+def test_loop_counter_same_exposition_as_prometheus(gauge: bool) -> None:
+    from prometheus_client import Counter, Gauge
+
+    from kvmesh.observability.metrics import LoopCounter
+
+    r1, r2 = CollectorRegistry(), CollectorRegistry()
+    kind = Gauge if gauge else Counter
+    prom = kind("kvmesh_x_requests", "doc", ["model", "status"], registry=r1)
+    loop = LoopCounter("kvmesh_x_requests", "doc", ["model", "status"], r2, gauge=gauge)
+    assert generate_latest(r1) == generate_latest(r2)
+    for labels, n in ((("m", "200"), 3), (("m", "499"), 1), (("n", "200"), 2.5)):
+        prom.labels(*labels).inc(n)
+        loop.labels(*labels).inc(n)
+    if gauge:
+        prom.labels("m", "200").dec()
+        loop.labels("m", "200").dec()
+    prom.labels("idle", "200")
+    loop.labels("idle", "200")
+    assert generate_latest(r1) == generate_latest(r2)
+
+
+def test_frontend_metrics_count_requests() -> None:
+    fm = FrontendMetrics()
+    m = fm.model("tiny")
+    m.inflight.inc()
+    m.finished("chat_completions", "200")
+    m.finished("chat_completions", "200")
+    m.routed(0xAB)
+    m.input_tokens.inc(128)
+    assert fm.registry.get_sample_value(
+        "kvmesh_frontend_requests_total", {"model": "tiny", "endpoint": "chat_completions", "status": "200"}
+    ) == 2
+    assert fm.registry.get_sample_value("kvmesh_frontend_inflight_requests", {"model": "tiny"}) == 1
+    assert fm.registry.get_sample_value("kvmesh_router_decisions_total", {"model": "tiny", "worker": "ab"}) == 1
+    assert fm.registry.get_sample_value("kvmesh_frontend_input_tokens_total", {"model": "tiny"}) == 128

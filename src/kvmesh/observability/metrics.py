@@ -19,7 +19,7 @@ from prometheus_client.utils import floatToGoString
 disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client; no *_created series
 
 __all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST", "count_discovery_refusals",
-           "export_tenant_usage", "LoopHistogram", "LoopBuckets"]
+           "export_tenant_usage", "LoopHistogram", "LoopBuckets", "LoopCounter", "LoopValue"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -97,6 +97,54 @@ class LoopHistogram(Collector):
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
 
+class LoopValue:
+    """One label set of a :class:`LoopCounter`: a number, with no lock (loop thread only)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+
+class LoopCounter(Collector):
+    """A counter (or, ``gauge=True``, a gauge) exported like ``prometheus_client``'s
+    (same name, samples and labels), for the values every request changes: ``inc`` is
+    an addition where ``Counter.inc`` takes a lock (issue 36). Not thread-safe: every
+    change and every scrape is on the event loop."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry,
+                 gauge: bool = False) -> None:  # fmt: skip
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._family = GaugeMetricFamily if gauge else CounterMetricFamily
+        self._children: dict[tuple[str, ...], LoopValue] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopValue:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
+            child = self._children[values] = LoopValue()
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family(self.name, self.documentation, labels=self.labelnames)
+
+
 class RouterMetrics:
     """The KV router's metrics for one model (children bound once)."""
 
@@ -145,7 +193,7 @@ class ModelMetrics:
     def __init__(self, parent: FrontendMetrics, model: str) -> None:
         self._model = model
         self._requests = parent.requests
-        self._finished: dict[tuple[str, str], Counter] = {}
+        self._finished: dict[tuple[str, str], LoopValue] = {}
         self.inflight = parent.inflight.labels(model)
         self.ttft = parent.ttft.labels(model)
         self.itl = parent.itl.labels(model)
@@ -153,7 +201,7 @@ class ModelMetrics:
         self.input_tokens = parent.input_tokens.labels(model)
         self.output_tokens = parent.output_tokens.labels(model)
         self._decisions = parent.decisions
-        self._routed: dict[int, Counter] = {}
+        self._routed: dict[int, LoopValue] = {}
         self.cached_tokens = parent.cached_tokens.labels(model)
         self.router = RouterMetrics(parent, model)
         self._migrations = parent.migrations
@@ -254,10 +302,11 @@ class FrontendMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "kvmesh_frontend_requests", "Requests by model, endpoint and final status", ["model", "endpoint", "status"], registry=r
+        # changed by every request, on the loop: lock-free (LoopCounter, LoopHistogram)
+        self.requests = LoopCounter(
+            "kvmesh_frontend_requests", "Requests by model, endpoint and final status", ["model", "endpoint", "status"], r
         )
-        self.inflight = Gauge("kvmesh_frontend_inflight_requests", "Requests being served", ["model"], registry=r)
+        self.inflight = LoopCounter("kvmesh_frontend_inflight_requests", "Requests being served", ["model"], r, gauge=True)
         # observed on every request (ITL: every token) from the loop: lock-free (LoopHistogram)
         self.ttft = LoopHistogram(
             "kvmesh_frontend_time_to_first_token_seconds", "Time to first token", ["model"], _LATENCY_BUCKETS, r
@@ -268,15 +317,11 @@ class FrontendMetrics:
         self.duration = LoopHistogram(
             "kvmesh_frontend_request_duration_seconds", "Whole request time", ["model"], _DURATION_BUCKETS, r
         )
-        self.input_tokens = Counter("kvmesh_frontend_input_tokens", "Prompt tokens", ["model"], registry=r)
-        self.output_tokens = Counter("kvmesh_frontend_output_tokens", "Generated tokens", ["model"], registry=r)
+        self.input_tokens = LoopCounter("kvmesh_frontend_input_tokens", "Prompt tokens", ["model"], r)
+        self.output_tokens = LoopCounter("kvmesh_frontend_output_tokens", "Generated tokens", ["model"], r)
         self.disconnects = Counter("kvmesh_frontend_client_disconnects", "Streams the client left early", registry=r)
-        self.decisions = Counter(
-            "kvmesh_router_decisions", "Requests routed, by worker (hex lease id)", ["model", "worker"], registry=r
-        )
-        self.cached_tokens = Counter(
-            "kvmesh_frontend_cached_tokens", "Prompt tokens served from the prefix cache", ["model"], registry=r
-        )
+        self.decisions = LoopCounter("kvmesh_router_decisions", "Requests routed, by worker (hex lease id)", ["model", "worker"], r)
+        self.cached_tokens = LoopCounter("kvmesh_frontend_cached_tokens", "Prompt tokens served from the prefix cache", ["model"], r)
         self.router_decision = Histogram(
             "kvmesh_router_decision_seconds", "Time to make one routing decision", ["model"],
             buckets=_DECISION_BUCKETS, registry=r,

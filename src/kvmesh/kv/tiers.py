@@ -24,8 +24,8 @@ TIERS = (G1, G2, G3)
 def hit_weights(bytes_per_token: float, prefill_tokens_per_s: float, host_gbps: float, disk_gbps: float) -> tuple[float, float]:
     """The price of a G2 and a G3 hit per token, as a fraction of prefilling it (see the
     module docstring)."""
-    prefill_s = 1.0 / prefill_tokens_per_s
-    return tuple(min(1.0, bytes_per_token / (gbps * 1e9) / prefill_s) for gbps in (host_gbps, disk_gbps))  # type: ignore[return-value]
+    host, disk = (min(1.0, bytes_per_token / (gbps * 1e9) * prefill_tokens_per_s) for gbps in (host_gbps, disk_gbps))
+    return host, disk
 
 
 def check_tier_weights(weights: tuple[float, ...]) -> None:

@@ -75,6 +75,11 @@ def test_requests_per_minute_429_with_headers_and_headers_on_success(server):
     assert 1 <= int(headers["retry-after"]) <= 20  # 3 per minute: one back every 20 s
     assert headers["x-ratelimit-limit-requests"] == "3" and headers["x-ratelimit-remaining-requests"] == "0"
     assert "alpha" in err.value.message and "requests per minute" in err.value.message
+    # the Anthropic Messages route: its own error shape, the same headers
+    r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": "sk-alpha"},
+                   json={"model": MODEL, "max_tokens": 2, "messages": MESSAGES})  # fmt: skip
+    assert r.status_code == 429 and r.json()["type"] == "error" and r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(r.headers["retry-after"]) >= 1
 
 
 def test_a_key_without_limits_gets_no_ratelimit_headers(server):

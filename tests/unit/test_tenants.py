@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.frontend.auth import read_keys, read_keys_file
+from kvmesh.config import SecurityConfig
+from kvmesh.frontend.auth import Authenticator, read_keys, read_keys_file
 from kvmesh.frontend.tenants import Grant, Refusal, TenantLimiter, TenantPolicy, format_reset, parse_policy
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,6 +35,16 @@ def test_keys_file_old_and_new_lines(tmp_path):
     path.write_text("k1 gold\n")
     with pytest.raises(ValueError, match=":1: write"):
         read_keys(str(path))
+
+
+def test_keys_of_one_tenant_share_its_first_lines_policy_and_isolation_names_the_rest():
+    keys = (("k1", "standard"), ("k2", "standard"), ("k3", "standard"))
+    options = (("k1", "tenant=acme rpm=5 weight=3"), ("k2", "tenant=acme"))
+    auth = Authenticator(SecurityConfig(api_keys=keys, api_key_options=options))
+    assert auth.tenant_at(0) is auth.tenant_at(1) and auth.tenant_at(1).weight == 3  # type: ignore[union-attr]
+    assert auth.tenant_at(2) is None  # no tenant: nothing extra per request
+    isolated = Authenticator(SecurityConfig(api_keys=keys, api_key_options=options, cache_isolation="tenant"))
+    assert isolated.tenant_at(2) == TenantPolicy("key-3")
 
 
 def test_requests_bucket_refuses_past_the_limit_and_refills():

@@ -102,10 +102,13 @@ class Authenticator:
         options = dict(config.api_key_options)
         isolated = config.cache_isolation == "tenant"
         self._tenants: list[TenantPolicy | None] = []
+        first: dict[str, TenantPolicy] = {}  # keys naming one tenant share the first such line's limits and weight
         for i, (key, _) in enumerate(config.api_keys, 1):
             words = options.get(key, "").split()
             policy = parse_policy(words, f"key-{i}")
-            self._tenants.append(TenantPolicy(f"key-{i}") if policy is None and isolated else policy)
+            if policy is None and isolated:
+                policy = TenantPolicy(f"key-{i}")
+            self._tenants.append(first.setdefault(policy.name, policy) if policy is not None else None)
 
     def tenant_at(self, index: int) -> TenantPolicy | None:
         """The tenant of key ``index`` (:meth:`key_of`); None: no tenant."""

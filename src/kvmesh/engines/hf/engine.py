@@ -563,11 +563,14 @@ class _HfLoads:
     def __init__(self, engine: HfEngine) -> None:
         self._engine = engine
 
-    def check(self, files: AdapterFiles) -> None:
+    def _shapes(self) -> dict[str, tuple[int, int]]:
         spec = self._engine._require().model.spec
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        shapes = projection_shapes(spec.hidden_size, q, kv, spec.intermediate_size)
-        check_against(files, spec.num_layers, shapes, self._engine.options.max_lora_rank)
+        return projection_shapes(spec.hidden_size, q, kv, spec.intermediate_size)
+
+    def check(self, files: AdapterFiles) -> None:
+        spec = self._engine._require().model.spec
+        check_against(files, spec.num_layers, self._shapes(), self._engine.options.max_lora_rank)
 
     async def read(self, files: AdapterFiles) -> object:
         return await asyncio.to_thread(load_tensors, files)
@@ -578,10 +581,9 @@ class _HfLoads:
         engine = self._engine
         model, opts = engine._require().model, engine.options
         if model.lora is None:  # the first adapter: the slots' weights, all zero
-            spec = model.spec
-            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-            shapes = projection_shapes(spec.hidden_size, q, kv, spec.intermediate_size)
-            model.lora = LoraBank(spec.num_layers, shapes, opts.max_loras, opts.max_lora_rank, model.device, model.dtype)
+            model.lora = LoraBank(
+                model.spec.num_layers, self._shapes(), opts.max_loras, opts.max_lora_rank, model.device, model.dtype
+            )
         await asyncio.get_running_loop().run_in_executor(engine._executor, model.lora.write, slot, files, tensors)
 
     def clear(self, slot: int) -> None:

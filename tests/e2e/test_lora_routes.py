@@ -11,6 +11,7 @@ its folder: both workers could serve ``sql``, one holds it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -103,3 +104,36 @@ def test_adapter_routes_listing_and_affinity(tmp_path: Path, monkeypatch: pytest
             client.completions.create(model="sql", prompt="x", max_tokens=2)
         again = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=admin)
         assert again.status_code == 404
+
+
+@pytest.mark.timeout(120)
+def test_a_busy_holder_spills_to_a_worker_that_loads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real timing (speedup 1): eight long adapter prompts at once. The holder takes the
+    first; booked with its prefill, it costs more than another worker's load of the
+    adapter, so the router sends some to the other worker, which loads it."""
+    folder = write_adapter(tmp_path / "sql-adapter")
+    monkeypatch.setenv("KVMESH_ADMIN_KEY", ADMIN)
+    monkeypatch.setenv("KVMESH_API_KEY", USER)
+    config = tmp_path / "lora.toml"
+    config.write_text("max-loras = 1\n")
+    args = ("--config", str(config), "--router-mode", "kv", "--admin", "--canary-interval", "0")
+    with kvmesh_run(tmp_path, *args, workers=2, speedup="1") as server:
+        url, admin = server.url, {"authorization": f"Bearer {ADMIN}"}
+        holder, other = _workers(url)
+        for body in ({"lora_name": "sql", "lora_path": str(folder)}, {"lora_name": "chat", "lora_path": str(folder), "worker": other}):
+            assert httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin).status_code == 200
+
+        async def burst() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=USER, max_retries=0)
+            prompts = [f"query {i}: " + " ".join(f"t{i}x{j}" for j in range(120)) for i in range(8)]
+            raws = await asyncio.gather(*(
+                client.completions.with_raw_response.create(model="sql", prompt=p, max_tokens=2, extra_headers={"x-kvmesh-explain": "1"})
+                for p in prompts
+            ))  # fmt: skip
+            await client.close()
+            return [json.loads(r.headers["x-kvmesh-route"])["worker"] for r in raws]
+
+        workers = asyncio.run(burst())
+        assert workers.count(holder) >= 1 and workers.count(other) >= 1, workers
+        seen = httpx.get(url + "/admin/workers", headers=admin).json()["workers"]
+        assert {w["worker"]: w.get("adapters") for w in seen}[other] == ["sql"]  # loaded there, chat unloaded (LRU)

@@ -120,3 +120,17 @@ def test_no_interleaving_overdraws_a_bucket(steps, rpm, tpm, concurrent):
         reserved = sum(g.reserved_tokens for g, _, _ in open_)
         # an estimate over the capacity is capped, so one request may use more than it reserved
         assert used + reserved <= tpm + tpm * now / 60 + 80 + 1e-6
+
+
+def test_metric_labels_are_bounded_and_the_rest_is_other():
+    from kvmesh.frontend.tenant_state import TenantGate
+    from kvmesh.frontend.tenants import MAX_METRIC_TENANTS
+
+    gate = TenantGate([TenantPolicy(f"t{i:03d}") for i in range(MAX_METRIC_TENANTS + 6)])
+    for i in range(MAX_METRIC_TENANTS + 6):
+        grant = gate.reserve(TenantPolicy(f"t{i:03d}"), 10, 5)
+        assert isinstance(grant, Grant)
+        gate.settle(grant, 10, 5)
+    usage = gate.metric_usage()
+    assert len(usage) == MAX_METRIC_TENANTS + 1 and usage["other"]["requests"] == 6
+    assert usage["other"]["completion_tokens"] == 30 and usage["t000"]["prompt_tokens"] == 10

@@ -144,6 +144,18 @@ def test_bad_models_tables_are_one_line(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-m", "kvmesh.cli.main", "run", "--config", str(path)],
                              capture_output=True, text=True, timeout=50)  # fmt: skip
         assert out.returncode == 2 and want in out.stderr, (text, out.stderr)
+    # a named model's bad folder: one line before any worker starts; two models one name
+    starts = {
+        '[[models]]\nname = "a"\n[[models]]\nname = "b"\nmodel-path = "/nonexistent"\n': "model folder /nonexistent",
+        "[[models]]\n[[models]]\n": "two models are served as 'kvmesh-tiny'",
+    }
+    for text, want in starts.items():
+        path = tmp_path / "bad.toml"
+        path.write_text(text)
+        out = subprocess.run([sys.executable, "-m", "kvmesh.cli.main", "run", "--config", str(path), "--http-port", "0"],
+                             capture_output=True, text=True, timeout=50)  # fmt: skip
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(lines) == 1 and lines[0].startswith("kvmesh run: ") and want in lines[0], lines
 
 
 @pytest.mark.timeout(90)

@@ -92,9 +92,10 @@ def _resolve_folders(cfg: RunConfig) -> RunConfig:
     def resolved(fleet: ModelFleet) -> ModelFleet:
         path = fleet.worker.model_path or str(bundled_model_path())
         try:
-            name = fleet.worker.served_model_name or load_model_folder(path).name
+            folder = load_model_folder(path)  # checked whatever the name: a bad folder is one line now
         except KvmeshError as exc:
             raise StartError(exc.message) from exc
+        name = fleet.worker.served_model_name or folder.name
         if name in names:
             raise StartError(f"two models are served as {name!r}: give each [[models]] table its own name")
         names.add(name)

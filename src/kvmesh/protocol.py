@@ -34,6 +34,7 @@ MAX_ADAPTER_NAME = 128
 MAX_CACHE_SALT = 128
 MAX_LORA_PATH = 4096  # a LoRA adapter's folder path (a load command)
 MAX_ADAPTERS = 256  # adapters a worker reports holding (LoadReport, LoraState)
+MAX_KNOWN_ADAPTERS = 4096  # adapters a worker reports knowing the folder of (LoraState.known)
 
 __all__ = [
     "FinishReason",
@@ -346,11 +347,14 @@ class LoraCommand(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class LoraState(msgspec.Struct, omit_defaults=True):
     """The adapters a worker holds after a :class:`LoraCommand`; ``load_ms``: what the
-    command's load took (0 when nothing was loaded)."""
+    command's load took (0 when nothing was loaded); ``known``: every adapter it can load
+    (resident or not: ``--lora`` beyond ``max_adapters``, or unloaded by LRU), so that a
+    frontend serves those names too."""
 
     adapters: Annotated[list[AdapterName], msgspec.Meta(max_length=MAX_ADAPTERS)]
     max_adapters: int
     load_ms: float = 0.0
+    known: Annotated[list[AdapterName], msgspec.Meta(max_length=MAX_KNOWN_ADAPTERS)] = []
 
 
 # ---------------------------------------------------------------------------- disaggregation

@@ -113,3 +113,18 @@ async def test_bad_names_and_bodies_are_400s() -> None:
     for body, want in cases:
         status, answer = await _post(frontend, "/v1/load_lora_adapter", body)
         assert status in (400, 404) and want in answer["error"]["message"], (body, answer)
+
+
+class _Knows(_Worker):
+    """A worker started with more --lora adapters than it keeps resident."""
+
+    async def stream(self, endpoint: str, payload: bytes, ctx: object, decode: object = None):  # type: ignore[no-untyped-def]
+        yield LoraState(["a"], 1, 0.0, known=["a", "b", "c"])
+
+
+async def test_adapters_a_worker_knows_are_served_resident_or_not() -> None:
+    frontend = await _frontend({1: _Knows()})
+    response = await frontend.list_models(Request("GET", "/v1/models", "", {}, b"", 0, True, "1.1"))
+    listed = [(m["id"], m.get("parent")) for m in json.loads(response.body)["data"]]
+    assert listed == [("kvmesh-tiny", None), ("a", "kvmesh-tiny"), ("b", "kvmesh-tiny"), ("c", "kvmesh-tiny")]
+    assert frontend.registry.get("c").name == "kvmesh-tiny"

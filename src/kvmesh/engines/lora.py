@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.errors import InvalidArgument, ModelNotFound, ResourceExhausted
-from kvmesh.protocol import MAX_ADAPTER_NAME, MAX_ADAPTERS, LoraState
+from kvmesh.protocol import MAX_ADAPTER_NAME, MAX_ADAPTERS, MAX_KNOWN_ADAPTERS, LoraState
 
 __all__ = [
     "CONFIG_FILE",
@@ -235,7 +235,8 @@ class AdapterTable:
         self._slots: OrderedDict[str, int] = OrderedDict()  # least recently used first
 
     def state(self, load_ms: float = 0.0) -> LoraState:
-        return LoraState(adapters=self.resident, max_adapters=self.capacity, load_ms=load_ms)
+        known = sorted(self.known)[:MAX_KNOWN_ADAPTERS]  # (the frontend serves these names)
+        return LoraState(adapters=self.resident, max_adapters=self.capacity, load_ms=load_ms, known=known)
 
     @property
     def resident(self) -> list[str]:

@@ -414,11 +414,11 @@ class Adapters:
             self._observe(entry, instance.worker_id, state)
 
     def _observe(self, entry: ModelEntry, worker_id: int, state: LoraState) -> None:
-        for name in state.adapters:
+        for name in (*state.adapters, *state.known):  # known: it can load them (--lora beyond its maximum)
             if name not in self.registry.models and len(self.parents) < MAX_SERVED_ADAPTERS:
                 self.parents.setdefault(name, entry.name)
         if entry.kv is not None:
-            entry.kv.adapters.observe(worker_id, state.adapters)
+            entry.kv.adapters.observe(worker_id, state.adapters, state.known)
 
     def forget(self, entry: ModelEntry, name: str, worker: int | None = None) -> None:
         """``name`` unloaded from ``worker``, or from every worker of ``entry`` (then

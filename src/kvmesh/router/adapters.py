@@ -51,14 +51,20 @@ class AdapterAffinity:
         """The worker can hold an adapter at all (``max_adapters`` > 0)."""
         return self._capacity.get(worker_id, 0) > 0
 
-    def observe(self, worker_id: int, adapters: Iterable[str]) -> None:
-        """The worker's own list replaces the guess (the last ``max_adapters`` kept)."""
+    def observe(self, worker_id: int, adapters: Iterable[str], known: Iterable[str] = ()) -> None:
+        """The worker's own list replaces the guess (the last ``max_adapters`` kept);
+        ``known``: every adapter it can load (its own list, which replaces the guess, when
+        it sends one; an engine that sends none keeps what the router learnt)."""
         if worker_id not in self._held:
             return
         names = list(dict.fromkeys(adapters))
         cap = self._capacity[worker_id]
         self._held[worker_id] = dict.fromkeys(names[-cap:] if cap else [])
-        self._known[worker_id].update(self._held[worker_id])
+        told = set(known)
+        if told:
+            self._known[worker_id] = told | set(self._held[worker_id])
+        else:
+            self._known[worker_id].update(self._held[worker_id])
 
     def forget(self, name: str, worker_id: int | None = None) -> None:
         """``name`` was unloaded (the admin route) from ``worker_id``, or everywhere:

@@ -188,3 +188,15 @@ def test_another_models_events_are_skipped_not_rejected() -> None:
     for worker, rejected in ((7, 0), (9, 1)):
         payload = msgspec.msgpack.encode(KvEventBatch(worker, 0, [BlockStored(block_hashes=[1, 2])]))
         assert service._on_envelope(Envelope(worker, 0, "kv_events", payload)) == (None if rejected == 0 else "unknown_worker")
+
+
+def test_a_workers_known_list_replaces_the_guess() -> None:
+    a = AdapterAffinity()
+    a.add_worker(1, max_adapters=1)
+    a.routed(1, "x")
+    a.observe(1, ["x"], known=["x", "y", "z"])  # started with --lora for three, one resident
+    assert a.holders("y") == set() and a.knows("y") == {1} and a.knows("z") == {1}
+    a.observe(1, ["y"], known=["y"])  # x and z were unloaded by the admin since
+    assert a.knows("x") == set() and a.holders("y") == {1}
+    a.observe(1, ["q"])  # an engine that sends no known list: what the router learnt stays
+    assert a.knows("y") == {1} and a.knows("q") == {1}

@@ -139,3 +139,32 @@ async def test_an_adapter_for_another_model_is_refused_with_what_does_not_fit(en
         await engine.lora_load("nan", str(nan))
     cfg = json.loads((nan / "adapter_config.json").read_text())
     assert cfg["r"] == 2 and engine.lora_state().adapters == ["a", "b"]  # nothing was evicted for them
+
+
+async def test_a_remote_prefill_with_an_adapter_gives_the_tokens_of_a_local_run(tiny_path, adapters, prompt_ids):
+    """Disaggregation: the prefill worker loads the adapter on demand (it knows only its
+    path) and computes the adapter's KV; the decode worker continues with the same adapter."""
+    known = (f"a={adapters['a']}",)
+    pre = HfEngine(HfOptions(str(tiny_path), num_blocks=64, seed=0, loras=known, max_loras=1))
+    dec = HfEngine(HfOptions(str(tiny_path), num_blocks=64, seed=0, loras=known, max_loras=1))
+    await pre.start()
+    await dec.start()
+    try:
+        await pre.lora_unload("a")  # forgets it: the prefill worker must load it by path
+        await pre.lora_load("a", str(adapters["a"]))
+        await pre.lora_load("b", str(adapters["b"]))  # a is evicted (one slot), its path kept
+        ids = prompt_ids[1]
+        solo, _ = await _tokens(dec, _request(ids, "solo", "a", 12))
+        request = _request(ids, "disagg", "a", 12)
+        upto = len(ids) - 1
+        data = await pre.prefill_remote(request, b"", 0, upto)
+        assert pre.lora_state().adapters == ["a"]
+        res = dec.kv_reserve(request)
+        assert res is not None and res.cached_tokens == 0  # the prompt is shorter than a block: nothing cached
+        n_blocks = -(-upto // 16)
+        dec.kv_import(res.block_ids[:n_blocks], data)
+        dec.kv_commit("disagg", upto)
+        assert (await _tokens(dec, request))[0] == solo
+    finally:
+        await pre.cleanup()
+        await dec.cleanup()

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from typing import Any, Generic, TypeVar
 
@@ -65,6 +66,7 @@ class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[
         self._task: asyncio.Task[None] | None = None
         self._last_load: tuple[int, int, int] | None = None
         self.adapters: AdapterHost | None = None  # LoRA: set by an engine that serves adapters
+        self._pinned: dict[str, int] = {}  # adapters of work outside the streams (remote prefills)
 
     # ------------------------------------------------------------------ what a subclass provides
 
@@ -166,9 +168,22 @@ class StepLoopEngine(Engine, LoadReporting, BatchTuning, KvEventSource, Generic[
         """The adapters of every live sequence (streams and KV reservations)."""
         core = self._core()
         if core is None:
-            return set()
+            return set(self._pinned)
         live = [core.get(sid) for sid in self._boxes] + core.reservations()
-        return {s.adapter for s in live if s is not None and s.adapter is not None}
+        return {s.adapter for s in live if s is not None and s.adapter is not None} | set(self._pinned)
+
+    @contextlib.contextmanager
+    def _pin_adapter(self, name: str | None) -> Iterator[None]:
+        """``name`` counts as in use (not evicted, not reloaded) for the block's duration."""
+        if name is not None:
+            self._pinned[name] = self._pinned.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            if name is not None:
+                left = self._pinned.pop(name) - 1
+                if left:
+                    self._pinned[name] = left
 
     def _adapters_changed(self) -> None:
         self._last_load = None  # publish: the report lists the resident adapters

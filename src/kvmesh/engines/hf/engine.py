@@ -546,15 +546,18 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
         first = cached_tokens // bs
         if len(prefix_kv) != first * loaded.pool.bytes_per_block:
             raise InvalidArgument(f"prefix KV of {len(prefix_kv)} bytes does not hold {first} blocks")
-        seq = self._new_seq(request, prefill_upto=upto)
-        if not sched.hold_prefill(seq, cached_tokens):
-            raise ResourceExhausted(f"no KV room for a remote prefill of {upto} tokens")
-        table = sched.block_table(seq)
-        try:
-            await self._prefill_in_loop(seq.id, lambda: loaded.pool.import_(table[:first], prefix_kv))
-            return loaded.pool.export(table[first : -(-upto // bs)])
-        finally:
-            self._release_prefill(seq.id)
+        if request.adapter is not None:  # its adapter resident, then held so until the prefill is out
+            await self._lora().prepare(request)
+        with self._pin_adapter(request.adapter):
+            seq = self._new_seq(request, prefill_upto=upto)
+            if not sched.hold_prefill(seq, cached_tokens):
+                raise ResourceExhausted(f"no KV room for a remote prefill of {upto} tokens")
+            table = sched.block_table(seq)
+            try:
+                await self._prefill_in_loop(seq.id, lambda: loaded.pool.import_(table[:first], prefix_kv))
+                return loaded.pool.export(table[first : -(-upto // bs)])
+            finally:
+                self._release_prefill(seq.id)
 
 class _HfLoads:
     """The hf engine's adapter loads: checked against the model's shapes, tensors read

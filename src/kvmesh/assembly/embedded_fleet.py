@@ -96,6 +96,7 @@ class _Member:
     load: LoadReport | None = None
     replaces: list[float] = field(default_factory=list)  # loss times this worker makes good
     first: bool = False  # one of the run's first workers (in the plan's starting sizes)
+    started_at: float | None = None  # when the planner started it (its scale-up time is logged)
 
 
 class EmbeddedFleet:
@@ -243,7 +244,7 @@ class EmbeddedFleet:
 
     async def start(self, role: Role) -> None:
         worker_id = self._supervisor(role).launch()
-        member = self.members[worker_id] = _Member(role)
+        member = self.members[worker_id] = _Member(role, started_at=self.clock())
         if role in SERVING:
             member.replaces = self._take_loss()
         log.warning("planner: starting worker %x as %s", worker_id, role.value)
@@ -291,6 +292,8 @@ class EmbeddedFleet:
             if self.metrics is not None:
                 self.metrics.replacement.labels(how).observe(seconds)
         member.replaces = []
+        if member.started_at is not None and how == "cold":
+            log.warning("planner: worker %x routable %.3f s after its start", worker_id, now - member.started_at)
         old = self._moves.pop(worker_id, None)
         if old is not None:
             await self.stop(old)

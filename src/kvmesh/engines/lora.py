@@ -275,6 +275,11 @@ class AdapterTable:
                 return slot, victim
         raise ResourceExhausted(f"all {self.capacity} LoRA slots hold adapters in use; {name!r} cannot load now")
 
+    def clear_resident(self) -> None:
+        """Nothing is resident any more (the engine restarted: its slots are gone); the
+        known paths stay."""
+        self._slots.clear()
+
     def put(self, name: str, slot: int, path: str) -> None:
         """Record ``name`` loaded into ``slot`` (from :meth:`place`) from ``path``."""
         self._slots[name] = slot

@@ -168,3 +168,15 @@ async def test_a_remote_prefill_with_an_adapter_gives_the_tokens_of_a_local_run(
     finally:
         await pre.cleanup()
         await dec.cleanup()
+
+
+async def test_a_restarted_engine_loads_its_adapters_again(tiny_path, adapters, prompt_ids):
+    eng = HfEngine(HfOptions(str(tiny_path), num_blocks=64, seed=0, loras=(f"a={adapters['a']}",), max_loras=1))
+    await eng.start()
+    try:
+        first, _ = await _tokens(eng, _request(prompt_ids[2], "1", "a", 8))
+        await eng.cleanup()  # the model and its adapter slots are gone
+        await eng.start()
+        assert (await _tokens(eng, _request(prompt_ids[2], "2", "a", 8)))[0] == first
+    finally:
+        await eng.cleanup()

@@ -71,7 +71,9 @@ class AdapterHost:
         self.load_ms = 0.0
 
     async def open(self) -> None:
-        """Load the adapters the engine was started with (``--lora``), up to the capacity."""
+        """Load the adapters the engine was started with (``--lora``), up to the capacity
+        (on a restart: the adapters it knew, the slots being new)."""
+        self.table.clear_resident()
         for name in list(self.table.known)[: self.table.capacity]:
             await self.load(name, None)
 

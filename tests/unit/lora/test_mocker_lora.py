@@ -196,3 +196,18 @@ async def test_no_lora_with_max_loras_zero() -> None:
             await collect(engine, req("1", "a"))
     finally:
         await engine.cleanup()
+
+
+async def test_loads_and_unloads_publish_the_held_adapters(folders: dict[str, str]) -> None:
+    from kvmesh.runtime.events import RecordingPublisher
+
+    rec = RecordingPublisher()
+    engine = MockerEngine(MockerOptions(speedup=1e9, max_loras=2), rec)
+    await engine.start()
+    try:
+        await engine.lora_load("a", folders["a"])
+        assert rec.load_reports[-1].adapters == ["a"]  # the router's affinity reads these
+        await engine.lora_unload("a")
+        assert rec.load_reports[-1].adapters == []
+    finally:
+        await engine.cleanup()

@@ -146,7 +146,6 @@ class _NotPayload(TypeError):
 
 
 _HASHES = attrgetter("block_hashes")
-_TIER = attrgetter("tier")
 
 
 class KvIndexer:
@@ -302,23 +301,23 @@ class KvIndexer:
         The cap and the log's compaction are checked once, at the end: until then the
         worker may pass its cap by this batch's blocks.
         """
+        events = events if isinstance(events, list) else list(events)
+        # one C-level pass: a batch that moves blocks between tiers goes event by event
+        if max(map(getattr, events, repeat("tier"), repeat(G1)), default=G1) != G1:
+            for data in events:
+                self.apply(worker_id, data)
+            return
         i = self._index.get(worker_id)
         delta = 0
         try:
             for kind, group in groupby(events, type):
                 if kind is StoredHashes or kind is BlockStored:
-                    run = list(group)
-                    if max(map(_TIER, run)) != G1:  # a lower tier's blocks among them
-                        run = self._lower_run(worker_id, run, True)
                     if i is None:
                         i = self._dense(worker_id)
-                    delta += self._store_run(i, list(chain.from_iterable(map(_HASHES, run))))
+                    delta += self._store_run(i, list(chain.from_iterable(map(_HASHES, group))))
                 elif kind is BlockRemoved:
-                    run = list(group)
-                    if max(map(_TIER, run)) != G1:
-                        run = self._lower_run(worker_id, run, False)
                     if i is not None:
-                        delta -= self._remove_run(i, list(chain.from_iterable(map(_HASHES, run))))
+                        delta -= self._remove_run(i, list(chain.from_iterable(map(_HASHES, group))))
                 elif kind is AllBlocksCleared:
                     for lower in self._lower.values():
                         lower.apply(worker_id, AllBlocksCleared())
@@ -335,17 +334,6 @@ class KvIndexer:
         finally:
             if i is not None:
                 self._settle(i, delta)
-
-    def _lower_run(self, worker_id: int, run: list[KvEventView], stored: bool) -> list[KvEventView]:
-        """Apply the lower-tier events of a run of one kind (in order: a hash moves
-        between lower tiers within one run); returns the run's G1 events."""
-        g1: list[KvEventView] = []
-        for data in run:
-            if isinstance(data, AllBlocksCleared) or data.tier == G1:
-                g1.append(data)
-            else:
-                self._apply_lower(worker_id, data.tier, stored, data.block_hashes)
-        return g1
 
     def _apply_lower(self, worker_id: int, tier: int, stored: bool, hashes: list[int]) -> None:
         lower = self._lower.get(tier)

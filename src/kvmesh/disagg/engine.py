@@ -15,10 +15,12 @@ constructor refuses another with :class:`~kvmesh.errors.InvalidArgument`), a
 * **KV-carrying migration, receiving side** (any mode): a resumed request whose
   ``disaggregated_params`` name a ``kv_source`` gets its KV read from the draining
   worker instead of recomputed (falls back to recompute on any failure).
-* **hand-off on drain, sending side** (:meth:`hand_off_all`): every in-flight
-  request is detached with its blocks kept; its stream ends with one chunk carrying
-  the ``kv_source`` and a migratable :class:`~kvmesh.errors.EngineShutdown`, so the
-  frontend resumes it on another worker, which pulls the KV.
+* **hand-off, sending side** (:meth:`hand_off`; on drain, and when the frontend's
+  health checks eject this worker while it still answers: the worker's ``handoff``
+  endpoint): every in-flight request is detached with its blocks kept, premium first
+  (:func:`~kvmesh.health.migration.handoff_order`); its stream ends with one chunk
+  carrying the ``kv_source`` and a migratable :class:`~kvmesh.errors.EngineShutdown`,
+  so the frontend resumes it on another worker, which pulls the KV.
 
 Everything else (load reports, KV dumps and events, faults, batch tuning) the worker
 asks of the engine itself: this class forwards nothing. ``open``/``drain``/``close``
@@ -43,6 +45,7 @@ from kvmesh.disagg.queue import PrefillQueue
 from kvmesh.disagg.transfer import KvConnector, KvTransferServer, TransferStats
 from kvmesh.engines.base import Engine, LoadReporting, kv_blocks
 from kvmesh.errors import EngineShutdown, KvmeshError
+from kvmesh.health.migration import HandedOff, HandOffReport, handoff_order
 from kvmesh.observability import tracing
 from kvmesh.protocol import (
     DisaggregatedParams,
@@ -102,7 +105,7 @@ class DisaggEngine:
         self.thresholds_refresh_s = thresholds_refresh_s
         self._thresholds_at = -1e9  # when the queue last said what the thresholds are
         self.stats = DisaggStats(mode=mode)
-        self._live: set[str] = set()
+        self._live: dict[str, str | None] = {}  # in-flight request id -> its priority
         self._handoffs: dict[str, DisaggregatedParams] = {}
         self._offers: dict[str, asyncio.Future[tuple[int, str]]] = {}
         self._done: dict[str, asyncio.Future[tuple[int, str]]] = {}  # remote prefills put, not yet awaited
@@ -164,7 +167,7 @@ class DisaggEngine:
         elif self.queue is not None and not await self._prefill(request, ctx):
             yield OutputChunk.cancelled()
             return
-        self._live.add(rid)
+        self._live[rid] = request.routing.priority if request.routing is not None else None
         try:
             async for chunk in self.inner.generate(request, ctx):
                 if chunk.finish_reason == "cancelled" and rid in self._handoffs:
@@ -172,7 +175,7 @@ class DisaggEngine:
                     raise EngineShutdown("the worker is draining: request handed off with its KV")
                 yield chunk
         finally:
-            self._live.discard(rid)
+            self._live.pop(rid, None)
 
     # ------------------------------------------------------------------ remote prefill (decode mode)
 
@@ -337,12 +340,17 @@ class DisaggEngine:
     def hand_off_all(self) -> int:
         """Detach every in-flight request, keeping its KV readable for the worker that
         resumes it; returns how many were handed off."""
+        return len(self.hand_off().moved)
+
+    def hand_off(self) -> HandOffReport:
+        """:meth:`hand_off_all`, premium first; what left (in order) and how many
+        in-flight requests had no KV to leave with (queued: they stay)."""
         layout = self.kv.kv_layout()
         transfer = self.transfer
         if layout is None or transfer is None:
-            return 0
-        count = 0
-        for rid in list(self._live):
+            return HandOffReport(kept=len(self._live))
+        moved: list[HandedOff] = []
+        for rid, priority in handoff_order(list(self._live.items()), lambda item: item[1]):
             res = self.kv.kv_detach(rid)
             if res is None:
                 continue
@@ -359,9 +367,9 @@ class DisaggEngine:
                 transfer_id=tid,
                 layout=layout,
             )
-            count += 1
-        self.stats.kv_migrations_out += count
-        return count
+            moved.append(HandedOff(rid, priority or "standard", res.num_tokens))
+        self.stats.kv_migrations_out += len(moved)
+        return HandOffReport(moved[:4096], kept=len(self._live) - len(moved))
 
     def _release_after_offer(self, request_id: str, _offer: asyncio.Future[tuple[int, str]]) -> None:
         self.kv.kv_release(request_id)

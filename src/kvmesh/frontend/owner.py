@@ -40,7 +40,7 @@ from kvmesh.frontend.models import ModelEntry
 from kvmesh.frontend.observer import RequestObserver
 from kvmesh.frontend.tools import ToolReader, new_call_id
 from kvmesh.health.migration import migration_method, next_step, resume_request
-from kvmesh.protocol import DisaggregatedParams, OutputChunk, PreprocessedRequest
+from kvmesh.protocol import DisaggregatedParams, OutputChunk, PreprocessedRequest, RoutingHints
 from kvmesh.protocol import TokenLogprob as WireLogprob
 from kvmesh.router.push import PushRouter
 from kvmesh.runtime.context import Context
@@ -354,16 +354,35 @@ class RequestOwner:
         self.observer.moving(method, source, len(generated), exc)
         self._moving = True
         request = resume_request(self.request, generated)
-        if self._handoff is not None and method == "kv_transfer":
-            request = msgspec.structs.replace(request, disaggregated_params=self._handoff)
+        if self._handoff is not None:  # handed off: the target by capacity, the KV copied if cheaper
+            if method == "kv_transfer":
+                request = msgspec.structs.replace(request, disaggregated_params=self._handoff)
+            request = self._pin_target(request, source)
         if self._link is not None:  # the next engine.generate links to this one
             request = msgspec.structs.replace(request, migration_link=self._link)
         return request
 
+    def _pin_target(self, request: PreprocessedRequest, source: int) -> PreprocessedRequest:
+        """A handed-off request goes where the health monitor's capacity ledger says."""
+        health = self.entry.health
+        target = None if health is None else health.handoff_target(source, len(request.token_ids), tuple(self._tried))
+        if target is None:
+            return request
+        routing = request.routing or RoutingHints()
+        return msgspec.structs.replace(request, routing=msgspec.structs.replace(routing, worker_id=target))
+
     async def _rebook(self, request: PreprocessedRequest) -> PreprocessedRequest:
         source = self.worker_id or 0
+        pinned = self._handoff is not None and request.routing is not None and request.routing.worker_id is not None
         self._handoff = None
         self._booking.release()  # the failed worker's booking
-        instance = await self._book(request)
+        try:
+            instance = await self._book(request)
+        except KvmeshError:
+            if not pinned:
+                raise
+            assert request.routing is not None  # the ledger's target is gone: the router picks
+            request = msgspec.structs.replace(request, routing=msgspec.structs.replace(request.routing, worker_id=None))
+            instance = await self._book(request)
         self.observer.moved(source, instance.worker_id)
         return request

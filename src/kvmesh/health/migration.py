@@ -21,19 +21,28 @@ against the prefill rate; for a 70B model (40 KB of KV per token per shard, 5000
 prefill tokens/s) copying wins on any link faster than ~205 MB/s, and on PCIe (28 GB/s)
 the 500 ms budget, not the cost, sends sequences past ~340K tokens to re-prefill.
 
-Pure functions and one small counter; no I/O.
+When health checks take a worker out of routing while it still answers (UNHEALTHY by
+latency or errors, given up on: DRAINING), its in-flight requests leave with their KV,
+as on a graceful drain, unless it was ejected for corruption (its KV may be wrong):
+:func:`handoff_allowed` says which; the worker hands them off in :func:`handoff_order`
+(premium first); each moves to the target a :class:`CapacityLedger` picks (most free
+KV blocks for its load) and copies the KV when :func:`migration_method`'s 500 ms rule
+allows, else re-prefills. :class:`HandOffReport` is the worker's answer (wire type).
+
+Pure functions, one small counter and the ledger; no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 from kvmesh.errors import MIGRATABLE
+from kvmesh.health.state import CORRUPTION_KINDS
 from kvmesh.protocol import DisaggregatedParams, PreprocessedRequest
 
 __all__ = [
@@ -51,6 +60,13 @@ __all__ = [
     "is_migratable",
     "MigrationBudget",
     "resume_request",
+    "MAX_HANDOFFS",
+    "HandedOff",
+    "HandOffReport",
+    "handoff_allowed",
+    "handoff_order",
+    "TargetCapacity",
+    "CapacityLedger",
 ]
 
 MigrationMethod = Literal["kv_transfer", "re_prefill"]
@@ -195,3 +211,80 @@ def resume_request(request: PreprocessedRequest, generated: list[int]) -> Prepro
     return msgspec.structs.replace(
         request, token_ids=[*request.token_ids, *generated], stop=new_stop, original_prompt_len=original
     )
+
+
+# ------------------------------------------------------------------ hand-off on ejection
+
+MAX_HANDOFFS = 4096  # requests one hand-off answer may list (a worker's batch is far smaller)
+_PRIORITY_RANK = {"premium": 0, "standard": 1, "best_effort": 2}
+
+
+class HandedOff(msgspec.Struct, frozen=True):
+    """One request a worker handed off with its KV (in the order it did)."""
+
+    request_id: Annotated[str, msgspec.Meta(max_length=256)]
+    priority: Annotated[str, msgspec.Meta(max_length=16)] = "standard"
+    tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class HandOffReport(msgspec.Struct, frozen=True):
+    """A worker's answer to ``handoff``: what left with its KV (in order), and how many
+    in-flight requests had no KV to hand off (``kept``: still queued there)."""
+
+    moved: Annotated[list[HandedOff], msgspec.Meta(max_length=MAX_HANDOFFS)] = []
+    kept: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+
+
+def handoff_allowed(reason: str) -> bool:
+    """May a worker taken out of routing for ``reason`` (a transition's reason, e.g.
+    ``check: latency_spike``) hand its requests off with their KV? Not when it computed
+    wrong results: its KV may be corrupt too, so those re-prefill."""
+    cause = reason.rsplit(":", 1)[-1].strip()
+    return cause not in CORRUPTION_KINDS
+
+
+T = TypeVar("T")
+
+
+def handoff_order(items: Iterable[T], priority: Callable[[T], str | None]) -> list[T]:
+    """``items`` premium first, then standard (also: no priority), then best effort;
+    arrival order within a tier."""
+    return sorted(items, key=lambda item: _PRIORITY_RANK.get(priority(item) or "standard", 1))
+
+
+@dataclass(slots=True)
+class TargetCapacity:
+    """A healthy worker a moved request may go to: free KV blocks and requests held."""
+
+    worker_id: int
+    free_blocks: int
+    load: int  # running + waiting requests
+
+
+class CapacityLedger:
+    """Where the requests handed off by one worker go: each claim takes the target with
+    the most free KV blocks per request it holds (+1) that can hold the request's
+    blocks, and books them there, so the next claim sees what is left."""
+
+    __slots__ = ("targets", "block_size")
+
+    def __init__(self, targets: Sequence[TargetCapacity], block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.targets = [TargetCapacity(t.worker_id, t.free_blocks, t.load) for t in targets]
+        self.block_size = block_size
+
+    def claim(self, tokens: int, exclude: Iterable[int] = ()) -> int | None:
+        """The worker for a request of ``tokens`` tokens (booked), or None when no
+        target has room (the router picks; the request re-prefills if it must)."""
+        need = -(-max(0, tokens) // self.block_size)
+        skip = set(exclude)
+        fits = [t for t in self.targets if t.worker_id not in skip and t.free_blocks >= need]
+        if not fits:
+            return None
+        best = max(fits, key=lambda t: (t.free_blocks / (1 + t.load), -t.worker_id))
+        best.free_blocks -= need
+        best.load += 1
+        return best.worker_id

@@ -16,9 +16,15 @@ baseline), whose routing weights every router mode honours.
   set by the frontend from its load shedder).
 * Real request failures (migratable errors from a worker) are reported by the
   pipeline through :meth:`HealthMonitor.stream_failed`.
-* A worker that becomes UNHEALTHY (or whose breaker opens) gets weight 0, and its
-  connection is closed so the streams it is holding migrate to other workers; canaries
-  keep probing it, and a passing half-open trial brings it back.
+* A worker that becomes UNHEALTHY (or whose breaker opens) gets weight 0 and its
+  streams move to other workers; canaries keep probing it, and a passing half-open
+  trial brings it back. A worker that still answers and was not ejected for corruption
+  hands them off with their KV (its ``handoff`` endpoint; it needs a KV-transfer
+  server: ``--drain-migrate``), premium first, each to the healthy worker a
+  :class:`~kvmesh.health.migration.CapacityLedger` of the fleet's free KV blocks and
+  load picks (:meth:`HealthMonitor.handoff_target`, asked by the request's owner); a
+  corrupt worker, one that does not answer, or one with no KV to give has its
+  connection closed instead: its streams re-prefill elsewhere.
 
 Load versus failure (see :mod:`kvmesh.health.state`): checks run in *rounds*, every
 worker due at once, so peers are compared at the same moment. A canary asks for
@@ -48,6 +54,7 @@ import msgspec
 from kvmesh.errors import KvmeshError
 from kvmesh.health.fleet import FleetView
 from kvmesh.health.canary import Canary, CanaryOutput, CanarySet, CanaryVotes, evaluate, load_canaries
+from kvmesh.health.migration import CapacityLedger, HandOffReport, TargetCapacity, handoff_allowed
 from kvmesh.health.state import (
     CheckKind,
     CheckResult,
@@ -73,7 +80,7 @@ from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestClient, call
 from kvmesh.runtime.instances import Instance
 from kvmesh.observability.metrics import FrontendMetrics
-from kvmesh.runtime.names import GENERATE, LOAD
+from kvmesh.runtime.names import GENERATE, HANDOFF, LOAD
 
 __all__ = ["HealthMonitor", "DEFAULT_CANARY_PROMPTS", "generate_greedy"]
 
@@ -85,6 +92,8 @@ _MAX_TIMEOUT_SCALE = 20.0  # a canary's timeout grows with the worker's load, up
 _encode = msgspec.msgpack.encode
 _decode_chunk = msgspec.msgpack.Decoder(OutputChunk).decode
 _decode_load = msgspec.msgpack.Decoder(LoadReport).decode
+_decode_handoff = msgspec.msgpack.Decoder(HandOffReport).decode
+_CUT_GRACE_S = 1.0  # after a hand-off, the streams left without KV are cut this much later
 
 
 async def generate_greedy(
@@ -149,6 +158,7 @@ class HealthMonitor:
         self._checking: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._ledgers: dict[int, CapacityLedger] = {}  # ejected worker -> where its hand-offs go
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -169,6 +179,7 @@ class HealthMonitor:
         tracker = self.trackers.pop(worker_id, None)
         self._instances.pop(worker_id, None)
         self._loads.pop(worker_id, None)
+        self._ledgers.pop(worker_id, None)
         self.fleet.forget(worker_id)
         if tracker is not None:
             transition = tracker.record_process_death(time.monotonic())
@@ -409,14 +420,64 @@ class HealthMonitor:
         self._count(transition)
         log.warning("worker %x: %s -> %s (%s)", worker_id, transition.src.name, transition.dst.name, transition.reason)
         if tracker is not None and tracker.weight == 0.0:
-            self._evict_streams(worker_id)
+            self._evict_streams(worker_id, transition.reason)
 
-    def _evict_streams(self, worker_id: int) -> None:
-        """Close the connection to a worker taken out of routing: its streams get a
-        migratable error and move to healthy workers."""
+    def _evict_streams(self, worker_id: int, reason: str = "") -> None:
+        """Move the streams of a worker taken out of routing to healthy workers: with
+        their KV when it may (:func:`~kvmesh.health.migration.handoff_allowed`) and
+        has a KV-transfer server, else by closing the connection (a migratable error:
+        they re-prefill)."""
         instance = self._instances.get(worker_id)
-        if instance is not None:
+        if instance is None:
+            return
+        if handoff_allowed(reason) and instance.info.kv is not None:
+            self._spawn(self._hand_off(instance))
+        else:
             self._spawn(instance.client.close())
+
+    async def _hand_off(self, instance: Instance) -> None:
+        """Book the healthy workers' capacity, then ask ``instance`` to hand its
+        requests off; on any failure close the connection (re-prefill)."""
+        worker_id = instance.worker_id
+        kv = instance.info.kv
+        assert kv is not None
+        targets = await self._capacities(worker_id)
+        self._ledgers[worker_id] = CapacityLedger(targets, max(1, kv.layout.block_size))
+        try:
+            report = await asyncio.wait_for(call(instance.client, HANDOFF, decode=_decode_handoff), self.timeout_s)
+        except (TimeoutError, KvmeshError, OSError, msgspec.ValidationError) as exc:
+            log.warning("worker %x: no KV hand-off (%s); its streams re-prefill elsewhere", worker_id, exc)
+            report = None
+        if report is not None:
+            order = ", ".join(f"{m.request_id}:{m.priority}" for m in report.moved)
+            log.warning("worker %x: handed %d in-flight requests off with their KV, in order [%s]; %d without KV",
+                        worker_id, len(report.moved), order, report.kept)  # fmt: skip
+            if not report.kept:
+                return
+            await asyncio.sleep(_CUT_GRACE_S)  # the handed-off streams end first
+        await instance.client.close()
+
+    async def _capacities(self, source: int) -> list[TargetCapacity]:
+        """Free KV blocks and requests held of every routable worker but ``source``."""
+        peers = [i for w, i in self._instances.items() if w != source and self.weight(w) > 0.0]
+        reports = await asyncio.gather(*(self._load_report(i) for i in peers))
+        return [
+            TargetCapacity(i.worker_id, max(0, r.total_blocks - r.active_blocks), r.num_running + r.num_waiting)
+            for i, r in zip(peers, reports)
+            if r is not None
+        ]
+
+    async def _load_report(self, instance: Instance) -> LoadReport | None:
+        try:
+            return await asyncio.wait_for(call(instance.client, LOAD, decode=_decode_load), self.timeout_s)
+        except (TimeoutError, KvmeshError, OSError):
+            return None
+
+    def handoff_target(self, source: int, tokens: int, exclude: Sequence[int]) -> int | None:
+        """Where a request that ``source`` handed off with ``tokens`` tokens of KV goes
+        (booked in the source's ledger); None: the router picks."""
+        ledger = self._ledgers.get(source)
+        return None if ledger is None else ledger.claim(tokens, exclude)
 
     def _observe(self, worker_id: int, result: CheckResult) -> None:
         if self.metrics is not None:

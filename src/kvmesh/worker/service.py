@@ -14,6 +14,7 @@ the cancellation monitor calls ``engine.abort(ctx)`` when the caller stops, and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -21,10 +22,12 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
+from kvmesh.disagg.engine import DisaggEngine
 from kvmesh.engines.adapter import AbortMonitor, run_generate
 from kvmesh.engines.base import BatchTuning, Engine, GenerateFront, KvEventSource, LoadReporting, LoraAdapters
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.errors import EngineShutdown, InvalidArgument
+from kvmesh.health.migration import HandOffReport
 from kvmesh.protocol import (
     DisaggStats,
     EngineConfig,
@@ -44,7 +47,7 @@ from kvmesh.observability import worker_metrics
 from kvmesh.observability.worker_metrics import WorkerCounters
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
-from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, INFO, KV_DUMP, KV_EVENTS, LOAD, LORA, METRICS, MODEL_FILES, TUNE
+from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, HANDOFF, INFO, KV_DUMP, KV_EVENTS, LOAD, LORA, METRICS, MODEL_FILES, TUNE
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -93,6 +96,7 @@ class WorkerService:
         self._decode_request = msgspec.msgpack.Decoder(PreprocessedRequest).decode
         self._closed = False
         self.counters = WorkerCounters()  # observability: this worker's request counts
+        self._handoff_waits: set[asyncio.Task[None]] = set()  # hand-offs whose KV is not pulled yet
 
     async def start(self) -> EngineConfig:
         """Start the engine and serve ``generate`` (and the model's files) on the server."""
@@ -107,6 +111,7 @@ class WorkerService:
         self.server.register(FAULT, self._fault)
         self.server.register(LOAD, self._load)
         self.server.register(TUNE, self._tune)
+        self.server.register(HANDOFF, self._handoff)
         self.server.register(LORA, self._lora)
         self.server.register(DISAGG_STATS, self._stats)
         self.server.register(METRICS, self._metrics)
@@ -201,6 +206,22 @@ class WorkerService:
             yield await engine.lora_load(command.name, command.path)
         else:
             yield await engine.lora_unload(command.name)
+
+    async def _handoff(self, payload: bytes, ctx: Context) -> AsyncIterator[HandOffReport]:
+        """The frontend's health checks took this worker out while it still answers: hand
+        every in-flight request off with its KV (a front with a KV-transfer server,
+        ``--drain-migrate``); without one nothing moves (``kept``: the frontend cuts them,
+        so they re-prefill). The KV stays readable until the new workers pulled it."""
+        front = self.front
+        if not isinstance(front, DisaggEngine):
+            yield HandOffReport(kept=max(0, self.server.in_flight - 1))  # all but this call
+            return
+        report = front.hand_off()
+        if report.moved:
+            task = asyncio.get_running_loop().create_task(front.wait_handoffs(30.0))
+            self._handoff_waits.add(task)
+            task.add_done_callback(self._handoff_waits.discard)
+        yield report
 
     async def _fault(self, payload: bytes, ctx: Context) -> AsyncIterator[str]:
         """Switch fault injection at run time: payload = a fault spec string ("" clears)."""

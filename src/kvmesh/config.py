@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.kv.tiers import DEFAULT_TIER_WEIGHTS, check_tier_weights
 from kvmesh.settings import port as a_port
-from kvmesh.settings import NO_FLAG, EngineSettings, at_least, check, non_negative, positive, setting, split_commas
+from kvmesh.settings import NO_FLAG, EngineSettings, at_least, check, non_negative, positive, setting, split_commas, within
 
 __all__ = [
     "WorkerConfig",
@@ -202,6 +202,11 @@ class SecurityConfig:
         "none", "tenant: salt each tenant's KV block hashes (tenants never share cached blocks; see README Tenants)",
         choices=("none", "tenant"), env="KVMESH_CACHE_ISOLATION", group=_AUTH,
     )  # fmt: skip
+    tenant_budget: str = setting(
+        "auto", "kvmesh frontend: tenants' rpm/tpm held across frontends (shared: leased from a NATS KV budget; local: "
+        "each frontend alone; auto: shared when the frontend uses NATS; see README Tenants)",
+        choices=("auto", "shared", "local"), env="KVMESH_TENANT_BUDGET", group=_AUTH,
+    )  # fmt: skip
     allow_unauthenticated: bool = setting(
         False, "serve /v1/* without API keys on an address other than loopback (refused otherwise; never with --admin)",
         env="KVMESH_ALLOW_UNAUTHENTICATED", group=_AUTH,
@@ -366,6 +371,10 @@ class PlannerConfig:
     capacity_profile: str | None = setting(
         None, "the workers' capacity profile (JSON, from kvmesh replay --profile-capacity): size each role from the "
         "load forecast", metavar="FILE", group=_PLAN,
+    )  # fmt: skip
+    planner_headroom: float = setting(
+        0.85, "with a capacity profile: run each worker at most at this share of its profiled capacity",
+        check=within(0.05, 1.0), group=_PLAN,
     )  # fmt: skip
     # kvmesh planner only: the local worker processes it may start and stop (issue 32)
     worker_flags: str = setting(

@@ -322,6 +322,7 @@ def test_cli_planner_arm_takes_min_workers_and_a_capacity_profile(tmp_path: Path
     bad.write_text("{}")
     assert replay_main([str(_trace(tmp_path)), "--arms", "planner", "--capacity-profile", str(bad)]) == 2
     assert replay_main([str(_trace(tmp_path)), "--arms", "planner", "--workers", "2", "--min-workers", "3"]) == 2
+    assert replay_main([str(_trace(tmp_path)), "--arms", "planner", "--planner-headroom", "0"]) == 2
 
 
 def test_day_trace_rises_tenfold_to_its_middle_and_falls_back() -> None:

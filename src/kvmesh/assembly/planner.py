@@ -50,6 +50,7 @@ def planner_config(cfg: RunConfig) -> PlannerConfig:
         hold_rounds=p.planner_hold_rounds,
         cooldown_s=p.planner_cooldown_s,
         profile=load_profile(p.capacity_profile) if p.capacity_profile else None,
+        headroom=p.planner_headroom,
     )
 
 

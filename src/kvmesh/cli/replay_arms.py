@@ -131,7 +131,7 @@ def _setup(c: ReplayConfig) -> _Setup:
     profile = load_profile(c.capacity_profile) if c.capacity_profile else None
     planner_cfg = PlannerConfig(
         slo_ttft_ms=slo.ttft_ms, slo_itl_ms=slo.itl_ms, hold_rounds=c.planner_hold_rounds, cooldown_s=c.planner_cooldown_s,
-        profile=profile,
+        profile=profile, headroom=c.planner_headroom,
     )
     lowest = c.min_workers if c.min_workers is not None else 1
     if lowest > c.workers:

@@ -2,12 +2,12 @@
 --profile-capacity OUT.json``).
 
 For each mix of a grid (prompt × output tokens: the trace's 10th and 90th percentiles
-of each), a steady Poisson load of that mix (lengths ±25 %, no shared prefix beyond
-the first block) is replayed at rising rates, each for four lifetimes of a request
+of each, or its median where they are within 2x of each other), a steady Poisson load of that mix (lengths ±25 %, no shared prefix beyond
+the first block) is replayed at rising rates, each for two lifetimes of a request
 that just meets the SLOs (at least ``requests`` requests, at most ``max_requests``:
 a short burst would fit in one batch and measure nothing); the highest rate at which
 the SLOs hold for ``attainment`` of the requests is the capacity, found by doubling
-from a guess and then bisecting (in log scale, to ``1.09×``):
+from a guess and then bisecting (in log scale, to ``1.19×``):
 
 * ``aggregated_rps``: one aggregated worker;
 * ``prefill_rps``: a fleet of one prefill worker and three decode workers (decode
@@ -42,13 +42,16 @@ _ROLES = (("aggregated", Arm("aggregated"), 1), ("prefill", Arm("disagg:1p3d", 1
 
 def trace_mixes(trace: Sequence[TraceRequest]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The grid: the 10th and 90th percentiles of the trace's prompt and output lengths
-    (beyond them the profile extrapolates along its edges)."""
+    (beyond them the profile extrapolates along its edges), or the median alone where
+    they are within 2x (a narrow mix: one point measures it)."""
     if not trace:
         raise ValueError("the trace is empty")
-    ins = sorted(r.input_length for r in trace)
-    outs = sorted(r.output_length for r in trace)
-    return (tuple(sorted({max(1, round(percentile(ins, q))) for q in (10, 90)})),
-            tuple(sorted({max(1, round(percentile(outs, q))) for q in (10, 90)})))  # fmt: skip
+
+    def axis(values: list[int]) -> tuple[int, ...]:
+        low, high = (max(1, round(percentile(values, q))) for q in (10, 90))
+        return (low, high) if high >= 2 * low else (max(1, round(percentile(values, 50))),)
+
+    return axis(sorted(r.input_length for r in trace)), axis(sorted(r.output_length for r in trace))
 
 
 def steady_load(rate: float, input_tokens: int, output_tokens: int, n: int, seed: int = 0) -> list[TraceRequest]:
@@ -92,7 +95,7 @@ def max_rate(ok: Callable[[float], bool], guess: float, steps: int = 4, limit: i
 
 def measure_profile(
     inputs: Sequence[int], outputs: Sequence[int], options: MockerOptions, slo: Slo, model: DisaggModel,
-    attainment: float = 0.99, requests: int = 150, router: str = "kv", seed: int = 0, max_requests: int = 4000,
+    attainment: float = 0.99, requests: int = 150, router: str = "kv", seed: int = 0, max_requests: int = 800,
     progress: Callable[[str], None] | None = None,
 ) -> CapacityProfile:  # fmt: skip
     if requests < 20 or not 0 < attainment <= 1:
@@ -107,14 +110,14 @@ def measure_profile(
                 lifetime_s = (slo.ttft_ms + n_out * 1.25 * slo.itl_ms) / 1000.0
 
                 def ok(rate: float, arm: Arm = arm, workers: int = workers, lifetime_s: float = lifetime_s) -> bool:
-                    n = min(max(requests, math.ceil(rate * 4 * lifetime_s)), max_requests)
+                    n = min(max(requests, math.ceil(rate * 2 * lifetime_s)), max_requests)
                     trace = steady_load(rate, n_in, n_out, n, seed)
                     stream = arrivals(trace, TokenSynth(options.vocab_size))
                     run = run_arm(arm, stream, options, workers, default_router(router, options, seed), model)
                     return sum(meets(r, slo) for r in run.records) >= attainment * len(run.records)
 
                 guess = 1000.0 / max(options.remote_prefill_ms(n_in) + n_out * options.decode_ms(0.2) / 64, 1.0)
-                rates[name] = max_rate(ok, guess, steps=3)
+                rates[name] = max_rate(ok, guess, steps=2)
                 if progress is not None:
                     progress(f"{n_in} prompt / {n_out} output tokens: {name} {rates[name]:.3g} req/s per worker")
             points.append(CapacityPoint(n_in, n_out, rates["prefill"], rates["decode"], rates["aggregated"]))

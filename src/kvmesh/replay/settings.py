@@ -81,6 +81,7 @@ class ReplaySettings:
     planner_hold_rounds: int = live(PlannerConfig, "planner_hold_rounds", group=_ARMS)
     planner_cooldown_s: float = live(PlannerConfig, "planner_cooldown_s", group=_ARMS)
     capacity_profile: str | None = live(PlannerConfig, "capacity_profile", group=_ARMS)
+    planner_headroom: float = live(PlannerConfig, "planner_headroom", group=_ARMS)
     # the planner arm's bounds: --workers its maximum (a fixed arm holds it), this its minimum (default 1)
     min_workers: int | None = live(PlannerConfig, "min_workers", group=_ARMS)
     planner_start_s: float = setting(10.0, "virtual seconds a worker the planner starts takes to serve",

@@ -39,12 +39,14 @@ class Chunk:
     lora_slot: int = 0  # the LoRA adapter slot its rows run with (0: the base model)
 
 
-def _lora_rows(chunks: Sequence[Chunk], device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """Each row's LoRA slot, or None when no chunk of the pass has an adapter."""
-    if not any(c.lora_slot for c in chunks):
-        return None
+def _lora(chunks: Sequence[Chunk], device: torch.device | str = "cpu") -> tuple[torch.Tensor | None, tuple[int, int]]:
+    """``StepInputs``' LoRA fields: each row's slot and the pass's lowest and highest
+    slot; (None, (0, 0)) when no chunk of the pass has an adapter."""
+    used = [c.lora_slot for c in chunks if c.lora_slot]
+    if not used:
+        return None, (0, 0)
     rows = [c.lora_slot for c in chunks for _ in c.tokens]
-    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True), (min(used), max(used))
 
 
 def _long(values: list[int]) -> torch.Tensor:
@@ -70,6 +72,7 @@ def make_inputs(chunks: Sequence[Chunk], block_size: int) -> StepInputs:
             sample_rows.append(len(ids) - 1)
     key_slots = _key_slots(chunks, block_size, keys)
     uniform = all(n == width for n in lengths)
+    lora_rows, lora_span = _lora(chunks)
     return StepInputs(
         input_ids=_long(ids),
         positions=_long(positions),
@@ -83,7 +86,8 @@ def make_inputs(chunks: Sequence[Chunk], block_size: int) -> StepInputs:
         mask=_mask(chunks, lengths, ends, width, keys),
         causal=len(chunks) == 1 and chunks[0].start == 0 and width > 1,
         sample_index=_long(sample_rows),
-        lora_rows=_lora_rows(chunks),
+        lora_rows=lora_rows,
+        lora_span=lora_span,
     )
 
 
@@ -161,6 +165,7 @@ def make_paged_inputs(chunks: Sequence[Chunk], block_size: int, device: torch.de
     def dev(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
+    lora_rows, lora_span = _lora(chunks, device)
     decode = None
     if decode_chunks:
         every = len(decode_rows) == len(ids)
@@ -185,7 +190,8 @@ def make_paged_inputs(chunks: Sequence[Chunk], block_size: int, device: torch.de
         paged=True,
         decode=decode,
         prefills=tuple(_span(first, c, block_size, device) for first, c in spans),
-        lora_rows=_lora_rows(chunks, device),
+        lora_rows=lora_rows,
+        lora_span=lora_span,
     )
 
 

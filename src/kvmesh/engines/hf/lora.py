@@ -14,8 +14,10 @@ A pass whose rows carry adapters (``StepInputs.lora_rows``: each row's slot, 0 f
 base model) adds, after each fused matmul ``y = x W``, ``((x A) ⊙ M) B`` where the mask
 ``M`` keeps the columns of each row's own slot: two dense matmuls for the whole batch,
 whatever mix of adapters it holds (no per-adapter batch, no per-row gather), and a row
-of the base model gets exactly 0. A pass without adapters does none of it. Every slot's
-weights are finite (checked on load), so masked-out columns are exact zeros.
+of the base model gets exactly 0. Only the columns of the slots from the pass's lowest to
+its highest (``StepInputs.lora_span``) take part, as views: a pass with one adapter
+costs one slot's columns whatever ``max_loras`` is. A pass without adapters does none of
+it. Every slot's weights are finite (checked on load), so masked-out columns are exact zeros.
 
 The bank is allocated on the first adapter load (a worker that never loads one pays
 nothing) and written only by the forward thread (:meth:`write`, between passes).
@@ -52,9 +54,11 @@ def projection_shapes(hidden: int, q: int, kv: int, ff: int) -> dict[str, tuple[
 
 @dataclass(frozen=True, slots=True)
 class LoraMasks:
-    """One pass's masks, per group: (T, S·W) with 1 where the column belongs to the row's slot."""
+    """One pass's masks, per group: (T, n·W) with 1 where the column belongs to the row's
+    slot, over the columns ``columns[group]`` of the slots ``lo .. hi`` the pass uses."""
 
     by_group: dict[str, torch.Tensor]
+    columns: dict[str, slice]
 
 
 class LoraBank:
@@ -105,15 +109,22 @@ class LoraBank:
             self.a[layer][g][:, first : first + r] = a.t()
             self.b[layer][g][first : first + r, out0:out1] = b.t() * files.scale
 
-    def masks(self, rows: torch.Tensor) -> LoraMasks:
-        """The masks of a pass whose row ``i`` runs with slot ``rows[i]`` (0: no adapter)."""
-        return LoraMasks({g: (cols == rows[:, None]).to(self.dtype) for g, cols in self._col_slot.items()})
+    def masks(self, rows: torch.Tensor, span: tuple[int, int]) -> LoraMasks:
+        """The masks of a pass whose row ``i`` runs with slot ``rows[i]`` (0: no adapter),
+        every slot it uses within ``span`` (lowest, highest)."""
+        lo, hi = span
+        if not 1 <= lo <= hi <= self.slots:
+            raise ValueError(f"LoRA slots {lo}..{hi} are outside 1..{self.slots}")
+        columns = {g: slice((lo - 1) * w, hi * w) for g, w in self.width.items()}
+        by_group = {g: (cols[columns[g]] == rows[:, None]).to(self.dtype) for g, cols in self._col_slot.items()}
+        return LoraMasks(by_group, columns)
 
     def delta(self, layer: int, group: str, x: torch.Tensor, masks: LoraMasks) -> torch.Tensor:
         """``((x A) ⊙ M) B``: what the rows' adapters add to ``group``'s output, (T, out)."""
-        xa = torch.mm(x, self.a[layer][group])
+        cols = masks.columns[group]
+        xa = torch.mm(x, self.a[layer][group][:, cols])
         xa.mul_(masks.by_group[group])
-        return torch.mm(xa, self.b[layer][group])
+        return torch.mm(xa, self.b[layer][group][cols])
 
 
 def load_tensors(files: AdapterFiles) -> dict[str, torch.Tensor]:

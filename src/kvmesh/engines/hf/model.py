@@ -255,6 +255,7 @@ class StepInputs:
     decode: DecodeRows | None = None
     prefills: tuple[PrefillSpan, ...] = ()
     lora_rows: torch.Tensor | None = None  # (T,) long, each row's LoRA slot (0: none); None: no adapter in the pass
+    lora_span: tuple[int, int] = (0, 0)  # the lowest and highest LoRA slot of the pass (with lora_rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +361,7 @@ class LlamaModel:
         x = self._embed(inp.input_ids)
         cos, sin = self._rope(inp)
         bank = self.lora
-        masks = bank.masks(inp.lora_rows) if bank is not None and inp.lora_rows is not None else None
+        masks = bank.masks(inp.lora_rows, inp.lora_span) if bank is not None and inp.lora_rows is not None else None
         for i, layer in enumerate(self.layers):
             x += self._attention(layer, i, F.rms_norm(x, hidden, layer.norm_in, eps), cos, sin, inp, pool, masks)
             x += self._mlp(layer, i, F.rms_norm(x, hidden, layer.norm_post, eps), masks)

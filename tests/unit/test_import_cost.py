@@ -87,6 +87,17 @@ def test_mocker_worker_starts_without_the_grammar_engine() -> None:
 
 
 @pytest.mark.timeout(150)
+def test_worker_imports_cryptography_with_its_first_seal() -> None:
+    # an aggregated worker imports the prefill queue's module (disagg.queue -> runtime.seal)
+    # but seals nothing: cryptography (~5 MiB of a worker's RSS) loads with the first seal
+    assert _loaded_after(_MOCKER_WORKER + "import kvmesh.disagg.queue", ("cryptography",)) == []
+    seal = "\n".join(("from kvmesh.runtime.auth import ClusterSecret", "from kvmesh.runtime.seal import MessageSeal",
+                      "s = MessageSeal(ClusterSecret(b'k' * 32), 'x', window_s=5, max_bytes=64)",
+                      "assert s.open(s.seal(b'hi', b'', 1.0), b'', 1.0) == b'hi'"))
+    assert _loaded_after(seal, ("cryptography",)) == ["cryptography"]
+
+
+@pytest.mark.timeout(150)
 def test_frontend_builds_the_openapi_document_and_other_dialects_on_first_use() -> None:
     # /openapi.json (msgspec's JSON-schema generation, ~0.1 s), /v1/responses and
     # /v1/messages are built by their first request, not by the frontend's start
@@ -97,3 +108,48 @@ def test_frontend_builds_the_openapi_document_and_other_dialects_on_first_use() 
     assert _loaded_after(start, lazy) == []
     first_get = start + "\nimport asyncio\nassert b'/v1/messages' in asyncio.run(f.openapi(None)).body"
     assert _loaded_after(first_get, lazy[:2]) == list(lazy[:2])
+
+
+# kvmesh run's frontend: its model loaded with the template deferred (the forked
+# TemplateCheck compiles it at start), then a chat prompt built
+_RUN_FRONTEND = """
+from kvmesh.assembly.frontend import FrontendProcess
+from kvmesh.config import FrontendConfig
+from kvmesh.preprocess.model import bundled_model_path
+process = FrontendProcess._build(FrontendConfig(), None, [(str(bundled_model_path()), None)], True)
+import sys
+print(' '.join(m for m in ('jinja2',) if m in sys.modules))
+pre = next(iter(process.frontend.registry.models.values())).preprocessor
+assert pre.chat_prompt([{"role": "user", "content": "hi"}])
+"""
+
+
+@pytest.mark.timeout(150)
+def test_kvmesh_run_frontend_compiles_its_template_on_the_first_chat_prompt() -> None:
+    assert _loaded_after(_RUN_FRONTEND, ("jinja2",)) == ["jinja2"]  # the first line: not before the chat prompt
+
+
+_CHECK = """
+import shutil, sys, tempfile, pathlib
+from kvmesh.preprocess.model import bundled_model_path
+from kvmesh.preprocess.template_check import TemplateCheck
+import asyncio
+good = str(bundled_model_path())
+bad = pathlib.Path(tempfile.mkdtemp()) / "bad"
+shutil.copytree(good, bad)
+(bad / "chat_template.jinja").write_text("{% if %}")
+print(repr(asyncio.run(TemplateCheck.fork([(good, None)]).result())))
+print(repr(asyncio.run(TemplateCheck.fork([(good, None), (str(bad), "b")]).result())))
+print("jinja2" in sys.modules)
+shutil.rmtree(bad.parent)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_template_check_reports_a_broken_template_from_its_own_process() -> None:
+    out = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    good, bad, jinja_here = out.stdout.splitlines()
+    assert good == "None"
+    assert "does not compile" in bad and "bad" in bad
+    assert jinja_here == "False"  # compiled in the forked process only

@@ -38,6 +38,7 @@ from kvmesh.config import ModelFleet, RunConfig, RuntimeConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.frontend.server import bind_http
 from kvmesh.preprocess.model import bundled_model_path, load_model_folder
+from kvmesh.preprocess.template_check import TemplateCheck
 from kvmesh.protocol import DisaggThresholds, KvEndpoint
 from kvmesh.runtime import auth
 from kvmesh.runtime.distributed import DistributedRuntime
@@ -64,11 +65,13 @@ class StartError(Exception):
 @dataclasses.dataclass
 class Prepared:
     """What :func:`prepare` did before the event loop: the config with its model
-    folders resolved, the bound HTTP socket, the forked workers (one list per model)."""
+    folders resolved, the bound HTTP socket, the forked workers (one list per model), the
+    forked check of the models' chat templates."""
 
     cfg: RunConfig
     sock: socket.socket
     preforked: list[list[ForkedWorker]]
+    templates: TemplateCheck
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -81,7 +84,10 @@ def prepare(cfg: RunConfig) -> Prepared:
     except OSError as exc:
         raise StartError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
     own_cluster_secret()
-    return Prepared(cfg, sock, _fork_workers(cfg, sock))
+    preforked = _fork_workers(cfg, sock)
+    # jinja2 and the templates' compile in a process of their own, off the frontend's path
+    templates = TemplateCheck.fork([(f.worker.model_path or "", f.worker.served_model_name) for f in cfg.fleets])
+    return Prepared(cfg, sock, preforked, templates)
 
 
 def _resolve_folders(cfg: RunConfig) -> RunConfig:
@@ -147,13 +153,13 @@ async def serve(prepared: Prepared, log_level: str) -> str | None:
         supervisors, fleet = await _workers(cfg, runtime, roster, prepared.preforked)
         for one in supervisors:
             one.start(roster.events(fleet))
-        await _serve_frontend(cfg, prepared.sock, log_level, runtime, supervisors, fleet)
+        broken = await _serve_frontend(cfg, prepared, log_level, runtime, supervisors, fleet)
     finally:
         for one in supervisors:
             await one.stop()
         await runtime.shutdown()
     failed = [one.error for one in supervisors if one.failed.is_set()]
-    return failed[0] if failed else None
+    return broken or (failed[0] if failed else None)
 
 
 async def _workers(
@@ -215,21 +221,27 @@ async def _serve_prefill_queue(cfg: RunConfig, runtime: DistributedRuntime, rost
 
 async def _serve_frontend(
     cfg: RunConfig,
-    sock: socket.socket,
+    prepared: Prepared,
     log_level: str,
     runtime: DistributedRuntime,
     supervisors: list[Supervisor],
     fleet: EmbeddedFleet | None,
-) -> None:
+) -> str | None:
     """The frontend over the run's discovery (and the planner over it), until a signal
-    or a supervisor gives up."""
+    or a supervisor gives up. A model's chat template that does not compile stops it
+    before it serves (its error): checked in a forked process, jinja2 is off the
+    frontend's way to its first completion; the frontend compiles its own copy on the
+    first chat request."""
     from kvmesh.assembly import frontend as http  # the HTTP stack: imported while the workers start
 
+    broken = await prepared.templates.result()  # done by now, on another core, as a rule
+    if broken is not None:
+        return broken
     http.ignore_stop_signals()  # from here on: the workers' orderly stop must not be cut short
     # only the kv router subscribes to the workers' KV events
     events = make_event_plane("zmq", host=cfg.worker.host) if cfg.frontend.router_mode == "kv" else None
     models = [(f.worker.model_path or "", f.worker.served_model_name) for f in cfg.fleets]
-    process = await http.FrontendProcess.over_discovery(cfg.frontend, runtime, events, models)
+    process = await http.FrontendProcess.over_discovery(cfg.frontend, runtime, events, models, defer_templates=True)
     planner: PlannerService | None = None
     if fleet is not None:
         from kvmesh.assembly.planner import plan_embedded
@@ -237,7 +249,7 @@ async def _serve_frontend(
         planner = plan_embedded(cfg, fleet, process.frontend, runtime)
     try:
         await process.serve(
-            sock, log_level,
+            prepared.sock, log_level,
             lambda server: _announce(cfg, process, server),
             lambda server: _give_up(supervisors, server),
         )  # fmt: skip
@@ -246,6 +258,7 @@ async def _serve_frontend(
             await planner.close()
             await fleet.close()
         await process.close()
+    return None
 
 
 async def _give_up(supervisors: list[Supervisor], server: HttpServer) -> None:

@@ -52,12 +52,14 @@ class FrontendProcess:
 
     @classmethod
     async def over_discovery(
-        cls, cfg: FrontendConfig, runtime: DistributedRuntime, events: EventPlane | None, model_path: Models
+        cls, cfg: FrontendConfig, runtime: DistributedRuntime, events: EventPlane | None, model_path: Models,
+        defer_templates: bool = False,
     ) -> FrontendProcess:
         """Watch the runtime's discovery: the workers routed to, and the prefill workers
         (observability: their metrics on the dashboard). ``model_path``: a model folder,
-        or several models' (folder, served name), loaded before their workers come."""
-        process = cls._build(cfg, events, model_path)
+        or several models' (folder, served name), loaded before their workers come;
+        ``defer_templates``: their chat templates compiled by their first chat request."""
+        process = cls._build(cfg, events, model_path, defer_templates)
         process.sources.append(await watch_workers(runtime, process.frontend.registry))
         process.sources.append(await watch_prefill_workers(runtime, process.frontend.prefill_workers))
         return process
@@ -72,10 +74,10 @@ class FrontendProcess:
         return process
 
     @classmethod
-    def _build(cls, cfg: FrontendConfig, events: EventPlane | None, model_path: Models) -> FrontendProcess:
+    def _build(cls, cfg: FrontendConfig, events: EventPlane | None, model_path: Models, defer: bool = False) -> FrontendProcess:
         frontend = Frontend(cfg, events)
         models = [(model_path, None)] if isinstance(model_path, str) else model_path or []
-        names = [frontend.registry.add_model(path, name).name for path, name in models if path]
+        names = [frontend.registry.add_model(path, name, defer).name for path, name in models if path]
         return cls(frontend, names[0] if names else "")
 
     async def serve(self, sock: socket.socket, log_level: str, *beside: Callable[[HttpServer], Coroutine[Any, Any, None]]) -> None:

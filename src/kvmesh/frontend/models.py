@@ -132,10 +132,10 @@ async def fetch_model_files(client: RequestClient, name: str) -> str:
 
 
 class ModelEntry:
-    def __init__(self, info: ModelInfo, config: FrontendConfig, metrics: ModelMetrics) -> None:
+    def __init__(self, info: ModelInfo, config: FrontendConfig, metrics: ModelMetrics, defer_template: bool = False) -> None:
         self.name = info.name
         self.info = info
-        self.preprocessor = Preprocessor(info)
+        self.preprocessor = Preprocessor(info, defer_template=defer_template)
         self.engine: EngineConfig | None = None
         self.instances = InstanceSet()
         # kv modes swap in their policy when the first worker tells the block size
@@ -173,12 +173,14 @@ class ModelRegistry:
         self._worker_model: dict[int, str] = {}
         self.adapters = Adapters(self)
 
-    def add_model(self, path: str, name: str | None = None) -> ModelEntry:
-        """Load a model folder (tokenizer, template) ahead of its workers."""
+    def add_model(self, path: str, name: str | None = None, defer_template: bool = False) -> ModelEntry:
+        """Load a model folder (tokenizer, template) ahead of its workers; ``defer_template``:
+        its chat template compiled on first use (``Preprocessor.compile_template``)."""
         info = load_model_folder(path, name=name)
         entry = self.models.get(info.name)
         if entry is None:
-            entry = self.models[info.name] = ModelEntry(info, self.config, self.metrics.model(info.name))
+            metrics = self.metrics.model(info.name)
+            entry = self.models[info.name] = ModelEntry(info, self.config, metrics, defer_template)
             entry.health = self.health
             entry.router.weights = self.health.weights if self.health is not None else None
         return entry

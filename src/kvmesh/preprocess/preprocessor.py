@@ -33,13 +33,15 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
 from kvmesh.preprocess.stop import StopMatcher
-from kvmesh.preprocess.template import ChatTemplate
 from kvmesh.preprocess.tokenizer import Detokenizer, Tokenizer, encode_chat
+
+if TYPE_CHECKING:
+    from kvmesh.preprocess.template import ChatTemplate
 
 __all__ = ["Preprocessor", "OFFLOAD_CHARS", "LONG_CHARS", "SizedPool", "preprocess_pool"]
 
@@ -145,8 +147,8 @@ class Preprocessor:
     """Prompt building and detokenization for one model.
 
     Construction loads the tokenizer and compiles the chat template (tens of ms for a
-    large vocabulary; do it at startup). After that every method is read-only and may
-    be called by many requests at once. Per-request state lives in the objects that
+    large vocabulary; do it at startup; ``defer_template``: the template on first use).
+    After that every method may be called by many requests at once. Per-request state lives in the objects that
     :meth:`detokenizer` and :meth:`stop_matcher` return.
 
     Prompts are checked against the context: an empty prompt, an id outside the
@@ -154,17 +156,39 @@ class Preprocessor:
     :class:`~kvmesh.errors.InvalidArgument`. Fitting ``max_tokens`` is the caller's check.
     """
 
-    __slots__ = ("info", "tokenizer", "chat_template", "eos_token_ids")
+    __slots__ = ("info", "tokenizer", "eos_token_ids", "_template", "_compiled", "_compiling")
 
-    def __init__(self, info: ModelInfo) -> None:
+    def __init__(self, info: ModelInfo, *, defer_template: bool = False) -> None:
+        """``defer_template``: compile the chat template on first use (or
+        :meth:`compile_template`) instead of now; ``kvmesh run`` compiles it in the
+        background once serving, and exits with its error if it does not compile."""
         self.info = info
         self.tokenizer = Tokenizer.from_file(info.tokenizer_path)
-        self.chat_template: ChatTemplate | None = None
-        if info.chat_template is not None:
-            self.chat_template = ChatTemplate(
-                info.chat_template, origin=str(info.path), variables=info.special_tokens()
-            )
         self.eos_token_ids: frozenset[int] = frozenset(info.eos_token_ids)
+        self._template: ChatTemplate | None = None
+        self._compiled = info.chat_template is None
+        self._compiling = threading.Lock()
+        if not defer_template:
+            self.compile_template()
+
+    def compile_template(self) -> ChatTemplate | None:
+        """The chat template, compiled now if it was not yet (jinja2 is imported here);
+        :class:`~kvmesh.errors.InvalidArgument` if it does not compile. Thread-safe."""
+        if self._compiled:
+            return self._template
+        with self._compiling:
+            if not self._compiled and self.info.chat_template is not None:
+                from kvmesh.preprocess.template import ChatTemplate  # jinja2: ~0.15 s of a start
+
+                self._template = ChatTemplate(
+                    self.info.chat_template, origin=str(self.info.path), variables=self.info.special_tokens()
+                )
+                self._compiled = True
+        return self._template
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self.compile_template()
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike[str], *, name: str | None = None) -> Preprocessor:
@@ -174,12 +198,13 @@ class Preprocessor:
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:
         """The chat template applied to ``messages`` (plain dicts, OpenAI-shaped)."""
-        if self.chat_template is None:
+        template = self.compile_template()
+        if template is None:
             raise InvalidArgument(
                 f"model {self.info.name!r} has no chat template: send a text prompt to "
                 f"/v1/completions, or add chat_template to {self.info.path}/tokenizer_config.json"
             )
-        return self.chat_template.render(messages, add_generation_prompt, **template_kwargs)
+        return template.render(messages, add_generation_prompt, **template_kwargs)
 
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvmesh.runtime.auth import AuthError, ClusterSecret
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 __all__ = ["Sealed", "MessageSeal", "ReplayGuard", "SealRefused", "MAX_SEEN", "SEAL_OVERHEAD"]
 
@@ -127,7 +128,7 @@ class MessageSeal:
     largest plaintext accepted, checked on the ciphertext's size before anything is
     decoded. Opening remembers nonces (:class:`ReplayGuard`); sealing keeps no state."""
 
-    __slots__ = ("purpose", "window_s", "max_bytes", "guard", "_aead", "_decode", "_encode")
+    __slots__ = ("purpose", "window_s", "max_bytes", "guard", "_aead", "_invalid", "_decode", "_encode")
 
     def __init__(
         self, secret: ClusterSecret, purpose: str, *, window_s: float, max_bytes: int, max_seen: int = MAX_SEEN
@@ -136,7 +137,13 @@ class MessageSeal:
         self.window_s = window_s
         self.max_bytes = max_bytes
         self.guard = ReplayGuard(window_s, max_seen)
-        self._aead = AESGCM(secret.derive(f"seal/{purpose}"))
+        # cryptography is imported by the first seal built, not by the modules that may
+        # build one (a worker that never seals a message does not load it: issue 36)
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._aead: AESGCM = AESGCM(secret.derive(f"seal/{purpose}"))
+        self._invalid: type[Exception] = InvalidTag
         self._decode = msgspec.msgpack.Decoder(Sealed).decode
         self._encode = msgspec.msgpack.Encoder().encode
 
@@ -163,7 +170,7 @@ class MessageSeal:
             raise SealRefused("forged", f"a {self.purpose} not signed with this fleet's cluster secret (not sealed)")
         try:
             plaintext = self._aead.decrypt(sealed.nonce, sealed.box, self._aad(bind, sealed.sent_ms))
-        except InvalidTag:
+        except self._invalid:
             raise SealRefused(
                 "forged", f"a {self.purpose} not signed with this fleet's cluster secret (altered, or sealed with another secret)"
             ) from None

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvmesh.engines.batching.tiers import G1, TIERS, LowerTiers, Move
+from kvmesh.engines.batching.tiers import G1, G2, G3, TIERS, LowerTiers, Move
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventData
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
 
@@ -74,6 +74,7 @@ class BlockManager:
         ring_capacity: int = 1024,
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        onboard_tiers: tuple[int, ...] = (G2, G3),
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
@@ -84,7 +85,7 @@ class BlockManager:
         self.ring = KvEventRing(ring_capacity)
         self._publisher: EventPublisher = publisher if publisher is not None else NullPublisher()
         self._next_event_id = 0
-        self.tiers = LowerTiers(host_blocks, disk_blocks) if enable_prefix_caching else LowerTiers()
+        self.tiers = LowerTiers(host_blocks, disk_blocks, onboard_tiers) if enable_prefix_caching else LowerTiers()
         self._onboarding = dict.fromkeys(TIERS, 0)  # blocks brought up since take_onboarded
         self._init_pool()
 
@@ -305,6 +306,8 @@ class BlockManager:
             b = seq.blocks[i]
             self._cached[h] = b
             self._hash[b] = h
+            if self.tiers.enabled:  # computed again beside a copy in a tier not onboarded from
+                self._emit_moves(self.tiers.discard(h))
             if run_start < 0:
                 run_start = i
         if run_start >= 0:

@@ -103,6 +103,7 @@ class SchedulerLimits:
     # KV tiers below the device pool (batching/tiers.py), in blocks: 0, none
     host_kv_blocks: int = 0
     disk_kv_blocks: int = 0
+    onboard_tiers: tuple[int, ...] = (2, 3)  # lower tiers a prefix hit is onboarded from
 
     def __post_init__(self) -> None:
         for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
@@ -205,6 +206,7 @@ class Scheduler(Generic[S]):
             ring_capacity=limits.event_ring_capacity,
             host_blocks=limits.host_kv_blocks,
             disk_blocks=limits.disk_kv_blocks,
+            onboard_tiers=limits.onboard_tiers,
         )
         self._caching = limits.enable_prefix_caching
         # graceful degradation may shrink the batch at run time (set_batch_multiplier)

@@ -14,7 +14,9 @@ Moves (a block is in one tier at a time; a tier of capacity 0 is skipped):
   enter most-recently-used in the order given, so a sequence's prefix (freed last,
   evicted last) stays longest.
 * **onboarding**: a prefix hit in G2/G3 takes the blocks out of their tier
-  (:meth:`LowerTiers.take`); the block manager gives them G1 blocks again.
+  (:meth:`LowerTiers.take`); the block manager gives them G1 blocks again. Only tiers
+  in ``onboard`` count as hits (the mocker leaves out a tier slower than recomputing);
+  a block computed again in G1 leaves its lower tier (:meth:`LowerTiers.discard`).
 
 Every move is reported as :class:`Move` values in order (``removed`` from / ``stored``
 into one tier), which the block manager turns into KV events; applying them in order
@@ -55,11 +57,13 @@ class LowerTiers:
     """G2 and G3 of one worker (see the module docstring). ``capacity`` maps a tier to
     its size in blocks; tiers of size 0 do not exist."""
 
-    def __init__(self, host_blocks: int = 0, disk_blocks: int = 0) -> None:
+    def __init__(self, host_blocks: int = 0, disk_blocks: int = 0, onboard: tuple[int, ...] = (G2, G3)) -> None:
         if host_blocks < 0 or disk_blocks < 0:
             raise ValueError(f"tier sizes must be >= 0 blocks, got host {host_blocks}, disk {disk_blocks}")
         self.capacity = {G2: host_blocks, G3: disk_blocks}
         self._order = [t for t in (G2, G3) if self.capacity[t] > 0]
+        # the tiers a prefix hit is brought up from (one slower than recomputing is not)
+        self._onboard = [t for t in self._order if t in onboard]
         self._lru: dict[int, OrderedDict[int, None]] = {t: OrderedDict() for t in (G2, G3)}
         self.stats = TierStats()
 
@@ -76,7 +80,16 @@ class LowerTiers:
         return None
 
     def __contains__(self, h: object) -> bool:
-        return any(h in self._lru[t] for t in self._order)
+        """Whether ``h`` is in a tier it may be onboarded from (a prefix hit)."""
+        return any(h in self._lru[t] for t in self._onboard)
+
+    def discard(self, h: int) -> list[Move]:
+        """Drop ``h`` from its tier, if any (its content was computed again in G1)."""
+        t = self.tier_of(h)
+        if t is None:
+            return []
+        del self._lru[t][h]
+        return [Move(t, False, [h])]
 
     def blocks(self, tier: int) -> set[int]:
         """The hashes ``tier`` (G2 or G3) holds."""

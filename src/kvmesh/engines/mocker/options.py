@@ -156,6 +156,14 @@ class MockerOptions(BatchingOptions):
         gbps = {G2: self.host_kv_gbps, G3: self.disk_kv_gbps}
         return sum(n * self.kv_block_bytes / (gbps[t] * 1e6) for t, n in blocks_by_tier.items() if n and t in gbps)
 
+    @property
+    def onboard_tiers(self) -> tuple[int, ...]:
+        """The lower tiers worth onboarding from: copying a token's KV up takes less
+        than prefilling it (the timing model's linear term)."""
+        prefill_ms = self.prefill_coeffs[1]
+        gbps = {G2: self.host_kv_gbps, G3: self.disk_kv_gbps}
+        return tuple(t for t, g in gbps.items() if self.kv_bytes_per_token / (g * 1e6) < prefill_ms)
+
     def tiered_step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float, onboard_ms: float) -> float:
         """:meth:`step_ms` of a pass whose prefills wait for ``onboard_ms`` of onboarding
         (no speedup): the copies overlap the pass's decode part, which does not need

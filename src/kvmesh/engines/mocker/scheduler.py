@@ -37,7 +37,7 @@ next step with ``error``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvmesh.engines.batching.scheduler import EOS, Finished, Plan, Seq, SchedulerLimits, priority_rank
@@ -110,7 +110,8 @@ class MockSeq(Seq):
 
 
 def limits_of(options: MockerOptions) -> SchedulerLimits:
-    return SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
+    limits = SchedulerLimits.of(options, num_blocks=options.num_blocks, context_length=options.context_length)
+    return replace(limits, onboard_tiers=options.onboard_tiers)
 
 
 class Scheduler(BatchScheduler[MockSeq]):

@@ -80,6 +80,18 @@ class FrontendProcess:
         names = [frontend.registry.add_model(path, name, defer).name for path, name in models if path]
         return cls(frontend, names[0] if names else "")
 
+    async def share_tenant_budget(self, runtime: DistributedRuntime) -> None:
+        """``kvmesh frontend``: tenants' rpm/tpm held across every frontend of the fleet
+        (--tenant-budget; kvmesh.frontend.tenant_shared); embedded ``kvmesh run`` has one
+        frontend and keeps the local limiter."""
+        gate, mode = self.frontend.tenants, self.frontend.config.security.tenant_budget
+        if gate is None or mode == "local" or (mode == "auto" and not runtime.config.needs_nats):
+            return
+        from kvmesh.frontend.tenant_shared import SharedBudget
+
+        gate.shared = SharedBudget(await runtime.connect_nats(), runtime.config.namespace)
+        self.sources.append(gate.shared)  # closing gives back its unspent leases
+
     async def serve(self, sock: socket.socket, log_level: str, *beside: Callable[[HttpServer], Coroutine[Any, Any, None]]) -> None:
         """Serve on ``sock`` until SIGTERM/SIGINT (or a ``beside`` task tells the server
         to exit); the ``beside`` tasks run alongside and are cancelled at the end."""

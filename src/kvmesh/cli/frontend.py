@@ -97,6 +97,7 @@ async def _serve(
         await runtime.start()
         plane = make_event_plane(rcfg.event_plane, nats_client=runtime.nats, namespace=rcfg.namespace, host=rcfg.host)
         process = await FrontendProcess.over_discovery(cfg, runtime, plane, model_path)
+        await process.share_tenant_budget(runtime)
     try:
         print(f"kvmesh: frontend serving http://{cfg.http_host}:{sock.getsockname()[1]}/v1", flush=True)
         await process.serve(sock, log_level)

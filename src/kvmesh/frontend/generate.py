@@ -142,6 +142,8 @@ class Generation:
         grant: Grant | None = None
         if request.tenant is not None:  # a key with a tenant: its limits, fair share and cache namespace
             got = self._reserve(request.tenant, preq)
+            if isinstance(got, Grant) and self.tenants is not None and self.tenants.shares(request.tenant):
+                got = await self.tenants.share(got, request.tenant)  # several frontends: the fleet's budget too
             if isinstance(got, Refusal):
                 return _rate_limited(dialect, got, request_id)
             grant = got

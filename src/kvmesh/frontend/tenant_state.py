@@ -5,19 +5,27 @@ on this process's monotonic clock, with the usage views (``/metrics``,
 Only requests whose key has a tenant (a ``tenant=`` or a limit in the keys file, or any
 key with ``--cache-isolation tenant``) come here; every other request skips it.
 
-Scope: the limits hold per frontend process. Several frontends share no budget yet:
-each enforces the file's limits alone (N frontends admit up to N × the limit); see the
-README's Tenants section.
+Scope: the limits hold per frontend process; in distributed mode with a NATS
+connection (``--tenant-budget shared``, the default there) requests per minute and
+tokens per minute also hold across every frontend of the fleet: :meth:`TenantGate.share`
+spends leases of a shared per-minute budget (:mod:`kvmesh.frontend.tenant_shared`,
+:mod:`kvmesh.frontend.tenant_budget`) after the local limiter admitted the request.
+Concurrent requests stay a per-frontend limit. See the README's Tenants section.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvmesh.frontend.tenants import MAX_METRIC_TENANTS, Grant, Refusal, TenantLimiter, TenantPolicy
+from kvmesh.frontend.tenant_budget import window_end_s, window_of
+from kvmesh.frontend.tenants import MAX_METRIC_TENANTS, Grant, Refusal, TenantLimiter, TenantPolicy, format_reset
+
+if TYPE_CHECKING:
+    from kvmesh.frontend.tenant_shared import SharedBudget
 
 __all__ = ["TenantGate"]
 
@@ -25,18 +33,51 @@ _OTHER = "other"
 
 
 class TenantGate:
-    __slots__ = ("limiter", "_labelled")
+    __slots__ = ("limiter", "_labelled", "shared")
 
     def __init__(self, policies: list[TenantPolicy]) -> None:
         self.limiter = TenantLimiter(policies, time.monotonic())
         names = list(dict.fromkeys(p.name for p in policies))
         self._labelled = frozenset(names[:MAX_METRIC_TENANTS])  # the rest are "other" in /metrics
+        self.shared: SharedBudget | None = None  # set in distributed mode (kvmesh.assembly.frontend)
 
     def reserve(self, tenant: TenantPolicy, prompt_tokens: int, max_tokens: int) -> Grant | Refusal:
         return self.limiter.reserve(tenant.name, prompt_tokens, max_tokens, time.monotonic())
 
+    def shares(self, tenant: TenantPolicy) -> bool:
+        """Whether ``tenant``'s requests also spend the fleet's shared budget."""
+        return self.shared is not None and bool(tenant.rpm or tenant.tpm)
+
+    async def share(self, grant: Grant, tenant: TenantPolicy) -> Grant | Refusal:
+        """Spend the fleet's shared budget for a request the local limiter admitted
+        (``grant``): the grant with the shared view in its headers, or a refusal (the
+        local reservation undone)."""
+        shared = self.shared
+        assert shared is not None
+        window = window_of(shared.clock())
+        headers = dict(grant.headers)
+        taken: list[tuple[str, float]] = []
+        for kind, limit, n in (("requests", tenant.rpm, 1), ("tokens", tenant.tpm, grant.reserved_tokens)):
+            if not limit:
+                continue
+            left = await shared.take(tenant.name, kind, limit, n)
+            if left is None:
+                for took, m in taken:
+                    shared.refund(tenant.name, took, window, m)
+                self.limiter.cancel(grant, kind)
+                wait = window_end_s(shared.clock())
+                headers[f"x-ratelimit-remaining-{kind}"] = "0"
+                headers[f"x-ratelimit-reset-{kind}"] = format_reset(wait)
+                return Refusal(tenant.name, kind, wait, tuple(headers.items()))
+            taken.append((kind, n))
+            remaining = f"x-ratelimit-remaining-{kind}"
+            headers[remaining] = str(min(left, int(headers.get(remaining, left))))
+        return Grant(grant.tenant, grant.reserved_tokens, tuple(headers.items()), window)
+
     def settle(self, grant: Grant, prompt_tokens: int, completion_tokens: int) -> None:
         self.limiter.settle(grant, prompt_tokens, completion_tokens, time.monotonic())
+        if grant.window >= 0 and self.shared is not None and grant.reserved_tokens:
+            self.shared.refund(grant.tenant, "tokens", grant.window, grant.reserved_tokens - prompt_tokens - completion_tokens)
 
     def usage_json(self) -> bytes:
         """``GET /admin/usage``: every tenant's usage, limits and what is left now."""

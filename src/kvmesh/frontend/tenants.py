@@ -174,6 +174,7 @@ class Grant:
     tenant: str
     reserved_tokens: int
     headers: tuple[tuple[str, str], ...]
+    window: int = -1  # the shared budget's window it was taken in (kvmesh.frontend.tenant_budget); -1: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +257,21 @@ class TenantLimiter:
         if state.tokens is not None:
             state.tokens.refill(now)
             state.tokens.charge(prompt_tokens + completion_tokens - grant.reserved_tokens)
+
+    def cancel(self, grant: Grant, limit: str) -> None:
+        """Undo a reservation the shared budget refused (``limit``: which of it): the
+        slot, the request and its tokens back, counted as refused."""
+        state = self._tenants[grant.tenant]
+        state.usage.in_flight -= 1
+        state.usage.requests -= 1
+        if state.requests is not None:
+            state.requests.charge(-1)
+        if state.tokens is not None:
+            state.tokens.charge(-grant.reserved_tokens)
+        if limit == "requests":
+            state.usage.limited_requests += 1
+        else:
+            state.usage.limited_tokens += 1
 
     def count(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
         """Usage of a tenant without limits (one request, counted at its end)."""

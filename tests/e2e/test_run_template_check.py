@@ -1,7 +1,7 @@
 """``kvmesh run`` checks the models' chat templates in a forked process (issue 36: jinja2
 off the frontend's way to its first completion): a template that does not compile
-still stops the start with one line and exit 1, before the frontend serves; a good one
-is compiled by the frontend's first chat request."""
+still stops the start with one line and exit 1, and no serving line; a good one is
+compiled by the frontend's first chat request."""
 
 from __future__ import annotations
 

@@ -228,20 +228,18 @@ async def _serve_frontend(
     fleet: EmbeddedFleet | None,
 ) -> str | None:
     """The frontend over the run's discovery (and the planner over it), until a signal
-    or a supervisor gives up. A model's chat template that does not compile stops it
-    before it serves (its error): checked in a forked process, jinja2 is off the
-    frontend's way to its first completion; the frontend compiles its own copy on the
-    first chat request."""
+    or a supervisor gives up, or a model's chat template does not compile (its error).
+    The templates are checked in a forked process (:mod:`kvmesh.preprocess.template_check`),
+    so jinja2 is off the frontend's way to its first completion; the frontend compiles
+    its own copy on the first chat request."""
     from kvmesh.assembly import frontend as http  # the HTTP stack: imported while the workers start
 
-    broken = await prepared.templates.result()  # done by now, on another core, as a rule
-    if broken is not None:
-        return broken
     http.ignore_stop_signals()  # from here on: the workers' orderly stop must not be cut short
     # only the kv router subscribes to the workers' KV events
     events = make_event_plane("zmq", host=cfg.worker.host) if cfg.frontend.router_mode == "kv" else None
     models = [(f.worker.model_path or "", f.worker.served_model_name) for f in cfg.fleets]
     process = await http.FrontendProcess.over_discovery(cfg.frontend, runtime, events, models, defer_templates=True)
+    broken: list[str] = []
     planner: PlannerService | None = None
     if fleet is not None:
         from kvmesh.assembly.planner import plan_embedded
@@ -250,7 +248,7 @@ async def _serve_frontend(
     try:
         await process.serve(
             prepared.sock, log_level,
-            lambda server: _announce(cfg, process, server),
+            lambda server: _announce(cfg, process, server, prepared.templates, broken),
             lambda server: _give_up(supervisors, server),
         )  # fmt: skip
     finally:
@@ -258,7 +256,7 @@ async def _serve_frontend(
             await planner.close()
             await fleet.close()
         await process.close()
-    return None
+    return broken[0] if broken else None
 
 
 async def _give_up(supervisors: list[Supervisor], server: HttpServer) -> None:
@@ -273,10 +271,19 @@ async def _give_up(supervisors: list[Supervisor], server: HttpServer) -> None:
     server.should_exit = True
 
 
-async def _announce(cfg: RunConfig, process: FrontendProcess, server: HttpServer) -> None:
+async def _announce(
+    cfg: RunConfig, process: FrontendProcess, server: HttpServer, templates: TemplateCheck, broken: list[str]
+) -> None:
+    """Once serving with a ready worker and the templates' check passed: the serving
+    line. A template that does not compile stops the run instead (its error in ``broken``)."""
     registry = process.frontend.registry
     while not (server.started and registry.ready()):
         await asyncio.sleep(0.02)
+    error = await templates.result()
+    if error is not None:
+        broken.append(error)
+        server.should_exit = True
+        return
     host, port = cfg.frontend.http_host, cfg.frontend.http_port
     if port == 0:
         port = server.servers[0].sockets[0].getsockname()[1]

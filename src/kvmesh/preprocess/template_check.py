@@ -3,10 +3,11 @@
 ``kvmesh run`` must not start over a chat template that does not compile, but importing
 jinja2 and compiling the template (~0.15 s of a loaded box) in the frontend's process
 sits on the way to its first completion. :meth:`TemplateCheck.fork` forks a short-lived
-process, before the event loop exists, that imports jinja2 and compiles each model's
-template (on another core, while the frontend builds its HTTP stack), and writes the
-first error back through a pipe; :meth:`TemplateCheck.result` waits for it once the
-frontend serves. The frontend's own copy of a template is compiled by its first chat
+process (niced: a spare core's work), before the event loop exists, that imports jinja2
+and compiles each model's template while the frontend builds its HTTP stack, and writes
+the first error back through a pipe; :meth:`TemplateCheck.result` waits for it once the
+frontend serves, before its serving line (a broken template: ``kvmesh run`` exits 1 with
+its error). The frontend's own copy of a template is compiled by its first chat
 request (:class:`~kvmesh.preprocess.preprocessor.Preprocessor` ``defer_template``).
 """
 
@@ -22,6 +23,7 @@ from kvmesh.preprocess.model import load_model_folder
 __all__ = ["TemplateCheck"]
 
 _MAX_ERROR = 64 * 1024  # bytes of an error message read back
+_NICE = 10
 
 
 class TemplateCheck:
@@ -41,6 +43,7 @@ class TemplateCheck:
             os.close(read)
             code = 1
             try:
+                os.nice(_NICE)  # a spare core's work: it yields to the frontend and the workers
                 os.write(write, _check(folders).encode()[:_MAX_ERROR])
                 code = 0
             finally:

@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.errors import CannotConnect
-from kvmesh.frontend.tenant_budget import BudgetLedger, plan_lease, window_of
+from kvmesh.frontend.tenant_budget import BudgetLedger, Lease, plan_lease, window_of
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import ClusterSecret
 
@@ -94,8 +94,10 @@ class SharedBudget:
         spent). The local lease serves it without a store operation when it can."""
         window = window_of(self.clock())
         lkey = f"{tenant}\0{kind}"  # the ledger's, locks' and _seen's key: one per tenant and kind
-        if self.ledger.take(lkey, window, n):
-            return self.left(lkey, window, limit)
+        lease = self.ledger.lease(lkey, window)
+        if lease.balance >= n:  # the hot path: spent from the local lease
+            lease.balance -= n
+            return self._left(lkey, lease, limit)
         spent = self._spent.get(lkey)
         if spent is not None and spent[0] == window and self.clock() - spent[1] < SPENT_RECHECK_S:
             return None  # the window's budget was spent a moment ago: refused without a store read
@@ -117,9 +119,13 @@ class SharedBudget:
         self.ledger.refund(f"{tenant}\0{kind}", window, window_of(self.clock()), n)
 
     def left(self, lkey: str, window: int, limit: int) -> int:
+        """What is left of the window's budget in the fleet, as this frontend last saw it."""
+        return self._left(lkey, self.ledger.lease(lkey, window), limit)
+
+    def _left(self, lkey: str, lease: Lease, limit: int) -> int:
         seen = self._seen.get(lkey)
-        granted = seen[2] if seen is not None and seen[0] == window else self.ledger.leased(lkey, window)
-        return max(0, int(limit - granted + max(0.0, self.ledger.lease(lkey, window).balance)))
+        granted = seen[2] if seen is not None and seen[0] == lease.window else lease.leased
+        return max(0, int(limit - granted + (lease.balance if lease.balance > 0 else 0)))
 
     async def _lease(self, lkey: str, key: str, window: int, limit: int, n: float) -> bool:
         for _ in range(_CAS_TRIES):

@@ -50,29 +50,37 @@ class TenantGate:
 
     async def share(self, grant: Grant, tenant: TenantPolicy) -> Grant | Refusal:
         """Spend the fleet's shared budget for a request the local limiter admitted
-        (``grant``): the grant with the shared view in its headers, or a refusal (the
-        local reservation undone)."""
+        (``grant``): the grant with what is left in the fleet in its remaining headers,
+        or a refusal (the local reservation undone)."""
         shared = self.shared
         assert shared is not None
         window = window_of(shared.clock())
-        headers = dict(grant.headers)
-        taken: list[tuple[str, float]] = []
-        for kind, limit, n in (("requests", tenant.rpm, 1), ("tokens", tenant.tpm, grant.reserved_tokens)):
-            if not limit:
-                continue
-            left = await shared.take(tenant.name, kind, limit, n)
-            if left is None:
-                for took, m in taken:
-                    shared.refund(tenant.name, took, window, m)
-                self.limiter.cancel(grant, kind)
-                wait = window_end_s(shared.clock())
-                headers[f"x-ratelimit-remaining-{kind}"] = "0"
-                headers[f"x-ratelimit-reset-{kind}"] = format_reset(wait)
-                return Refusal(tenant.name, kind, wait, tuple(headers.items()))
-            taken.append((kind, n))
-            remaining = f"x-ratelimit-remaining-{kind}"
-            headers[remaining] = str(min(left, int(headers.get(remaining, left))))
-        return Grant(grant.tenant, grant.reserved_tokens, tuple(headers.items()), window)
+        left_requests = left_tokens = None
+        if tenant.rpm:
+            left_requests = await shared.take(tenant.name, "requests", tenant.rpm, 1)
+            if left_requests is None:
+                return self._refused(grant, tenant, "requests")
+        if tenant.tpm:
+            left_tokens = await shared.take(tenant.name, "tokens", tenant.tpm, grant.reserved_tokens)
+            if left_tokens is None:
+                if tenant.rpm:
+                    shared.refund(tenant.name, "requests", window, 1)
+                return self._refused(grant, tenant, "tokens")
+        headers = list(grant.headers)  # (limit, remaining, reset) of requests, then of tokens: tenants._headers
+        if left_requests is not None:
+            headers[1] = ("x-ratelimit-remaining-requests", _fewer(headers[1][1], left_requests))
+        if left_tokens is not None:
+            at = 4 if tenant.rpm else 1
+            headers[at] = ("x-ratelimit-remaining-tokens", _fewer(headers[at][1], left_tokens))
+        return Grant(grant.tenant, grant.reserved_tokens, tuple(headers), window)
+
+    def _refused(self, grant: Grant, tenant: TenantPolicy, kind: str) -> Refusal:
+        assert self.shared is not None
+        self.limiter.cancel(grant, kind)
+        wait = window_end_s(self.shared.clock())
+        fixed = {f"x-ratelimit-remaining-{kind}": "0", f"x-ratelimit-reset-{kind}": format_reset(wait)}
+        headers = tuple((name, fixed.get(name, value)) for name, value in grant.headers)
+        return Refusal(tenant.name, kind, wait, headers)
 
     def settle(self, grant: Grant, prompt_tokens: int, completion_tokens: int) -> None:
         self.limiter.settle(grant, prompt_tokens, completion_tokens, time.monotonic())
@@ -123,3 +131,8 @@ def _fields(usage: object) -> dict[str, int]:
 
 def _whole(left: float | None) -> int | None:
     return None if left is None else max(0, int(left))
+
+
+def _fewer(value: str, left: int) -> str:
+    """A remaining header: the fewer of this frontend's bucket and the fleet's budget."""
+    return value if int(value) <= left else str(left)

@@ -296,6 +296,7 @@ class TenantLimiter:
 
 
 def _headers(state: _Tenant) -> tuple[tuple[str, str], ...]:
+    """(limit, remaining, reset) of requests, then of tokens (TenantGate.share relies on the order)."""
     out: list[tuple[str, str]] = []
     for kind, bucket in (("requests", state.requests), ("tokens", state.tokens)):
         if bucket is not None:

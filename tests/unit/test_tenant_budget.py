@@ -230,14 +230,24 @@ async def test_forged_and_replayed_values_are_ignored() -> None:
 
 
 async def test_store_out_of_reach_admits_under_local_limits() -> None:
+    calls = []
+
     class Down:
         async def get(self, key: str) -> None:
+            calls.append(key)
             raise OSError("no route")
 
-    budget = SharedBudget(None, "t", secret=None, clock=lambda: T0)
+    clock = Clock()
+    budget = SharedBudget(None, "t", secret=None, clock=clock)
     budget._kv = Down()
     assert await budget.take("acme", "requests", 10, 1) is not None
-    assert budget.store_errors == 1
+    assert budget.store_errors == 1 and len(calls) == 1
+    for _ in range(20):  # the next requests do not wait for the store
+        assert await budget.take("acme", "requests", 10, 1) is not None
+    assert len(calls) == 1
+    clock.t += 6  # tried again after DOWN_RETRY_S
+    assert await budget.take("acme", "requests", 10, 1) is not None
+    assert len(calls) == 2 and budget.store_errors == 2
 
 
 async def test_gate_refusal_undoes_the_local_reservation_and_has_headers() -> None:

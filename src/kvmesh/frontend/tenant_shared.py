@@ -22,7 +22,8 @@ every store call gives up after ``timeout_s``. Once the store refused a lease, t
 tenant's requests are refused without a store read for :data:`SPENT_RECHECK_S`, so a
 tenant over its limit costs the store about one read per second per frontend. While the store is out of reach a
 request is admitted under this frontend's own limits (logged once, counted in
-``store_errors``): the fleet then admits up to N × a limit, as without a shared store.
+``store_errors``; the store is tried again after :data:`DOWN_RETRY_S`, requests
+meanwhile do not wait for it): the fleet then admits up to N × a limit, as without a shared store.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 KEY_TTL_S = 180.0  # a window's key outlives its minute (clock skew between frontends), then expires
 MAX_VALUE_BYTES = 128  # a counter value is ~45 bytes signed
 SPENT_RECHECK_S = 1.0  # a spent budget is read again (another frontend may have given some back) after this
+DOWN_RETRY_S = 5.0  # a store out of reach is tried again after this (requests meanwhile: local limits, no wait)
 _MAX_GRANTED = 1 << 53
 _CAS_TRIES = 16
 _LABEL = "tenant-budget"
@@ -79,6 +81,7 @@ class SharedBudget:
         self._kv: Any = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._seen: dict[str, tuple[int, int, int]] = {}  # key → (window, revision, granted) last read or written
+        self._down_until = 0.0  # the store was out of reach: not tried again before then
         self._spent: dict[str, tuple[int, float]] = {}  # key → (window, when) the store last refused a lease
         self.operations = 0  # store reads and writes
         self.ignored = 0  # values refused (with a secret)
@@ -98,6 +101,8 @@ class SharedBudget:
         if lease.balance >= n:  # the hot path: spent from the local lease
             lease.balance -= n
             return self._left(lkey, lease, limit)
+        if self._down_until and self.clock() < self._down_until:
+            return self._left(lkey, lease, limit)  # the store was out of reach a moment ago: this frontend's limits
         spent = self._spent.get(lkey)
         if spent is not None and spent[0] == window and self.clock() - spent[1] < SPENT_RECHECK_S:
             return None  # the window's budget was spent a moment ago: refused without a store read
@@ -268,6 +273,7 @@ class SharedBudget:
 
     def _unreachable(self, lkey: str, exc: BaseException, window: int, limit: int) -> int:
         self.store_errors += 1
+        self._down_until = self.clock() + DOWN_RETRY_S
         if self.store_errors == 1:
             log.error(
                 "tenant budget store %s out of reach (%r): admitting under this frontend's own limits until it is back"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from kvmesh.frontend.tenant_shared import SharedBudget
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.timeout(60)
 POLICY = TenantPolicy("acme.eu", rpm=10, tpm=100_000)
 
 
-async def _admitted(url: str, shared: bool, secret: ClusterSecret | None, namespace: str) -> tuple[int, list[Refusal], list[SharedBudget]]:
+async def _admitted(
+    url: str, shared: bool, secret: ClusterSecret | None, namespace: str
+) -> tuple[int, list[Refusal], list[SharedBudget], list[TenantGate]]:
     from kvmesh.runtime.nats import connect_nats
 
     conns = [await connect_nats(url) for _ in range(2)]
@@ -43,13 +46,13 @@ async def _admitted(url: str, shared: bool, secret: ClusterSecret | None, namesp
     finally:
         for nc in conns:
             await nc.close()
-    return admitted, refused, budgets
+    return admitted, refused, budgets, gates
 
 
 @pytest.mark.parametrize("signed", [False, True])
 async def test_two_frontends_share_one_tenant_budget(nats, signed: bool) -> None:  # type: ignore[no-untyped-def]
     secret = ClusterSecret(b"x" * 32) if signed else None
-    admitted, refused, budgets = await _admitted(nats.url, True, secret, f"share{int(signed)}")
+    admitted, refused, budgets, gates = await _admitted(nats.url, True, secret, f"share{int(signed)}")
     assert admitted == 10
     assert len(refused) == 10 and all(r.limit == "requests" for r in refused)
     headers = dict(refused[0].headers)
@@ -59,8 +62,12 @@ async def test_two_frontends_share_one_tenant_budget(nats, signed: bool) -> None
     # rpm 10: slices of 1 (a read and a write each); the refused: one read per frontend, then refused
     # locally for a second; tpm 100,000: one slice of 10,000 per frontend
     assert sum(b.operations for b in budgets) == 2 * 10 + 2 + 2 * 2
+    # /admin/usage: what is left in the fleet (each frontend's own bucket still holds 5)
+    usage = msgspec.json.decode(gates[0].usage_json())
+    assert usage["tenants"]["acme.eu"]["remaining"]["requests"] == 0
+    assert usage["shared_budget"]["store_errors"] == 0 and usage["shared_budget"]["store_operations"] > 0
 
 
 async def test_without_the_shared_budget_each_frontend_admits_the_limit(nats) -> None:  # type: ignore[no-untyped-def]
-    admitted, refused, _ = await _admitted(nats.url, False, None, "local")
+    admitted, refused, _, _ = await _admitted(nats.url, False, None, "local")
     assert admitted == 20 and not refused  # N frontends: N × the limit

@@ -123,6 +123,10 @@ class SharedBudget:
         """A settled request gives back ``n`` taken in ``window`` (negative: a debt)."""
         self.ledger.refund(f"{tenant}\0{kind}", window, window_of(self.clock()), n)
 
+    def remaining(self, tenant: str, kind: str, limit: int) -> int:
+        """What is left of the tenant's ``kind`` in the fleet this minute, as last seen."""
+        return self.left(f"{tenant}\0{kind}", window_of(self.clock()), limit)
+
     def left(self, lkey: str, window: int, limit: int) -> int:
         """What is left of the window's budget in the fleet, as this frontend last saw it."""
         return self._left(lkey, self.ledger.lease(lkey, window), limit)

@@ -95,12 +95,26 @@ class TenantGate:
             policy = self.limiter.policy(name)
             assert policy is not None  # usage() lists the configured tenants only
             requests_left, tokens_left = self.limiter.remaining(name, now)
+            if self.shared is not None:  # what is left in the fleet, as this frontend last saw it
+                requests_left = self._fleet_left(name, "requests", policy.rpm, requests_left)
+                tokens_left = self._fleet_left(name, "tokens", policy.tpm, tokens_left)
             out[name] = {
                 "usage": msgspec.structs.asdict(_UsageView(**_fields(usage))),
                 "limits": {"rpm": policy.rpm, "tpm": policy.tpm, "concurrent": policy.concurrent, "weight": policy.weight},
                 "remaining": {"requests": _whole(requests_left), "tokens": _whole(tokens_left)},
             }
-        return msgspec.json.encode({"object": "usage", "tenants": out})
+        body: dict[str, object] = {"object": "usage", "tenants": out}
+        if self.shared is not None:
+            s = self.shared
+            body["shared_budget"] = {"bucket": s.bucket, "store_operations": s.operations, "store_errors": s.store_errors,
+                                     "ignored_values": s.ignored}  # fmt: skip
+        return msgspec.json.encode(body)
+
+    def _fleet_left(self, tenant: str, kind: str, limit: int, local: float | None) -> float | None:
+        assert self.shared is not None
+        if not limit or local is None:
+            return local
+        return min(local, self.shared.remaining(tenant, kind, limit))
 
     def metric_usage(self) -> Mapping[str, Mapping[str, int]]:
         """Usage per metric label: the first MAX_METRIC_TENANTS tenants of the keys file

@@ -276,3 +276,12 @@ async def test_gate_refusal_undoes_the_local_reservation_and_has_headers() -> No
         gate = gates[outcomes.index(grant) % 2]
         gate.settle(grant, 10, 2)
     assert sum(g.limiter.usage()["acme"].in_flight for g in gates) == 0
+
+
+def test_tenants_without_rpm_or_tpm_never_reach_the_shared_budget() -> None:
+    only_concurrent, isolated = TenantPolicy("a", concurrent=2), TenantPolicy("b")
+    gate = TenantGate([only_concurrent, isolated, TenantPolicy("c", rpm=1)])
+    assert not gate.shares(TenantPolicy("c", rpm=1))  # no shared store: the local limiter alone
+    gate.shared = _budget(FakeKV(random.Random(5)))
+    assert not gate.shares(only_concurrent) and not gate.shares(isolated)
+    assert gate.shares(TenantPolicy("c", rpm=1))

@@ -5,8 +5,8 @@ on this process's monotonic clock, with the usage views (``/metrics``,
 Only requests whose key has a tenant (a ``tenant=`` or a limit in the keys file, or any
 key with ``--cache-isolation tenant``) come here; every other request skips it.
 
-Scope: the limits hold per frontend process; in distributed mode with a NATS
-connection (``--tenant-budget shared``, the default there) requests per minute and
+Scope: the limits hold per frontend process; for ``kvmesh frontend`` with
+``--tenant-budget shared`` (or ``auto``, the default, when it uses NATS) requests per minute and
 tokens per minute also hold across every frontend of the fleet: :meth:`TenantGate.share`
 spends leases of a shared per-minute budget (:mod:`kvmesh.frontend.tenant_shared`,
 :mod:`kvmesh.frontend.tenant_budget`) after the local limiter admitted the request.

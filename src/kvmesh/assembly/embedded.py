@@ -275,11 +275,13 @@ async def _announce(
     cfg: RunConfig, process: FrontendProcess, server: HttpServer, templates: TemplateCheck, broken: list[str]
 ) -> None:
     """Once serving with a ready worker and the templates' check passed: the serving
-    line. A template that does not compile stops the run instead (its error in ``broken``)."""
+    line. A template that does not compile stops the run instead, as soon as the check
+    tells (a slow engine's load is not waited for): its error in ``broken``."""
     registry = process.frontend.registry
-    while not (server.started and registry.ready()):
+    check = asyncio.ensure_future(templates.result())
+    while not (server.started and registry.ready()) and not (check.done() and check.result() is not None):
         await asyncio.sleep(0.02)
-    error = await templates.result()
+    error = await check
     if error is not None:
         broken.append(error)
         server.should_exit = True

@@ -24,32 +24,34 @@ __all__ = ["TemplateCheck"]
 
 _MAX_ERROR = 64 * 1024  # bytes of an error message read back
 _NICE = 10
+_OK = b"done:"  # the check's reply starts so: then its error, if any
 
 
 class TemplateCheck:
     """A forked check of model folders' chat templates (see the module docstring)."""
 
-    def __init__(self, pid: int, fd: int) -> None:
-        self.pid = pid
+    def __init__(self, fd: int) -> None:
         self._fd = fd
 
     @classmethod
     def fork(cls, folders: Sequence[tuple[str, str | None]]) -> TemplateCheck:
         """Fork the check of each (folder, served name)'s template. Call before any event
-        loop or thread exists (as the workers are forked)."""
+        loop or thread exists (as the workers are forked). The check runs in a grandchild
+        (its parent exits at once and is reaped here): it is no child of ``kvmesh run``,
+        whose children are its workers."""
         read, write = os.pipe()
         pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child (its result is what the tests see)
-            os.close(read)
-            code = 1
+        if pid == 0:  # pragma: no cover - the children (their result is what the tests see)
             try:
-                os.nice(_NICE)  # a spare core's work: it yields to the frontend and the workers
-                os.write(write, _check(folders).encode()[:_MAX_ERROR])
-                code = 0
+                os.close(read)
+                if os.fork() == 0:
+                    os.nice(_NICE)  # a spare core's work: it yields to the frontend and the workers
+                    os.write(write, _OK + _check(folders).encode()[:_MAX_ERROR])
             finally:
-                os._exit(code)
+                os._exit(0)
         os.close(write)
-        return cls(pid, read)
+        os.waitpid(pid, 0)
+        return cls(read)
 
     async def result(self) -> str | None:
         """The first template's error (one line), or None if every one compiles."""
@@ -58,14 +60,14 @@ class TemplateCheck:
     def _wait(self) -> str | None:
         chunks: list[bytes] = []
         try:
-            while sum(map(len, chunks)) < _MAX_ERROR and (chunk := os.read(self._fd, 4096)):
+            while sum(map(len, chunks)) < _MAX_ERROR + len(_OK) and (chunk := os.read(self._fd, 4096)):
                 chunks.append(chunk)
         finally:
             os.close(self._fd)
-            _, status = os.waitpid(self.pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
+        said = b"".join(chunks)
+        if not said.startswith(_OK):
             return "the chat template check exited before it finished"
-        return b"".join(chunks).decode(errors="replace") or None
+        return said[len(_OK) :].decode(errors="replace") or None
 
 
 def _check(folders: Sequence[tuple[str, str | None]]) -> str:

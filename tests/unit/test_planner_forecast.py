@@ -271,3 +271,26 @@ def test_a_forecast_move_that_would_fill_the_donors_kv_is_vetoed() -> None:
     assert run(0.6) == []  # one decode worker would hold 120 % of its KV
     moved = run(0.3)  # 60 %: fine
     assert len(moved) == 1 and moved[0].kind is ActionKind.MOVE  # type: ignore[attr-defined]
+
+
+def test_a_worker_added_on_held_pressure_is_kept_for_the_same_load_no_start_stop_flapping() -> None:
+    cfg = PlannerConfig(min_workers=1, max_workers=4, profile=_profile(), headroom=1.0, hold_rounds=2, cooldown_s=1.0)
+    planner = Planner(cfg)
+    fleet = {0: Role.AGGREGATED}
+    kinds = []
+    sizes = []
+    for k in range(60):  # 1.8 req/s: the profile says one worker (2/s); the measured TTFT says one is not enough
+        pressed = len(fleet) == 1
+        sizes.append(len(fleet))
+        views = tuple(WorkerView(i, r, True) for i, r in fleet.items())
+        n = 2 if k % 5 else 1
+        obs = Observation(float(k), views, ttft_p90_ms=2000.0 if pressed else 100.0, interval_s=1.0, arrived=n,
+                          arrived_input_tokens=n * 1000, arrived_output_tokens=n * 100)  # fmt: skip
+        for a in planner.plan(obs).actions:
+            kinds.append(a.kind)
+            if a.kind is ActionKind.START:
+                fleet[max(fleet) + 1] = Role.AGGREGATED
+            elif a.worker_id is not None:
+                del fleet[a.worker_id]
+    assert kinds[0] is ActionKind.START and min(sizes[3:]) >= 2, (kinds, sizes)  # the worker it asked for is kept
+    assert ActionKind.START not in kinds[kinds.index(ActionKind.STOP):] if ActionKind.STOP in kinds else True

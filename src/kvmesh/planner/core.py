@@ -39,11 +39,13 @@ arrivals (``Observation.interval_s`` > 0), step 3 sizes the fleet from a forecas
 mix (:func:`~kvmesh.planner.profile.size_fleet`) gives each role's target, within
 ``min_workers`` .. ``max_workers`` (a disaggregated fleet's targets shared in proportion
 when they exceed it). A pressure held at ``high`` for ``hold_rounds`` still adds a
-worker to its role's target (the profile's error, corrected by what is measured), and
-a role whose pressure is at ``high`` is not shrunk. Then, in order: roles below target
+worker to its role's target and raises the role's correction (the profile's error, as
+measured: later forecasts of the same load keep that worker; it relaxes 1 % a round),
+and a role whose pressure is at ``high`` is not shrunk. Then, in order: roles below target
 start workers at once (a ramp does not wait: no hold, no cool-down); a role above
 target gives a worker to one below it (MOVE) or, the fleet above its total target,
-stops one (STOP): both only once the target has held ``hold_rounds`` rounds,
+stops one (STOP, only when one worker less still leaves 15 % above the need: a band
+against the forecast's noise): both only once the target has held ``hold_rounds`` rounds,
 ``cooldown_s`` has passed since the last reshaping action, and the role would stay
 below ``high`` with one worker less by what scales with its workers (KV use; the
 prefill queue): what is measured vetoes a forecast that would starve a role.
@@ -197,6 +199,10 @@ class Planner:
         self._last_reshape_s = -math.inf
         self.forecaster = LoadForecaster(config.rate_forecast, config.mix_forecast)
         self._target_streak = 0  # rounds the targets have asked to move or shrink
+        # per role: how much more than the profile says the fleet has been seen to need (a
+        # pressure held at high raised it); decays back toward 1 by ``_RELAX`` a round
+        self._correction: dict[Role, float] = dict.fromkeys(SERVING, 1.0)
+        self._needs: dict[Role, float] = dict.fromkeys(SERVING, 0.0)  # this round's corrected fractional needs
 
     @property
     def planned(self) -> dict[Role, int]:
@@ -373,18 +379,16 @@ class Planner:
         """Workers per serving role for the forecast, corrected by held pressures, within the bounds."""
         c = self.config
         assert c.profile is not None and self._planned is not None
-        sizing = size_fleet(c.profile, forecast, c.headroom)
+        cap = size_fleet(c.profile, forecast, c.headroom).capacity
         room = c.max_workers - self._spares_and_starting(obs, taken)
         if not self._disaggregated():
-            want = sizing.aggregated
-            if self._streaks["prefill"] >= c.hold_rounds or self._streaks["decode"] >= c.hold_rounds:
-                want = max(want, self._planned[Role.AGGREGATED] + 1)
+            pressed = self._streaks["prefill"] >= c.hold_rounds or self._streaks["decode"] >= c.hold_rounds
+            want = self._corrected(Role.AGGREGATED, forecast.rate_rps / (cap.aggregated_rps * c.headroom), pressed)
             return {Role.AGGREGATED: min(max(want, c.min_workers), max(room, 1))}
-        p, d = sizing.prefill, sizing.decode
-        if self._streaks["prefill"] >= c.hold_rounds:
-            p = max(p, self._planned[Role.PREFILL] + 1)
-        if self._streaks["decode"] >= c.hold_rounds:
-            d = max(d, self._planned[Role.DECODE] + 1)
+        p = self._corrected(Role.PREFILL, forecast.rate_rps / (cap.prefill_rps * c.headroom),
+                            self._streaks["prefill"] >= c.hold_rounds)  # fmt: skip
+        d = self._corrected(Role.DECODE, forecast.rate_rps / (cap.decode_rps * c.headroom),
+                            self._streaks["decode"] >= c.hold_rounds)  # fmt: skip
         p, d = max(p, c.min_prefill), max(d, c.min_decode)
         room = max(room, c.min_prefill + c.min_decode)
         if p + d > room:  # more than the fleet may hold: shared in proportion to the need
@@ -397,6 +401,20 @@ class Planner:
             else:
                 d += 1
         return {Role.PREFILL: p, Role.DECODE: d}
+
+    def _corrected(self, role: Role, need: float, pressed: bool) -> int:
+        """Workers for a fractional ``need``, times what has been seen to be missing: a
+        pressure held at high while the role had its planned workers makes the role's
+        correction at least (planned + 1) ÷ need, so the next forecast of the same load
+        does not take that worker away again (no start/stop flapping); it relaxes a
+        little each round."""
+        assert self._planned is not None
+        self._correction[role] = 1.0 + (self._correction[role] - 1.0) * (1.0 - _RELAX)
+        if pressed and need > 0:
+            self._correction[role] = min(_MAX_CORRECTION, max(self._correction[role], (self._planned[role] + 1) / need))
+        self._needs[role] = need * self._correction[role]
+        want = max(1, math.ceil(self._needs[role] - 1e-9))
+        return max(want, self._planned[role] + 1) if pressed else want
 
     def _toward(
         self, obs: Observation, taken: Sequence[Action], targets: dict[Role, int], prefill: float, decode: float,
@@ -426,10 +444,12 @@ class Planner:
         donor = _least_loaded(obs, frm)
         if donor is None:
             return actions
+        still_short = [r for r in short if self._planned[r] < targets[r]]
+        if not still_short and self._needs[frm] * _STOP_BAND > self._planned[frm] - 1:
+            return actions  # one worker less would be within the band: keep it
         self._planned[frm] -= 1
         self._last_reshape_s = obs.now_s
         self._target_streak = 0
-        still_short = [r for r in short if self._planned[r] < targets[r]]
         if still_short:
             self._planned[still_short[0]] += 1
             why = f"forecast needs {targets[still_short[0]]} {still_short[0].value}, {targets[frm]} {frm.value}"
@@ -449,6 +469,11 @@ class Planner:
         else:
             used = sum(w.kv_usage for w in views) / len(views)
         return used * len(views) / (len(views) - 1) < self.config.high
+
+
+_RELAX = 0.01  # of the correction's excess over 1, per round
+_STOP_BAND = 1.15  # a stop leaves the role at least 15 % above its need (no flapping on the forecast's noise)
+_MAX_CORRECTION = 4.0
 
 
 def _pressure(role: Role, prefill: float, decode: float) -> float:

@@ -229,6 +229,8 @@ class Generation:
         tier = req.priority or request.headers.get("x-kvmesh-priority")
         self.auth.check_tier(tier, allowed)
         self._admit(tier)
+        if tier is not None and req.priority is None:
+            req.priority = tier  # type: ignore[assignment]  # checked above: the header's tier reaches the workers too
         return req, entry
 
     async def _unary(self, request: Request, owner: RequestOwner, body: BodyEncoder, dialect: Dialect,

@@ -1,5 +1,6 @@
 """FrameWriter batching: one write per loop iteration; with ``coalesce`` (the worker
-side) frames of two consecutive iterations share a write, except an urgent one."""
+side) frames of up to COALESCE_ROUNDS + 1 consecutive iterations share a write (less
+once the first is COALESCE_MAX_S old), except an urgent one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import asyncio
 import msgspec
 
 from kvmesh.protocol import OutputChunk
-from kvmesh.runtime.frames import End, FrameReader, FrameWriter, Out, OutItem
+from kvmesh.runtime import frames
+from kvmesh.runtime.frames import COALESCE_ROUNDS, End, FrameReader, FrameWriter, Out, OutItem
 
 
 class _Transport:
@@ -40,17 +42,44 @@ async def test_frames_of_one_iteration_share_a_write():
     assert [len(FrameReader().feed(w)) for w in transport.writes] == [2, 1]
 
 
-async def test_coalescing_writes_two_iterations_at_once_but_not_an_urgent_frame():
+async def test_coalescing_writes_several_iterations_at_once_but_not_an_urgent_frame(monkeypatch):
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 3600.0)  # the rounds alone (a loaded box's iterations are slow)
+    writer, transport = _writer(coalesce=True)
+    assert COALESCE_ROUNDS > 1
+    for sid in range(1, COALESCE_ROUNDS + 1):  # one frame per iteration, COALESCE_ROUNDS iterations
+        writer.send(End(sid))
+        await _one_iteration()
+    assert transport.writes == []  # still held
+    for _ in range(3):
+        await _one_iteration()
+    assert [len(FrameReader().feed(w)) for w in transport.writes] == [COALESCE_ROUNDS]
+    writer.send(End(99), urgent=True)
+    await _one_iteration()
+    assert len(transport.writes) == 2
+
+
+async def test_coalescing_waits_no_longer_than_its_time_bound(monkeypatch):
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 0.0)  # every held frame is already too old
+    writer, transport = _writer(coalesce=True)
+    writer.send(End(1))
+    writer.send(End(2))
+    for _ in range(2):  # the first round sees the bound passed, the next flushes
+        await _one_iteration()
+    assert [len(FrameReader().feed(w)) for w in transport.writes] == [2]
+
+
+async def test_an_urgent_frame_while_frames_are_held_flushes_them_once_in_order(monkeypatch):
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 3600.0)
     writer, transport = _writer(coalesce=True)
     writer.send(End(1))
     await _one_iteration()
-    writer.send(End(2))  # the next iteration: same write as End(1)
-    for _ in range(3):
-        await _one_iteration()
-    assert [len(FrameReader().feed(w)) for w in transport.writes] == [2]
-    writer.send(End(3), urgent=True)
+    writer.send(End(2), urgent=True)
     await _one_iteration()
-    assert len(transport.writes) == 2
+    assert len(transport.writes) == 1  # at once, with what was held
+    writer.send(End(3))  # held again, from a new first round
+    for _ in range(COALESCE_ROUNDS + 2):
+        await _one_iteration()
+    assert [[f.sid for f in FrameReader().feed(w)] for w in transport.writes] == [[1, 2], [3]]
 
 
 async def test_an_item_is_encoded_inside_its_out_frame():

@@ -81,6 +81,11 @@ KILL = 2
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # what a caller accepts from a worker
 MAX_REQUEST_FRAME = 16 * 1024 * 1024  # what a worker accepts from a caller
 MAX_STREAMS = 4096  # streams open at once on one connection
+# a coalescing writer's flush (FrameWriter) waits this many loop iterations, or until
+# the first frame it holds is this old: a busy worker's consecutive steps share a write,
+# and a stream's tokens in it one frontend wake-up, SSE event and socket write
+COALESCE_ROUNDS = 8
+COALESCE_MAX_S = 0.010
 
 
 class Req(msgspec.Struct, tag=1, array_like=True):
@@ -139,16 +144,18 @@ class FrameWriter:
     was queued in one event-loop iteration with one syscall (the flush is scheduled
     with ``call_soon``); without one, frames are dropped at the flush.
 
-    ``coalesce`` (the worker side): the flush waits one more loop iteration, so frames
-    from back-to-back work (a fast engine's consecutive steps, each of which yields to
-    the loop) share one write, and the caller one wake-up. A loop with nothing else
-    ready runs that iteration at once: the cost is at most one round of ready work.
-    An ``urgent`` frame (a stream's first token) is flushed in this iteration.
+    ``coalesce`` (the worker side): the flush waits up to :data:`COALESCE_ROUNDS` more
+    loop iterations, at most until the first frame held is :data:`COALESCE_MAX_S` old,
+    so frames from back-to-back work (a fast engine's consecutive steps, each of which
+    yields to the loop) share one write, and the caller one wake-up per stream. A loop
+    with nothing else ready runs those iterations at once: a frame waits at most that
+    many rounds of ready work and never much past the time bound. An ``urgent`` frame
+    (a stream's first token) is flushed in this iteration.
 
     :meth:`seal` (once the cluster-secret handshake is done): each flush ends with a tag
     frame (one MAC per write, not per frame; see the module docstring)."""
 
-    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now", "_mac")
+    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now", "_mac", "_round", "_since")
 
     def __init__(self, coalesce: bool = False) -> None:
         self.parts: list[bytes] = []  # encoded frames, each with its length prefix
@@ -158,6 +165,8 @@ class FrameWriter:
         self._coalesce = coalesce
         self._now = False  # a flush is scheduled for this iteration
         self._mac: Keyed | None = None  # this direction's MAC state once sealed
+        self._round = 0  # coalescing: the iterations waited so far
+        self._since = 0.0  # coalescing: when the first frame held was queued (loop time)
 
     def seal(self, key: bytes) -> None:
         """From now on every write ends with the tag of the stream so far, under ``key``."""
@@ -210,15 +219,23 @@ class FrameWriter:
         if self._coalesce and not urgent:
             if not self._scheduled:
                 self._scheduled = True
-                asyncio.get_running_loop().call_soon(self._next_round)
+                self._round = 0
+                loop = asyncio.get_running_loop()
+                self._since = loop.time()
+                loop.call_soon(self._next_round, loop)
         elif not self._now:
             self._scheduled = self._now = True
             asyncio.get_running_loop().call_soon(self.flush)
 
-    def _next_round(self) -> None:
-        if not self._now:
+    def _next_round(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._now or not self._scheduled:  # an urgent frame took the flush (and maybe ran it)
+            return
+        self._round += 1
+        if self._round < COALESCE_ROUNDS and loop.time() - self._since < COALESCE_MAX_S:
+            loop.call_soon(self._next_round, loop)
+        else:
             self._now = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._scheduled = self._now = False

@@ -3,10 +3,12 @@ per connection.
 
 An endpoint handler is ``handler(payload: bytes-like, ctx) -> AsyncIterator[Struct]``;
 each item goes back as one ``Out`` frame, the end of the iterator as ``End``, a raised
-KvmeshError as ``Err`` with its type. Frames are written one loop iteration after the
-iteration that produced them, with one syscall for all of them (``FrameWriter``
-with ``coalesce``: an engine's back-to-back steps share a write); a stream's first
-item (the first token) goes out in the iteration that produced it.
+KvmeshError as ``Err`` with its type. Frames are written a few loop iterations after
+the iteration that produced them (at most ``frames.COALESCE_ROUNDS``, and not much past
+``COALESCE_MAX_S``), with one syscall for all of them (``FrameWriter`` with
+``coalesce``: a busy engine's back-to-back steps share a write, and a caller's stream
+one wake-up for them); a stream's first item (the first token) goes out in the
+iteration that produced it.
 
 Cancellation: a ``Ctl`` STOP frame calls ``ctx.stop_generating()``, KILL calls
 ``ctx.kill()``; a dropped connection kills every stream it carried.

@@ -122,6 +122,10 @@ class WorkerConfig:
     drain_migrate: bool = setting(
         False, "on SIGTERM, hand in-flight requests with their KV to other workers instead of finishing them", group=_DISAGG
     )
+    peer_fetch: bool = setting(
+        False, "read a prompt's prefix from the worker that holds it when the router says so, and serve prefixes to"
+        " peers (KV-transfer port; issue 33)", group=_DISAGG,
+    )  # fmt: skip
     metrics_port: int | None = setting(
         None, "serve the worker's metrics for Prometheus on this port (0: any free port; distributed: a free one by default)",
         check=a_port, group=_DISAGG,
@@ -285,6 +289,11 @@ class FrontendConfig:
     )
     router_prefill_rate: float = setting(
         8.0, "a worker's prefill rate in tokens per ms: what --lora-load-ms is worth in prefill tokens",
+        check=positive, group=_KV,
+    )  # fmt: skip
+    peer_fetch_gbps: float = setting(
+        25.0, "the KV-transfer link between workers (GB/s): with workers on --peer-fetch, a request's prefix is read "
+        "from the worker holding it when that takes less time than prefilling it (router/peer.py)",
         check=positive, group=_KV,
     )  # fmt: skip
     kv_tier_weights: tuple[float, ...] = setting(

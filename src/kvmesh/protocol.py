@@ -121,6 +121,19 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
     # issue 30: the caller's tenant (API keys file) and its weight: fair queuing's share
     tenant: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     tenant_weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
+    # issue 33: the router's word that another worker holds this prompt's prefix (set by
+    # the router only, never from a client's request; router/peer.py)
+    peer: PeerPrefix | None = None
+
+
+class PeerPrefix(msgspec.Struct, frozen=True):
+    """A prefix from a peer: worker ``worker_id`` (KV-transfer server ``kv``) holds the
+    prompt's first ``blocks`` blocks; the chosen worker reads them instead of prefilling
+    (:class:`~kvmesh.disagg.engine.DisaggEngine`; any failure: it prefills them)."""
+
+    worker_id: int
+    kv: KvEndpoint
+    blocks: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 
 
 class KvLayout(msgspec.Struct, frozen=True):
@@ -367,6 +380,7 @@ class KvEndpoint(msgspec.Struct, frozen=True):
 
     address: str
     layout: KvLayout
+    serves_prefixes: bool = False  # answers peers' prefix reads (--peer-fetch; issue 33)
 
 
 class DisaggThresholds(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -444,6 +458,10 @@ class DisaggStats(msgspec.Struct, omit_defaults=True):
     kv_migrations_in: int = 0
     kv_migrations_out: int = 0
     kv_migration_fallbacks: int = 0
+    peer_fetches: int = 0  # prompts whose prefix was read from a peer (issue 33)
+    peer_fetch_blocks: int = 0  # ... the blocks read
+    peer_fetch_fallbacks: int = 0  # peer fetches that failed or found fewer blocks: prefilled here
+    peer_prefixes_served: int = 0  # prefix reads this worker answered for peers
     queue_depth: int = 0  # the prefill queue's depth when last asked
     queue_tokens: int = 0  # ... and the tokens its jobs have left to prefill
     active_blocks: int = 0

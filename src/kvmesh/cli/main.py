@@ -38,7 +38,7 @@ __all__ = ["main", "build_parser"]
 # (--static, --config).
 _ENGINE_FIELDS = ("model", "model_path", "served_model_name", "engine", "block_size", "validate_streams", "lora", "max_loras")
 _DISAGG_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "max_prefill_queue_tokens",
-                  "remote_prefill_timeout_s", "drain_migrate", "metrics_port", "metrics_host")  # fmt: skip
+                  "remote_prefill_timeout_s", "drain_migrate", "peer_fetch", "metrics_port", "metrics_host")  # fmt: skip
 _WORKER_ONLY = ("worker_id", "port", "grace_s", "mode", "prefill_queue", "standby", "replicas")
 # the config classes whose settings each command takes (its flags and its --config keys)
 _ENGINE_SETTINGS = tuple(e.settings for e in registry.ENTRIES.values())

@@ -15,6 +15,13 @@ constructor refuses another with :class:`~kvmesh.errors.InvalidArgument`), a
 * **KV-carrying migration, receiving side** (any mode): a resumed request whose
   ``disaggregated_params`` name a ``kv_source`` gets its KV read from the draining
   worker instead of recomputed (falls back to recompute on any failure).
+* **a prefix from a peer** (any mode but ``prefill``; issue 33): a request whose routing
+  hints carry :class:`~kvmesh.protocol.PeerPrefix` (the router saw another worker
+  holding more of its prefix, and reading it costs less than prefilling it:
+  :mod:`kvmesh.router.peer`) gets those blocks read from that worker's KV-transfer
+  server (``prefix``) and adopted into its prefix cache before it is admitted. Fewer
+  blocks found (evicted meanwhile), a failed or slow read, blocks holding other
+  tokens: the rest is prefilled here, nothing lost.
 * **hand-off, sending side** (:meth:`hand_off`; on drain, and when the frontend's
   health checks eject this worker while it still answers: the worker's ``handoff``
   endpoint): every in-flight request is detached with its blocks kept, premium first
@@ -56,6 +63,7 @@ from kvmesh.protocol import (
     KvLayout,
     KvReservation,
     OutputChunk,
+    PeerPrefix,
     PrefillJob,
     PreprocessedRequest,
     QueueStatus,
@@ -85,6 +93,7 @@ class DisaggEngine:
         thresholds: DisaggThresholds | None = None,
         remote_timeout_s: float = 30.0,
         thresholds_refresh_s: float = 1.0,
+        peer_fetch_timeout_s: float = 10.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -103,6 +112,7 @@ class DisaggEngine:
         self.thresholds = thresholds if thresholds is not None else DisaggThresholds()
         self.remote_timeout_s = remote_timeout_s
         self.thresholds_refresh_s = thresholds_refresh_s
+        self.peer_fetch_timeout_s = peer_fetch_timeout_s
         self._thresholds_at = -1e9  # when the queue last said what the thresholds are
         self.stats = DisaggStats(mode=mode)
         self._live: dict[str, str | None] = {}  # in-flight request id -> its priority
@@ -153,6 +163,7 @@ class DisaggEngine:
         stats.kv_bytes_sent = sent.bytes_sent + received.bytes_sent
         stats.kv_bytes_received = sent.bytes_received + received.bytes_received
         stats.kv_transfer_s = round(sent.seconds, 6)
+        stats.peer_prefixes_served = self.transfer.prefixes_served if self.transfer is not None else 0
         report = self.inner.load_report() if isinstance(self.inner, LoadReporting) else None
         stats.active_blocks = report.active_blocks if report is not None else 0
         return stats
@@ -162,8 +173,12 @@ class DisaggEngine:
     async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
         rid = request.request_id
         params = request.disaggregated_params
+        peer = request.routing.peer if request.routing is not None else None
+        fetched = 0  # prompt tokens read from a peer: the usage counts them as cached
         if params is not None and params.kind == "kv_source":
             await self._import_migrated(request, params)
+        elif peer is not None and (fetched := await self._fetch_peer_prefix(request, peer)):
+            pass  # the prefix is here now: the rest is a short local prefill
         elif self.queue is not None and not await self._prefill(request, ctx):
             yield OutputChunk.cancelled()
             return
@@ -173,6 +188,8 @@ class DisaggEngine:
                 if chunk.finish_reason == "cancelled" and rid in self._handoffs:
                     yield OutputChunk(disaggregated_params=self._handoffs.pop(rid))
                     raise EngineShutdown("the worker is draining: request handed off with its KV")
+                if fetched and chunk.usage is not None:
+                    chunk.usage.cached_tokens = max(chunk.usage.cached_tokens, fetched)
                 yield chunk
         finally:
             self._live.pop(rid, None)
@@ -334,6 +351,58 @@ class DisaggEngine:
             await self.connector.done(peer, src.transfer_id, src.num_tokens, error)
         except KvmeshError as exc:  # the source is gone already: nothing to release
             log.info("could not tell %s the migration is over: %s", peer.address, exc.message)
+
+    # ------------------------------------------------------------------ a prefix from a peer
+
+    async def _fetch_peer_prefix(self, request: PreprocessedRequest, peer: PeerPrefix) -> int:
+        """Read the prompt's leading blocks that ``peer`` holds and this engine lacks,
+        and commit them: the prompt tokens now computed (0 when nothing was adopted:
+        the request prefills)."""
+        layout = self._layout()
+        bs = layout.block_size
+        want = min(peer.blocks, (len(request.token_ids) - 1) // bs)
+        if want < 1 or peer.kv.layout.block_size != bs:
+            return 0
+        res = self.kv.kv_reserve(request)
+        if res is None:  # no room to hold them now: the scheduler queues it
+            self.stats.peer_fetch_fallbacks += 1
+            return 0
+        first = res.cached_tokens // bs
+        if first >= want:  # it holds them itself now
+            self.kv.kv_release(request.request_id)
+            return 0
+        try:
+            got = await self._read_peer(request, peer, res, first, want)
+        except BaseException:
+            self.kv.kv_release(request.request_id)
+            raise
+        if got < want:
+            self.stats.peer_fetch_fallbacks += 1
+        if got <= first:
+            self.kv.kv_release(request.request_id)
+            return 0
+        self.stats.peer_fetches += 1
+        self.stats.peer_fetch_blocks += got - first
+        return got * bs
+
+    async def _read_peer(
+        self, request: PreprocessedRequest, peer: PeerPrefix, res: KvReservation, first: int, want: int
+    ) -> int:
+        """Blocks ``[first, found)`` read and committed: ``found`` (``first`` on failure)."""
+        layout = self._layout()
+        try:
+            reading = self.connector.read_prefix(peer.kv, request, want, layout)
+            found, data = await asyncio.wait_for(reading, self.peer_fetch_timeout_s)
+            found = min(found, want)
+            if found > first:
+                wire = layout.wire_bytes_per_block
+                self.kv.kv_import(res.block_ids[first:found], data[first * wire : found * wire])
+                self.kv.kv_commit(request.request_id, found * layout.block_size)
+            return found
+        except (KvmeshError, TimeoutError) as exc:
+            why = exc.message if isinstance(exc, KvmeshError) else f"no answer within {self.peer_fetch_timeout_s} s"
+            log.warning("prefix of %s from worker %x failed (%s); prefilling it", request.request_id, peer.worker_id, why)
+            return first
 
     # ------------------------------------------------------------------ migration, sending side
 

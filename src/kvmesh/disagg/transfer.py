@@ -6,7 +6,11 @@ blocks it was told to expect: :meth:`KvTransferServer.expect` (a remote prefill:
 prefill worker may read the prefix-hit blocks and write the rest) and
 :meth:`KvTransferServer.offer` (a migration source: the new worker may read them).
 An operation naming an unknown transfer (cancelled, timed out) is refused, so a
-late write can never land in blocks that were given back and reused.
+late write can never land in blocks that were given back and reused. One operation
+needs no transfer: ``prefix`` (a **peer fetch**, issue 33; only with ``serve_prefixes``,
+``--peer-fetch``) names a prompt's first tokens, and the server answers with the KV of
+the leading blocks of them its engine holds at that moment (pinned by a reservation of
+its own while they are exported; none when they were evicted meanwhile).
 
 The **connector** (:class:`TcpKvConnector`, behind :class:`KvConnector`) is the
 client: ``read``, ``write`` and ``done`` against a worker's :class:`KvEndpoint`.
@@ -40,6 +44,7 @@ import asyncio
 import logging
 import struct
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -48,7 +53,7 @@ import msgspec
 
 from kvmesh.engines.base import KvBlockAccess
 from kvmesh.errors import CannotConnect, Disconnected, InvalidArgument, KvmeshError
-from kvmesh.protocol import KvEndpoint, KvLayout
+from kvmesh.protocol import KvEndpoint, KvLayout, PreprocessedRequest, StopConditions
 from kvmesh.runtime import auth
 from kvmesh.runtime.auth import (
     HANDSHAKE_TIMEOUT_S,
@@ -81,13 +86,17 @@ _MAX_PAYLOAD = 8 * 1024 * 1024 * 1024  # what a connector accepts from a read it
 
 
 class KvOp(msgspec.Struct, frozen=True, omit_defaults=True):
-    op: Literal["read", "write", "done"]
+    op: Literal["read", "write", "done", "prefix"]
     transfer_id: str
     runs: list[tuple[int, int]] = []
     nbytes: int = 0
     num_tokens: int = 0
     error: str = ""
     trace_link: str = ""  # done: the prefill worker's span (tracing), for the decode side's link
+    # prefix (a peer fetch, issue 33): the prompt's first tokens, and what salts their hashes
+    tokens: list[int] = []
+    adapter: str | None = None
+    cache_salt: str | None = None
 
 
 class KvReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -156,10 +165,12 @@ class KvTransferServer:
 
     engine: KvBlockAccess  # the engine whose blocks it serves
     host: str = "127.0.0.1"
+    serve_prefixes: bool = False  # answer peers' prefix reads (--peer-fetch; issue 33)
     port: int = 0
     secret: ClusterSecret | None = field(default_factory=auth.process_secret)
     tls: TlsContexts | None = field(default_factory=auth.process_tls)
     refused: int = field(init=False, default=0)  # operations refused before their payload was read
+    prefixes_served: int = field(init=False, default=0)  # prefix reads answered (blocks found or not)
     stats: TransferStats = field(init=False, default_factory=TransferStats)
     _expected: dict[str, _Expected] = field(init=False, default_factory=dict)
     # tracing: transfer id → the peer's span (bounded below)
@@ -179,7 +190,7 @@ class KvTransferServer:
 
     def endpoint(self) -> KvEndpoint | None:
         layout = self.engine.kv_layout()
-        return None if layout is None else KvEndpoint(self.address, layout)
+        return None if layout is None else KvEndpoint(self.address, layout, self.serve_prefixes)
 
     async def close(self) -> None:
         server, self._server = self._server, None
@@ -265,6 +276,8 @@ class KvTransferServer:
 
     def _check(self, op: KvOp) -> str | None:
         """Why ``op`` is refused before anything more is read (None: go ahead)."""
+        if op.op == "prefix":
+            return self._check_prefix(op)
         exp = self._expected.get(op.transfer_id)
         if exp is None:
             return f"no transfer {op.transfer_id!r} here (cancelled or finished)"
@@ -285,7 +298,44 @@ class KvTransferServer:
             return f"transfer {op.transfer_id!r}: a {op.op} carries no payload"
         return None
 
+    def _check_prefix(self, op: KvOp) -> str | None:
+        if not self.serve_prefixes:
+            return "this worker does not serve prefixes to peers (start it with --peer-fetch)"
+        layout = self.engine.kv_layout()
+        most = layout.num_blocks * layout.block_size + 1 if layout is not None else 0
+        if not 2 <= len(op.tokens) <= most or op.nbytes or op.runs:
+            return f"a prefix read names 2..{most} tokens and carries nothing else, not {len(op.tokens)} tokens"
+        return None
+
+    def _serve_prefix(self, op: KvOp) -> tuple[KvReply, bytes]:
+        """The leading blocks of ``op.tokens`` this engine holds now, read under a
+        reservation of their own (pinned while they are exported, given back at once):
+        nothing to expect, nothing left behind; blocks evicted meanwhile are not found."""
+        layout = self.engine.kv_layout()
+        if layout is None:
+            return KvReply(False, "the engine has no KV layout"), b""
+        rid = f"peer-prefix-{uuid.uuid4().hex}"
+        probe = PreprocessedRequest(
+            rid, "", list(op.tokens), stop=StopConditions(max_tokens=1), adapter=op.adapter, cache_salt=op.cache_salt
+        )
+        res = self.engine.kv_reserve(probe)
+        self.prefixes_served += 1
+        if res is None:  # no room to pin them now: found nothing
+            return KvReply(True), b""
+        try:
+            found = res.cached_tokens // layout.block_size
+            data = self.engine.kv_export(res.block_ids[:found]) if found else b""
+        finally:
+            self.engine.kv_release(rid)
+        self.stats.bytes_sent += self._real(found, len(data))
+        return KvReply(True, nbytes=len(data)), data
+
     def _handle(self, op: KvOp, payload: bytes) -> tuple[KvReply, bytes]:
+        if op.op == "prefix":
+            try:
+                return self._serve_prefix(op)
+            except KvmeshError as exc:
+                return KvReply(False, exc.message), b""
         exp = self._expected.get(op.transfer_id)
         if exp is None:
             return KvReply(False, f"no transfer {op.transfer_id!r} here (cancelled or finished)"), b""
@@ -376,6 +426,12 @@ class KvConnector(abc.ABC):
     async def write(self, peer: KvEndpoint, transfer_id: str, block_ids: Sequence[int], data: bytes, src: KvLayout) -> None:
         """Write ``data`` (layout ``src``) into the peer's blocks."""
 
+    async def read_prefix(self, peer: KvEndpoint, request: PreprocessedRequest, blocks: int, into: KvLayout) -> tuple[int, bytes]:
+        """The KV of the peer's leading blocks of ``request``'s prompt (at most
+        ``blocks``), converted to ``into``: ``(blocks found, data)``; (0, b"") when it
+        holds none of them any more."""
+        raise InvalidArgument(f"{type(self).__name__} does not read prefixes from peers")
+
     @abc.abstractmethod
     async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "", trace_link: str = "") -> None:
         """Tell the peer the transfer is over (``error`` if it failed; ``trace_link``: the
@@ -454,6 +510,11 @@ class TcpKvConnector(KvConnector):
             self._links.pop(peer.address, None)
             link.writer.close()
             raise Disconnected(f"KV-transfer connection to {peer.address} lost: {exc}") from None
+        except asyncio.CancelledError:  # a timeout mid-call: the connection's bytes are out of step
+            if self._links.get(peer.address) is link:
+                del self._links[peer.address]
+            link.writer.close()
+            raise
         if not reply.ok:
             # a refusal may have closed the connection (a write refused before its payload)
             if self._links.pop(peer.address, None) is not None:
@@ -480,6 +541,22 @@ class TcpKvConnector(KvConnector):
         await _simulate(peer.layout, len(block_ids))  # simulated bytes land when they would have arrived
         await self._call(peer, KvOp("write", transfer_id, block_runs(block_ids), nbytes=len(data)), data)
         self._account(started, sent=_real_bytes(peer.layout, len(block_ids), len(data)))
+
+    async def read_prefix(self, peer: KvEndpoint, request: PreprocessedRequest, blocks: int, into: KvLayout) -> tuple[int, bytes]:
+        bs = peer.layout.block_size
+        tokens = request.token_ids[: blocks * bs + 1]
+        if blocks < 1 or len(tokens) < 2:
+            return 0, b""
+        started = time.perf_counter()
+        op = KvOp("prefix", "", tokens=tokens, adapter=request.adapter, cache_salt=request.cache_salt)
+        wire = peer.layout.wire_bytes_per_block
+        data = await self._call(peer, op, max_reply=min(blocks * wire, _MAX_PAYLOAD))
+        found = len(data) // wire if wire else 0
+        if found > blocks or found * wire != len(data):
+            raise InvalidArgument(f"the prefix read from {peer.address} returned {len(data)} bytes, not whole blocks")
+        await _simulate(peer.layout, found)
+        self._account(started, received=_real_bytes(peer.layout, found, len(data)))
+        return found, self.convert(data, peer.layout, into)
 
     async def done(self, peer: KvEndpoint, transfer_id: str, num_tokens: int, error: str = "", trace_link: str = "") -> None:
         await self._call(peer, KvOp("done", transfer_id, num_tokens=num_tokens, error=error, trace_link=trace_link))

@@ -233,7 +233,23 @@ class ModelRegistry:
         admission = AdmissionSettings(threshold=c.admission_threshold, max_queue=c.admission_max_queue)
         entry.kv = KvRouterService(settings, subscription, entry.metrics.router, admission, index, self._worker_model)
         entry.kv.start()
-        entry.router.policy = KvPolicy(entry.kv)
+        entry.router.policy = KvPolicy(entry.kv, self._peer_fetch(entry, info))
+
+    def _peer_fetch(self, entry: ModelEntry, info: InstanceInfo) -> Any:
+        """(settings, worker → KV endpoint) when the model's workers serve prefixes to
+        peers (``--peer-fetch``; router/peer.py), else None: no work per request."""
+        from kvmesh.router.peer import PeerFetchSettings
+
+        if info.kv is None or not info.kv.serves_prefixes:
+            return None
+        instances = entry.router.instances
+
+        def endpoint_of(worker_id: int) -> Any:
+            instance = instances.get(worker_id)
+            return instance.info.kv if instance is not None else None
+
+        c = self.config
+        return PeerFetchSettings(c.peer_fetch_gbps, c.router_prefill_rate), endpoint_of
 
     async def _start_shards(self, entry: ModelEntry, settings: Any) -> Any:
         """The KV index over ``router_shards`` processes (router/shards.py), fed by zmq."""

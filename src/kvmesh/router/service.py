@@ -47,7 +47,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -56,11 +56,12 @@ from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted
 from kvmesh.kv.events import KvEventView, PayloadTooLarge, decode_kv_view
 from kvmesh.kv.hashing import block_hashes as hash_blocks
 from kvmesh.kv.hashing import hash_salt
-from kvmesh.protocol import KvDump, KvEvent, KvEventsSince, LoadReport, PreprocessedRequest
+from kvmesh.protocol import KvDump, KvEndpoint, KvEvent, KvEventsSince, LoadReport, PreprocessedRequest, RoutingHints
 from kvmesh.router.adapters import AdapterAffinity
 from kvmesh.router.core import Decision, KvRouterCore, RouterSettings
 from kvmesh.router.fair import FairQueue
 from kvmesh.router.indexer import check_event_data
+from kvmesh.router.peer import PeerFetchSettings, plan_peer_fetch
 from kvmesh.runtime.distributed import call
 from kvmesh.runtime.event_plane.base import Subscription
 from kvmesh.runtime.instances import Instance
@@ -474,18 +475,36 @@ class KvPolicy:
     """The push router's policy for ``kv`` / ``kv-approx``: delegates to the service
     and keeps the decision of requests that asked for an explanation."""
 
-    def __init__(self, service: KvRouterService) -> None:
+    def __init__(
+        self,
+        service: KvRouterService,
+        peer_fetch: tuple[PeerFetchSettings, Callable[[int], KvEndpoint | None]] | None = None,
+    ) -> None:
         self.service = service
+        # issue 33: (settings, worker id → its KV endpoint) when workers serve prefixes
+        self.peer_fetch = peer_fetch
         self.explained: dict[str, Decision] = {}
         # observability: the last decisions (a route span's overlap, the /dashboard page)
         self.recent: collections.deque[tuple[str, Decision]] = collections.deque(maxlen=32)
 
     def select(self, ids: Sequence[int], request: PreprocessedRequest, weights: Mapping[int, float] | None = None) -> int:
         decision = self.service.route(request, ids, weights)
+        if self.peer_fetch is not None:
+            self._hint_peer(request, decision)
         self.recent.append((request.request_id, decision))
         if request.routing is not None and request.routing.explain:
             self.explained[request.request_id] = decision
         return decision.worker_id
+
+    def _hint_peer(self, request: PreprocessedRequest, decision: Decision) -> None:
+        """Tell the chosen worker where to read a longer prefix (router/peer.py)."""
+        assert self.peer_fetch is not None
+        settings, endpoint_of = self.peer_fetch
+        block_size = self.service.settings.block_size
+        hint = plan_peer_fetch(decision.candidates, decision.worker_id, endpoint_of, block_size, settings)
+        hints = request.routing
+        if hint is not None or (hints is not None and hints.peer is not None):  # (a retry: a new decision)
+            request.routing = msgspec.structs.replace(hints or RoutingHints(), peer=hint)
 
     async def admit(self, request: PreprocessedRequest) -> None:
         await self.service.admit(request)

@@ -86,8 +86,9 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
         engine,
         worker_id=worker_id,
         # a KV-transfer port only where KV leaves: prefill workers write into decode
-        # workers; a draining worker hands its requests' KV off
-        transfer=KvTransferServer(engine, host=cfg.host) if cfg.mode == "decode" or cfg.drain_migrate else None,
+        # workers; a draining worker hands its requests' KV off; --peer-fetch: peers
+        # read prefixes from it (issue 33)
+        transfer=_transfer_server(cfg, engine),
         connector=TcpKvConnector(),
         mode=cfg.mode,
         queue=queue,
@@ -95,6 +96,12 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
         remote_timeout_s=cfg.remote_prefill_timeout_s,
     )
     return Roles(engine, COMPONENT, queue=queue, disagg=front)
+
+
+def _transfer_server(cfg: WorkerConfig, engine: KvBlockAccess) -> KvTransferServer | None:
+    if cfg.mode == "decode" or cfg.drain_migrate or cfg.peer_fetch:
+        return KvTransferServer(engine, host=cfg.host, serve_prefixes=cfg.peer_fetch)
+    return None
 
 
 async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:
@@ -182,6 +189,10 @@ _COUNTERS = {
     "kv_migrations_in": "requests resumed here with KV moved from a draining worker",
     "kv_migrations_out": "requests handed off with their KV on drain",
     "kv_migration_fallbacks": "KV migrations that fell back to re-prefill",
+    "peer_fetches": "prompts whose prefix was read from a peer worker instead of prefilled",
+    "peer_fetch_blocks": "KV blocks read from peer workers' prefixes",
+    "peer_fetch_fallbacks": "peer fetches that failed or found fewer blocks (prefilled here)",
+    "peer_prefixes_served": "prefix reads this worker answered for peers",
 }
 
 

@@ -214,6 +214,20 @@ class HfSettings(EngineSettings):
         16, "the highest LoRA rank an adapter may have (sizes the adapter slots' weights)", flag="--max-lora-rank",
         env="KVMESH_HF_MAX_LORA_RANK", check=positive, group=_HF,
     )  # fmt: skip
+    # KV tiers below the device pool (engines/hf/tiers.py): evicted blocks' K/V kept in host
+    # memory, then a memory-mapped file, and copied back for a prefix hit
+    host_kv_blocks: int = setting(
+        0, "host-memory KV tier (G2), in blocks (0: none; pinned when on a GPU)", flag="--hf-host-kv-blocks",
+        env="KVMESH_HF_HOST_KV_BLOCKS", check=non_negative, group=_HF,
+    )  # fmt: skip
+    disk_kv_blocks: int = setting(
+        0, "local-disk KV tier (G3), in blocks (0: none; needs --hf-disk-kv-path)", flag="--hf-disk-kv-blocks",
+        env="KVMESH_HF_DISK_KV_BLOCKS", check=non_negative, group=_HF,
+    )  # fmt: skip
+    disk_kv_path: str = setting(
+        "", "folder for the disk KV tier's memory-mapped file (created; the file is unlinked once mapped)",
+        flag="--hf-disk-kv-path", env="KVMESH_HF_DISK_KV_PATH", group=_HF,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)

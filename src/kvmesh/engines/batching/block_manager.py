@@ -35,18 +35,40 @@ those hashes at once, ``BlockRemoved`` from their tier then ``BlockStored`` into
 last asked, which the engine pays for in time (the mocker: bytes ÷ the tier's
 bandwidth). Replaying the events into one set per tier gives :meth:`dump_tiers`.
 Without tiers nothing changes: no lower-tier event is ever emitted.
+
+An engine that keeps real KV in its tiers sets :attr:`BlockManager.slots` (a
+:class:`TierSlots`): it is told every move with the G1 block ids involved, in order, as
+it happens (before any block id is reused), so it can copy the tensors.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from kvmesh.engines.batching.tiers import G1, G2, G3, TIERS, LowerTiers, Move
 from kvmesh.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventData
 from kvmesh.runtime.events import EventPublisher, KvEventRing, NullPublisher
 
-__all__ = ["BlockManager"]
+__all__ = ["BlockManager", "TierSlots"]
+
+
+class TierSlots(Protocol):
+    """What an engine with real tier storage is told (engines/hf/tiers.py), in order."""
+
+    def moved(self, moves: list[Move], evicted: Mapping[int, int]) -> None:
+        """``moves`` wrote blocks down / dropped them; ``evicted``: hash → the G1 block
+        it just left (still holding its content until the next pass)."""
+
+    def taken(self, moves: list[Move]) -> None:
+        """``moves`` took blocks out of their tiers for onboarding (placed next)."""
+
+    def onboarded(self, placed: Mapping[int, int]) -> None:
+        """Blocks taken just before now fill these G1 blocks (hash → block id)."""
+
+    def cleared(self) -> None:
+        """Every tier forgot everything (:meth:`BlockManager.reset`)."""
 
 
 class _SeqBlocks:
@@ -87,6 +109,7 @@ class BlockManager:
         self._next_event_id = 0
         self.tiers = LowerTiers(host_blocks, disk_blocks, onboard_tiers) if enable_prefix_caching else LowerTiers()
         self._onboarding = dict.fromkeys(TIERS, 0)  # blocks brought up since take_onboarded
+        self.slots: TierSlots | None = None  # an engine's tensors behind the tiers, if any
         self._init_pool()
 
     def _init_pool(self) -> None:
@@ -230,11 +253,14 @@ class BlockManager:
             self.tiers.stats.hits[move.tier] += len(move.hashes)
         self.tiers.stats.hits[G1] += len(hits) - len(up)
         self._emit_moves(moves)
+        if self.slots is not None:
+            self.slots.taken(moves)
         fresh = iter(self._take(need - len(hits) + len(up)))
+        placed: dict[int, int] = {}
         run_start = -1
         for i, (h, b) in enumerate(zip(hashes, hits)):
             if b < 0:
-                b = next(fresh)
+                b = placed[h] = next(fresh)
                 cached[h] = b
                 self._hash[b] = h
                 run_start = i if run_start < 0 else run_start
@@ -246,6 +272,8 @@ class BlockManager:
             self._stored(hashes, (), run_start, len(hashes))
         seq.blocks.extend(fresh)
         seq.committed = len(hashes)
+        if self.slots is not None:
+            self.slots.onboarded(placed)
         return True
 
     def _grow(self, seq: _SeqBlocks, fresh: int) -> bool:
@@ -258,6 +286,8 @@ class BlockManager:
         """``n`` blocks with reference count 1; caller checked ``n <= free_blocks``."""
         out: list[int] = []
         evicted: list[int] = []
+        left: dict[int, int] = {}  # evicted hash -> its G1 block (for self.slots)
+        track = self.slots is not None
         empty, lru, hashes, ref = self._empty, self._lru, self._hash, self._ref
         for _ in range(n):
             if empty:
@@ -269,12 +299,17 @@ class BlockManager:
                     del self._cached[h]
                     hashes[b] = None
                     evicted.append(h)
+                    if track:
+                        left[h] = b
             ref[b] = 1
             out.append(b)
         if evicted:
             self._emit(BlockRemoved(block_hashes=evicted))
             if self.tiers.enabled:
-                self._emit_moves(self.tiers.demote(evicted))
+                moves = self.tiers.demote(evicted)
+                self._emit_moves(moves)
+                if self.slots is not None:
+                    self.slots.moved(moves, left)
         return out
 
     def _emit_moves(self, moves: list[Move]) -> None:
@@ -307,7 +342,10 @@ class BlockManager:
             self._cached[h] = b
             self._hash[b] = h
             if self.tiers.enabled:  # computed again beside a copy in a tier not onboarded from
-                self._emit_moves(self.tiers.discard(h))
+                moves = self.tiers.discard(h)
+                self._emit_moves(moves)
+                if self.slots is not None and moves:
+                    self.slots.moved(moves, {})
             if run_start < 0:
                 run_start = i
         if run_start >= 0:
@@ -344,6 +382,8 @@ class BlockManager:
         """Drop every sequence and all cached content (every tier's); emits ``AllBlocksCleared``."""
         self._init_pool()
         self.tiers.clear()
+        if self.slots is not None:
+            self.slots.cleared()
         if self.enable_prefix_caching:
             self._emit(AllBlocksCleared())
 

@@ -43,6 +43,9 @@ Shape (one event loop, one forward thread)::
   checked against the model, their weights in the slots of a :class:`~.lora.LoraBank`
   (written by the forward thread); a pass mixes any adapters, each row with its own
   (:mod:`.lora`), and a request's block hashes are salted with its adapter.
+* **KV tiers** (``--hf-host-kv-blocks``, ``--hf-disk-kv-blocks``/``--hf-disk-kv-path``):
+  the block manager's write-downs and onboardings move the real K/V (:mod:`.tiers`),
+  copied on the loop while it schedules (a GPU: on a side stream the next pass waits for).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from kvmesh.engines.hf.batch import Chunk, make_inputs, make_paged_inputs
 from kvmesh.engines.hf.cpus import auto_threads
 from kvmesh.engines.hf.device import DecodeGraphs, gpu_kv_bytes, profile_peak, resolve_device, resolve_dtype
 from kvmesh.engines.hf.kv import KvPool
+from kvmesh.engines.hf.tiers import HfTiers
 from kvmesh.engines.hf.lora import LoraBank, load_tensors, projection_shapes
 from kvmesh.engines.lora import AdapterFiles, check_against, parse_lora_flags
 from kvmesh.kv.hashing import hash_salt
@@ -134,6 +138,7 @@ class _Loaded:
     graphs: DecodeGraphs | None = None
     sample_vocab: int = 0  # logits columns the sampler sees (the tokenizer's, under synthetic weights); 0: all
     paged: bool = False  # paged passes (a GPU's; the CPU's are packed)
+    tiers: HfTiers | None = None  # KV tiers below the pool (--hf-host-kv-blocks, --hf-disk-kv-blocks)
 
     def prepare(self, chunks: list[Chunk], block_size: int) -> StepInputs | tuple[int, list[Chunk]]:
         """A pass's inputs: a graph's bucket and its chunks when a decode graph replays
@@ -147,6 +152,8 @@ class _Loaded:
         return make_paged_inputs(chunks, block_size, self.model.device)
 
     def forward(self, work: StepInputs | tuple[int, list[Chunk]]) -> torch.Tensor:
+        if self.tiers is not None:
+            self.tiers.before_forward()  # a GPU's onboarding copies land first
         if isinstance(work, StepInputs):
             logits = self.model.forward(work, self.pool)
         else:
@@ -186,6 +193,7 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
         self._loaded = await asyncio.to_thread(self._load, device)
         loaded = self._loaded
         self._scheduler = Scheduler(self._limits(loaded), self._publisher)
+        self._scheduler.blocks.slots = loaded.tiers  # the tiers' tensors follow the block manager's moves
         self._scheduler.reset()  # AllBlocksCleared: drop what an earlier incarnation published
         seed = self.options.seed
         self._default_gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
@@ -225,7 +233,10 @@ class HfEngine(StepLoopEngine[_Mailbox, Scheduler], KvBlockAccess):
         )  # fmt: skip
         vocab = info.vocab_size if opts.random_weights and info.vocab_size < spec.vocab_size else 0
         paged = device.type == "cuda"
-        return _Loaded(model, pool, context, frozenset(info.eos_token_ids), info.name, graphs, vocab, paged)
+        tiers = None
+        if opts.host_kv_blocks or opts.disk_kv_blocks:
+            tiers = HfTiers(pool, opts.host_kv_blocks, opts.disk_kv_blocks, opts.disk_kv_path)
+        return _Loaded(model, pool, context, frozenset(info.eos_token_ids), info.name, graphs, vocab, paged, tiers)
 
     def _model(self, device: torch.device, dtype: torch.dtype) -> LlamaModel:
         """The folder's model on ``device`` as ``dtype``, or synthetic weights in a named shape."""

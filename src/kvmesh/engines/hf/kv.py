@@ -16,6 +16,9 @@ head_dim)`` little-endian values of the pool's dtype (:attr:`KvPool.block_shape`
 and ``n`` blocks are those runs back to back in the order asked for;
 :meth:`KvPool.export` and :meth:`KvPool.import_` permute between the two.
 
+KV tiers below the pool (host memory, disk) are :mod:`.tiers`'s: it copies whole blocks
+through :meth:`KvPool.block_view`.
+
 Which blocks belong to whom is the block manager's business
 (:class:`~kvmesh.engines.batching.block_manager.BlockManager`); the pool only stores.
 """
@@ -87,6 +90,11 @@ class KvPool:
         """The storage as (layers, 2, num_blocks, block_size, kv_heads, head_dim) (a view)."""
         layers, _, _, h, d = self.data.shape
         return self.data.view(layers, 2, self.num_blocks + 1, self.block_size, h, d)
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """One block's storage, (layers, 2, block_size, kv_heads, head_dim), as a view
+        (what a KV tier slot holds: :mod:`.tiers` copies it out and back in)."""
+        return self._blocks()[:, :, block_id]
 
     def block(self, block_id: int) -> torch.Tensor:
         """One block in its wire layout (a copy)."""

@@ -52,6 +52,10 @@ class HfOptions(BatchingOptions):
     random_weights: str = HfSettings.random_weights
     enforce_eager: bool = HfSettings.enforce_eager
     max_lora_rank: int = HfSettings.max_lora_rank  # LoRA slots are sized for this rank (engines/hf/lora.py)
+    # KV tiers below the device pool (engines/hf/tiers.py), in blocks; the disk tier's folder
+    host_kv_blocks: int = HfSettings.host_kv_blocks
+    disk_kv_blocks: int = HfSettings.disk_kv_blocks
+    disk_kv_path: str = HfSettings.disk_kv_path
 
     def __post_init__(self) -> None:
         BatchingOptions.__post_init__(self)  # no zero-argument super() in a slots dataclass
@@ -62,3 +66,7 @@ class HfOptions(BatchingOptions):
             require("num_blocks", self.num_blocks, positive)
         require("threads", self.threads, non_negative)
         require("max_lora_rank", self.max_lora_rank, positive)
+        require("host_kv_blocks", self.host_kv_blocks, non_negative)
+        require("disk_kv_blocks", self.disk_kv_blocks, non_negative)
+        if self.disk_kv_blocks and not self.disk_kv_path:
+            raise ValueError("--hf-disk-kv-blocks needs --hf-disk-kv-path (a folder for the tier's file)")

@@ -119,7 +119,7 @@ class HfTiers:
                 raise InvalidArgument("--hf-disk-kv-blocks needs --hf-disk-kv-path (a folder for the tier's file)")
             self.stores[G3] = TierStore(disk_slots(disk_path, disk_blocks, shape, dtype))
         self._staged: dict[int, torch.Tensor] = {}
-        self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
+        self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]  # torch's stub
         self.copied = {"down": 0, "up": 0}  # blocks copied out of G1 / into G1
 
     # ------------------------------------------------------------------ TierSlots

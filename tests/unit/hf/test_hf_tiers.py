@@ -78,6 +78,20 @@ def test_disk_tier_needs_a_writable_folder(tmp_path):
         HfOptions("m", disk_kv_blocks=4)
 
 
+def test_disk_tier_without_room_fails_at_start(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    pool = KvPool(2, 4, layers=1, kv_heads=1, head_dim=2)
+    with pytest.raises(InvalidArgument, match="No space left"):
+        HfTiers(pool, 0, 4, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # the half-made file is gone
+
+
 # ---------------------------------------------------------------------------- the engine
 
 

@@ -7,8 +7,9 @@ The batching core decides which block is where (:mod:`kvmesh.engines.batching.ti
 * **G2** (``--hf-host-kv-blocks``): one host tensor of slots, pinned when the pool is on
   a GPU (on the CPU it is a second, separate CPU tensor: same memory, same mechanics).
 * **G3** (``--hf-disk-kv-blocks``, ``--hf-disk-kv-path``): a memory-mapped file of slots,
-  created (sized once, sparse) under the given folder and unlinked at once, so its size
-  is bounded and nothing is left behind by a crash.
+  created under the given folder with its blocks allocated at once (a disk without room
+  fails at start, not with a SIGBUS on a later write) and unlinked once mapped, so its
+  size is bounded and nothing is left behind by a crash.
 
 A slot holds one block as ``(layers, 2, block_size, kv_heads, head_dim)``
 (:meth:`~.kv.KvPool.block_view`'s shape), contiguous. The moves, each told as it happens
@@ -86,12 +87,10 @@ def disk_slots(folder: str, slots: int, block_shape: tuple[int, ...], dtype: tor
         Path(folder).mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="kvmesh-kv-", suffix=".g3", dir=folder)
         try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        try:
+            os.posix_fallocate(fd, 0, size)  # the blocks reserved now: a full disk fails here, not as SIGBUS later
             flat = torch.from_file(name, shared=True, size=numel, dtype=dtype)
         finally:
+            os.close(fd)
             os.unlink(name)
     except (OSError, RuntimeError) as exc:
         raise InvalidArgument(

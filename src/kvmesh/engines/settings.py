@@ -226,7 +226,7 @@ class HfSettings(EngineSettings):
     )  # fmt: skip
     disk_kv_path: str = setting(
         "", "folder for the disk KV tier's memory-mapped file (created; the file is unlinked once mapped)",
-        flag="--hf-disk-kv-path", env="KVMESH_HF_DISK_KV_PATH", group=_HF,
+        flag="--hf-disk-kv-path", env="KVMESH_HF_DISK_KV_PATH", group=_HF, metavar="DIR",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ that does not serve prefixes: B prefills, same tokens, nothing lost."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -159,3 +160,28 @@ async def test_unauthenticated_or_refused_fetch_fails_closed_to_prefill(case: st
         assert got == await plain(req) and cached == 0
         assert b.disagg_stats().peer_fetch_fallbacks == 1
         assert a.disagg_stats().peer_prefixes_served == 0
+
+
+async def test_a_peer_that_never_answers_times_out_to_prefill() -> None:
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)  # accepts, reads nothing, answers nothing
+
+    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        async with pair(secret_a=None, secret_b=None) as (a, b):
+            b.peer_fetch_timeout_s = 0.3
+            kv = a.kv_endpoint
+            assert kv is not None
+            address = "127.0.0.1:%d" % mute.sockets[0].getsockname()[1]
+            req = request("r", 320, tail=9)
+            got, cached = await run(b, hinted(req, PeerPrefix(1, msgspec.structs.replace(kv, address=address), 20)))
+            assert got == await plain(req) and cached == 0
+            assert b.disagg_stats().peer_fetch_fallbacks == 1
+            assert b.connector._links == {}  # type: ignore[attr-defined]  # the out-of-step connection was dropped
+    finally:
+        for w in held:
+            w.close()
+        mute.close()
+        await mute.wait_closed()

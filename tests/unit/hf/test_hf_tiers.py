@@ -78,6 +78,22 @@ def test_disk_tier_needs_a_writable_folder(tmp_path):
         HfOptions("m", disk_kv_blocks=4)
 
 
+def test_host_tier_too_big_for_memory_is_a_clear_error(monkeypatch):
+    from kvmesh.errors import ResourceExhausted
+
+    real = torch.empty
+
+    def no_memory(*args, **kw):
+        if kw.get("pin_memory") is not None:  # the tier's allocation
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+        return real(*args, **kw)
+
+    pool = KvPool(2, 4, layers=1, kv_heads=1, head_dim=2)
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(ResourceExhausted, match="--hf-host-kv-blocks 1000"):
+        HfTiers(pool, 1000, 0)
+
+
 def test_disk_tier_without_room_fails_at_start(tmp_path, monkeypatch):
     import errno
     import os

@@ -42,7 +42,7 @@ import torch
 
 from kvmesh.engines.batching.tiers import G2, G3, Move
 from kvmesh.engines.hf.kv import KvPool
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, ResourceExhausted
 
 __all__ = ["HfTiers", "TierStore", "disk_slots"]
 
@@ -100,6 +100,18 @@ def disk_slots(folder: str, slots: int, block_shape: tuple[int, ...], dtype: tor
     return flat.view(slots, *block_shape)
 
 
+def _host_slots(
+    slots: int, shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool, block_bytes: int
+) -> torch.Tensor:
+    try:
+        return torch.empty((slots, *shape), dtype=dtype, pin_memory=pinned)
+    except RuntimeError as exc:  # torch's out-of-memory
+        raise ResourceExhausted(
+            f"--hf-host-kv-blocks {slots}: cannot allocate {(slots * block_bytes) >> 20} MiB of "
+            f"{'pinned ' if pinned else ''}host memory for the host KV tier ({exc}); give fewer blocks"
+        ) from None
+
+
 class HfTiers:
     """G2/G3 tensors of one :class:`~.kv.KvPool` (see the module docstring)."""
 
@@ -111,14 +123,15 @@ class HfTiers:
         dtype = pool.data.dtype
         self.stores: dict[int, TierStore] = {}
         if host_blocks > 0:
-            host = torch.empty((host_blocks, *shape), dtype=dtype, pin_memory=self._cuda)
+            host = _host_slots(host_blocks, shape, dtype, pinned=self._cuda, block_bytes=pool.bytes_per_block)
             self.stores[G2] = TierStore(host)
         if disk_blocks > 0:
             if not disk_path:
                 raise InvalidArgument("--hf-disk-kv-blocks needs --hf-disk-kv-path (a folder for the tier's file)")
             self.stores[G3] = TierStore(disk_slots(disk_path, disk_blocks, shape, dtype))
         self._staged: dict[int, torch.Tensor] = {}
-        self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]  # torch's stub
+        # (torch's stub of Stream is untyped)
+        self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]  # stub
         self.copied = {"down": 0, "up": 0}  # blocks copied out of G1 / into G1
 
     # ------------------------------------------------------------------ TierSlots

@@ -19,17 +19,20 @@ from tests.helpers import RUN_SECRET, kvmesh_run, worker_disagg_stats
 
 pytestmark = pytest.mark.timeout(90)
 
+ROUTES: list[dict[str, object]] = []
 PREFIX = [(i * 11) % 1800 + 20 for i in range(320)]  # 20 blocks of 16
 
 
 def _complete(client: openai.OpenAI, tokens: list[int]) -> tuple[str, int, int]:
-    """The text, the chosen worker and the cached prompt tokens of a completion."""
+    """The text, the chosen worker and the cached prompt tokens of a completion (and
+    the router's explanation in ``ROUTES``)."""
     raw = client.completions.with_raw_response.create(
         model="kvmesh-tiny", prompt=tokens, max_tokens=8, extra_body={"ignore_eos": True, "router_explain": True}
     )
     body = raw.parse()
     details = body.usage.prompt_tokens_details if body.usage is not None else None
     route = body.model_extra["kvmesh_route"]  # type: ignore[index]
+    ROUTES.append(route)
     return body.choices[0].text, int(str(route["worker"]), 16), getattr(details, "cached_tokens", 0) or 0
 
 
@@ -57,6 +60,7 @@ def test_the_second_worker_reads_the_prefix_the_first_holds(tmp_path: Path) -> N
         busy.close()
         assert reader != holder  # the idle worker holding less
         assert cached == 320  # read from the holder, not prefilled
+        assert ROUTES[-1]["peer_fetch"] == {"worker": f"{holder:x}", "blocks": 20}  # router_explain says so
         again, _, _ = _complete(client, prompt)  # the same prompt served from a cache: same text
         assert text == again
         client.close()

@@ -160,7 +160,8 @@ class Generation:
             if owner.on_end is not None:
                 owner.on_end(owner.usage)
             return _with_grant(dialect.error(exc, request_id), grant)
-        route = explain_route(entry, preq.request_id, owner.worker_id) if preq.routing and preq.routing.explain else None
+        hints = preq.routing
+        route = explain_route(entry, preq.request_id, owner.worker_id, hints.peer) if hints and hints.explain else None
         if route is not None and not self._may_see_overlaps(request):
             route = {k: v for k, v in route.items() if k in ("worker", "mode")}
         if req.stream:

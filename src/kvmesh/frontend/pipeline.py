@@ -17,6 +17,7 @@ from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, la
 from kvmesh.frontend.tools import chat_messages, guided_of
 from kvmesh.protocol import (
     OutputOptions,
+    PeerPrefix,
     PreprocessedRequest,
     RoutingHints,
     SamplingOptions,
@@ -155,9 +156,14 @@ def _routing_hints(req: ChatCompletionRequest | CompletionRequest, explain: bool
     )
 
 
-def explain_route(entry: ModelEntry, request_id: str, worker_id: int | None) -> dict[str, object]:
-    """Why the request went where it went (``router_explain`` / ``x-kvmesh-explain``)."""
+def explain_route(
+    entry: ModelEntry, request_id: str, worker_id: int | None, peer: PeerPrefix | None = None
+) -> dict[str, object]:
+    """Why the request went where it went (``router_explain`` / ``x-kvmesh-explain``);
+    ``peer``: the prefix the router told the worker to read from a peer (router/peer.py)."""
     out: dict[str, object] = {"worker": f"{worker_id:x}" if worker_id is not None else None}
+    if peer is not None:
+        out["peer_fetch"] = {"worker": f"{peer.worker_id:x}", "blocks": peer.blocks}
     policy = entry.router.policy
     decision = policy.explain(request_id)
     if decision is None:

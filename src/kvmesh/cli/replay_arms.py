@@ -82,7 +82,10 @@ def _run_tier_arms(trace_path: str, base: ReplayConfig) -> int:
     for arm in arms:
         stream = arrivals(trace, TokenSynth(options.vocab_size), base.speed)
         router = tier_router(base.router, arm.options(options), base.seed)
-        results.append(run_tier_arm(arm, stream, options, base.workers, router, slo))
+        try:
+            results.append(run_tier_arm(arm, stream, options, base.workers, router, slo))
+        except ValueError as exc:  # a peer arm under a router that does not decide by KV
+            return fail(str(exc), 2)
     print(format_tier_arms(results))
     status = write_json(base.json, results)
     return 0 if status is None else status

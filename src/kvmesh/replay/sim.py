@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.engines.mocker.sim import RequestRecord, TokenEvent, VirtualWorker, WorkerUsage, run_trace
+from kvmesh.engines.mocker.sim import RequestRecord, RoutePolicy, TokenEvent, VirtualWorker, WorkerUsage, run_trace
 from kvmesh.protocol import LoadReport, PreprocessedRequest
 from kvmesh.replay.policies import ReplayPolicy
 from kvmesh.runtime.events import CallbackPublisher
@@ -46,14 +46,18 @@ def simulate(
     fleet: Sequence[MockerOptions],
     on_done: Callable[[], None] | None = None,
     usage: list[WorkerUsage] | None = None,
+    route: RoutePolicy | None = None,
 ) -> list[RequestRecord]:
     """Replay time-ordered ``arrivals`` on one mocker worker per ``fleet`` entry (see
     :func:`fleet_options`); returns every request's record in arrival order.
     ``on_done`` is called once per finished request (a progress bar); ``usage`` gets
-    each worker's :class:`WorkerUsage` at the end."""
+    each worker's :class:`WorkerUsage` at the end. ``route`` replaces ``policy.route``
+    (it sees the workers: the peer arm, :mod:`kvmesh.replay.peer_arm`)."""
     workers = [VirtualWorker(options, kv_feed(policy)) for options in fleet]
     feedback = _Feedback(policy, on_done)
-    records = run_trace(arrivals, workers, lambda request, t, _workers: policy.route(request, t), feedback.deliver)
+    if route is None:
+        route = lambda request, t, _workers: policy.route(request, t)  # noqa: E731
+    records = run_trace(arrivals, workers, route, feedback.deliver)
     if usage is not None:
         usage.extend(w.usage for w in workers)
     return list(records.values())  # arrival order

@@ -6,7 +6,9 @@ Each arm replays the trace on ``--workers`` mocker workers with the same device 
 host-memory tier (``--host-kv-blocks``), ``g1+g2+g3`` with the disk tier too
 (``--disk-kv-blocks``); onboarding is charged at ``--host-kv-gbps`` / ``--disk-kv-gbps``
 (:meth:`~kvmesh.engines.mocker.options.MockerOptions.tiered_step_ms`). The tier sizes are
-the engines' own flags: an arm naming a tier of size 0 is refused.
+the engines' own flags: an arm naming a tier of size 0 is refused. ``peer`` (or any arm
+with ``+peer``: ``g1+g2+peer``) adds a prefix read from a peer worker when the router's
+cost says so (:mod:`kvmesh.replay.peer_arm`).
 
 Each arm's result (:class:`TierArmResult`) adds to the deployment arms' fields
 (:class:`~kvmesh.replay.goodput.ArmResult`): ``cache_hit_rate`` (prompt tokens served
@@ -28,6 +30,7 @@ from kvmesh.protocol import PreprocessedRequest
 from kvmesh.kv.tiers import hit_weights
 from kvmesh.replay.arms import default_router
 from kvmesh.replay.goodput import ArmResult, Slo, arrival_window_s, summarize_arm
+from kvmesh.replay.peer_arm import PeerMoves, peer_route
 from kvmesh.replay.policies import KvPolicy, ReplayPolicy
 from kvmesh.router.core import RouterSettings
 from kvmesh.replay.sim import fleet_options, simulate
@@ -39,6 +42,7 @@ __all__ = [
 
 # arm name -> the lower tiers it has
 TIER_ARMS: dict[str, tuple[int, ...]] = {"g1": (), "g1+g2": (G2,), "g1+g2+g3": (G2, G3)}
+_PEER = "+peer"  # an arm's suffix: prefixes read from peers too ("peer" alone: g1+peer)
 _NAMES = {G1: "g1", G2: "g2", G3: "g3"}
 
 
@@ -47,6 +51,7 @@ class TierArm:
     name: str
     host_blocks: int = 0
     disk_blocks: int = 0
+    peer: bool = False  # prefixes read from peer workers (replay/peer_arm.py)
 
     def options(self, base: MockerOptions) -> MockerOptions:
         """The workers' options under this arm."""
@@ -55,7 +60,14 @@ class TierArm:
 
 def is_tier_arms(text: str) -> bool:
     """Whether ``--arms`` names tier arms (any of :data:`TIER_ARMS`)."""
-    return any(t.strip() in TIER_ARMS for t in text.split(","))
+    return any(_tiers_of(t.strip())[0] in TIER_ARMS for t in text.split(","))
+
+
+def _tiers_of(name: str) -> tuple[str, bool]:
+    """An arm's tier part and whether it reads prefixes from peers."""
+    if name == "peer":
+        return "g1", True
+    return (name[: -len(_PEER)], True) if name.endswith(_PEER) else (name, False)
 
 
 def parse_tier_arms(text: str, options: MockerOptions) -> tuple[TierArm, ...]:
@@ -65,14 +77,18 @@ def parse_tier_arms(text: str, options: MockerOptions) -> tuple[TierArm, ...]:
         raise ValueError(f"--arms names an arm twice: {text}")
     arms = []
     for name in names:
-        tiers = TIER_ARMS.get(name)
+        base, peer = _tiers_of(name)
+        tiers = TIER_ARMS.get(base)
         if tiers is None:
-            raise ValueError(f"unknown tier arm {name!r} (g1, g1+g2, g1+g2+g3; not mixed with deployment arms)")
+            raise ValueError(
+                f"unknown tier arm {name!r} (g1, g1+g2, g1+g2+g3, peer or +peer; not mixed with deployment arms)"
+            )
         if G2 in tiers and options.host_kv_blocks <= 0:
             raise ValueError(f"arm {name} needs a host tier: set --host-kv-blocks")
         if G3 in tiers and options.disk_kv_blocks <= 0:
             raise ValueError(f"arm {name} needs a disk tier: set --disk-kv-blocks")
-        arms.append(TierArm(name, options.host_kv_blocks if G2 in tiers else 0, options.disk_kv_blocks if G3 in tiers else 0))
+        host, disk = (options.host_kv_blocks if G2 in tiers else 0), (options.disk_kv_blocks if G3 in tiers else 0)
+        arms.append(TierArm(name, host, disk, peer))
     return tuple(arms)
 
 
@@ -85,6 +101,8 @@ class TierArmResult(ArmResult):
     tier_hit_rate: dict[str, float] = field(default_factory=dict)
     bytes_written: dict[str, int] = field(default_factory=dict)
     bytes_onboarded: dict[str, int] = field(default_factory=dict)
+    peer_fetches: int = 0  # requests whose prefix was read from a peer (peer arms)
+    bytes_from_peers: int = 0
 
     def to_json(self) -> dict[str, object]:
         d = super().to_json()
@@ -93,6 +111,8 @@ class TierArmResult(ArmResult):
         d["tier_hit_rate"] = dict(self.tier_hit_rate)
         d["bytes_written"] = dict(self.bytes_written)
         d["bytes_onboarded"] = dict(self.bytes_onboarded)
+        d["peer_fetches"] = self.peer_fetches
+        d["bytes_from_peers"] = self.bytes_from_peers
         return d
 
 
@@ -120,22 +140,35 @@ def run_tier_arm(
     """Replay ``arrivals`` under ``arm`` and summarize it."""
     opts = arm.options(options)
     usage: list[WorkerUsage] = []
-    records = simulate(arrivals, make_router(workers), fleet_options(opts, workers), on_done, usage)
+    policy, moves, route = make_router(workers), PeerMoves(), None
+    if arm.peer:
+        if not isinstance(policy, KvPolicy):
+            raise ValueError(f"arm {arm.name} reads prefixes from peers as the kv router decides: use --router kv")
+        route = peer_route(policy, opts, moves)
+    records = simulate(arrivals, policy, fleet_options(opts, workers), on_done, usage, route)
     base = summarize_arm(arm.name, records, slo, arrival_window_s([r.arrival_ms for r in records]))
     result = TierArmResult(**vars(base))
-    _add_tier_figures(result, records, usage, opts)
+    _add_tier_figures(result, records, usage, opts, moves)
     return result
 
 
 def _add_tier_figures(
-    result: TierArmResult, records: Sequence[RequestRecord], usage: Sequence[WorkerUsage], opts: MockerOptions
+    result: TierArmResult,
+    records: Sequence[RequestRecord],
+    usage: Sequence[WorkerUsage],
+    opts: MockerOptions,
+    moves: PeerMoves | None = None,
 ) -> None:
     prompt = sum(r.prompt_tokens for r in records)
     hits = {t: sum(u.tiers.hits[t] for u in usage) for t in TIERS}
     block = opts.kv_block_bytes
-    result.cache_hit_rate = sum(r.cached_tokens for r in records) / prompt if prompt else math.nan
+    peer_tokens = moves.blocks * opts.block_size if moves is not None else 0  # read from peers: not computed either
+    result.cache_hit_rate = (sum(r.cached_tokens for r in records) + peer_tokens) / prompt if prompt else math.nan
+    if moves is not None and moves.fetches:
+        result.peer_fetches, result.bytes_from_peers = moves.fetches, moves.blocks * block
+        result.tier_hit_rate["peer"] = peer_tokens / prompt if prompt else 0.0
     result.tier_hits = {_NAMES[t]: n for t, n in hits.items()}
-    result.tier_hit_rate = {_NAMES[t]: (n * opts.block_size / prompt if prompt else 0.0) for t, n in hits.items()}
+    result.tier_hit_rate.update({_NAMES[t]: (n * opts.block_size / prompt if prompt else 0.0) for t, n in hits.items()})
     result.bytes_written = {_NAMES[t]: block * sum(u.tiers.written[t] for u in usage) for t in (G2, G3)}
     result.bytes_onboarded = {_NAMES[t]: block * sum(u.tiers.onboarded[t] for u in usage) for t in (G2, G3)}
 
@@ -153,6 +186,12 @@ def format_tier_arms(results: Sequence[TierArmResult]) -> str:
             f"{r.arm:<10}{r.ttft_p50_ms:>10.0f}{r.ttft_p99_ms:>10.0f}{r.itl_p99_ms:>9.1f}{r.cache_hit_rate:>9.1%}"
             f"{rate.get('g1', 0):>8.1%}{rate.get('g2', 0):>8.1%}{rate.get('g3', 0):>8.1%}{down:>9.2f}{up:>8.2f}"
         )
+    for r in results:
+        if r.peer_fetches:
+            lines.append(
+                f"{r.arm}: {r.peer_fetches} prompts read a prefix from a peer ({r.bytes_from_peers / 1e9:.2f} GB, "
+                f"{r.tier_hit_rate.get('peer', 0):.1%} of prompt tokens)"
+            )
     if len(results) > 1:
         ref = results[0]
         for r in results[1:]:

@@ -36,9 +36,14 @@ def _complete(client: openai.OpenAI, tokens: list[int]) -> tuple[str, int, int]:
     return body.choices[0].text, int(str(route["worker"]), 16), getattr(details, "cached_tokens", 0) or 0
 
 
-def _events_applied(url: str) -> float:
+def _metric(url: str, name: str) -> float:
+    """``name`` summed over its labels, from the frontend's /metrics."""
     text = httpx.get(url + "/metrics").text
-    return sum(float(v) for v in re.findall(r"^kvmesh_router_kv_events_applied_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M))
+
+
+def _events_applied(url: str) -> float:
+    return _metric(url, "kvmesh_router_kv_events_applied_total")
 
 
 def test_the_second_worker_reads_the_prefix_the_first_holds(tmp_path: Path) -> None:
@@ -69,3 +74,8 @@ def test_the_second_worker_reads_the_prefix_the_first_holds(tmp_path: Path) -> N
         s = asyncio.run(worker_disagg_stats(workers[reader], RUN_SECRET))
         assert (s.peer_fetches, s.peer_fetch_blocks, s.peer_fetch_fallbacks) == (1, 20, 0), s
         assert asyncio.run(worker_disagg_stats(workers[holder], RUN_SECRET)).peer_prefixes_served == 1
+        deadline = time.monotonic() + 30
+        while _metric(server.url, "kvmesh_disagg_peer_fetches_total") < 1:  # the frontend's /metrics, fleet-wide
+            assert time.monotonic() < deadline, httpx.get(server.url + "/metrics").text[-2000:]
+            time.sleep(0.2)
+        assert _metric(server.url, "kvmesh_disagg_peer_fetch_blocks_total") == 20

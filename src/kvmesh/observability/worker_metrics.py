@@ -97,6 +97,10 @@ DISAGG_COUNTERS = {
     "kv_migrations_in": "requests received with their KV",
     "kv_migrations_out": "requests handed off with their KV on drain",
     "kv_migration_fallbacks": "KV migrations that fell back to re-prefill",
+    "peer_fetches": "prompts whose prefix was read from a peer worker instead of prefilled",
+    "peer_fetch_blocks": "KV blocks read from peer workers' prefixes",
+    "peer_fetch_fallbacks": "peer fetches that failed or found fewer blocks (prefilled here)",
+    "peer_prefixes_served": "prefix reads this worker answered for peers",
 }
 _DISAGG_GAUGES = {
     "queue_depth": "prefill queue depth when last asked",

@@ -205,6 +205,9 @@ class ModelRegistry:
             async with entry.kv_starting:  # subscribing awaits (NATS): the next attaches must wait for it
                 if entry.kv is None:
                     await self._start_kv(entry, info)
+        policy = entry.router.policy
+        if info.kv is not None and info.kv.serves_prefixes and getattr(policy, "peer_fetch", False) is None:
+            policy.peer_fetch = self._peer_fetch(entry, info)  # type: ignore[attr-defined]  # (KvPolicy: checked)
         instance = self._add_instance(info, client)
         if info.engine.max_adapters > 0:
             await self.adapters.ask(entry, instance)
@@ -233,7 +236,7 @@ class ModelRegistry:
         admission = AdmissionSettings(threshold=c.admission_threshold, max_queue=c.admission_max_queue)
         entry.kv = KvRouterService(settings, subscription, entry.metrics.router, admission, index, self._worker_model)
         entry.kv.start()
-        entry.router.policy = KvPolicy(entry.kv, self._peer_fetch(entry, info))
+        entry.router.policy = KvPolicy(entry.kv)  # peer_fetch: set by attach once a worker serves prefixes
 
     def _peer_fetch(self, entry: ModelEntry, info: InstanceInfo) -> Any:
         """(settings, worker → KV endpoint) when the model's workers serve prefixes to

@@ -70,7 +70,23 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: int | None = N
     """Chained sequence hashes of every full block of ``token_ids``; with ``salt``
     (:func:`hash_salt`) the chain starts after it, so salted and unsalted prompts never
     share a sequence hash."""
-    return chain_hashes(local_block_hashes(token_ids, block_size), salt)
+    # (local_block_hashes + chain_hashes in one loop, without a call per block: this runs
+    # on every KV-routed request; the hashes are the same)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    full = len(token_ids) // block_size
+    if full == 0:
+        return []
+    data = memoryview(_le_u32(token_ids[: full * block_size] if len(token_ids) != full * block_size else token_ids))
+    step = block_size * 4
+    xxh3, pack, seed = _xxh3, _PAIR.pack, HASH_SEED
+    out = []
+    parent = salt
+    for i in range(0, full * step, step):
+        local = xxh3(data[i : i + step], seed)
+        parent = local if parent is None else xxh3(pack(parent, local), seed)
+        out.append(parent)
+    return out
 
 
 def hash_salt(adapter: str | None, cache_salt: str | None) -> int | None:

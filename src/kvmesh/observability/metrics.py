@@ -322,20 +322,19 @@ class FrontendMetrics:
         self.disconnects = Counter("kvmesh_frontend_client_disconnects", "Streams the client left early", registry=r)
         self.decisions = LoopCounter("kvmesh_router_decisions", "Requests routed, by worker (hex lease id)", ["model", "worker"], r)
         self.cached_tokens = LoopCounter("kvmesh_frontend_cached_tokens", "Prompt tokens served from the prefix cache", ["model"], r)
-        self.router_decision = Histogram(
-            "kvmesh_router_decision_seconds", "Time to make one routing decision", ["model"],
-            buckets=_DECISION_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.router_decision_cpu = Histogram(
+        # observed once per KV decision, on the loop: LoopHistogram (issue 36, KV mode)
+        self.router_decision = LoopHistogram(
+            "kvmesh_router_decision_seconds", "Time to make one routing decision", ["model"], _DECISION_BUCKETS, r
+        )
+        self.router_decision_cpu = LoopHistogram(
             "kvmesh_router_decision_cpu_seconds",
             "CPU time of one routing decision (this thread's; without the time other processes held the core)",
-            ["model"], buckets=_DECISION_BUCKETS, registry=r,
+            ["model"], _DECISION_BUCKETS, r,
         )  # fmt: skip
-        self.router_overlap = Histogram(
-            "kvmesh_router_overlap_ratio", "Share of the prompt the chosen worker had cached", ["model"],
-            buckets=_RATIO_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.router_events = Counter("kvmesh_router_kv_events_applied", "KV events applied to the index", ["model"], registry=r)
+        self.router_overlap = LoopHistogram(
+            "kvmesh_router_overlap_ratio", "Share of the prompt the chosen worker had cached", ["model"], _RATIO_BUCKETS, r
+        )
+        self.router_events = LoopCounter("kvmesh_router_kv_events_applied", "KV events applied to the index", ["model"], r)
         self.router_events_rejected = Counter(
             "kvmesh_router_kv_events_rejected",
             "KV events skipped: undecodable, invalid, or from a publisher that is not the worker they name",

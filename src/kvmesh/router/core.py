@@ -248,7 +248,8 @@ class KvRouterCore:
         s = self.settings
         ow = s.overlap_weight if overlap_weight is None else overlap_weight
         temp = s.temperature if temperature is None else temperature
-        check_knobs(ow, temp)
+        if overlap_weight is not None or temperature is not None:  # (the settings' own were checked)
+            check_knobs(ow, temp)
         self._load.expire(now, s.load_ttl_s)
         hashes = hash_blocks(token_ids, s.block_size, salt) if block_hashes is None else block_hashes
         load = self._load

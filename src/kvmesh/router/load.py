@@ -82,11 +82,17 @@ class ActiveLoad:
         (a retried or migrated request counts once, on its latest worker)."""
         if prefill_tokens < 0 or decode_blocks < 0:
             raise ValueError(f"load must be >= 0, got {prefill_tokens} tokens, {decode_blocks} blocks")
-        self._drop(request_id)
-        self._entries[request_id] = _Entry(worker_id, prefill_tokens, decode_blocks, now)
-        self._sub(self._prefill, worker_id, -prefill_tokens)
-        self._sub(self._blocks, worker_id, -decode_blocks)
-        self._sub(self._count, worker_id, -1)
+        entries = self._entries
+        if request_id in entries:
+            self._drop(request_id)
+        entries[request_id] = _Entry(worker_id, prefill_tokens, decode_blocks, now)
+        # (_sub inlined: this runs on every decision; a positive total stays in the map)
+        prefill, blocks, count = self._prefill, self._blocks, self._count
+        if prefill_tokens:
+            prefill[worker_id] = prefill.get(worker_id, 0) + prefill_tokens
+        if decode_blocks:
+            blocks[worker_id] = blocks.get(worker_id, 0) + decode_blocks
+        count[worker_id] = count.get(worker_id, 0) + 1
 
     def first_token(self, request_id: str, now: float) -> bool:
         """The request's prefill is done; False if it is unknown (finished or expired)."""
@@ -131,10 +137,12 @@ class ActiveLoad:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return False
-        w = entry.worker_id
-        self._sub(self._prefill, w, entry.prefill_tokens)
-        self._sub(self._blocks, w, entry.decode_blocks)
-        self._sub(self._count, w, 1)
+        w, sub = entry.worker_id, self._sub
+        if entry.prefill_tokens:
+            sub(self._prefill, w, entry.prefill_tokens)
+        if entry.decode_blocks:
+            sub(self._blocks, w, entry.decode_blocks)
+        sub(self._count, w, 1)
         return True
 
     @staticmethod

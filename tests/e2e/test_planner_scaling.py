@@ -130,6 +130,8 @@ class Ramp:
         asyncio.run_coroutine_threadsafe(drain(), self.loop).result(70)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()  # else its self-pipe is found unclosed by a later test's GC (ResourceWarning)
 
 
 def _wait(predicate, timeout: float, what) -> None:

@@ -43,8 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.errors import Disconnected, EngineShutdown, KvmeshError, ResponseTimeout
-from kvmesh.health.degradation import CapacityConfig, DegradationController, DegradationLevel, Priority, admit
-from kvmesh.health.migration import LINK_BYTES_PER_S, MigrationBudget, estimate_migration, next_step
+from kvmesh.health.degradation import CapacityConfig, Decision, DegradationController, DegradationLevel, Priority, admit
+from kvmesh.health.migration import MigrationBudget, MigrationCost, estimate_migration, next_step
 from kvmesh.health.state import CheckKind, CheckResult, HealthConfig, HealthStatus, HealthTracker, LatencyContext
 from kvmesh.planner.core import Action, ActionKind, Observation, Planner, PlannerConfig, Role, WorkerView
 from kvmesh.protocol import LoadReport
@@ -89,7 +89,6 @@ class SimConfig:
     num_blocks: int = 16_384
     block_size: int = 16
     migration_limit: int = 3
-    link: str = "infiniband"
     kv_bytes_per_token: int = 40 * 1024  # per shard, the seed's 70B figure
     request_plane: str = "tcp"
     plane_wait_s: float = 15.0  # runtime/nats/client.py's PLANE_WAIT_S
@@ -116,9 +115,9 @@ class Policies:
 
     health: HealthConfig
     next_step: Callable[..., str] = next_step
-    estimate_migration: Callable[..., object] = estimate_migration
+    estimate_migration: Callable[..., MigrationCost] = estimate_migration
     degradation: Callable[[CapacityConfig], DegradationController] = DegradationController
-    admit: Callable[..., object] = admit
+    admit: Callable[..., Decision] = admit
     planner: Callable[[PlannerConfig], Planner] = Planner
 
     @classmethod
@@ -133,6 +132,7 @@ class WorkerTiming:
     prefill_ms: float
     step_ms: float
     rps: float  # requests per second at a full batch
+    prefill_coeffs: tuple[float, float, float]
 
     @classmethod
     def of(cls, config: SimConfig) -> WorkerTiming:
@@ -147,10 +147,11 @@ class WorkerTiming:
         da, db, dc = opts.decode_coeffs
         step = da * p * p + db * p + dc
         per_request_ms = prefill + config.output_tokens * step / config.max_num_seqs
-        return cls(prefill, step, 1000.0 / per_request_ms)
+        return cls(prefill, step, 1000.0 / per_request_ms, opts.prefill_coeffs)
 
     def prefill_ms_fn(self, tokens: int) -> float:
-        return self.prefill_ms * tokens / 2048.0
+        a, b, c = self.prefill_coeffs
+        return a * tokens * tokens + b * tokens + c
 
 
 @dataclass(slots=True)
@@ -323,11 +324,12 @@ class FleetSim:
         pick = select(score_all(by_id, inputs, weights), 0.0, self.rng)
         return by_id[pick.worker_id]
 
-    def _move(self, cause: str, failure: KvmeshError, now: float, *, delivered: int | None = None,
-              source_answers: bool = False, waited_s: float = 0.0) -> None:  # fmt: skip
-        """One request whose group failed: the live migration steps until it finishes or fails."""
+    def _move(self, cause: str, failure: KvmeshError, *, waited_s: float = 0.0) -> None:
+        """One request whose group failed: the live migration steps until it finishes or fails.
+        Its KV is never copied: these groups crashed, hung, were cut off or were ejected with
+        their connection closed (no link given: the live cost model re-prefills)."""
         c = self.c
-        delivered = self.rng.randrange(c.output_tokens) if delivered is None else delivered
+        delivered = self.rng.randrange(c.output_tokens)
         budget = MigrationBudget(c.migration_limit)
         attempts = 1
         while True:
@@ -342,10 +344,9 @@ class FleetSim:
                 return
             if step == "migrate":
                 budget.try_spend()
-                link = LINK_BYTES_PER_S.get(c.link) if source_answers else None
-                cost = self.p.estimate_migration(c.prompt_tokens, delivered, c.kv_bytes_per_token, link,
+                cost = self.p.estimate_migration(c.prompt_tokens, delivered, c.kv_bytes_per_token, None,
                                                  self.timing.prefill_ms_fn)  # fmt: skip
-                self.out.migrations[getattr(cost, "method", "re_prefill")] += 1
+                self.out.migrations[cost.method] += 1
             else:
                 self.out.migrations["retry"] += 1
             target = self._route()
@@ -382,7 +383,7 @@ class FleetSim:
             n += self._poisson(self._in_flight())  # hung, corrupt, slow: it holds its streams
         failure: KvmeshError = Disconnected("evicted") if answers else ResponseTimeout("no answer")
         for _ in range(n):
-            self._move(kind, failure, now, waited_s=0.0 if answers else now - g.since)
+            self._move(kind, failure, waited_s=0.0 if answers else now - g.since)
         if f is not None and f.kind is not FaultKind.SLOW:
             self._push(now, "replaced", g.gid)  # broken for good: the operator takes it away
 
@@ -423,7 +424,7 @@ class FleetSim:
 
         if f.kind is FaultKind.CRASH:  # its streams fail at once (the process is gone)
             for _ in range(self._poisson(self._in_flight())):
-                self._move("crash", EngineShutdown("engine died"), now)
+                self._move("crash", EngineShutdown("engine died"))
         self._change(g, strike)
         if f.kind is FaultKind.SLOW:
             self._push(now + f.duration_s, "slow_end", g.gid)
@@ -449,7 +450,7 @@ class FleetSim:
         # its streams are found cut after the keep-alive: they move, and the worker is blamed
         n = self._poisson(self._in_flight())
         for _ in range(n):
-            self._move("partition", Disconnected("peer cut off"), now, waited_s=self.c.keepalive_s)
+            self._move("partition", Disconnected("peer cut off"), waited_s=self.c.keepalive_s)
         self._change(g, lambda: g.tracker.record_stream_error(Disconnected("peer cut off"), now))
         self._push(now + f.duration_s, "heal", g.gid)
 
@@ -648,7 +649,7 @@ class FleetSim:
         admitted = 0.0
         for tier, share in zip(TIERS, shares):
             n = arrived * share
-            if getattr(self.p.admit(tier, self.level), "allowed", True):
+            if self.p.admit(tier, self.level).allowed:
                 admitted += n
             else:
                 self.out.shed[tier.name.lower()] += n

@@ -15,12 +15,11 @@ live prefill worker does not offer)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.config import ROUTER_MODES, FrontendConfig, PlannerConfig, WorkerConfig
-from kvmesh.settings import Setting, at_least, check, non_negative, positive, setting, split_commas
+from kvmesh.settings import at_least, check, declared, non_negative, positive, setting, split_commas
 
 __all__ = ["CLOCKS", "ReplaySettings", "live"]
 
@@ -34,14 +33,8 @@ _OUT = "output"
 
 def live(cls: type, name: str, *, group: str = "") -> Any:
     """The live system's declaration of ``cls.name`` as a field of another settings
-    class: the same default, help, flag, variable and check (``group``: the section
-    it is listed in, if not the live one's)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name and any(isinstance(v, Setting) for v in f.metadata.values()):
-            meta = {k: dataclasses.replace(v, group=group or v.group) if isinstance(v, Setting) else v
-                    for k, v in f.metadata.items()}  # fmt: skip
-            return dataclasses.field(default=f.default, metadata=meta)
-    raise KeyError(f"{cls.__name__} declares no setting {name!r}")
+    class (:func:`kvmesh.settings.declared`)."""
+    return declared(cls, name, group=group)
 
 
 @dataclass(frozen=True)

@@ -108,9 +108,13 @@ def run_profile(trace_path: str, base: ReplayConfig) -> int:
     inputs, outputs = trace_mixes(trace)
     print(f"measuring one worker's capacity at the SLOs for prompts {inputs} x outputs {outputs} tokens (virtual clock)")
     try:
-        profile = measure_profile(inputs, outputs, base.mocker, slo, model, router=base.router, seed=base.seed, progress=print)
+        profile = measure_profile(inputs, outputs, base.mocker, slo, model, router=base.router, seed=base.seed,
+                                  progress=print, tolerance=base.profile_tolerance)  # fmt: skip
     except ValueError as exc:
         return fail(str(exc), 2)
+    if any(p.infeasible for p in profile.points):
+        print("some mixes meet the SLOs at no rate (0 req/s in the profile, the reason in `infeasible`): the planner"
+              " sizes them with the role's least capacity; loosen --slo-ttft-ms/--slo-tpot-ms to serve them")  # fmt: skip
     try:
         dump_profile(profile, base.profile_capacity)
     except OSError as exc:

@@ -25,20 +25,26 @@ import msgspec
 
 from kvmesh.planner.forecast import LoadForecast
 
-__all__ = ["MAX_PROFILE_BYTES", "CapacityPoint", "CapacityProfile", "Sizing", "load_profile", "dump_profile", "size_fleet"]
+__all__ = ["MAX_PROFILE_BYTES", "PROFILE_VERSION", "CapacityPoint", "CapacityProfile", "Sizing", "load_profile", "dump_profile", "size_fleet"]
 
 MAX_PROFILE_BYTES = 1 << 20
+PROFILE_VERSION = 2  # 2: per-role measured bounds, 0 req/s for a mix no rate serves at the SLOs (1 still loads)
 _MAX_POINTS = 1024
 
 
 class CapacityPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One mix and what one worker carries of it (requests/s at the SLO)."""
+    """One mix and what one worker carries of it (requests/s at the SLO; 0: no rate
+    meets the SLOs at this mix, ``infeasible`` says why)."""
 
     input_tokens: int
     output_tokens: int
     prefill_rps: float
     decode_rps: float
     aggregated_rps: float
+    # per role (prefill, decode, aggregated): the measured (low, high) req/s, the SLOs held
+    # at low and failed at high (None: none failed up to the search's limit)
+    bounds: tuple[tuple[float, float | None], tuple[float, float | None], tuple[float, float | None]] | None = None
+    infeasible: str = ""
 
 
 class CapacityProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -49,16 +55,19 @@ class CapacityProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attainment: float
     points: tuple[CapacityPoint, ...]
     note: str = ""  # how it was measured (workers' options, trace)
+    version: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.version <= PROFILE_VERSION:
+            raise ValueError(f"capacity profile version {self.version}: this kvmesh reads 1 to {PROFILE_VERSION}")
         if not (0 < self.attainment <= 1 and self.slo_ttft_ms > 0 and self.slo_itl_ms > 0):
             raise ValueError("a capacity profile needs 0 < attainment <= 1 and positive SLOs")
         if not 0 < len(self.points) <= _MAX_POINTS:
             raise ValueError(f"a capacity profile holds 1 to {_MAX_POINTS} points, got {len(self.points)}")
         for p in self.points:
             values = (p.prefill_rps, p.decode_rps, p.aggregated_rps)
-            if min(p.input_tokens, p.output_tokens) < 1 or not all(math.isfinite(v) and v > 0 for v in values):
-                raise ValueError(f"a capacity point needs lengths >= 1 and positive finite rates, got {p}")
+            if min(p.input_tokens, p.output_tokens) < 1 or not all(math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"a capacity point needs lengths >= 1 and positive finite rates (0: no rate serves), got {p}")
         grid = {(p.input_tokens, p.output_tokens) for p in self.points}
         if len(grid) != len(self.points) or len(grid) != len(self.inputs) * len(self.outputs):
             raise ValueError("a capacity profile's points must cover each input length with each output length once")
@@ -72,20 +81,29 @@ class CapacityProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return tuple(sorted({p.output_tokens for p in self.points}))
 
     def at(self, input_tokens: float, output_tokens: float) -> CapacityPoint:
-        """One worker's capacity at this mix, interpolated (log-linear) on the grid."""
+        """One worker's capacity at this mix, interpolated (log-linear) on the grid. Next
+        to a mix no rate serves (0 req/s) a role gets its least measured capacity and
+        the point says so in ``infeasible`` (the SLOs are not attainable there)."""
         by = {(p.input_tokens, p.output_tokens): p for p in self.points}
         (i0, i1, wi), (o0, o1, wo) = _segment(self.inputs, input_tokens), _segment(self.outputs, output_tokens)
+        near = [by[(i, o)] for i in {i0, i1 if wi else i0} for o in {o0, o1 if wo else o0}]
+        zero = [p for p in near if not min(p.prefill_rps, p.decode_rps, p.aggregated_rps)]
+        why = (zero[0].infeasible or "no rate meets the SLOs") if zero else ""
 
         def value(name: str) -> float:
-            def g(i: int, o: int) -> float:
-                return math.log(float(getattr(by[(i, o)], name)))
+            least = min((v for p in self.points if (v := float(getattr(p, name))) > 0), default=1e-3)
+            if any(not getattr(p, name) for p in near):
+                return least
+
+            def g(i: int, o: int) -> float:  # an infeasible corner here has no weight
+                return math.log(max(float(getattr(by[(i, o)], name)), least))
 
             low = g(i0, o0) * (1 - wo) + g(i0, o1) * wo
             high = g(i1, o0) * (1 - wo) + g(i1, o1) * wo
             return math.exp(low * (1 - wi) + high * wi)
 
         return CapacityPoint(round(input_tokens), round(output_tokens), value("prefill_rps"), value("decode_rps"),
-                             value("aggregated_rps"))  # fmt: skip
+                             value("aggregated_rps"), infeasible=why)  # fmt: skip
 
 
 def _segment(axis: Sequence[int], v: float) -> tuple[int, int, float]:
@@ -123,12 +141,17 @@ def dump_profile(profile: CapacityProfile, path: str | Path) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Sizing:
-    """Workers the forecast needs per role (each at least 1), and the capacity used."""
+    """Workers the forecast needs per role (each at least 1), and the capacity used
+    (``capacity.infeasible``: the profile says no fleet meets the SLOs at this mix)."""
 
     prefill: int
     decode: int
     aggregated: int
     capacity: CapacityPoint
+
+    @property
+    def attainable(self) -> bool:
+        return not self.capacity.infeasible
 
 
 def size_fleet(profile: CapacityProfile, forecast: LoadForecast, headroom: float = 0.85) -> Sizing:

@@ -1,19 +1,29 @@
 """Measure the workers' capacity profile on the virtual clock (``kvmesh replay
 --profile-capacity OUT.json``).
 
-For each mix of a grid (prompt × output tokens: the trace's 10th and 90th percentiles
-of each, or its median where they are within 2x of each other), a steady Poisson load of that mix (lengths ±25 %, no shared prefix beyond
-the first block) is replayed at rising rates, each for two lifetimes of a request
-that just meets the SLOs (at least ``requests`` requests, at most ``max_requests``:
-a short burst would fit in one batch and measure nothing); the highest rate at which
-the SLOs hold for ``attainment`` of the requests is the capacity, found by doubling
-from a guess and then bisecting (in log scale, to ``1.19×``):
+For each mix of a grid (prompt × output tokens: the trace's 10th, 50th and 90th
+percentiles of each, or its median alone where the 10th and 90th are within 2x), a
+steady Poisson load of that mix (lengths ±25 %, no shared prefix beyond the first
+block) is replayed at rising rates, each for two lifetimes of a request that just
+meets the SLOs (at least ``requests`` requests, at most ``max_requests``: a short
+burst would fit in one batch and measure nothing); the highest rate at which the SLOs
+hold for ``attainment`` of the requests is the capacity. :func:`max_rate` finds it: a
+bracket grown from a guess in widening steps (×1.5, ×2.25, ×4 …), then bisections in
+log scale until the bracket's ends are within ``tolerance`` (default 1.05: the
+capacity is at most 5 % low). Each role's bracket is recorded in the profile
+(``bounds``).
 
 * ``aggregated_rps``: one aggregated worker;
 * ``prefill_rps``: a fleet of one prefill worker and three decode workers (decode
   ample: the prefill worker is what runs out), the same thresholds and queue as the
   replay's disaggregated arms;
 * ``decode_rps``: three prefill workers and one decode worker.
+
+A mix that no rate serves at the SLOs (one request alone misses them: e.g. a
+27k-token prompt's prefill takes longer than the TTFT SLO) is recorded with 0 req/s
+for that role and the reason in ``infeasible``, and the measurement goes on; the
+planner sizes such a mix with the role's least measured capacity and says the SLOs
+are not attainable there (:func:`kvmesh.planner.profile.size_fleet`).
 
 The result is a :class:`~kvmesh.planner.profile.CapacityProfile` (the planner's
 ``--capacity-profile``). The mocker's timing model is the one measured: a profile
@@ -25,31 +35,46 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvmesh.engines.mocker.options import MockerOptions
-from kvmesh.planner.profile import CapacityPoint, CapacityProfile
+from kvmesh.engines.mocker.sim import RequestRecord
+from kvmesh.planner.profile import PROFILE_VERSION, CapacityPoint, CapacityProfile
 from kvmesh.protocol import PreprocessedRequest
 from kvmesh.replay.arms import Arm, DisaggModel, default_router, run_arm
-from kvmesh.replay.goodput import Slo, meets
+from kvmesh.replay.goodput import Slo, mean_itl_ms, meets
 from kvmesh.replay.report import percentile
 from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TokenSynth, TraceRequest, arrivals
 
-__all__ = ["trace_mixes", "steady_load", "max_rate", "measure_profile"]
+__all__ = ["Bounds", "trace_mixes", "steady_load", "max_rate", "measure_profile"]
 
-_ROLES = (("aggregated", Arm("aggregated"), 1), ("prefill", Arm("disagg:1p3d", 1, 3), 4), ("decode", Arm("disagg:3p1d", 3, 1), 4))
+_ROLES = (("prefill", Arm("disagg:1p3d", 1, 3), 4), ("decode", Arm("disagg:3p1d", 3, 1), 4), ("aggregated", Arm("aggregated"), 1))
+_LONE = 0.05  # the lowest rate tried: one request per 20 lifetimes (a request alone, nearly always)
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What :func:`max_rate` found: the SLOs held at ``low`` (0: at no rate tried) and
+    failed at ``high`` (None: at no rate tried)."""
+
+    low: float
+    high: float | None
+
+    def pair(self) -> tuple[float, float | None]:
+        return self.low, self.high
 
 
 def trace_mixes(trace: Sequence[TraceRequest]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The grid: the 10th and 90th percentiles of the trace's prompt and output lengths
-    (beyond them the profile extrapolates along its edges), or the median alone where
-    they are within 2x (a narrow mix: one point measures it)."""
+    """The grid: the 10th, 50th and 90th percentiles of the trace's prompt and output
+    lengths (the median so the planner interpolates between measured mixes; beyond the
+    ends the profile extrapolates along its edges), or the median alone where the 10th
+    and 90th are within 2x (a narrow mix: one point measures it)."""
     if not trace:
         raise ValueError("the trace is empty")
 
     def axis(values: list[int]) -> tuple[int, ...]:
-        low, high = (max(1, round(percentile(values, q))) for q in (10, 90))
-        return (low, high) if high >= 2 * low else (max(1, round(percentile(values, 50))),)
+        low, mid, high = (max(1, round(percentile(values, q))) for q in (10, 50, 90))
+        return tuple(sorted({low, mid, high})) if high >= 2 * low else (mid,)
 
     return axis(sorted(r.input_length for r in trace)), axis(sorted(r.output_length for r in trace))
 
@@ -67,60 +92,114 @@ def steady_load(rate: float, input_tokens: int, output_tokens: int, n: int, seed
     return rows
 
 
-def max_rate(ok: Callable[[float], bool], guess: float, steps: int = 4, limit: int = 10) -> float:
-    """The highest rate ``ok`` accepts (assumed monotone): bracket by doubling or halving
-    from ``guess`` (at most ``limit`` times), then ``steps`` bisections in log scale."""
-    lo, hi = 0.0, 0.0
-    rate = guess
-    for _ in range(limit):
+def max_rate(ok: Callable[[float], bool], guess: float, tolerance: float = 1.05, floor: float = 0.0,
+             limit: int = 12, ceiling: float = math.inf) -> Bounds:  # fmt: skip
+    """The highest rate ``ok`` accepts (assumed monotone), bracketed, then bisected in
+    log scale until high/low <= ``tolerance``; at most ``limit`` calls of ``ok``. A
+    ``guess`` that passes is raised in widening steps (×1.5, then each step squared, at
+    most ×4) until a rate fails; one that fails is followed by ``floor`` (the lowest rate
+    searched): a failure there means no rate serves (``low`` 0, two calls), a pass
+    brackets the capacity (bisection is as cheap on a wide bracket as stepping down).
+    Up to ``ceiling`` (the highest rate the probe can judge): a pass there is ``low``
+    with no ``high``."""
+    if not (tolerance > 1 and guess > 0):
+        raise ValueError(f"max_rate needs a tolerance > 1 and a positive guess, got {tolerance}, {guess}")
+    low, high, rate, step, calls = 0.0, None, guess, 1.5, 0
+    while calls < limit and (not low or high is None):
+        calls += 1
         if ok(rate):
-            lo = rate
-            if hi:
-                break
-            rate *= 2
+            if rate >= ceiling:
+                return Bounds(rate, None)
+            low, rate, step = rate, min(rate * step, ceiling), min(step * step, 4.0)
+        elif rate <= floor:
+            return Bounds(0.0, rate)
         else:
-            hi = rate
-            if lo:
-                break
-            rate /= 2
-    if not lo:
-        raise ValueError(f"no rate down to {rate:.3g} req/s meets the SLOs: check the SLOs and the workers' options")
-    if not hi:
-        return lo
-    for _ in range(steps):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+            high, rate = rate, (floor if floor > 0 else rate / 4.0)
+    while calls < limit and high is not None and low and high / low > tolerance:
+        calls += 1
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return Bounds(low, high)
+
+
+class _Probe:
+    """``ok(rate)`` for one role at one mix: a steady load replayed on the role's fleet;
+    remembers why the last refused rate failed (the profile's ``infeasible`` reason)."""
+
+    def __init__(self, arm: Arm, workers: int, n_in: int, n_out: int, slo: Slo, ctx: _Context) -> None:
+        self.arm, self.workers, self.n_in, self.n_out, self.slo, self.ctx = arm, workers, n_in, n_out, slo, ctx
+        self.lifetime_s = (slo.ttft_ms + n_out * 1.25 * slo.itl_ms) / 1000.0
+        self.why = ""
+
+    def __call__(self, rate: float) -> bool:
+        c = self.ctx
+        n = min(max(c.requests, math.ceil(rate * 2 * self.lifetime_s)), c.max_requests)
+        trace = steady_load(rate, self.n_in, self.n_out, n, c.seed)
+        stream = arrivals(trace, TokenSynth(c.options.vocab_size))
+        run = run_arm(self.arm, stream, c.options, self.workers, default_router(c.router, c.options, c.seed), c.model)
+        met = sum(meets(r, self.slo) for r in run.records)
+        if met >= c.attainment * len(run.records):
+            return True
+        self.why = _why(run.records, met, rate, self.slo)
+        return False
+
+
+def _why(records: Sequence[RequestRecord], met: int, rate: float, slo: Slo) -> str:
+    ttfts = sorted(r.ttft_ms if r.ttft_ms is not None else math.inf for r in records)
+    itls = sorted(v for r in records if (v := mean_itl_ms(r)) is not None)
+    itl = f"{percentile(itls, 90):.0f}" if itls else "-"
+    return (f"at {rate:.3g} req/s {met}/{len(records)} requests met the SLOs: TTFT p90 {percentile(ttfts, 90):.0f} ms "
+            f"(SLO {slo.ttft_ms:g}), mean ITL p90 {itl} ms (SLO {slo.itl_ms:g})")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    options: MockerOptions
+    model: DisaggModel
+    attainment: float
+    requests: int
+    max_requests: int
+    router: str
+    seed: int
 
 
 def measure_profile(
     inputs: Sequence[int], outputs: Sequence[int], options: MockerOptions, slo: Slo, model: DisaggModel,
     attainment: float = 0.99, requests: int = 150, router: str = "kv", seed: int = 0, max_requests: int = 800,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, tolerance: float = 1.05,
 ) -> CapacityProfile:  # fmt: skip
     if requests < 20 or not 0 < attainment <= 1:
         raise ValueError("a capacity measurement needs at least 20 requests per rate and 0 < attainment <= 1")
     need = max(inputs) * 5 // 4 + max(outputs) * 5 // 4 + 2
     options = options if options.context_length >= need else replace(options, context_length=need)
-    points = []
-    for n_in in inputs:
-        for n_out in outputs:
-            rates: dict[str, float] = {}
-            for name, arm, workers in _ROLES:
-                lifetime_s = (slo.ttft_ms + n_out * 1.25 * slo.itl_ms) / 1000.0
-
-                def ok(rate: float, arm: Arm = arm, workers: int = workers, lifetime_s: float = lifetime_s) -> bool:
-                    n = min(max(requests, math.ceil(rate * 2 * lifetime_s)), max_requests)
-                    trace = steady_load(rate, n_in, n_out, n, seed)
-                    stream = arrivals(trace, TokenSynth(options.vocab_size))
-                    run = run_arm(arm, stream, options, workers, default_router(router, options, seed), model)
-                    return sum(meets(r, slo) for r in run.records) >= attainment * len(run.records)
-
-                guess = 1000.0 / max(options.remote_prefill_ms(n_in) + n_out * options.decode_ms(0.2) / 64, 1.0)
-                rates[name] = max_rate(ok, guess, steps=2)
-                if progress is not None:
-                    progress(f"{n_in} prompt / {n_out} output tokens: {name} {rates[name]:.3g} req/s per worker")
-            points.append(CapacityPoint(n_in, n_out, rates["prefill"], rates["decode"], rates["aggregated"]))
+    ctx = _Context(options, model, attainment, requests, max_requests, router, seed)
+    points = [_measure_mix(n_in, n_out, slo, ctx, tolerance, progress) for n_in in inputs for n_out in outputs]
     note = (f"kvmesh replay --profile-capacity: mocker block_size={options.block_size} num_blocks={options.num_blocks} "
-            f"speedup={options.speedup:g} max_num_seqs={options.max_num_seqs}, {requests}..{max_requests} requests per rate")  # fmt: skip
-    return CapacityProfile(slo.ttft_ms, slo.itl_ms, attainment, tuple(points), note)
+            f"speedup={options.speedup:g} max_num_seqs={options.max_num_seqs}, {requests}..{max_requests} requests per rate, "
+            f"bounds within {tolerance:g}x")  # fmt: skip
+    return CapacityProfile(slo.ttft_ms, slo.itl_ms, attainment, tuple(points), note, version=PROFILE_VERSION)
+
+
+def _measure_mix(n_in: int, n_out: int, slo: Slo, ctx: _Context, tolerance: float,
+                 progress: Callable[[str], None] | None) -> CapacityPoint:  # fmt: skip
+    """One mix, each role: its bounds, and why a role no rate serves fails."""
+    found: dict[str, Bounds] = {}
+    why: list[str] = []
+    o = ctx.options
+    guess = 1000.0 / max(o.remote_prefill_ms(n_in) + n_out * o.decode_ms(0.2) / 64, 1.0)
+    for name, arm, workers in _ROLES:
+        probe = _Probe(arm, workers, n_in, n_out, slo, ctx)
+        # below one request per 20 lifetimes a request is alone; above the ceiling a run
+        # of max_requests would last under two lifetimes (a burst, not a steady load)
+        floor, ceiling = _LONE / probe.lifetime_s, ctx.max_requests / (2 * probe.lifetime_s)
+        b = found[name] = max_rate(probe, min(max(guess, floor), ceiling), tolerance, floor, ceiling=ceiling)
+        if not b.low:
+            why.append(f"{name}: {probe.why}")
+        if progress is not None:
+            high = "the probe's ceiling" if b.high is None else f"{b.high:.3g}"
+            say = f"{b.low:.3g} req/s per worker (bounds {b.low:.3g}..{high})" if b.low else f"infeasible ({probe.why})"
+            progress(f"{n_in} prompt / {n_out} output tokens: {name} {say}")
+        if name == "prefill" and not b.low:  # a prefill that misses the TTFT alone: decode ample or not, the same
+            guess = floor
+    bounds = (found["prefill"].pair(), found["decode"].pair(), found["aggregated"].pair())
+    return CapacityPoint(n_in, n_out, found["prefill"].low, found["decode"].low, found["aggregated"].low, bounds, "; ".join(why))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.config import ROUTER_MODES, FrontendConfig, PlannerConfig, WorkerConfig
-from kvmesh.settings import at_least, check, declared, non_negative, positive, setting, split_commas
+from kvmesh.settings import at_least, check, declared, non_negative, positive, setting, split_commas, within
 
 __all__ = ["CLOCKS", "ReplaySettings", "live"]
 
@@ -82,6 +82,10 @@ class ReplaySettings:
     profile_capacity: str | None = setting(
         None, "measure the workers' capacity profile on the virtual clock (per prompt x output mix of the trace, "
         "at the SLOs) and write it as JSON, instead of replaying", metavar="OUT.json", group=_ARMS,
+    )  # fmt: skip
+    profile_tolerance: float = setting(
+        1.05, "--profile-capacity: bisect each capacity until its bounds are within this ratio (1.05: at most 5 percent low)",
+        check=within(1.001, 2.0), group=_ARMS,
     )  # fmt: skip
     # output
     json: str | None = setting(None, "write the per-policy (per-arm) results as a JSON list", metavar="OUT", group=_OUT)

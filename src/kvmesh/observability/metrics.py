@@ -1,8 +1,9 @@
 """Every metric kvmesh exports, defined in one place.
 
 The frontend's metrics live in their own registry (no process-wide globals), exposed
-at ``GET /metrics``. Per-model children are resolved once per model and cached, so the
-hot path never looks up labels.
+at ``GET /metrics``; registry, types and text are :mod:`kvmesh.observability.metrics_core`'s
+(what ``prometheus_client`` writes, without importing it). Per-model children are
+resolved once per model and cached, so the hot path never looks up labels.
 """
 
 from __future__ import annotations
@@ -10,13 +11,23 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from kvmesh.observability.metrics_core import (
+    CONTENT_TYPE,
+    Counter,
+    Family,
+    Gauge,
+    Histogram,
+    MetricsRegistry,
+    counter_family,
+    gauge_family,
+    go_float,
+    histogram_family,
+    render,
+)
 
-disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client; no *_created series
+# the registries, metric types and text exposition are kvmesh's own (metrics_core):
+# the frontend does not import prometheus_client (issue 36), and writes the same text
+CONTENT_TYPE_LATEST = CONTENT_TYPE
 
 __all__ = ["FrontendMetrics", "ModelMetrics", "RouterMetrics", "PlannerMetrics", "CONTENT_TYPE_LATEST", "count_discovery_refusals",
            "export_tenant_usage", "LoopHistogram", "LoopBuckets", "LoopCounter", "LoopValue"]
@@ -57,20 +68,19 @@ class LoopBuckets:
         self.sum += value * n
 
 
-class LoopHistogram(Collector):
+class LoopHistogram:
     """A histogram exported like ``prometheus_client.Histogram`` (same name, samples and
     labels) for the request path's per-token and per-request latencies: an observation
     is a bisect and two additions, where ``Histogram.observe`` takes two locks (issue
     36). Not thread-safe: every observation and every scrape is on the event loop."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
-                 registry: CollectorRegistry) -> None:  # fmt: skip
+                 registry: MetricsRegistry) -> None:  # fmt: skip
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self.bounds = tuple(float(b) for b in buckets)
-        go: Callable[[float], str] = floatToGoString  # the ``le`` label as Histogram writes it
-        self._les = [go(b) for b in self.bounds] + ["+Inf"]
+        self._les = [go_float(b) for b in self.bounds] + ["+Inf"]  # the ``le`` label as Histogram writes it
         self._children: dict[tuple[str, ...], LoopBuckets] = {}
         registry.register(self)
 
@@ -82,19 +92,19 @@ class LoopHistogram(Collector):
             child = self._children[values] = LoopBuckets(self.bounds)
         return child
 
-    def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def collect(self) -> Iterator[Family]:
+        family = histogram_family(self.name, self.documentation, self.labelnames)
         for values, child in self._children.items():
             total = 0
             cumulative = []
             for le, count in zip(self._les, child.counts):
                 total += count
                 cumulative.append((le, float(total)))
-            family.add_metric(list(values), cumulative, child.sum)
+            family.add_buckets(values, cumulative, child.sum)
         yield family
 
-    def describe(self) -> Iterator[Metric]:
-        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def describe(self) -> Iterator[Family]:
+        yield histogram_family(self.name, self.documentation, self.labelnames)
 
 
 class LoopValue:
@@ -112,18 +122,18 @@ class LoopValue:
         self.value -= amount
 
 
-class LoopCounter(Collector):
+class LoopCounter:
     """A counter (or, ``gauge=True``, a gauge) exported like ``prometheus_client``'s
     (same name, samples and labels), for the values every request changes: ``inc`` is
     an addition where ``Counter.inc`` takes a lock (issue 36). Not thread-safe: every
     change and every scrape is on the event loop."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry,
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: MetricsRegistry,
                  gauge: bool = False) -> None:  # fmt: skip
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._family = GaugeMetricFamily if gauge else CounterMetricFamily
+        self._family = gauge_family if gauge else counter_family
         self._children: dict[tuple[str, ...], LoopValue] = {}
         registry.register(self)
 
@@ -135,14 +145,14 @@ class LoopCounter(Collector):
             child = self._children[values] = LoopValue()
         return child
 
-    def collect(self) -> Iterator[Metric]:
-        family = self._family(self.name, self.documentation, labels=self.labelnames)
+    def collect(self) -> Iterator[Family]:
+        family = self._family(self.name, self.documentation, self.labelnames)
         for values, child in self._children.items():
-            family.add_metric(list(values), child.value)
+            family.add_value(values, child.value)
         yield family
 
-    def describe(self) -> Iterator[Metric]:
-        yield self._family(self.name, self.documentation, labels=self.labelnames)
+    def describe(self) -> Iterator[Family]:
+        yield self._family(self.name, self.documentation, self.labelnames)
 
 
 class RouterMetrics:
@@ -227,29 +237,29 @@ class ModelMetrics:
         child.inc()
 
 
-class _DiscoveryRefusals(Collector):
+class _DiscoveryRefusals:
     """``kvmesh_discovery_records_refused_total{reason}``, read from a discovery
     backend's counts at each scrape (runtime/discovery/base.py: the read bounds)."""
 
     def __init__(self, refused: Mapping[str, int]) -> None:
         self.refused = refused
 
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
+    def collect(self) -> Iterator[Family]:
+        family = counter_family(
             "kvmesh_discovery_records_refused",
             "Discovery records refused before they were decoded: too_large (a value over the bound), too_many (a prefix"
             " past its count of records)",
-            labels=["reason"],
+            ["reason"],
         )
         for reason, count in sorted(self.refused.items()):
-            family.add_metric([reason], count)
+            family.add_value([reason], count)
         yield family
 
-    def describe(self) -> Iterator[Metric]:  # its name, so a second registration is refused
+    def describe(self) -> Iterator[Family]:  # its name, so a second registration is refused
         return self.collect()
 
 
-class _TenantUsage(Collector):
+class _TenantUsage:
     """Per-tenant usage (issue 30), read from the frontend's tenant limiter at each scrape:
     ``read()`` gives ``{tenant: {field: count}}``, tenant names from the keys file (never a
     key), at most a bounded number of them (the rest folded into ``other`` by the reader)."""
@@ -263,34 +273,34 @@ class _TenantUsage(Collector):
     def __init__(self, read: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
         self.read = read
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         usage = self.read()
         for field, name, doc in self._FIELDS:
-            family = CounterMetricFamily(name, doc, labels=["tenant"])
+            family = counter_family(name, doc, ["tenant"])
             for tenant, counts in sorted(usage.items()):
-                family.add_metric([tenant], counts[field])
+                family.add_value([tenant], counts[field])
             yield family
-        limited = CounterMetricFamily(
-            "kvmesh_tenant_rate_limited", "Requests refused with 429, by tenant and limit", labels=["tenant", "limit"]
+        limited = counter_family(
+            "kvmesh_tenant_rate_limited", "Requests refused with 429, by tenant and limit", ["tenant", "limit"]
         )
-        inflight = GaugeMetricFamily("kvmesh_tenant_inflight_requests", "Requests being served, by tenant", labels=["tenant"])
+        inflight = gauge_family("kvmesh_tenant_inflight_requests", "Requests being served, by tenant", ["tenant"])
         for tenant, counts in sorted(usage.items()):
             for limit in ("requests", "tokens", "concurrent"):
-                limited.add_metric([tenant, limit], counts[f"limited_{limit}"])
-            inflight.add_metric([tenant], counts["in_flight"])
+                limited.add_value([tenant, limit], counts[f"limited_{limit}"])
+            inflight.add_value([tenant], counts["in_flight"])
         yield limited
         yield inflight
 
-    def describe(self) -> Iterator[Metric]:
+    def describe(self) -> Iterator[Family]:
         return self.collect()
 
 
-def export_tenant_usage(registry: CollectorRegistry, read: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+def export_tenant_usage(registry: MetricsRegistry, read: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
     """Export per-tenant usage (``read``: see :class:`_TenantUsage`) in ``registry``."""
     registry.register(_TenantUsage(read))
 
 
-def count_discovery_refusals(registry: CollectorRegistry, refused: Mapping[str, int]) -> None:
+def count_discovery_refusals(registry: MetricsRegistry, refused: Mapping[str, int]) -> None:
     """Export ``refused`` (a discovery backend's ``refused``) in ``registry``, once."""
     try:
         registry.register(_DiscoveryRefusals(refused))
@@ -300,7 +310,7 @@ def count_discovery_refusals(registry: CollectorRegistry, refused: Mapping[str, 
 
 class FrontendMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = MetricsRegistry()
         r = self.registry
         # changed by every request, on the loop: lock-free (LoopCounter, LoopHistogram)
         self.requests = LoopCounter(
@@ -400,7 +410,7 @@ class FrontendMetrics:
         return m
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)
 
 
 _REPLACE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -410,8 +420,8 @@ class PlannerMetrics:
     """The planner's decisions and their inputs (``kvmesh run --planner``: in the
     frontend's registry, at its ``/metrics``; ``kvmesh planner``: its own)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = r = registry if registry is not None else CollectorRegistry()
+    def __init__(self, registry: MetricsRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else MetricsRegistry()
         self.decisions = Counter(
             "kvmesh_planner_decisions", "Planner decisions by action and role", ["action", "role"], registry=r
         )
@@ -429,4 +439,4 @@ class PlannerMetrics:
                               ["action"], registry=r)  # fmt: skip
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)

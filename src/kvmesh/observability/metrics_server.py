@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Protocol, cast
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
+    from kvmesh.observability.metrics_core import Collector
 
 __all__ = [
     "MetricsServer",
@@ -206,9 +206,10 @@ class _Connection(asyncio.Protocol):
 
 
 async def serve_registry(
-    registry: CollectorRegistry, host: str, port: int, secret: _Secret | None
+    registry: Collector, host: str, port: int, secret: _Secret | None
 ) -> tuple[MetricsServer, int]:
-    """A started :class:`MetricsServer` for ``registry`` and its bound port."""
+    """A started :class:`MetricsServer` for ``registry`` (a ``prometheus_client`` registry
+    or a :class:`~kvmesh.observability.metrics_core.MetricsRegistry`) and its bound port."""
     from prometheus_client import generate_latest
 
     server = MetricsServer(functools.partial(generate_latest, registry), secret)

@@ -180,6 +180,12 @@ def measure_profile(
     return CapacityProfile(slo.ttft_ms, slo.itl_ms, attainment, tuple(points), note, version=PROFILE_VERSION)
 
 
+def _alone_s(role: str, n_in: int, n_out: int, o: MockerOptions) -> float:
+    """Seconds the role's workers spend on one request with nothing beside it."""
+    prefill_ms = o.remote_prefill_ms(n_in)
+    return (prefill_ms if role == "prefill" else prefill_ms + n_out * o.decode_ms(0.0) / o.speedup) / 1000.0
+
+
 def _measure_mix(n_in: int, n_out: int, slo: Slo, ctx: _Context, tolerance: float,
                  progress: Callable[[str], None] | None) -> CapacityPoint:  # fmt: skip
     """One mix, each role: its bounds, and why a role no rate serves fails."""
@@ -189,9 +195,10 @@ def _measure_mix(n_in: int, n_out: int, slo: Slo, ctx: _Context, tolerance: floa
     guess = 1000.0 / max(o.remote_prefill_ms(n_in) + n_out * o.decode_ms(0.2) / 64, 1.0)
     for name, arm, workers in _ROLES:
         probe = _Probe(arm, workers, n_in, n_out, slo, ctx)
-        # below one request per 20 lifetimes a request is alone; above the ceiling a run
-        # of max_requests would last under two lifetimes (a burst, not a steady load)
-        floor, ceiling = _LONE / probe.lifetime_s, ctx.max_requests / (2 * probe.lifetime_s)
+        # below one request per 20 lifetimes a request is alone; above the ceiling a run's
+        # max_requests all arrive within the time the role spends on one request alone (a
+        # burst: no rate above it can be told apart)
+        floor, ceiling = _LONE / probe.lifetime_s, ctx.max_requests / _alone_s(name, n_in, n_out, o)
         b = found[name] = max_rate(probe, min(max(guess, floor), ceiling), tolerance, floor, ceiling=ceiling)
         if not b.low:
             why.append(f"{name}: {probe.why}")

@@ -89,3 +89,66 @@ async def test_an_item_is_encoded_inside_its_out_frame():
     (frame,) = FrameReader().feed(transport.writes[0])
     assert isinstance(frame, Out) and frame.sid == 7
     assert msgspec.msgpack.decode(frame.payload, type=OutputChunk).token_ids == [1, 2]
+
+
+async def _until(predicate, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if predicate():
+            return
+        await _one_iteration()
+    raise AssertionError("condition not reached")
+
+
+async def test_no_window_to_wait_for_unless_one_is_open(monkeypatch):
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 3600.0)
+    writer, _ = _writer(coalesce=True)
+    assert writer.window() is None  # nothing held
+    writer.send(End(1))
+    waiter = writer.window()
+    assert waiter is not None and not waiter.done()
+    writer.send(End(2), urgent=True)  # the flush runs in this iteration: nothing to wait for
+    assert writer.window() is None
+    assert waiter.done()  # an urgent frame closes the window for its waiters too
+    plain, _ = _writer(coalesce=False)
+    plain.send(End(1))
+    assert plain.window() is None
+
+
+async def test_a_window_waiter_sends_into_the_write_that_closes_the_window(monkeypatch):
+    """A waiter is woken before the window's flush: what it sends then shares that write."""
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 3600.0)
+    writer, transport = _writer(coalesce=True)
+
+    async def sender(sid: int) -> None:
+        writer.send(End(sid))
+        waiter = writer.window()
+        assert waiter is not None
+        await waiter
+        writer.send(End(sid + 100))  # what accumulated meanwhile
+
+    tasks = [asyncio.ensure_future(sender(sid)) for sid in (1, 2)]
+    await _until(lambda: all(t.done() for t in tasks) and not writer.parts)
+    assert [[f.sid for f in FrameReader().feed(w)] for w in transport.writes] == [[1, 2, 101, 102]]
+
+
+async def test_a_cancelled_window_waiter_leaves_the_others_waiting(monkeypatch):
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 3600.0)
+    writer, transport = _writer(coalesce=True)
+    writer.send(End(1))
+    first, second = writer.window(), writer.window()
+    assert first is not None and second is not None and first is not second
+    first.cancel()
+    assert not second.done()
+    await _until(lambda: bool(transport.writes))
+    assert second.done() and not second.cancelled()
+
+
+async def test_a_direct_flush_releases_the_window_waiters(monkeypatch):
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 3600.0)
+    writer, transport = _writer(coalesce=True)
+    writer.send(End(1))
+    waiter = writer.window()
+    assert waiter is not None
+    writer.transport = None  # the connection is gone: the flush drops the frames
+    writer.flush()
+    assert waiter.done() and transport.writes == []

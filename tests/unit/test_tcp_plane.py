@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from kvmesh.errors import CannotConnect, Disconnected, InvalidArgument, ResourceExhausted, ResponseTimeout
+from kvmesh.runtime import frames
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.frames import MAX_FRAME_BYTES, FrameReader, FrameWriter, Out, Req
 from kvmesh.runtime.tcp_client import TcpClient
@@ -45,13 +46,43 @@ class Endpoints:
         yield 1
         raise RuntimeError("boom")
 
+    async def steps(self, payload, ctx):
+        """A source like an engine's: a producer makes one value per loop iteration whether
+        the stream is read or not; a read takes all that accumulated, as one item."""
+        n = dec(payload)
+        box: list[int] = []
+        made = asyncio.Event()
+
+        async def produce() -> None:
+            for i in range(n):
+                box.append(i)
+                made.set()
+                await asyncio.sleep(0)
+
+        producer = asyncio.ensure_future(produce())
+        read = 0
+        try:
+            while read < n:
+                if not box:
+                    made.clear()
+                    await made.wait()
+                    continue
+                taken = box[:]
+                box.clear()
+                read += len(taken)
+                yield taken
+        finally:
+            producer.cancel()
+
 
 @pytest.fixture
 async def plane():
     eps = Endpoints()
     server = TcpServer()
-    for name in ("count", "busy", "silent", "crash"):
+    for name in ("count", "busy", "silent", "crash", "steps"):
         server.register(name, getattr(eps, name))
+    server.register("merged_steps", eps.steps)
+    server.merging.add("merged_steps")
     await server.start()
     client = TcpClient(server.address, response_timeout=2.0)
     try:
@@ -69,6 +100,19 @@ async def _collect(client, endpoint, payload, ctx=None):
 async def test_streams_items_in_order(plane):
     _, client, _ = plane
     assert await _collect(client, "count", 5) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.timeout(30)
+async def test_a_merging_endpoint_is_read_once_per_write_and_loses_nothing(plane, monkeypatch):
+    """A merging endpoint's stream is read as the write window closes: what its source made
+    meanwhile comes as one item. The same values in the same order, in far fewer items."""
+    monkeypatch.setattr(frames, "COALESCE_MAX_S", 3600.0)  # windows of COALESCE_ROUNDS iterations, however slow the box
+    _, client, _ = plane
+    n = 400
+    plain, merged = await asyncio.gather(_collect(client, "steps", n), _collect(client, "merged_steps", n))
+    assert [v for item in merged for v in item] == list(range(n)) == [v for item in plain for v in item]
+    assert len(merged) <= n / 4 < len(plain)  # ~COALESCE_ROUNDS values per item; unmerged: about one each
+    assert len(merged[0]) == 1  # the first item is not held
 
 
 async def test_many_concurrent_streams_share_one_connection(plane):

@@ -153,9 +153,16 @@ class FrameWriter:
     (a stream's first token) is flushed in this iteration.
 
     :meth:`seal` (once the cluster-secret handshake is done): each flush ends with a tag
-    frame (one MAC per write, not per frame; see the module docstring)."""
+    frame (one MAC per write, not per frame; see the module docstring).
 
-    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now", "_mac", "_round", "_since")
+    :meth:`window` (coalescing): a sender whose source merges what accumulates while it is
+    not read (an engine's mailbox) waits for the open window to close instead of reading
+    its next item now. Closing resolves the window's future *before* the flush runs (the
+    flush is scheduled after the woken tasks), so what they send then (all that
+    accumulated in the window, as one item) goes out in this very write: a stream's tokens
+    wait no longer than without waiting, and travel as one item per write, not one each."""
+
+    __slots__ = ("parts", "_encode", "transport", "_scheduled", "_coalesce", "_now", "_mac", "_round", "_since", "_waiters")
 
     def __init__(self, coalesce: bool = False) -> None:
         self.parts: list[bytes] = []  # encoded frames, each with its length prefix
@@ -167,6 +174,7 @@ class FrameWriter:
         self._mac: Keyed | None = None  # this direction's MAC state once sealed
         self._round = 0  # coalescing: the iterations waited so far
         self._since = 0.0  # coalescing: when the first frame held was queued (loop time)
+        self._waiters: list[asyncio.Future[None]] = []  # resolved as the open window closes
 
     def seal(self, key: bytes) -> None:
         """From now on every write ends with the tag of the stream so far, under ``key``."""
@@ -224,8 +232,17 @@ class FrameWriter:
                 self._since = loop.time()
                 loop.call_soon(self._next_round, loop)
         elif not self._now:
-            self._scheduled = self._now = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            self._close(asyncio.get_running_loop())
+
+    def window(self) -> asyncio.Future[None] | None:
+        """A future of the open coalescing window's end (see the class docstring), one per
+        waiter (cancelling one waiter cancels nobody else's); None when no window is open
+        (nothing held, or the flush already runs in this iteration)."""
+        if not self._scheduled or self._now:
+            return None
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return waiter
 
     def _next_round(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._now or not self._scheduled:  # an urgent frame took the flush (and maybe ran it)
@@ -234,11 +251,25 @@ class FrameWriter:
         if self._round < COALESCE_ROUNDS and loop.time() - self._since < COALESCE_MAX_S:
             loop.call_soon(self._next_round, loop)
         else:
-            self._now = True
-            loop.call_soon(self.flush)
+            self._close(loop)
+
+    def _close(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Flush in the next iteration, after the window's waiters (their wake-ups are
+        scheduled first) have sent what they hold."""
+        self._scheduled = self._now = True
+        self._release()
+        loop.call_soon(self.flush)
+
+    def _release(self) -> None:
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def flush(self) -> None:
         self._scheduled = self._now = False
+        self._release()  # a direct flush (a close, an error reply) ends the window too
         if not self.parts:
             return
         if self.transport is not None:

@@ -86,6 +86,7 @@ class StreamHost(Protocol):
     server it serves streams for."""
 
     endpoints: dict[str, Handler]
+    merging: set[str]  # endpoints whose streams merge what accumulates unread (FrameWriter.window)
     max_frame_bytes: int
     max_streams: int
     secret: ClusterSecret | None
@@ -278,6 +279,10 @@ class StreamServer:
         self.handshake_timeout_s = auth.HANDSHAKE_TIMEOUT_S  # a caller that has not proven itself by then is dropped
         self.foreign_frames = 0  # control frames naming no stream of their connection
         self.endpoints: dict[str, Handler] = {}
+        # endpoints whose streams merge what accumulates while they are not read (an
+        # engine's mailbox): their next item is read as the connection's write window
+        # closes, so a window's tokens travel as one item (FrameWriter.window)
+        self.merging: set[str] = set()
         self.draining = False  # no new streams; those open keep going
         self.tasks = StreamTasks()
 

@@ -8,7 +8,10 @@ the iteration that produced them (at most ``frames.COALESCE_ROUNDS``, and not mu
 ``COALESCE_MAX_S``), with one syscall for all of them (``FrameWriter`` with
 ``coalesce``: a busy engine's back-to-back steps share a write, and a caller's stream
 one wake-up for them); a stream's first item (the first token) goes out in the
-iteration that produced it.
+iteration that produced it. A stream of a ``merging`` endpoint (``StreamServer.merging``:
+its source merges what accumulates unread, like an engine's mailbox) is read again only
+as the window that holds its last item closes, just before the write: what it made
+meanwhile goes out as one item in that write (``FrameWriter.window``), not one per step.
 
 Cancellation: a ``Ctl`` STOP frame calls ``ctx.stop_generating()``, KILL calls
 ``ctx.kill()``; a dropped connection kills every stream it carried.
@@ -152,7 +155,7 @@ class _Conn(FramedConnection):
             return
         ctx = Context(f"{id(self):x}-{req.sid}")
         self._streams[req.sid] = ctx
-        self._server.tasks.spawn(self._serve(req.sid, handler, req.payload, ctx))
+        self._server.tasks.spawn(self._serve(req.sid, handler, req.payload, ctx, req.endpoint in self._server.merging))
 
     def _control(self, ctl: Ctl) -> None:
         ctx = self._streams.get(ctl.sid)
@@ -165,18 +168,21 @@ class _Conn(FramedConnection):
         elif ctl.action == STOP:
             ctx.stop_generating()
 
-    async def _serve(self, sid: int, handler: Handler, payload: msgspec.Raw, ctx: Context) -> None:
+    async def _serve(self, sid: int, handler: Handler, payload: msgspec.Raw, ctx: Context, merging: bool = False) -> None:
         self._send(Ack(sid))
         stream = handler(payload, ctx)
         first = True  # a stream's first item goes out without waiting for company
+        writer = self._writer
         try:
             async for item in stream:
                 if self.transport is None:
                     break
-                self._writer.send(OutItem(sid, item), first)
+                writer.send(OutItem(sid, item), first)
                 first = False
                 if self._paused is not None:
                     await self._paused
+                elif merging and (window := writer.window()) is not None:
+                    await window  # what the stream makes meanwhile is read as one item, into this write
             else:
                 self._send(End(sid))
         except KvmeshError as exc:

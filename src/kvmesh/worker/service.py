@@ -48,6 +48,7 @@ from kvmesh.observability.worker_metrics import WorkerCounters
 from kvmesh.runtime.context import Context
 from kvmesh.runtime.distributed import RequestServer
 from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, HANDOFF, INFO, KV_DUMP, KV_EVENTS, LOAD, LORA, METRICS, MODEL_FILES, TUNE
+from kvmesh.runtime.stream import StreamServer
 from kvmesh.runtime.tcp_server import TcpServer
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
@@ -104,6 +105,9 @@ class WorkerService:
         if self.front is not None:
             await self.front.open()
         self.server.register(GENERATE, self._generate)
+        if isinstance(self.engine, StepLoopEngine) and isinstance(self.server, StreamServer):
+            # its mailbox merges the tokens of the steps a stream was not read: read once per write
+            self.server.merging.add(GENERATE)
         self.server.register(MODEL_FILES, self._model_files)
         self.server.register(INFO, self._info)
         self.server.register(KV_DUMP, self._kv_dump)

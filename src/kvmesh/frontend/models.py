@@ -31,11 +31,6 @@ import msgspec
 
 from kvmesh.config import FrontendConfig
 from kvmesh.errors import InvalidArgument, KvmeshError, ModelNotFound, ResponseTimeout, StreamIncomplete
-from kvmesh.health.breaker import BreakerConfig
-from kvmesh.health.degradation import CapacityConfig
-from kvmesh.health.monitor import HealthMonitor
-from kvmesh.health.shedding import LoadShedder
-from kvmesh.health.state import HealthConfig
 from kvmesh.observability.metrics import FrontendMetrics, ModelMetrics
 from kvmesh.preprocess import Preprocessor
 from kvmesh.preprocess.model import ModelInfo, load_model_folder
@@ -49,6 +44,10 @@ from kvmesh.runtime.instances import Instance, InstanceSet
 from kvmesh.runtime.names import KV_EVENTS_TOPIC, LORA, MODEL_FILES
 
 if TYPE_CHECKING:
+    from kvmesh.health.degradation import CapacityConfig
+    from kvmesh.health.monitor import HealthMonitor
+    from kvmesh.health.shedding import LoadShedder
+    from kvmesh.health.state import HealthConfig
     from kvmesh.router.service import KvRouterService
 
 __all__ = ["Adapters", "ModelEntry", "ModelRegistry", "fetch_model_files", "check_model_files", "model_cache_dir"]
@@ -62,6 +61,8 @@ _decode_lora = msgspec.msgpack.Decoder(LoraState).decode
 
 
 def _capacity_config(c: FrontendConfig) -> CapacityConfig:
+    from kvmesh.health.degradation import CapacityConfig
+
     return CapacityConfig(
         slo_ttft_ms=c.slo_ttft_ms,
         slo_tpot_ms=c.slo_tpot_ms,
@@ -73,6 +74,9 @@ def _capacity_config(c: FrontendConfig) -> CapacityConfig:
 
 
 def _health_config(c: FrontendConfig) -> HealthConfig:
+    from kvmesh.health.breaker import BreakerConfig
+    from kvmesh.health.state import HealthConfig
+
     return HealthConfig(check_interval_s=c.canary_interval_s, breaker=BreakerConfig(recovery_timeout_s=c.breaker_recovery_s))
 
 _decode_files = msgspec.msgpack.Decoder(ModelFiles).decode
@@ -162,9 +166,14 @@ class ModelRegistry:
         self.event_plane = event_plane
         self.health: HealthMonitor | None = None
         self.shedder: LoadShedder | None = None
+        # the shedder's and the canaries' modules: imported only where switched on (issue 36)
         if config.degradation:
+            from kvmesh.health.shedding import LoadShedder
+
             self.shedder = LoadShedder(self, _capacity_config(config), metrics=metrics)
         if config.canary_interval_s > 0:
+            from kvmesh.health.monitor import HealthMonitor
+
             self.health = HealthMonitor(self, _health_config(config), config.canary_timeout_s, config.canary_files, metrics)
             shedder = self.shedder
             if shedder is not None:  # levels 3-4 relax the canaries' latency threshold as they relax the SLOs

@@ -1,0 +1,48 @@
+"""What the frontend imports to start (issue 36, launch -> first completion): the
+canaries' and the shedder's modules only where they are switched on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+
+_DEFERRED = ("kvmesh.health.monitor", "kvmesh.health.canary", "kvmesh.health.shedding", "kvmesh.health.degradation")
+
+_BUILD = """
+import sys
+from kvmesh.assembly.frontend import FrontendProcess
+from kvmesh.config import FrontendConfig
+from kvmesh.preprocess.model import bundled_model_path
+process = FrontendProcess._build(FrontendConfig(canary_interval_s={canary}, degradation={degrade}), None,
+                                 str(bundled_model_path()), True)
+assert process.frontend.registry.models
+print(" ".join(n for n in {names!r} if n in sys.modules))
+"""
+
+
+def _loaded(canary: float, degrade: bool) -> list[str]:
+    code = _BUILD.format(canary=canary, degrade=degrade, names=_DEFERRED)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_frontend_without_canaries_or_shedding_imports_neither() -> None:
+    assert _loaded(0, False) == []
+
+
+def test_frontend_with_canaries_and_shedding_imports_them() -> None:
+    assert set(_loaded(30.0, True)) == set(_DEFERRED)
+
+
+def test_health_package_names_still_import() -> None:
+    from kvmesh.health import CapacityConfig, HealthTracker, monitor
+
+    assert CapacityConfig.__module__ == "kvmesh.health.degradation" and HealthTracker.__name__ == "HealthTracker"
+    assert monitor.HealthMonitor.__module__ == "kvmesh.health.monitor"
+    with pytest.raises(ImportError):
+        from kvmesh.health import no_such_name  # noqa: F401

@@ -11,6 +11,11 @@ log-probability). A start promotes a vetted standby when there is one, else star
 process (when an actuator can); a stop goes to the actuator that owns the worker; a
 move starts a worker in the new role and stops the old one once a new worker of that
 role is registered.
+
+Each round it also reads the frontends' signed reports (:mod:`kvmesh.planner.reports`):
+the round's arrivals (requests the frontends admitted) with their tokens, and the TTFT
+and ITL p90 of the round, so the core's latency rules and, with a capacity profile, its
+forecast have what ``kvmesh run --planner`` reads from its own frontend.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from kvmesh.health.monitor import generate_greedy
 from kvmesh.planner.core import Observation, Role, WorkerView, worker_view
 from kvmesh.planner.actuators import Actuator, StandbyActuator
 from kvmesh.planner.orders import planner_prefix
+from kvmesh.planner.reports import FrontendReport, read_reports, totals_of
 from kvmesh.planner.service import PlannerService
+from kvmesh.planner.signals import Totals, Window, window
 from kvmesh.protocol import InstanceInfo, LoadReport
 from kvmesh.runtime.auth import ClusterSecret
 from kvmesh.runtime.distributed import DistributedRuntime, call, endpoint_prefix, record_is_signed
@@ -72,6 +79,8 @@ class DiscoveryFleet:
         self._poller: asyncio.Task[None] | None = None
         self._serving: dict[int, tuple[Role, InstanceInfo]] = {}
         self._standby: dict[int, InstanceInfo] = {}
+        self._reports: dict[int, FrontendReport] = {}  # the newest report of each frontend
+        self._totals: tuple[float, dict[int, Totals]] | None = None  # the last round's (when, totals)
 
     @property
     def promoting(self) -> dict[int, Role]:
@@ -119,7 +128,11 @@ class DiscoveryFleet:
         views += [WorkerView(w, Role.SPARE, self.vetted.get(w, False)) for w in sorted(self._standby) if w not in self.promoting]
         present = self._serving.keys() | self._standby.keys()
         starting = tuple(role for a in self.actuators for role in a.starting(present))
-        return Observation(self.clock(), tuple(views), starting)
+        now = self.clock()
+        interval, w = await self._frontend_window(now)
+        rate = w.finished / interval if interval > 0 else 0.0
+        return Observation(now, tuple(views), starting, 0, w.ttft_p90_ms, w.itl_p90_ms, 0, rate, interval, w.arrived,
+                           w.input_tokens, w.output_tokens)  # fmt: skip
 
     async def promote(self, worker_id: int, role: Role) -> None:
         """Order a vetted standby of ``role``'s kind to serve (see StandbyActuator.promote)."""
@@ -142,6 +155,25 @@ class DiscoveryFleet:
         process), and ``worker_id`` is stopped once a new worker serves in that role."""
         await self.start(role)
         self.moves.append((role, worker_id))
+
+    async def _frontend_window(self, now: float) -> tuple[float, Window]:
+        """Seconds since the last round and what the frontends counted in them (nothing
+        at the first round, or when discovery did not answer)."""
+        try:
+            reports = await asyncio.wait_for(read_reports(self.runtime), 2.0)
+        except (KvmeshError, TimeoutError, OSError) as exc:
+            log.warning("planner: frontend reports not read: %s", exc)
+            return 0.0, Window()
+        for frontend, report in reports.items():  # an older report (a replayed one) never replaces a newer
+            last = self._reports.get(frontend)
+            if last is None or report.seq >= last.seq:
+                self._reports[frontend] = report
+        self._reports = {f: r for f, r in self._reports.items() if f in reports}
+        totals = {f: totals_of(r) for f, r in self._reports.items()}
+        last_round, self._totals = self._totals, (now, totals)
+        if last_round is None or now <= last_round[0]:
+            return 0.0, Window()
+        return now - last_round[0], window(last_round[1], totals)
 
     def _ready_standbys(self, role: Role) -> list[int]:
         component = PREFILL_COMPONENT if role is Role.PREFILL else COMPONENT

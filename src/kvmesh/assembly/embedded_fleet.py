@@ -42,7 +42,7 @@ from kvmesh.health.state import CheckKind
 from kvmesh.observability.metrics import PlannerMetrics
 from kvmesh.planner.core import SERVING, Observation, Role, WorkerView, worker_view
 from kvmesh.planner.service import PlannerService
-from kvmesh.planner.signals import Buckets, align, counter_total, histogram_buckets, window_quantile
+from kvmesh.planner.signals import Buckets, align, counter_total, gauge_total, histogram_buckets, window_quantile
 from kvmesh.protocol import InstanceInfo, LoadReport
 from kvmesh.runtime.distributed import DistributedRuntime, call
 from kvmesh.runtime.instances import Instance
@@ -409,12 +409,14 @@ class EmbeddedFleet:
         return p_ttft, p_itl, done / (now - at) if now > at else 0.0
 
     def _arrivals(self, now: float) -> tuple[float, int, int, int]:
-        """Seconds since the last round and the requests the frontend finished in them, with
-        their prompt and generated tokens (the planner's forecast input; 0s at the first)."""
+        """Seconds since the last round and the requests the frontend admitted in them
+        (finished + in flight: arrivals, not a request's lifetime later), their prompt
+        tokens and the tokens generated (the planner's forecast input; 0s at the first)."""
         if self.frontend is None:
             return 0.0, 0, 0, 0
         m = self.frontend.metrics
-        counts = (now, counter_total(m.requests), counter_total(m.input_tokens), counter_total(m.output_tokens))
+        admitted = counter_total(m.requests) + gauge_total(m.inflight)
+        counts = (now, admitted, counter_total(m.input_tokens), counter_total(m.output_tokens))
         last, self._last_counts = self._last_counts, counts
         if last is None or now <= last[0]:
             return 0.0, 0, 0, 0

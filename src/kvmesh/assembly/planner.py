@@ -7,6 +7,7 @@ import asyncio
 import shlex
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvmesh.assembly.discovery_fleet import DiscoveryFleet
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "planner_config", "planned_roles", "embedded_fleet", "plan_embedded", "plan_distributed", "runtime_env",
-    "process_actuators",
+    "process_actuators", "distributed_config",
 ]  # fmt: skip
 
 
@@ -90,14 +91,7 @@ def plan_embedded(cfg: RunConfig, fleet: EmbeddedFleet, frontend: Frontend, runt
 
 async def plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfig) -> int:
     """``kvmesh planner``: plan a distributed fleet until SIGTERM/SIGINT."""
-    min_workers = settings.min_workers or 1
-    config = PlannerConfig(
-        min_workers=min_workers,
-        max_workers=max(settings.max_workers or 1024, min_workers),
-        hot_spares=settings.hot_spares,
-        hold_rounds=settings.planner_hold_rounds,
-        cooldown_s=settings.planner_cooldown_s,
-    )
+    config = distributed_config(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,13 +104,14 @@ async def plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfig
     if settings.planner_metrics_port is not None:  # on this loop, loopback by default, token asked with a secret
         host, port = settings.planner_metrics_host, settings.planner_metrics_port
         metrics_server, _ = await serve_registry(metrics.registry, host, port, auth.process_secret())
-    fleet = DiscoveryFleet(runtime, min_serving=min_workers, actuators=process_actuators(settings, runtime_cfg, config))
+    fleet = DiscoveryFleet(runtime, min_serving=config.min_workers, actuators=process_actuators(settings, runtime_cfg, config))
     service = PlannerService(Planner(config), fleet, settings.planner_interval_s, metrics)
     watch = loop.create_task(fleet.watch_losses(service))
     service.start()
     starts = "starting local workers" if settings.worker_flags else "promoting standbys"
+    sizing = f"sizing from {settings.capacity_profile}" if config.profile is not None else "no capacity profile"
     print(f"kvmesh planner: planning namespace {runtime_cfg.namespace!r} ({settings.hot_spares} hot spares,"
-          f" {config.min_workers}..{config.max_workers} workers, {starts})", flush=True)  # fmt: skip
+          f" {config.min_workers}..{config.max_workers} workers, {starts}, {sizing})", flush=True)  # fmt: skip
     try:
         await stop.wait()
     finally:
@@ -128,6 +123,24 @@ async def plan_distributed(settings: PlannerSettings, runtime_cfg: RuntimeConfig
             await metrics_server.close()
         await runtime.shutdown()
     return 0
+
+
+def distributed_config(settings: PlannerSettings) -> PlannerConfig:
+    """``kvmesh planner``'s core configuration. With ``--capacity-profile`` it sizes
+    from the frontends' arrivals and holds the profile's SLOs (the ones it was measured
+    at); without, the core's default SLOs judge the frontends' TTFT/ITL."""
+    min_workers = settings.min_workers or 1
+    profile = load_profile(settings.capacity_profile) if settings.capacity_profile else None
+    config = PlannerConfig(
+        min_workers=min_workers,
+        max_workers=max(settings.max_workers or 1024, min_workers),
+        hot_spares=settings.hot_spares,
+        hold_rounds=settings.planner_hold_rounds,
+        cooldown_s=settings.planner_cooldown_s,
+        profile=profile,
+        headroom=settings.planner_headroom,
+    )
+    return config if profile is None else replace(config, slo_ttft_ms=profile.slo_ttft_ms, slo_itl_ms=profile.slo_itl_ms)
 
 
 def process_actuators(settings: PlannerSettings, runtime_cfg: RuntimeConfig, config: PlannerConfig) -> tuple[Actuator, ...]:

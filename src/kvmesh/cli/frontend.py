@@ -86,6 +86,7 @@ async def _serve(
 ) -> int:
     """The frontend process (:mod:`kvmesh.assembly.frontend`) until SIGTERM/SIGINT."""
     from kvmesh.assembly.frontend import FrontendProcess
+    from kvmesh.planner.reports import FrontendReporter
     from kvmesh.runtime.distributed import DistributedRuntime
     from kvmesh.runtime.event_plane import make_event_plane
 
@@ -98,6 +99,8 @@ async def _serve(
         plane = make_event_plane(rcfg.event_plane, nats_client=runtime.nats, namespace=rcfg.namespace, host=rcfg.host)
         process = await FrontendProcess.over_discovery(cfg, runtime, plane, model_path)
         await process.share_tenant_budget(runtime)
+        # its counters for kvmesh planner (arrivals, TTFT/ITL), signed, in discovery
+        process.sources.append(FrontendReporter(runtime, process.frontend.metrics).start())
     try:
         print(f"kvmesh: frontend serving http://{cfg.http_host}:{sock.getsockname()[1]}/v1", flush=True)
         await process.serve(sock, log_level)

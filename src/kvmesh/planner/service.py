@@ -171,6 +171,8 @@ class PlannerService:
             "prefill_queue_tokens": obs.prefill_queue_tokens, "ttft_p90_ms": obs.ttft_p90_ms,
             "itl_p90_ms": obs.itl_p90_ms, "degradation_level": obs.degradation_level,
             "request_rate_rps": obs.request_rate_rps, "starting": len(obs.starting),
+            # requests the frontends admitted per second this round (the forecast's input)
+            "arrival_rps": obs.arrived / obs.interval_s if obs.interval_s > 0 else 0.0,
         }  # fmt: skip
         if plan.forecast is not None:  # with a capacity profile: what the targets were sized for
             signals.update(forecast_rps=plan.forecast.rate_rps, forecast_input_tokens=plan.forecast.input_tokens,

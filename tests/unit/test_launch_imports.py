@@ -1,5 +1,6 @@
 """What the frontend imports to start (issue 36, launch -> first completion): the
-canaries' and the shedder's modules only where they are switched on."""
+canaries' and the shedder's modules (and the health state machine under them) only
+where they are switched on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 pytestmark = pytest.mark.timeout(150)
 
-_DEFERRED = ("kvmesh.health.monitor", "kvmesh.health.canary", "kvmesh.health.shedding", "kvmesh.health.degradation")
+_DEFERRED = ("kvmesh.health.monitor", "kvmesh.health.canary", "kvmesh.health.shedding", "kvmesh.health.degradation",
+             "kvmesh.health.state", "kvmesh.health.breaker")  # fmt: skip
 
 _BUILD = """
 import sys

@@ -42,7 +42,6 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from kvmesh.errors import MIGRATABLE
-from kvmesh.health.state import CORRUPTION_KINDS
 from kvmesh.protocol import DisaggregatedParams, PreprocessedRequest
 
 __all__ = [
@@ -241,6 +240,8 @@ def handoff_allowed(reason: str) -> bool:
     """May a worker taken out of routing for ``reason`` (a transition's reason, e.g.
     ``check: latency_spike``) hand its requests off with their KV? Not when it computed
     wrong results: its KV may be corrupt too, so those re-prefill."""
+    from kvmesh.health.state import CORRUPTION_KINDS  # the health state machine: not imported by a request's owner
+
     cause = reason.rsplit(":", 1)[-1].strip()
     return cause not in CORRUPTION_KINDS
 

@@ -46,6 +46,9 @@ class Endpoints:
         yield 1
         raise RuntimeError("boom")
 
+    def refuses(self, payload, ctx):
+        raise InvalidArgument("refused before any stream")  # not a generator: raises at the call
+
     async def steps(self, payload, ctx):
         """A source like an engine's: a producer makes one value per loop iteration whether
         the stream is read or not; a read takes all that accumulated, as one item."""
@@ -79,7 +82,7 @@ class Endpoints:
 async def plane():
     eps = Endpoints()
     server = TcpServer()
-    for name in ("count", "busy", "silent", "crash", "steps"):
+    for name in ("count", "busy", "silent", "crash", "steps", "refuses"):
         server.register(name, getattr(eps, name))
     server.register("merged_steps", eps.steps)
     server.merging.add("merged_steps")
@@ -132,6 +135,13 @@ async def test_unknown_endpoint_is_invalid_argument(plane):
     _, client, _ = plane
     with pytest.raises(InvalidArgument, match="unknown endpoint 'nope'"):
         await _collect(client, "nope", 0)
+    assert await _collect(client, "count", 2) == [0, 1]
+
+
+async def test_a_handler_that_raises_when_called_is_a_typed_error(plane):
+    _, client, _ = plane
+    with pytest.raises(InvalidArgument, match="refused before any stream"):
+        await _collect(client, "refuses", 0)
     assert await _collect(client, "count", 2) == [0, 1]
 
 

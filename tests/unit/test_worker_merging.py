@@ -1,5 +1,6 @@
-"""The worker reads a batching engine's streams once per write (``StreamServer.merging``):
-the same tokens, in the same order, with the same end, in fewer chunks."""
+"""The worker's generate endpoint: a batching engine's streams are read once per write
+(``StreamServer.merging``): the same tokens, in the same order, with the same end, in
+fewer chunks; a malformed request is a clear error."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from kvmesh.engines.mocker.engine import MockerEngine
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.sample import EchoEngine
+from kvmesh.errors import InvalidArgument
 from kvmesh.protocol import OutputChunk, PreprocessedRequest, SamplingOptions, StopConditions
 from kvmesh.runtime import frames
 from kvmesh.runtime.context import Context
@@ -71,4 +73,16 @@ async def test_an_engine_that_may_not_merge_is_read_per_item():
     try:
         assert isinstance(service.server, TcpServer) and GENERATE not in service.server.merging
     finally:
+        await service.shutdown(grace_s=1)
+
+
+async def test_a_malformed_generate_request_is_invalid_argument():
+    service = WorkerService(EchoEngine(step_delay_s=0))
+    await service.start()
+    client = TcpClient(service.address)
+    try:
+        with pytest.raises(InvalidArgument, match="malformed generate request"):
+            [raw async for raw in client.stream(GENERATE, msgspec.msgpack.encode({"not": "a request"}), Context("t"))]
+    finally:
+        await client.close()
         await service.shutdown(grace_s=1)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -170,10 +171,11 @@ class _Conn(FramedConnection):
 
     async def _serve(self, sid: int, handler: Handler, payload: msgspec.Raw, ctx: Context, merging: bool = False) -> None:
         self._send(Ack(sid))
-        stream = handler(payload, ctx)
+        stream: AsyncIterator[object] | None = None
         first = True  # a stream's first item goes out without waiting for company
         writer = self._writer
         try:
+            stream = handler(payload, ctx)  # a handler that raises here reports like its stream would
             async for item in stream:
                 if self.transport is None:
                     break

@@ -59,6 +59,12 @@ _R = TypeVar("_R")
 
 
 
+async def _failed(error: InvalidArgument) -> AsyncIterator[OutputChunk]:
+    """A stream that fails with ``error`` when read (a handler reports through its stream)."""
+    raise error
+    yield  # pragma: no cover - makes this an async generator
+
+
 def read_model_files(folder: str, name: str) -> ModelFiles:
     path = Path(folder)
     if not path.is_dir():
@@ -243,16 +249,15 @@ class WorkerService:
         assert self.config is not None
         yield read_model_files(self.config.model, self.config.served_model_name)
 
-    async def _generate(self, payload: bytes, ctx: Context) -> AsyncIterator[OutputChunk]:
+    def _generate(self, payload: bytes, ctx: Context) -> AsyncIterator[OutputChunk]:
+        """The engine's stream itself (no generator of this method's own: one resume less
+        per item)."""
         try:
             request = self._decode_request(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise InvalidArgument(f"malformed generate request: {exc}") from None
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            return _failed(InvalidArgument(f"malformed generate request: {exc}"))
         ctx.id = request.request_id
-        async for chunk in run_generate(
-            self.engine, request, ctx, self._monitor, self._validate, self.counters, self.front
-        ):
-            yield chunk
+        return run_generate(self.engine, request, ctx, self._monitor, self._validate, self.counters, self.front)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Graceful: stop accepting, let in-flight requests finish, drain, clean up."""

@@ -44,6 +44,10 @@ from kvmesh.engines.batching.scheduler import EOS, Finished, Plan, Seq, Schedule
 from kvmesh.engines.batching.scheduler import Scheduler as BatchScheduler
 from kvmesh.engines.mocker.options import MockerOptions
 from kvmesh.engines.mocker.tokens import (
+    MASK32,
+    PAIR,
+    TOKEN_SEED,
+    XXH3,
     drawable_vocab,
     eos_threshold,
     excluded_ids,
@@ -211,10 +215,11 @@ class Scheduler(BatchScheduler[MockSeq]):
     def step(self) -> StepOutput:
         """Schedule and execute one forward pass (see the module docstring)."""
         plan = self.schedule()
-        drawn = {seq.id: self._draw(seq) for seq in plan.samples}
+        drawn = self._draw_all(plan.samples)
         finished, emitted = self.complete(plan, drawn)
         return StepOutput(
-            tokens={sid: drawn[sid] for sid in emitted},
+            # emitted ⊆ drawn: the same size, the same keys (every draw but a silent EOS)
+            tokens=drawn if len(emitted) == len(drawn) else {sid: drawn[sid] for sid in emitted},
             finished=plan.failed + finished,
             preempted=plan.preempted,
             prefill_tokens=plan.prefill_tokens,
@@ -229,6 +234,29 @@ class Scheduler(BatchScheduler[MockSeq]):
             return opts.step_ms(plan.prefill_tokens, plan.decode_seqs, plan.kv_usage)
         onboard = opts.onboard_ms(self.blocks.take_onboarded())
         return opts.tiered_step_ms(plan.prefill_tokens, plan.decode_seqs, plan.kv_usage, onboard)
+
+    def _draw_all(self, seqs: list[MockSeq]) -> dict[int, int]:
+        """``{seq.id: self._draw(seq)}`` with :meth:`_draw`'s unguided path inlined (once
+        per running request per step: the oracle's hash and pick without three calls)."""
+        drawn: dict[int, int] = {}
+        threshold = self._eos_threshold
+        for seq in seqs:
+            if seq.guide is not None:
+                drawn[seq.id] = self._draw(seq)
+                continue
+            position = len(seq.tokens)
+            h = XXH3(PAIR(seq.key, position), TOKEN_SEED)
+            if (
+                (h >> 32) < threshold
+                and not seq.ignore_eos
+                and position - seq.prompt_len >= seq.min_tokens
+                and position > seq.origin_len
+            ):
+                drawn[seq.id] = EOS
+            else:
+                vocab = seq.vocab
+                drawn[seq.id] = vocab[(h & MASK32) % len(vocab)]
+        return drawn
 
     def _draw(self, seq: MockSeq) -> int:
         """The oracle's token at the sequence's next position (:data:`EOS`: it ends)."""

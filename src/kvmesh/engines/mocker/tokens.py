@@ -84,6 +84,13 @@ def position_hash(key: int, position: int) -> int:
     return _xxh3(_PAIR(key, position), TOKEN_SEED)
 
 
+# position_hash's and token_at's parts, for the one loop that inlines them (the mocker's
+# step draws a token per running request): xxh3(PAIR(key, position), TOKEN_SEED), & MASK32
+PAIR = _PAIR
+XXH3 = _xxh3
+MASK32 = _MASK32
+
+
 @lru_cache(maxsize=64)
 def drawable_vocab(vocab_size: int, excluded: frozenset[int]) -> tuple[int, ...]:
     """Token ids in ``[0, vocab_size)`` minus ``excluded``, ascending."""

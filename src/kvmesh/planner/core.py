@@ -37,18 +37,31 @@ arrivals (``Observation.interval_s`` > 0), step 3 sizes the fleet from a forecas
 :class:`~kvmesh.planner.forecast.LoadForecaster`; the forecast of the next
 ``forecast_rounds`` rounds (the peak rate, the mix) over one worker's capacity at that
 mix (:func:`~kvmesh.planner.profile.size_fleet`) gives each role's target, within
-``min_workers`` .. ``max_workers`` (a disaggregated fleet's targets shared in proportion
-when they exceed it). A pressure held at ``high`` for ``hold_rounds`` still adds a
-worker to its role's target and raises the role's correction (the profile's error, as
-measured: later forecasts of the same load keep that worker; it relaxes 1 % a round),
-and a role whose pressure is at ``high`` is not shrunk. Then, in order: roles below target
-start workers at once (a ramp does not wait: no hold, no cool-down); a role above
-target gives a worker to one below it (MOVE) or, the fleet above its total target,
-stops one (STOP, only when one worker less still leaves 15 % above the need: a band
-against the forecast's noise): both only once the target has held ``hold_rounds`` rounds,
-``cooldown_s`` has passed since the last reshaping action, and the role would stay
-below ``high`` with one worker less by what scales with its workers (KV use; the
-prefill queue): what is measured vetoes a forecast that would starve a role.
+``min_workers`` .. ``max_workers``. What is measured comes first:
+
+* a pressure held at ``high`` for ``hold_rounds`` adds a worker to its role's target and
+  raises the role's correction (the profile's error, as measured: later forecasts of the
+  same load keep that worker; it relaxes 1 % a round), and a role at ``high`` is not shrunk;
+* a disaggregated fleet's targets beyond ``max_workers`` are the split whose busier role
+  is the least over its need (the bottleneck: 3.7 prefill + 2.1 decode needed on 4
+  workers is 2 + 2), the present one unless another is 10 % better; except that a role
+  whose pressure has held at ``high`` gets a worker more than it has, whatever the
+  forecast says of the other (both pressed: the split stays);
+* a MOVE or STOP takes a worker only from a role measured slack now (pressure below
+  ``low``) that stays below ``high`` with one worker less by what scales with its workers
+  (KV use; the prefill queue): a forecast does not starve a role.
+
+Then, in order: roles below target start workers at once (a ramp does not wait: no
+hold, no cool-down); a role above target, once the target has held ``hold_rounds``
+rounds, gives a worker to one below it (MOVE: ``cooldown_s`` after the last reshaping
+action, one move at a time, and only once the new split has been wanted for as long as
+the last move took from its order until its worker left the old role (drain and
+restart, measured; before any move, ``cooldown_s``): a shift shorter than that would be
+over before the worker serves, and moving it back costs as much again, so moves do not
+flip; a role pressed at ``high`` does not wait for it) or, the fleet above its total
+target, stops one (STOP: ``cooldown_s`` after the last start or move, not after the
+last stop, so a falling load sheds a worker every ``hold_rounds``; and only when one
+worker less still leaves 15 % above the need: a band against the forecast's noise).
 
 Every action carries the reason and the inputs it was decided on, for the log and
 the metrics; a plan carries the forecast and the targets it was made with.
@@ -199,6 +212,12 @@ class Planner:
         self._last_reshape_s = -math.inf
         self.forecaster = LoadForecaster(config.rate_forecast, config.mix_forecast)
         self._target_streak = 0  # rounds the targets have asked to move or shrink
+        self._wanted_since_s = math.inf  # since when, without a break
+        self._last_grow_s = -math.inf  # the last start or move (a stop's cool-down runs from it)
+        # how long a move takes to serve in its new role (drain + restart), measured on the
+        # last one; before any, the cool-down
+        self._move_cost_s = config.cooldown_s
+        self._moving: tuple[int, Role, float] | None = None  # a move under way: worker, old role, since
         # per role: how much more than the profile says the fleet has been seen to need (a
         # pressure held at high raised it); decays back toward 1 by ``_RELAX`` a round
         self._correction: dict[Role, float] = dict.fromkeys(SERVING, 1.0)
@@ -385,22 +404,43 @@ class Planner:
             pressed = self._streaks["prefill"] >= c.hold_rounds or self._streaks["decode"] >= c.hold_rounds
             want = self._corrected(Role.AGGREGATED, forecast.rate_rps / (cap.aggregated_rps * c.headroom), pressed)
             return {Role.AGGREGATED: min(max(want, c.min_workers), max(room, 1))}
-        p = self._corrected(Role.PREFILL, forecast.rate_rps / (cap.prefill_rps * c.headroom),
-                            self._streaks["prefill"] >= c.hold_rounds)  # fmt: skip
-        d = self._corrected(Role.DECODE, forecast.rate_rps / (cap.decode_rps * c.headroom),
-                            self._streaks["decode"] >= c.hold_rounds)  # fmt: skip
+        pressed_p, pressed_d = (self._streaks[r] >= c.hold_rounds for r in ("prefill", "decode"))
+        p = self._corrected(Role.PREFILL, forecast.rate_rps / (cap.prefill_rps * c.headroom), pressed_p)
+        d = self._corrected(Role.DECODE, forecast.rate_rps / (cap.decode_rps * c.headroom), pressed_d)
         p, d = max(p, c.min_prefill), max(d, c.min_decode)
         room = max(room, c.min_prefill + c.min_decode)
-        if p + d > room:  # more than the fleet may hold: shared in proportion to the need
-            share = round(room * p / (p + d))
-            p = min(max(share, c.min_prefill), room - c.min_decode)
-            d = room - p
+        if p + d > room:
+            p, d = self._share(room, pressed_p, pressed_d)
         while p + d < c.min_workers:
             if prefill > decode:
                 p += 1
             else:
                 d += 1
         return {Role.PREFILL: p, Role.DECODE: d}
+
+    def _share(self, room: int, pressed_p: bool, pressed_d: bool) -> tuple[int, int]:
+        """More wanted than the fleet may hold: the split whose busier role is the least
+        over its need (each role's need over its workers: the bottleneck decides what the
+        fleet carries, so 3.7 prefill + 2.1 decode needed on 4 workers is 2 + 2, not the
+        proportional 3 + 1), the present split unless another is ``_SPLIT_GAIN`` better (a
+        move costs its drain). What is measured comes first: a role whose pressure has held
+        at high gets a worker more than it has, whatever the forecast says of the other
+        (both pressed: the split stays; a move would only move the shortage)."""
+        c = self.config
+        assert self._planned is not None
+        have_p = min(max(self._planned[Role.PREFILL], c.min_prefill), room - c.min_decode)
+        if pressed_p or pressed_d:
+            share = have_p + pressed_p - pressed_d
+        else:
+            need_p, need_d = self._needs[Role.PREFILL], self._needs[Role.DECODE]
+
+            def load(n: int) -> float:  # the busier role's need over its workers with n prefill workers
+                return max(need_p / n, need_d / (room - n))
+
+            best = min(range(c.min_prefill, room - c.min_decode + 1), key=lambda n: (load(n), abs(n - have_p)))
+            share = best if load(best) * _SPLIT_GAIN < load(have_p) else have_p
+        p = min(max(share, c.min_prefill), room - c.min_decode)
+        return p, room - p
 
     def _corrected(self, role: Role, need: float, pressed: bool) -> int:
         """Workers for a fractional ``need``, times what has been seen to be missing: a
@@ -422,40 +462,89 @@ class Planner:
     ) -> list[Action]:
         assert self._planned is not None
         c, planned = self.config, self._planned
-        short = [r for r, n in targets.items() if self._planned[r] < n]
-        over = [r for r, n in targets.items() if self._planned[r] > n and _pressure(r, prefill, decode) < c.high]
+        self._track_move(obs)
+        short = [r for r, n in targets.items() if planned[r] < n]
+        over = [r for r, n in targets.items() if planned[r] > n and _pressure(r, prefill, decode) < c.high]
         actions: list[Action] = []
         for role in short:  # at once: a start takes time, the forecast has said it is needed
-            while self._planned[role] < targets[role] and self._fleet_size(obs, [*taken, *actions]) < c.max_workers:
-                self._planned[role] += 1
+            while planned[role] < targets[role] and self._fleet_size(obs, [*taken, *actions]) < c.max_workers:
+                planned[role] += 1
                 actions.append(Action(ActionKind.START, role, f"forecast needs {targets[role]} {role.value}", None, inputs))
         if actions:
-            self._last_reshape_s = obs.now_s
+            self._last_reshape_s = self._last_grow_s = obs.now_s
         if not over or actions:
-            self._target_streak = 0
+            self._target_streak, self._wanted_since_s = 0, math.inf
             return actions
         self._target_streak += 1
-        if self._target_streak < c.hold_rounds or obs.now_s - self._last_reshape_s < c.cooldown_s:
+        self._wanted_since_s = min(self._wanted_since_s, obs.now_s)
+        if self._target_streak < c.hold_rounds:
             return actions
-        over = [r for r in over if self._keeps_up_without_one(obs, r)]
-        if not over:
-            return actions
-        frm = max(over, key=lambda r: planned[r] - targets[r])
-        donor = _least_loaded(obs, frm)
-        if donor is None:
-            return actions
-        still_short = [r for r in short if self._planned[r] < targets[r]]
-        if not still_short and self._needs[frm] * _STOP_BAND > self._planned[frm] - 1:
-            return actions  # one worker less would be within the band: keep it
+        # what is measured vetoes: the donor role is slack now and stays below high with one worker less
+        over = [r for r in over if _pressure(r, prefill, decode) < c.low and self._keeps_up_without_one(obs, r)]
+        still_short = [r for r in short if planned[r] < targets[r]]
+        if still_short:
+            move = self._move(obs, over, still_short[0], targets, inputs)
+            return [move] if move is not None else []
+        stop = self._stop(obs, over, targets, inputs)
+        return [stop] if stop is not None else []
+
+    def _move(
+        self, obs: Observation, over: Sequence[Role], to: Role, targets: dict[Role, int], inputs: dict[str, float]
+    ) -> Action | None:
+        """A worker of an over-provisioned role to ``to``, after the cool-down and only
+        when the split has been wanted for as long as a move takes (its drain and restart,
+        as measured on the last one): a shorter shift would be over before the worker
+        serves in its new role, and moving it back would cost the same again (no flips).
+        A role whose pressure has held at high does not wait for that: it is short now."""
+        assert self._planned is not None
+        c = self.config
+        starving = self._streaks["prefill" if to is Role.PREFILL else "decode"] >= c.hold_rounds
+        if obs.now_s - self._last_reshape_s < c.cooldown_s or self._moving is not None:
+            return None
+        if not starving and obs.now_s - self._wanted_since_s < self._move_cost_s:
+            return None
+        frm = max(over, key=lambda r: self._planned[r] - targets[r], default=None)  # type: ignore[index]
+        donor = _least_loaded(obs, frm) if frm is not None else None
+        if frm is None or donor is None:
+            return None
+        self._planned[frm] -= 1
+        self._planned[to] += 1
+        self._last_reshape_s = self._last_grow_s = obs.now_s
+        self._target_streak, self._wanted_since_s = 0, math.inf
+        self._moving = (donor.worker_id, frm, obs.now_s)
+        why = f"forecast needs {targets[to]} {to.value}, {targets[frm]} {frm.value}"
+        return Action(ActionKind.MOVE, to, why, donor.worker_id, {**inputs, "move_cost_s": self._move_cost_s})
+
+    def _stop(self, obs: Observation, over: Sequence[Role], targets: dict[Role, int], inputs: dict[str, float]) -> Action | None:
+        """Stop a worker of the role most above its target: ``cooldown_s`` after the last
+        start or move (not after the last stop: a falling load sheds a worker every
+        ``hold_rounds``), and only when one worker less still leaves the role ``_STOP_BAND``
+        above its need (no flapping on the forecast's noise)."""
+        assert self._planned is not None
+        if obs.now_s - self._last_grow_s < self.config.cooldown_s:
+            return None
+        frm = max(over, key=lambda r: self._planned[r] - targets[r], default=None)  # type: ignore[index]
+        donor = _least_loaded(obs, frm) if frm is not None else None
+        if frm is None or donor is None or self._needs[frm] * _STOP_BAND > self._planned[frm] - 1:
+            return None
         self._planned[frm] -= 1
         self._last_reshape_s = obs.now_s
-        self._target_streak = 0
-        if still_short:
-            self._planned[still_short[0]] += 1
-            why = f"forecast needs {targets[still_short[0]]} {still_short[0].value}, {targets[frm]} {frm.value}"
-            return [Action(ActionKind.MOVE, still_short[0], why, donor.worker_id, inputs)]
-        return [Action(ActionKind.STOP, frm, f"forecast needs {targets[frm]} {frm.value}", donor.worker_id, inputs)]
+        self._target_streak, self._wanted_since_s = 0, math.inf
+        return Action(ActionKind.STOP, frm, f"forecast needs {targets[frm]} {frm.value}", donor.worker_id, inputs)
 
+    def _track_move(self, obs: Observation) -> None:
+        """A move is done when its worker no longer serves in its old role (re-registered
+        in the new one, or drained and gone): how long that took is the next moves' cost.
+        One still routable in its old role with nothing starting was not carried out."""
+        if self._moving is None:
+            return
+        worker_id, old, since = self._moving
+        view = next((w for w in obs.workers if w.worker_id == worker_id and w.role is old), None)
+        if view is None:
+            self._move_cost_s = obs.now_s - since
+            self._moving = None
+        elif view.routable and not obs.starting:  # the fleet did not carry it out: nothing measured
+            self._moving = None
 
     def _keeps_up_without_one(self, obs: Observation, role: Role) -> bool:
         """Whether ``role`` stays below ``high`` with one worker less by what scales with its
@@ -474,6 +563,7 @@ class Planner:
 _RELAX = 0.01  # of the correction's excess over 1, per round
 _STOP_BAND = 1.15  # a stop leaves the role at least 15 % above its need (no flapping on the forecast's noise)
 _MAX_CORRECTION = 4.0
+_SPLIT_GAIN = 1.1  # at the ceiling, another split must cut the bottleneck's load by 10 % to be worth a move
 
 
 def _pressure(role: Role, prefill: float, decode: float) -> float:

@@ -222,8 +222,16 @@ def check(obj: object) -> None:
 # --- types -----------------------------------------------------------------
 
 
+_HINTS: dict[type, dict[str, object]] = {}  # read only by the callers
+
+
 def _hints(cls: type) -> dict[str, object]:
-    return typing.get_type_hints(cls)
+    """A class's hints, worked out once per process (its flags, then its resolve: issue 36,
+    the run's start)."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _base(tp: object) -> object:

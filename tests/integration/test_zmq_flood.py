@@ -68,3 +68,39 @@ async def test_a_flood_leaves_the_consumer_its_turns_and_the_inbox_drops_nothing
         parent.send("done")
         proc.join(10)
         await plane.close()
+
+
+async def test_a_trickle_arrives_whole_and_close_stops_reading() -> None:
+    """The subscription reads its socket from a callback on zmq's descriptor, which
+    signals edges: each message of a trickle (one at a time, the reader idle between
+    them) must still arrive without waiting for the next one; after close, the
+    descriptor is no longer watched and publishing on reaches nothing."""
+    plane = ZmqEventPlane("127.0.0.1", secret=None)
+    try:
+        pub = await plane.publisher("kv_events", 1)
+        sub = await plane.subscribe("kv_events")
+        sub.connect(pub.address)
+        it = sub.__aiter__()
+        for _ in range(200):  # zmq drops what a PUB sends before the subscription is joined
+            pub.publish(b"probe")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(it.__anext__(), 0.05)
+                break
+        else:
+            raise AssertionError("the subscription never joined")
+        first = pub.seq + 1
+        for n in range(first, first + 50):
+            pub.publish(msgspec.msgpack.encode(n))
+            envelope = await asyncio.wait_for(it.__anext__(), 10)  # this one, not after the next
+            while envelope.payload == b"probe":  # probes published while joining
+                envelope = await asyncio.wait_for(it.__anext__(), 10)
+            assert msgspec.msgpack.decode(envelope.payload) == n
+        fd = sub._fd
+        await sub.close()
+        assert sub._fd is None
+        assert fd is not None and not asyncio.get_running_loop().remove_reader(fd)  # already removed
+        pub.publish(b"after")
+        await asyncio.sleep(0.05)
+        assert len(sub.inbox) == 0
+    finally:
+        await plane.close()

@@ -164,11 +164,10 @@ class FrontendReporter:
         """The frontend's totals now, unsigned."""
         m = self.metrics
         finished = round(counter_total(m.requests))
-        (ttft_b, ttft_c), (itl_b, itl_c) = histogram_buckets(m.ttft), histogram_buckets(m.itl)
+        ttft, itl = _finite(histogram_buckets(m.ttft)), _finite(histogram_buckets(m.itl))
         return FrontendReport(
             self.runtime.lease_id, time.time_ns(), finished + max(0, round(gauge_total(m.inflight))), finished,
-            round(counter_total(m.input_tokens)), round(counter_total(m.output_tokens)),
-            _finite(ttft_b, ttft_c)[0], _finite(ttft_b, ttft_c)[1], _finite(itl_b, itl_c)[0], _finite(itl_b, itl_c)[1],
+            round(counter_total(m.input_tokens)), round(counter_total(m.output_tokens)), *ttft, *itl,
         )  # fmt: skip
 
     async def put_once(self) -> bool:
@@ -192,8 +191,9 @@ class FrontendReporter:
             await asyncio.sleep(self.interval_s)
 
 
-def _finite(bounds: tuple[float, ...], counts: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+def _finite(snapshot: Buckets) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """A histogram snapshot (+Inf last, or none observed yet) as a report carries it."""
+    bounds, counts = snapshot
     if not bounds:
         return (), (0,)
     return bounds[:-1], tuple(round(c) for c in counts)

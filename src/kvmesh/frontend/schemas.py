@@ -275,14 +275,21 @@ class CompletionRequest(_Sampling, kw_only=True):
         return cast("str | list[int]", prompt)
 
 
-_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+# each built by its route's first request (issue 36: the chat one, messages and tools,
+# is ~10 ms of the frontend's start)
+_chat_decoder: msgspec.json.Decoder[ChatCompletionRequest] | None = None
+_completion_decoder: msgspec.json.Decoder[CompletionRequest] | None = None
 
 
 def parse(body: bytes, kind: Literal["chat", "completion"]) -> ChatCompletionRequest | CompletionRequest:
     """Decode and validate a request body; every failure is an InvalidArgument."""
+    global _chat_decoder, _completion_decoder
     if kind == "chat":
+        if _chat_decoder is None:
+            _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
         return decode_body(body, _chat_decoder)
+    if _completion_decoder is None:
+        _completion_decoder = msgspec.json.Decoder(CompletionRequest)
     return decode_body(body, _completion_decoder)
 
 

@@ -127,3 +127,15 @@ def test_the_embedded_fleet_counts_arrivals_when_admitted() -> None:
     metrics.inflight.labels("m").dec(5)  # they finish: no new arrivals
     metrics.requests.labels("m", "completions", "200").inc(5)
     assert fleet._arrivals(5.0)[1] == 0  # noqa: SLF001
+
+
+def test_kvmesh_planner_sizes_from_its_capacity_profile_at_the_profiles_slos(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvmesh.assembly.planner import distributed_config
+    from kvmesh.config import PlannerConfig as PlannerSettings
+    from kvmesh.planner.profile import CapacityPoint, CapacityProfile, dump_profile
+
+    path = tmp_path / "profile.json"
+    dump_profile(CapacityProfile(1500.0, 40.0, 0.99, (CapacityPoint(100, 10, 5.0, 5.0, 5.0),)), path)
+    config = distributed_config(PlannerSettings(capacity_profile=str(path), planner_headroom=0.7))
+    assert config.profile is not None and (config.slo_ttft_ms, config.slo_itl_ms, config.headroom) == (1500.0, 40.0, 0.7)
+    assert distributed_config(PlannerSettings()).profile is None

@@ -481,7 +481,7 @@ class Scheduler(Generic[S]):
             c = seq.num_computed
             if not (c == target - 1 and c >= seq.prompt_len) and self._prefill_slots_full(plan):  # a prefill
                 continue
-            n = self._chunk(target - c, budget)
+            n = 1 if c == target - 1 else self._chunk(target - c, budget)  # a decode: _chunk(1, budget > 0) == 1
             # the common case (the blocks grow, or need not) without _make_room's frame
             if allocate(seq.id, c + n) or self._make_room(seq, n, order, i, plan, too_big):
                 plan.add_to(seq, n, target)

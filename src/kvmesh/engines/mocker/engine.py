@@ -90,7 +90,7 @@ class _Mailbox(Mailbox):
 
     def score(self, token: int, shift: float) -> None:
         """Push ``token``; a plain mailbox keeps no log-probabilities (``push``
-        inlined: this is the step loop's per-token call)."""
+        inlined; ``MockerEngine._deliver`` inlines this in turn)."""
         self.tokens.append(token)
         self.pushed += 1
         self._wake()
@@ -380,9 +380,18 @@ class MockerEngine(StepLoopEngine[_Mailbox, BatchScheduler[MockSeq]], KvBlockAcc
     def _deliver(self, out: StepOutput) -> None:
         boxes = self._boxes
         shift = out.logprob_shift
+        plain = _Mailbox
         for sid, token in out.tokens.items():
             box = boxes.get(sid)
-            if box is not None:
+            if box is None:
+                continue
+            if type(box) is plain:  # _Mailbox.score inlined (once per token per step)
+                box.tokens.append(token)
+                box.pushed += 1
+                waiter = box._waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+            else:
                 box.score(token, shift)
         self._deliver_finished(out.finished)
 

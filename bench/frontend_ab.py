@@ -68,7 +68,7 @@ async def _main(a: argparse.Namespace) -> int:
             models = {}
             for label, server in servers:
                 models[label], _ = await wait_ready_async(server.url, 180, proc=server.proc)
-            results: dict[str, dict[str, list[float]]] = {label: {"rps64": [], "ttft1": [], "cpu64": [], "itl64": [], "itl1": []} for label, _, _ in arms}
+            results: dict[str, dict[str, list[float]]] = {label: {"rps64": [], "ttft1": [], "cpu64": [], "itl64": [], "itl1": [], "wk64": []} for label, _, _ in arms}
             for rnd in range(a.rounds):
                 order = servers if rnd % 2 == 0 else servers[::-1]
                 for label, server in order:
@@ -82,10 +82,11 @@ async def _main(a: argparse.Namespace) -> int:
                     results[label]["rps64"].append(r64.req_per_s)
                     results[label]["ttft1"].append(r1.ttft_p50_ms or 0.0)
                     results[label]["cpu64"].append(r64.frontend_cpu_ms_per_req or 0.0)
+                    results[label]["wk64"].append(r64.descendants_cpu_ms_per_req or 0.0)  # the worker
                     results[label]["itl64"].append(r64.itl_p50_ms or 0.0)
                     results[label]["itl1"].append(r1.itl_p50_ms or 0.0)
                     print(f"[ab] round {rnd + 1} {label:>8}: c=64 {r64.req_per_s:7.1f} req/s "
-                          f"{r64.frontend_cpu_ms_per_req or 0:6.3f} fe CPU ms/req   c=1 TTFT p50 "
+                          f"{r64.frontend_cpu_ms_per_req or 0:6.3f} fe {r64.descendants_cpu_ms_per_req or 0:6.3f} worker CPU ms/req   c=1 TTFT p50 "
                           f"{r1.ttft_p50_ms:6.2f} ms   ITL p50 c=64 {r64.itl_p50_ms or 0:6.2f} c=1 "
                           f"{r1.itl_p50_ms or 0:6.3f} ms", file=sys.stderr, flush=True)
         finally:
@@ -106,6 +107,8 @@ async def _main(a: argparse.Namespace) -> int:
     pcpu = {label: statistics.median(a / b for a, b in zip(results[label]["cpu64"], base["cpu64"])) for label, _, _ in arms}
     print(f"(medians of {a.rounds} rounds, router mode {a.router_mode or 'round_robin'}; 'paired': median of the per-round "
           f"ratios to {first}; fe CPU paired: " + ", ".join(f"{k} {v:.3f}" for k, v in pcpu.items()) + ")")
+    pwk = {label: statistics.median(a / b for a, b in zip(results[label]["wk64"], base["wk64"])) for label, _, _ in arms}
+    print("worker CPU ms/req c=64, median (paired): " + ", ".join(f"{k} {statistics.median(results[k]['wk64']):.3f} ({v:.3f})" for k, v in pwk.items()))
     for label, _, _ in arms:
         r = results[label]
         print(f"{label:>10} ITL p50 c=64 {statistics.median(r['itl64']):6.2f} ms, c=1 {statistics.median(r['itl1']):6.3f} ms")

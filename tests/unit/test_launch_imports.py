@@ -1,6 +1,6 @@
 """What the frontend imports to start (issue 36, launch -> first completion): the
-canaries' and the shedder's modules (and the health state machine under them) only
-where they are switched on."""
+canaries' and the shedder's modules (and the health state machine under them), and the
+tenants' limiter, only where they are switched on."""
 
 from __future__ import annotations
 
@@ -14,20 +14,24 @@ pytestmark = pytest.mark.timeout(150)
 _DEFERRED = ("kvmesh.health.monitor", "kvmesh.health.canary", "kvmesh.health.shedding", "kvmesh.health.degradation",
              "kvmesh.health.state", "kvmesh.health.breaker")  # fmt: skip
 
+_TENANTS = ("kvmesh.frontend.tenants", "kvmesh.frontend.tenant_state", "kvmesh.frontend.tenant_budget")
+
 _BUILD = """
 import sys
 from kvmesh.assembly.frontend import FrontendProcess
-from kvmesh.config import FrontendConfig
+from kvmesh.config import FrontendConfig, SecurityConfig
 from kvmesh.preprocess.model import bundled_model_path
-process = FrontendProcess._build(FrontendConfig(canary_interval_s={canary}, degradation={degrade}), None,
-                                 str(bundled_model_path()), True)
-assert process.frontend.registry.models
+security = SecurityConfig(api_keys={keys!r}, api_key_options={options!r})
+process = FrontendProcess._build(FrontendConfig(canary_interval_s={canary}, degradation={degrade}, security=security),
+                                 None, str(bundled_model_path()), True)
+assert process.frontend.registry.models and (process.frontend.tenants is not None) == bool({options!r})
 print(" ".join(n for n in {names!r} if n in sys.modules))
 """
 
 
-def _loaded(canary: float, degrade: bool) -> list[str]:
-    code = _BUILD.format(canary=canary, degrade=degrade, names=_DEFERRED)
+def _loaded(canary: float, degrade: bool, names: tuple[str, ...] = _DEFERRED, tenant: bool = False) -> list[str]:
+    keys, options = ((("k1", "premium"),), (("k1", "tenant=a rpm=5"),)) if tenant else ((), ())
+    code = _BUILD.format(canary=canary, degrade=degrade, names=names, keys=keys, options=options)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
@@ -39,6 +43,11 @@ def test_frontend_without_canaries_or_shedding_imports_neither() -> None:
 
 def test_frontend_with_canaries_and_shedding_imports_them() -> None:
     assert set(_loaded(30.0, True)) == set(_DEFERRED)
+
+
+def test_tenants_modules_only_with_a_tenant_key() -> None:
+    assert _loaded(0, False, _TENANTS) == []
+    assert _loaded(0, False, _TENANTS, tenant=True) == list(_TENANTS)
 
 
 def test_health_package_names_still_import() -> None:

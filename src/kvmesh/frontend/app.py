@@ -35,7 +35,6 @@ from kvmesh.frontend.models import ModelRegistry
 from kvmesh.frontend.server import Handler, HttpApp, Request, Response, StreamingResponse
 from kvmesh.frontend.sse import DeltaSSE, KeepAlive
 from kvmesh.observability import worker_metrics
-from kvmesh.frontend.tenant_state import TenantGate
 from kvmesh.observability.metrics import CONTENT_TYPE_LATEST, FrontendMetrics, export_tenant_usage
 from kvmesh.protocol import MAX_ADAPTER_NAME, MAX_LORA_PATH, LoraCommand, LoraState, WorkerMetrics
 from kvmesh.runtime.distributed import call
@@ -44,6 +43,7 @@ from kvmesh.runtime.names import FAULT, METRICS
 
 if TYPE_CHECKING:  # the Anthropic and Responses dialects: imported by their first request (issue 36)
     from kvmesh.frontend.generate import Dialect
+    from kvmesh.frontend.tenant_state import TenantGate  # where a key has a tenant (_tenant_gate)
 
 __all__ = ["Frontend", "error_response", "protocol_error", "public_message"]
 
@@ -382,6 +382,8 @@ def _tenant_gate(auth: Authenticator, metrics: FrontendMetrics) -> TenantGate | 
     policies = auth.tenants()
     if not policies:
         return None
+    from kvmesh.frontend.tenant_state import TenantGate
+
     gate = TenantGate(policies)
     export_tenant_usage(metrics.registry, gate.metric_usage)
     return gate

@@ -30,10 +30,13 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.config import SecurityConfig
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthorized
-from kvmesh.frontend.tenants import TenantPolicy, parse_policy
+
+if TYPE_CHECKING:
+    from kvmesh.frontend.tenants import TenantPolicy
 
 __all__ = ["Authenticator", "read_keys_file", "read_keys", "presented", "TIERS", "SESSION_S"]
 
@@ -66,6 +69,8 @@ def read_keys(path: str) -> list[tuple[str, str, str]]:
     :func:`kvmesh.frontend.tenants.parse_policy`); ``#`` starts a comment. Returns
     ``(key, tier, options)`` with the options as written (checked here). A bad line is
     a ValueError naming its line number (the CLI prints it)."""
+    from kvmesh.frontend.tenants import parse_policy
+
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -102,6 +107,10 @@ class Authenticator:
         options = dict(config.api_key_options)
         isolated = config.cache_isolation == "tenant"
         self._tenants: list[TenantPolicy | None] = []
+        if not config.api_keys:
+            return
+        from kvmesh.frontend.tenants import TenantPolicy, parse_policy  # with keys only (issue 36: not at every start)
+
         first: dict[str, TenantPolicy] = {}  # keys naming one tenant share the first such line's limits and weight
         for i, (key, _) in enumerate(config.api_keys, 1):
             words = options.get(key, "").split()

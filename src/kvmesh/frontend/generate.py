@@ -15,6 +15,7 @@ import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -40,13 +41,15 @@ from kvmesh.frontend.pipeline import explain_route, new_request_id, preprocess_a
 from kvmesh.frontend.schemas import ChatCompletionRequest, CompletionRequest, check_limits, parse
 from kvmesh.frontend.server import Request, Response
 from kvmesh.frontend.sse import DeltaSSE, KeepAlive
-from kvmesh.frontend.tenant_state import TenantGate
-from kvmesh.frontend.tenants import Grant, Refusal, TenantPolicy
 from kvmesh.frontend.tools import ToolReader
 from kvmesh.observability import tracing
 from kvmesh.observability.metrics import FrontendMetrics
 from kvmesh.protocol import GuidedDecoding, PreprocessedRequest, RoutingHints
 from kvmesh.runtime.context import Context
+
+if TYPE_CHECKING:  # the tenants' modules: imported where a key has a tenant (issue 36: not at every start)
+    from kvmesh.frontend.tenant_state import TenantGate
+    from kvmesh.frontend.tenants import Grant, Refusal, TenantPolicy
 
 __all__ = ["Dialect", "CHAT", "COMPLETIONS", "Generation", "require_json"]
 
@@ -141,6 +144,8 @@ class Generation:
             return dialect.error(exc, request_id)
         grant: Grant | None = None
         if request.tenant is not None:  # a key with a tenant: its limits, fair share and cache namespace
+            from kvmesh.frontend.tenants import Grant, Refusal
+
             got = self._reserve(request.tenant, preq)
             if isinstance(got, Grant) and self.tenants is not None and self.tenants.shares(request.tenant):
                 got = await self.tenants.share(got, request.tenant)  # several frontends: the fleet's budget too
@@ -194,6 +199,8 @@ class Generation:
     def _reserve(self, tenant: TenantPolicy, preq: PreprocessedRequest) -> Grant | Refusal:
         """Take the tenant's budget for ``preq`` (or refuse it), and mark it with its tenant:
         fair queuing's share and, with --cache-isolation tenant, its cache namespace."""
+        from kvmesh.frontend.tenants import Grant
+
         assert self.tenants is not None  # set whenever a key has a tenant
         got = self.tenants.reserve(tenant, len(preq.token_ids), preq.stop.max_tokens or 0)
         if not isinstance(got, Grant):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.planner.core import ActionKind, Observation, Planner, PlannerConfig, Role, WorkerView
+from kvmesh.planner.core import Action, ActionKind, Observation, Planner, PlannerConfig, Role, WorkerView
 from kvmesh.planner.forecast import METHODS, Holt, Kalman, LastValue, LoadForecast, LoadForecaster, forecast_errors
 from kvmesh.planner.profile import CapacityPoint, CapacityProfile, dump_profile, load_profile, size_fleet
 
@@ -98,6 +98,32 @@ def test_profile_is_exact_on_its_grid_log_linear_between_and_extrapolated_beyond
     assert p.at(16_000, 100).prefill_rps == pytest.approx(0.25)  # a longer prompt than measured: less, not the edge's
 
 
+def test_profile_never_claims_more_than_measured_outside_its_grid() -> None:
+    p = _profile()
+    assert _rates(p.at(10, 10)) == pytest.approx(_rates(p.at(1000, 100)))  # shorter than measured: the edge's
+    assert p.at(0.0, 100).prefill_rps == pytest.approx(4.0)
+    # a worker whose measured capacity barely falls with the answer's length (prefill-bound
+    # at short answers) still carries no more answer tokens/s beyond the grid than at its edge
+    flat = CapacityProfile(2000.0, 35.0, 0.99, tuple(
+        CapacityPoint(1000, o, 30.0, 30.0, 30.0 if o == 24 else 22.0) for o in (24, 600)))  # fmt: skip
+    assert flat.at(1000, 3000).aggregated_rps == pytest.approx(22.0 * 600 / 3000)
+    assert flat.at(1000, 600).aggregated_rps == pytest.approx(22.0)
+
+
+def _rates(c: CapacityPoint) -> tuple[float, float, float]:
+    return c.prefill_rps, c.decode_rps, c.aggregated_rps
+
+
+def test_a_mix_forecast_is_never_shorter_than_the_last_round() -> None:
+    f = LoadForecaster()
+    for _ in range(20):
+        f.observe(7, 1.0, 7 * 16_000, 7 * 40)
+    for _ in range(3):  # the prompts shrink to 1000 tokens: Holt's trend runs below that
+        f.observe(10, 1.0, 10 * 1000, 10 * 3000)
+    forecast = f.predict(5)
+    assert forecast.input_tokens >= 1000.0 and forecast.output_tokens >= 3000.0
+
+
 def test_profile_round_trips_as_json_and_a_bad_file_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     dump_profile(_profile(), path)
@@ -144,7 +170,8 @@ def test_with_a_profile_the_planner_starts_what_the_forecast_needs_at_once_and_s
     fleet = {0: Role.AGGREGATED}
     plan = planner.plan(_obs(0.0, fleet, 2.0))  # 2 req/s at 2 per worker: one is enough
     assert plan.actions == () and plan.targets == {Role.AGGREGATED: 1}
-    starts, last_start = [], 0
+    starts: list[Action] = []
+    last_start = 0
     for k in range(1, 6):  # the load jumps to 8 req/s: four workers, started in the round it is seen
         plan = planner.plan(_obs(float(k), fleet, 8.0, tuple(Role.AGGREGATED for _ in starts)))
         starts += [a for a in plan.actions if a.kind is ActionKind.START]

@@ -159,6 +159,7 @@ class LoadForecaster:
         self._output = make_forecaster(mix_method)
         self.rounds = 0
         self._interval_s = 1.0
+        self._last_mix = (0.0, 0.0)  # the last round's mean prompt and output lengths
 
     def observe(self, arrived: int, interval_s: float, input_tokens: int, output_tokens: int) -> None:
         """One round: ``arrived`` requests in ``interval_s`` seconds, with these token totals."""
@@ -167,15 +168,20 @@ class LoadForecaster:
         self._rate.update(float(arrived))
         self._interval_s = interval_s
         if arrived:
-            self._input.update(input_tokens / arrived)
-            self._output.update(output_tokens / arrived)
+            self._last_mix = (input_tokens / arrived, output_tokens / arrived)
+            self._input.update(self._last_mix[0])
+            self._output.update(self._last_mix[1])
         self.rounds += 1
 
     def predict(self, steps: int) -> LoadForecast:
-        """The next ``steps`` (>= 1) rounds: the peak rate among them, the mix at the last."""
+        """The next ``steps`` (>= 1) rounds: the peak rate among them, the mix at the last,
+        but never shorter requests than the last round's (a trend of falling lengths is
+        not extrapolated below what arrives now: at a shift from long prompts to short
+        ones it reached 0 tokens, sizing the fleet for requests that cost nothing)."""
         steps = max(1, steps)
         rate = max(self._rate.forecast(k) for k in range(1, steps + 1)) / self._interval_s
-        return LoadForecast(rate, self._input.forecast(steps), self._output.forecast(steps))
+        n_in, n_out = self._last_mix
+        return LoadForecast(rate, max(self._input.forecast(steps), n_in), max(self._output.forecast(steps), n_out))
 
 
 @dataclass(frozen=True, slots=True)

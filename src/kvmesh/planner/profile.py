@@ -9,9 +9,14 @@ planner loads it with ``--capacity-profile FILE`` (replay and live alike).
 
 :func:`size_fleet` turns a :class:`~kvmesh.planner.forecast.LoadForecast` into worker
 counts: the forecast rate over one worker's capacity at the forecast mix (interpolated
-on the grid, log-linearly in both lengths; beyond the grid extrapolated along its
-edge, so a 100k-token prompt is not given a 16k-token one's capacity), divided by
-``headroom`` (< 1: the fleet is sized to run below its measured limit).
+on the grid, log-linearly in both lengths), divided by ``headroom`` (< 1: the fleet is
+sized to run below its measured limit). Outside the grid the profile never claims more
+than it measured: shorter requests than its shortest get the edge's capacity (not an
+extrapolation upward: a forecast's mean length of 0 at a shift would size one worker),
+and longer ones at most the edge's tokens per second (capacity × edge ÷ length, e.g. a
+3000-token answer a fifth of a 600-token one's), or less where the edge segment's
+log-linear slope, extrapolated at most one segment, falls faster (a 100k-token prompt
+is not given a 16k-token one's capacity).
 """
 
 from __future__ import annotations
@@ -81,34 +86,40 @@ class CapacityProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return tuple(sorted({p.output_tokens for p in self.points}))
 
     def at(self, input_tokens: float, output_tokens: float) -> CapacityPoint:
-        """One worker's capacity at this mix, interpolated (log-linear) on the grid. Next
-        to a mix no rate serves (0 req/s) a role gets its least measured capacity and
-        the point says so in ``infeasible`` (the SLOs are not attainable there)."""
-        by = {(p.input_tokens, p.output_tokens): p for p in self.points}
-        (i0, i1, wi), (o0, o1, wo) = _segment(self.inputs, input_tokens), _segment(self.outputs, output_tokens)
-        near = [by[(i, o)] for i in {i0, i1 if wi else i0} for o in {o0, o1 if wo else o0}]
-        zero = [p for p in near if not min(p.prefill_rps, p.decode_rps, p.aggregated_rps)]
-        why = (zero[0].infeasible or "no rate meets the SLOs") if zero else ""
+        """One worker's capacity at this mix: log-linear on the grid; never more than
+        measured for lengths outside it (module docstring)."""
+        ins, outs = self.inputs, self.outputs
+        i, o = min(max(input_tokens, ins[0]), ins[-1]), min(max(output_tokens, outs[0]), outs[-1])
+        # beyond the grid's long edge a worker carries no more tokens/s than at the edge
+        scale = i / max(input_tokens, i) * o / max(output_tokens, o)
+        inner, outer = self._loglinear(i, o), self._loglinear(input_tokens, output_tokens)
 
         def value(name: str) -> float:
-            least = min((v for p in self.points if (v := float(getattr(p, name))) > 0), default=1e-3)
-            if any(not getattr(p, name) for p in near):
-                return least
+            edge = float(getattr(inner, name))
+            return min(edge * scale, float(getattr(outer, name))) if scale < 1 else edge
 
-            def g(i: int, o: int) -> float:  # an infeasible corner here has no weight
-                return math.log(max(float(getattr(by[(i, o)], name)), least))
+        return CapacityPoint(round(input_tokens), round(output_tokens), value("prefill_rps"), value("decode_rps"),
+                             value("aggregated_rps"))  # fmt: skip
+
+    def _loglinear(self, input_tokens: float, output_tokens: float) -> CapacityPoint:
+        by = {(p.input_tokens, p.output_tokens): p for p in self.points}
+        (i0, i1, wi), (o0, o1, wo) = _segment(self.inputs, input_tokens), _segment(self.outputs, output_tokens)
+
+        def value(name: str) -> float:
+            def g(i: int, o: int) -> float:
+                return math.log(float(getattr(by[(i, o)], name)))
 
             low = g(i0, o0) * (1 - wo) + g(i0, o1) * wo
             high = g(i1, o0) * (1 - wo) + g(i1, o1) * wo
             return math.exp(low * (1 - wi) + high * wi)
 
         return CapacityPoint(round(input_tokens), round(output_tokens), value("prefill_rps"), value("decode_rps"),
-                             value("aggregated_rps"), infeasible=why)  # fmt: skip
+                             value("aggregated_rps"))  # fmt: skip
 
 
 def _segment(axis: Sequence[int], v: float) -> tuple[int, int, float]:
-    """The grid segment for ``v`` and its weight along it (log scale; outside the grid
-    the edge segment, extrapolated at most one segment's length)."""
+    """The grid segment for ``v`` and its weight along it (log scale; beyond the long
+    edge the edge segment, extrapolated at most one segment's length)."""
     if len(axis) == 1:
         return axis[0], axis[0], 0.0
     i = 0

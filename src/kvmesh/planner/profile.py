@@ -86,35 +86,46 @@ class CapacityProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return tuple(sorted({p.output_tokens for p in self.points}))
 
     def at(self, input_tokens: float, output_tokens: float) -> CapacityPoint:
-        """One worker's capacity at this mix: log-linear on the grid; never more than
-        measured for lengths outside it (module docstring)."""
+        """One worker's capacity at this mix, interpolated (log-linear) on the grid, and
+        never more than measured for lengths outside it (module docstring). Next to a
+        mix no rate serves (0 req/s) a role gets its least measured capacity and the
+        point says so in ``infeasible`` (the SLOs are not attainable there)."""
         ins, outs = self.inputs, self.outputs
         i, o = min(max(input_tokens, ins[0]), ins[-1]), min(max(output_tokens, outs[0]), outs[-1])
         # beyond the grid's long edge a worker carries no more tokens/s than at the edge
         scale = i / max(input_tokens, i) * o / max(output_tokens, o)
-        inner, outer = self._loglinear(i, o), self._loglinear(input_tokens, output_tokens)
+        inner = self._loglinear(i, o)
+        if scale >= 1:
+            return msgspec.structs.replace(inner, input_tokens=round(input_tokens), output_tokens=round(output_tokens))
+        outer = self._loglinear(input_tokens, output_tokens)
 
         def value(name: str) -> float:
-            edge = float(getattr(inner, name))
-            return min(edge * scale, float(getattr(outer, name))) if scale < 1 else edge
+            return min(float(getattr(inner, name)) * scale, float(getattr(outer, name)))
 
         return CapacityPoint(round(input_tokens), round(output_tokens), value("prefill_rps"), value("decode_rps"),
-                             value("aggregated_rps"))  # fmt: skip
+                             value("aggregated_rps"), infeasible=inner.infeasible or outer.infeasible)  # fmt: skip
 
     def _loglinear(self, input_tokens: float, output_tokens: float) -> CapacityPoint:
         by = {(p.input_tokens, p.output_tokens): p for p in self.points}
         (i0, i1, wi), (o0, o1, wo) = _segment(self.inputs, input_tokens), _segment(self.outputs, output_tokens)
+        near = [by[(i, o)] for i in {i0, i1 if wi else i0} for o in {o0, o1 if wo else o0}]
+        zero = [p for p in near if not min(p.prefill_rps, p.decode_rps, p.aggregated_rps)]
+        why = (zero[0].infeasible or "no rate meets the SLOs") if zero else ""
 
         def value(name: str) -> float:
-            def g(i: int, o: int) -> float:
-                return math.log(float(getattr(by[(i, o)], name)))
+            least = min((v for p in self.points if (v := float(getattr(p, name))) > 0), default=1e-3)
+            if any(not getattr(p, name) for p in near):
+                return least
+
+            def g(i: int, o: int) -> float:  # an infeasible corner here has no weight
+                return math.log(max(float(getattr(by[(i, o)], name)), least))
 
             low = g(i0, o0) * (1 - wo) + g(i0, o1) * wo
             high = g(i1, o0) * (1 - wo) + g(i1, o1) * wo
             return math.exp(low * (1 - wi) + high * wi)
 
         return CapacityPoint(round(input_tokens), round(output_tokens), value("prefill_rps"), value("decode_rps"),
-                             value("aggregated_rps"))  # fmt: skip
+                             value("aggregated_rps"), infeasible=why)  # fmt: skip
 
 
 def _segment(axis: Sequence[int], v: float) -> tuple[int, int, float]:

@@ -66,7 +66,7 @@ def test_at_the_ceiling_the_split_is_set_by_the_bottleneck_not_by_proportion() -
         planner = Planner(_cfg())
         actions: list[Action] = []
         for k in range(40):
-            plan = planner.plan(_round(float(k), fleet, rate=15, output_tokens=284))
+            plan = planner.plan(_round(float(k), fleet, rate=15, output_tokens=284, ttft_ms=1200.0))
             for a in plan.actions:
                 actions.append(a)
                 fleet[a.worker_id or 0] = a.role
@@ -99,7 +99,7 @@ def test_a_forecast_move_needs_the_donor_slack_now_not_only_below_high() -> None
         planner = Planner(_cfg())
         out: list[Action] = []
         for k in range(6):
-            out += planner.plan(_round(float(k), _two_and_two(), itl_ms=itl_ms)).actions
+            out += planner.plan(_round(float(k), _two_and_two(), itl_ms=itl_ms, ttft_ms=1200.0)).actions
         return out
 
     assert moves(0.6 * 35.0) == []
@@ -107,12 +107,40 @@ def test_a_forecast_move_needs_the_donor_slack_now_not_only_below_high() -> None
     assert [(a.kind, a.role) for a in moved] == [(ActionKind.MOVE, Role.PREFILL)]
 
 
+def test_a_move_feeds_only_a_role_that_is_busy_now() -> None:
+    """The forecast wants 3 prefill, 1 decode and the decode side is slack, but a move
+    outlasts the forecast's horizon: with the prefill TTFT at 0.3 of its SLO (below low)
+    nothing moves; at 0.6 of it one worker does."""
+
+    def moves(ttft_ms: float) -> list[Action]:
+        planner = Planner(_cfg())
+        out: list[Action] = []
+        for k in range(8):
+            out += planner.plan(_round(float(k), _two_and_two(), itl_ms=10.0, ttft_ms=ttft_ms)).actions
+        return out
+
+    assert moves(0.3 * 2000.0) == []
+    assert [(a.kind, a.role) for a in moves(0.6 * 2000.0)] == [(ActionKind.MOVE, Role.PREFILL)]
+
+
+def test_a_donor_must_stay_slack_for_the_whole_hold() -> None:
+    """The decode side's ITL is at 0.6 of its SLO one round in three: slack in most rounds,
+    never for the 3 rounds in a row the hold asks; nothing moves."""
+    planner = Planner(_cfg(hold_rounds=3))
+    actions: list[Action] = []
+    for k in range(30):
+        itl = 0.6 * 35.0 if k % 3 == 0 else 0.3 * 35.0
+        actions += planner.plan(_round(float(k), _two_and_two(), itl_ms=itl, ttft_ms=1200.0)).actions
+    assert actions == []
+
+
 def _move_and_settle(planner: Planner, fleet: dict[int, Role], t0: float, drain_s: int, rate: int) -> float:
+    busy = 1200.0  # the receiving prefill role at 0.6 of its TTFT SLO
     """Run rounds from ``t0`` until the planner moves a worker, then drain it for
     ``drain_s`` rounds before it serves in its new role; the time after."""
     t = t0
     while True:
-        actions = planner.plan(_round(t, fleet, rate=rate)).actions
+        actions = planner.plan(_round(t, fleet, rate=rate, ttft_ms=busy)).actions
         t += 1.0
         if actions:
             (a,) = actions
@@ -120,7 +148,7 @@ def _move_and_settle(planner: Planner, fleet: dict[int, Role], t0: float, drain_
             break
         assert t < t0 + 200, "no move"
     for _ in range(drain_s):
-        assert planner.plan(_round(t, fleet, rate=rate, moving={a.worker_id: a.role})).actions == ()
+        assert planner.plan(_round(t, fleet, rate=rate, ttft_ms=busy, moving={a.worker_id: a.role})).actions == ()
         t += 1.0
     fleet[a.worker_id] = a.role
     return t
@@ -135,12 +163,12 @@ def test_a_move_waits_until_the_split_has_been_wanted_as_long_as_the_last_move_t
     assert sorted(r.value for r in fleet.values()).count("prefill") == 3
     burst = 0
     for _ in range(10):  # 4 req/s of 1000/800 tokens: 1 prefill worker, 1.6 decode (3 to fill the fleet)
-        plan = planner.plan(_round(t, fleet, rate=4, output_tokens=800))
+        plan = planner.plan(_round(t, fleet, rate=4, output_tokens=800, itl_ms=21.0))  # decode busy
         burst += len(plan.actions)
         t += 1.0
     assert plan.targets == {Role.PREFILL: 1, Role.DECODE: 3} and burst == 0  # wanted, not for a move's time yet
     moved: list[Action] = []
     for _ in range(15):
-        moved += planner.plan(_round(t, fleet, rate=4, output_tokens=800)).actions
+        moved += planner.plan(_round(t, fleet, rate=4, output_tokens=800, itl_ms=21.0)).actions
         t += 1.0
     assert [(a.kind, a.role) for a in moved] == [(ActionKind.MOVE, Role.DECODE)]

@@ -47,9 +47,12 @@ mix (:func:`~kvmesh.planner.profile.size_fleet`) gives each role's target, withi
   workers is 2 + 2), the present one unless another is 10 % better; except that a role
   whose pressure has held at ``high`` gets a worker more than it has, whatever the
   forecast says of the other (both pressed: the split stays);
-* a MOVE or STOP takes a worker only from a role measured slack now (pressure below
-  ``low``) that stays below ``high`` with one worker less by what scales with its workers
-  (KV use; the prefill queue): a forecast does not starve a role.
+* a MOVE or STOP takes a worker only from a role measured slack (pressure below ``low``)
+  through the whole hold, that stays below ``high`` with one worker less by what scales
+  with its workers (KV use; the prefill queue): a forecast does not starve a role;
+* a MOVE feeds only a role that is busy now (pressure at or above ``low``): a move takes
+  longer than the forecast looks ahead, so a need only forecast is not worth a donor's
+  drain (with room in the fleet the forecast starts workers instead).
 
 Then, in order: roles below target start workers at once (a ramp does not wait: no
 hold, no cool-down); a role above target, once the target has held ``hold_rounds``
@@ -464,7 +467,10 @@ class Planner:
         c, planned = self.config, self._planned
         self._track_move(obs)
         short = [r for r, n in targets.items() if planned[r] < n]
-        over = [r for r, n in targets.items() if planned[r] > n and _pressure(r, prefill, decode) < c.high]
+        # what is measured vetoes: a donor is slack (below low) and stays below high with one
+        # worker less by what scales with its workers
+        over = [r for r, n in targets.items() if planned[r] > n and _pressure(r, prefill, decode) < c.low
+                and self._keeps_up_without_one(obs, r)]  # fmt: skip
         actions: list[Action] = []
         for role in short:  # at once: a start takes time, the forecast has said it is needed
             while planned[role] < targets[role] and self._fleet_size(obs, [*taken, *actions]) < c.max_workers:
@@ -472,18 +478,19 @@ class Planner:
                 actions.append(Action(ActionKind.START, role, f"forecast needs {targets[role]} {role.value}", None, inputs))
         if actions:
             self._last_reshape_s = self._last_grow_s = obs.now_s
-        if not over or actions:
+        still_short = [r for r in short if planned[r] < targets[r]]
+        # no room to start: a move, and it outlasts the forecast's horizon, so the role it
+        # feeds must be busy now (at or above low), not only forecast to be
+        busy = [r for r in still_short if _pressure(r, prefill, decode) >= c.low]
+        if not over or actions or (still_short and not busy):
             self._target_streak, self._wanted_since_s = 0, math.inf
             return actions
-        self._target_streak += 1
+        self._target_streak += 1  # rounds the move or stop has been wanted and measured possible, without a break
         self._wanted_since_s = min(self._wanted_since_s, obs.now_s)
         if self._target_streak < c.hold_rounds:
             return actions
-        # what is measured vetoes: the donor role is slack now and stays below high with one worker less
-        over = [r for r in over if _pressure(r, prefill, decode) < c.low and self._keeps_up_without_one(obs, r)]
-        still_short = [r for r in short if planned[r] < targets[r]]
-        if still_short:
-            move = self._move(obs, over, still_short[0], targets, inputs)
+        if busy:
+            move = self._move(obs, over, busy[0], targets, inputs)
             return [move] if move is not None else []
         stop = self._stop(obs, over, targets, inputs)
         return [stop] if stop is not None else []

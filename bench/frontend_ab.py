@@ -3,7 +3,8 @@
 --speedup 1e9`` servers (arms) side by side, loaded one at a time in alternating
 order for a few rounds, so background load hits every arm alike. Prints the median
 req/s at concurrency 64 and TTFT p50 at concurrency 1 per arm, and each arm's ratio
-to the first one.
+to the first one; also the frontend's and the worker's CPU per request at c=64 (the
+worker: the frontend's descendants), paired.
 
 Arms: ``--arm LABEL=SRC[,VAR=VALUE...]``: SRC is a source tree (``src`` of a
 checkout) put first on PYTHONPATH, VAR=VALUE extra environment. ``--base-commit C``

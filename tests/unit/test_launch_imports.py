@@ -57,3 +57,29 @@ def test_health_package_names_still_import() -> None:
     assert monitor.HealthMonitor.__module__ == "kvmesh.health.monitor"
     with pytest.raises(ImportError):
         from kvmesh.health import no_such_name  # noqa: F401
+
+
+def test_run_starts_without_the_cyclic_collector_and_turns_it_back_on() -> None:
+    import gc
+    import os
+
+    from kvmesh.cli import main as cli
+
+    assert gc.isenabled()
+    assert cli.main(["run", "--workers", "0"]) == 2  # a bad value: refused (one line), the collector on again
+    assert gc.isenabled()
+    cli._collect_later()
+    try:
+        assert not gc.isenabled()
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a forked worker: the collector on at once
+            os.write(write_fd, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(write_fd)
+        assert os.read(read_fd, 1) == b"1"
+        os.close(read_fd)
+        os.waitpid(pid, 0)
+        assert not gc.isenabled()  # this process: off until the frontend is built
+    finally:
+        gc.enable()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -239,6 +240,7 @@ async def _serve_frontend(
     events = make_event_plane("zmq", host=cfg.worker.host) if cfg.frontend.router_mode == "kv" else None
     models = [(f.worker.model_path or "", f.worker.served_model_name) for f in cfg.fleets]
     process = await http.FrontendProcess.over_discovery(cfg.frontend, runtime, events, models, defer_templates=True)
+    gc.enable()  # off since kvmesh run started (cli/main.py): the frontend is built
     broken: list[str] = []
     planner: PlannerService | None = None
     if fleet is not None:

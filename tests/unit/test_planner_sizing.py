@@ -172,3 +172,21 @@ def test_a_move_waits_until_the_split_has_been_wanted_as_long_as_the_last_move_t
         moved += planner.plan(_round(t, fleet, rate=4, output_tokens=800, itl_ms=21.0)).actions
         t += 1.0
     assert [(a.kind, a.role) for a in moved] == [(ActionKind.MOVE, Role.DECODE)]
+
+
+def test_a_held_pressure_asks_for_one_worker_not_one_per_round_while_it_starts() -> None:
+    """TTFT above the SLO for 12 rounds; the worker it asked for takes 10 rounds to serve:
+    one start, not one a round (which took the day trace from 2 to 5 workers in 6 s)."""
+    planner = Planner(_cfg(min_workers=1, max_workers=8))
+    fleet = {0: Role.AGGREGATED, 1: Role.AGGREGATED}
+    coming: list[Role] = []
+    starts = 0
+    for k in range(12):  # 2 req/s of 1000/100: the profile says one worker is plenty
+        views = tuple(WorkerView(i, r, True) for i, r in fleet.items())
+        obs = Observation(float(k), views, tuple(coming), ttft_p90_ms=3000.0, interval_s=1.0, arrived=2,
+                          arrived_input_tokens=2000, arrived_output_tokens=200)  # fmt: skip
+        for a in planner.plan(obs).actions:
+            assert a.kind is ActionKind.START
+            starts += 1
+            coming.append(a.role)
+    assert starts == 1

@@ -39,8 +39,8 @@ arrivals (``Observation.interval_s`` > 0), step 3 sizes the fleet from a forecas
 mix (:func:`~kvmesh.planner.profile.size_fleet`) gives each role's target, within
 ``min_workers`` .. ``max_workers``. What is measured comes first:
 
-* a pressure held at ``high`` for ``hold_rounds`` adds a worker to its role's target and
-  raises the role's correction (the profile's error, as measured: later forecasts of the
+* a pressure held at ``high`` for ``hold_rounds`` adds a worker to its role's target
+  (one: not while a worker is on its way to the role) and raises the role's correction (the profile's error, as measured: later forecasts of the
   same load keep that worker; it relaxes 1 % a round), and a role at ``high`` is not shrunk;
 * a disaggregated fleet's targets beyond ``max_workers`` are the split whose busier role
   is the least over its need (the bottleneck: 3.7 prefill + 2.1 decode needed on 4
@@ -403,17 +403,22 @@ class Planner:
         assert c.profile is not None and self._planned is not None
         cap = size_fleet(c.profile, forecast, c.headroom).capacity
         room = c.max_workers - self._spares_and_starting(obs, taken)
+        # a pressure held at high asks for one worker more, unless one is already on its way
+        # to that role (it serves only after its start: asking again each round overshoots)
+        coming = set(obs.starting)
         if not self._disaggregated():
             pressed = self._streaks["prefill"] >= c.hold_rounds or self._streaks["decode"] >= c.hold_rounds
+            pressed = pressed and Role.AGGREGATED not in coming
             want = self._corrected(Role.AGGREGATED, forecast.rate_rps / (cap.aggregated_rps * c.headroom), pressed)
             return {Role.AGGREGATED: min(max(want, c.min_workers), max(room, 1))}
-        pressed_p, pressed_d = (self._streaks[r] >= c.hold_rounds for r in ("prefill", "decode"))
+        held_p, held_d = (self._streaks[r] >= c.hold_rounds for r in ("prefill", "decode"))
+        pressed_p, pressed_d = held_p and Role.PREFILL not in coming, held_d and Role.DECODE not in coming
         p = self._corrected(Role.PREFILL, forecast.rate_rps / (cap.prefill_rps * c.headroom), pressed_p)
         d = self._corrected(Role.DECODE, forecast.rate_rps / (cap.decode_rps * c.headroom), pressed_d)
         p, d = max(p, c.min_prefill), max(d, c.min_decode)
         room = max(room, c.min_prefill + c.min_decode)
         if p + d > room:
-            p, d = self._share(room, pressed_p, pressed_d)
+            p, d = self._share(room, held_p or held_d, pressed_p, pressed_d)
         while p + d < c.min_workers:
             if prefill > decode:
                 p += 1
@@ -421,19 +426,19 @@ class Planner:
                 d += 1
         return {Role.PREFILL: p, Role.DECODE: d}
 
-    def _share(self, room: int, pressed_p: bool, pressed_d: bool) -> tuple[int, int]:
+    def _share(self, room: int, held: bool, pressed_p: bool, pressed_d: bool) -> tuple[int, int]:
         """More wanted than the fleet may hold: the split whose busier role is the least
         over its need (each role's need over its workers: the bottleneck decides what the
         fleet carries, so 3.7 prefill + 2.1 decode needed on 4 workers is 2 + 2, not the
         proportional 3 + 1), the present split unless another is ``_SPLIT_GAIN`` better (a
         move costs its drain). What is measured comes first: a role whose pressure has held
         at high gets a worker more than it has, whatever the forecast says of the other
-        (both pressed: the split stays; a move would only move the shortage)."""
+        (both pressed, or the pressed role's worker still on its way: the split stays)."""
         c = self.config
         assert self._planned is not None
         have_p = min(max(self._planned[Role.PREFILL], c.min_prefill), room - c.min_decode)
-        if pressed_p or pressed_d:
-            share = have_p + pressed_p - pressed_d
+        if held:
+            share = have_p + (pressed_p and not pressed_d) - (pressed_d and not pressed_p)
         else:
             need_p, need_d = self._needs[Role.PREFILL], self._needs[Role.DECODE]
 

@@ -170,6 +170,9 @@ fe.registry.add_model(str(bundled_model_path()), None, True)
 m = fe.metrics.model("kvmesh-tiny")
 m.ttft.observe(0.01); m.finished("chat", "200"); fe.metrics.disconnects.inc()
 assert b"kvmesh_frontend_requests_total" in fe.metrics.render()
+from kvmesh.observability import worker_metrics  # /metrics with workers: their series too
+from kvmesh.protocol import WorkerMetrics
+assert b"kvmesh_worker_" in worker_metrics.render([("1", WorkerMetrics(worker_id=1))], {"1": "kvmesh-tiny"})
 print(" ".join(n for n in ("prometheus_client", "http.server", "urllib.request", "wsgiref") if n in sys.modules))
 """
 
@@ -179,3 +182,31 @@ def test_frontend_start_and_metrics_import_no_prometheus_client() -> None:
     out = subprocess.run([sys.executable, "-c", _FRONTEND_PATH], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []
+
+
+def test_worker_series_text_is_what_prometheus_client_families_write() -> None:
+    # the frontend's /metrics worker series (and a worker's own endpoint) from kvmesh's
+    # families: the same text as prometheus_client's CounterMetricFamily/GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from kvmesh.observability import worker_metrics
+    from kvmesh.protocol import DisaggStats, WorkerMetrics
+
+    samples = [("1f", WorkerMetrics(worker_id=0x1F, running=2, kv_blocks_total=10, requests=7, output_tokens=99)),
+               ("2a", WorkerMetrics(worker_id=0x2A, mode="prefill", disagg=DisaggStats(mode="prefill", remote_prefills=3)))]  # fmt: skip
+    models = {"1f": "tiny", "2a": 'odd "model"'}
+    ours = worker_metrics.render(samples, models)
+
+    class Theirs:
+        def collect(self) -> object:
+            for family in worker_metrics.families(samples, models=models):
+                cls = CounterMetricFamily if family.type == "counter" else GaugeMetricFamily
+                twin = cls(family.name, family.documentation, labels=list(family.labelnames))
+                for s in family.samples:
+                    twin.add_metric([s.labels[k] for k in family.labelnames], s.value)
+                yield twin
+
+    theirs = CollectorRegistry(auto_describe=False)
+    theirs.register(Theirs())  # type: ignore[arg-type]  # a duck-typed collector
+    assert ours == generate_latest(theirs) and b'model="odd \\"model\\""' in ours and b"kvmesh_disagg_" in ours
+    assert worker_metrics.render([], models) == b""

@@ -13,12 +13,12 @@ the engine on demand, and rendered for Prometheus, labelled by worker.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.protocol import DisaggStats, LoadReport, OutputChunk, WorkerMetrics
 
 if TYPE_CHECKING:
-    from prometheus_client.metrics_core import Metric
+    from kvmesh.observability.metrics_core import Family
 
 __all__ = ["WorkerCounters", "sample", "families", "render", "DISAGG_COUNTERS"]
 
@@ -111,48 +111,49 @@ _DISAGG_GAUGES = {
 
 def families(
     samples: Sequence[tuple[str, WorkerMetrics]], extra: Sequence[str] = (), models: Mapping[str, str] | None = None
-) -> Iterator[Metric]:
+) -> Iterator[Any]:
     """Metric families for ``(worker label, sample)`` pairs; labels ``worker``, ``role``
     and ``extra`` names (values appended by the caller in each pair's label); with
     ``models`` (worker label → its model: a frontend's view) the worker series carry a
-    ``model`` label too."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    ``model`` label too. The families are :mod:`~kvmesh.observability.metrics_core`'s
+    (``Any``: a worker's ``prometheus_client`` registry collects them as its own)."""
+    from kvmesh.observability.metrics_core import counter_family, gauge_family
 
     labels = ["worker_id", "role"] if models is None else ["worker_id", "role", "model"]
     for name, kind, doc, attr in _WORKER:
-        cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-        family = cls(f"kvmesh_worker_{name}", doc, labels=labels)
+        make = gauge_family if kind == "gauge" else counter_family
+        family = make(f"kvmesh_worker_{name}", doc, labels)
         for worker, m in samples:
             values = [worker, m.mode] if models is None else [worker, m.mode, models.get(worker, "")]
-            family.add_metric(values, float(getattr(m, attr)))
+            family.add_value(values, float(getattr(m, attr)))
         yield family
     with_disagg = [(w, m, m.disagg) for w, m in samples if m.disagg is not None]
     for name, doc in DISAGG_COUNTERS.items():
-        counter = CounterMetricFamily(f"kvmesh_disagg_{name}", doc.capitalize(), labels=["worker_id", "role"])
+        counter = counter_family(f"kvmesh_disagg_{name}", doc.capitalize(), ["worker_id", "role"])
         for worker, m, d in with_disagg:
-            counter.add_metric([worker, m.mode], float(getattr(d, name)))
+            counter.add_value([worker, m.mode], float(getattr(d, name)))
         yield counter
     for name, doc in _DISAGG_GAUGES.items():
-        gauge = GaugeMetricFamily(f"kvmesh_disagg_{name}", doc.capitalize(), labels=["worker_id", "role"])
+        gauge = gauge_family(f"kvmesh_disagg_{name}", doc.capitalize(), ["worker_id", "role"])
         for worker, m, d in with_disagg:
-            gauge.add_metric([worker, m.mode], float(getattr(d, name)))
+            gauge.add_value([worker, m.mode], float(getattr(d, name)))
         yield gauge
 
 
 def render(samples: Sequence[tuple[str, WorkerMetrics]], models: Mapping[str, str] | None = None) -> bytes:
-    """The Prometheus text of ``samples`` (an empty list: nothing); ``models``: see :func:`families`."""
+    """The Prometheus text of ``samples`` (an empty list: nothing); ``models``: see
+    :func:`families`. Written by :func:`kvmesh.observability.metrics_core.render` (what
+    ``prometheus_client`` writes; the frontend's /metrics does not import it)."""
     if not samples:
         return b""
-    from prometheus_client import CollectorRegistry, generate_latest
+    from kvmesh.observability.metrics_core import render as render_text
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed(list(families(samples, models=models))))
-    return generate_latest(registry)
+    return render_text(_Fixed(list(families(samples, models=models))))
 
 
 class _Fixed:
-    def __init__(self, metrics: Iterable[Metric]) -> None:
+    def __init__(self, metrics: Iterable[Family]) -> None:
         self._metrics = list(metrics)
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Family]:
         return self._metrics

@@ -190,3 +190,17 @@ def test_a_held_pressure_asks_for_one_worker_not_one_per_round_while_it_starts()
             starts += 1
             coming.append(a.role)
     assert starts == 1
+
+
+def test_a_starving_role_gets_its_worker_once_its_pressure_has_held_not_after_a_second_hold() -> None:
+    """Decode ITL above its SLO from the first round, hold 3: the move comes in the third
+    round (the pressure's hold), not three rounds after the target changed."""
+    planner = Planner(_cfg(hold_rounds=3))
+    fleet = _two_and_two()
+    moved_at = []
+    for k in range(8):
+        for a in planner.plan(_round(float(k), fleet, itl_ms=50.0)).actions:
+            assert (a.kind, a.role) == (ActionKind.MOVE, Role.DECODE)
+            moved_at.append(k)
+            fleet[a.worker_id or 0] = a.role
+    assert moved_at == [2]

@@ -56,7 +56,8 @@ mix (:func:`~kvmesh.planner.profile.size_fleet`) gives each role's target, withi
 
 Then, in order: roles below target start workers at once (a ramp does not wait: no
 hold, no cool-down); a role above target, once the target has held ``hold_rounds``
-rounds, gives a worker to one below it (MOVE: ``cooldown_s`` after the last reshaping
+rounds (a receiver whose pressure has held at ``high`` has had its hold), gives a
+worker to one below it (MOVE: ``cooldown_s`` after the last reshaping
 action, one move at a time, and only once the new split has been wanted for as long as
 the last move took from its order until its worker left the old role (drain and
 restart, measured; before any move, ``cooldown_s``): a shift shorter than that would be
@@ -492,7 +493,8 @@ class Planner:
             return actions
         self._target_streak += 1  # rounds the move or stop has been wanted and measured possible, without a break
         self._wanted_since_s = min(self._wanted_since_s, obs.now_s)
-        if self._target_streak < c.hold_rounds:
+        # a receiver whose pressure has held at high has had its hold: no second one
+        if self._target_streak < c.hold_rounds and not any(self._starving(r) for r in busy):
             return actions
         if busy:
             move = self._move(obs, over, busy[0], targets, inputs)
@@ -510,10 +512,9 @@ class Planner:
         A role whose pressure has held at high does not wait for that: it is short now."""
         assert self._planned is not None
         c = self.config
-        starving = self._streaks["prefill" if to is Role.PREFILL else "decode"] >= c.hold_rounds
         if obs.now_s - self._last_reshape_s < c.cooldown_s or self._moving is not None:
             return None
-        if not starving and obs.now_s - self._wanted_since_s < self._move_cost_s:
+        if not self._starving(to) and obs.now_s - self._wanted_since_s < self._move_cost_s:
             return None
         frm = max(over, key=lambda r: self._planned[r] - targets[r], default=None)  # type: ignore[index]
         donor = _least_loaded(obs, frm) if frm is not None else None
@@ -526,6 +527,9 @@ class Planner:
         self._moving = (donor.worker_id, frm, obs.now_s)
         why = f"forecast needs {targets[to]} {to.value}, {targets[frm]} {frm.value}"
         return Action(ActionKind.MOVE, to, why, donor.worker_id, {**inputs, "move_cost_s": self._move_cost_s})
+
+    def _starving(self, role: Role) -> bool:
+        return self._streaks["prefill" if role is Role.PREFILL else "decode"] >= self.config.hold_rounds
 
     def _stop(self, obs: Observation, over: Sequence[Role], targets: dict[Role, int], inputs: dict[str, float]) -> Action | None:
         """Stop a worker of the role most above its target: ``cooldown_s`` after the last

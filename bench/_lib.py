@@ -14,6 +14,16 @@ from this module (or from ``bench/frontend.py``, which re-exports the public API
     print(res.req_per_s, res.ttft_p50_ms, res.frontend_cpu_ms_per_req)
 
 Only loopback targets are allowed (see ``check_loopback``).
+
+The client is the same for every server and shares the machine with it, so each level
+also reports what the client itself cost: ``client_cpu_ms_per_req`` (this process's CPU
+÷ requests: ~0.25–0.42 ms per kvmesh request at c=64, ~6.5 socket reads and ~10 SSE
+events each, their parse in ``data_received`` the largest Python item; ~0.65–0.76 ms per
+Dynamo request, which sends one SSE event per token), and, per side, the share of
+the level's wall time it was runnable (``client_runnable``, ``frontend_runnable``,
+``descendants_runnable``; :func:`sched_ns`): a side near 1.0 never slept and is what
+caps the level on a shared box. Issue 36 measured the client asleep ~3/4 of a kvmesh
+c=64 level and the worker runnable throughout, so the client was left unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ __all__ = [
     "wait_ready",
     "wait_ready_async",
     "measure_cpu",
+    "sched_ns",
     "read_mem",
     "descendant_pids",
     "percentile",
@@ -150,6 +161,28 @@ def measure_cpu(pid: int | Iterable[int]) -> float:
             continue
         total += int(f[11]) + int(f[12])  # utime, stime (fields 14, 15)
     return total * 1000.0 / _CLK_TCK
+
+
+def sched_ns(pid: int | Iterable[int]) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one), summed over the threads of the
+    process(es), from /proc/PID/task/*/schedstat. Over a level, their sum ÷ the wall
+    time is how much of it a process wanted a CPU: ~1.0 is a process that never
+    sleeps (the bottleneck on a shared box), a low value one that waits for others."""
+    run = wait = 0
+    for p in _as_pids(pid):
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/schedstat", "rb") as f:
+                    fields = f.read().split()
+            except OSError:
+                continue
+            run += int(fields[0])
+            wait += int(fields[1])
+    return run, wait
 
 
 def read_mem(pid: int | Iterable[int]) -> dict[str, int]:
@@ -772,6 +805,11 @@ class LoadResult:
     frontend_rss_peak_kb: int | None  # max sampled VmRSS during the level
     stopped_by: str  # "requests" | "time" | "errors"
     errors: list[str] = field(default_factory=list)  # up to 5 distinct messages
+    # share of the level's wall time each side was runnable (on a CPU + waiting for
+    # one; see sched_ns): the client (this process), the frontend pid(s), their descendants
+    client_runnable: float | None = None
+    frontend_runnable: float | None = None
+    descendants_runnable: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -852,12 +890,14 @@ async def run_load_async(url: str, model: str, concurrency: int, requests: int |
     cpu0 = measure_cpu(pids) if pids else 0.0
     dcpu0 = measure_cpu(desc) if desc else 0.0
     ccpu0 = time.process_time()
+    sched0 = [sched_ns(os.getpid()), sched_ns(pids), sched_ns(desc)]
     t0 = _perf()
     deadline = t0 + max_seconds
     try:
         await asyncio.gather(*(client(s) for s in range(C)))
     finally:
         t1 = _perf()
+        sched1 = [sched_ns(os.getpid()), sched_ns(pids), sched_ns(desc)]
         ccpu1 = time.process_time()
         cpu1 = measure_cpu(pids) if pids else 0.0
         dcpu1 = measure_cpu(desc) if desc else 0.0
@@ -872,8 +912,14 @@ async def run_load_async(url: str, model: str, concurrency: int, requests: int |
         gc.unfreeze()
     if pids:
         rss_box[0] = max(rss_box[0], read_mem(pids)["rss_kb"])
-    return _summarize(results, C, n_warm, output_tokens, t0, t1, st, pids, desc,
-                      cpu1 - cpu0, dcpu1 - dcpu0, ccpu1 - ccpu0, rss_box[0])
+    res = _summarize(results, C, n_warm, output_tokens, t0, t1, st, pids, desc,
+                     cpu1 - cpu0, dcpu1 - dcpu0, ccpu1 - ccpu0, rss_box[0])
+    wall_ns = max((t1 - t0) * 1e9, 1.0)
+    shares = [(sum(b) - sum(a)) / wall_ns for a, b in zip(sched0, sched1)]
+    res.client_runnable = shares[0]
+    res.frontend_runnable = shares[1] if pids else None
+    res.descendants_runnable = shares[2] if desc else None
+    return res
 
 
 def _summarize(results: list[Response], C: int, n_warm: int, output_tokens: int, t0: float,

@@ -65,7 +65,7 @@ def test_run_starts_without_the_cyclic_collector_and_turns_it_back_on() -> None:
 
     from kvmesh.cli import main as cli
 
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     assert cli.main(["run", "--workers", "0"]) == 2  # a bad value: refused (one line), the collector on again
     assert gc.isenabled()
     cli._collect_later()
@@ -81,5 +81,7 @@ def test_run_starts_without_the_cyclic_collector_and_turns_it_back_on() -> None:
         os.close(read_fd)
         os.waitpid(pid, 0)
         assert not gc.isenabled()  # this process: off until the frontend is built
+        assert gc.get_freeze_count() > 0  # what the start made: frozen before the fork
     finally:
+        gc.unfreeze()
         gc.enable()

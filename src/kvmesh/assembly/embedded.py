@@ -240,7 +240,9 @@ async def _serve_frontend(
     events = make_event_plane("zmq", host=cfg.worker.host) if cfg.frontend.router_mode == "kv" else None
     models = [(f.worker.model_path or "", f.worker.served_model_name) for f in cfg.fleets]
     process = await http.FrontendProcess.over_discovery(cfg.frontend, runtime, events, models, defer_templates=True)
-    gc.enable()  # off since kvmesh run started (cli/main.py): the frontend is built
+    if not gc.isenabled():  # off since kvmesh run started (cli/main.py): the frontend is built
+        gc.freeze()  # its objects live as long as it does: none of them is collected on the way to the first completion
+        gc.enable()
     broken: list[str] = []
     planner: PlannerService | None = None
     if fleet is not None:

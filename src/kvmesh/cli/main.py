@@ -319,13 +319,22 @@ def _collect_later() -> None:
     parser, the imports of the embedded assembly and of the HTTP stack, the frontend's
     build) makes tens of thousands of objects that live as long as the process, and
     collecting while they are made is ~5% of the frontend's CPU to its first completion
-    (issue 36). It is on again in every forked child at once (the workers, the template
-    check), in the frontend once it is built (:mod:`kvmesh.assembly.embedded`), and
-    whatever happens when ``main`` returns."""
+    (issue 36). As the ``gc.freeze`` documentation has it for a process that forks: the
+    objects made so far are frozen right before a fork of the start (none of them is
+    scanned again, in the parent or in a child, whose pages stay shared), and the
+    collector is on again in every forked child at once (the workers, the template
+    check), in the frontend once it is built, the objects of its build frozen too
+    (:mod:`kvmesh.assembly.embedded`: no collection of them on the way to the first
+    completion), and whatever happens when ``main`` returns."""
     gc.disable()
     if not _AT_FORK:
-        os.register_at_fork(after_in_child=gc.enable)
+        os.register_at_fork(before=_freeze_while_starting, after_in_child=gc.enable)
         _AT_FORK.append(True)
+
+
+def _freeze_while_starting() -> None:
+    if not gc.isenabled():  # a fork of the start (later ones freeze nothing)
+        gc.freeze()
 
 
 def _main(args: list[str]) -> int:

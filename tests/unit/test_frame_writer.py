@@ -152,3 +152,32 @@ async def test_a_direct_flush_releases_the_window_waiters(monkeypatch):
     writer.transport = None  # the connection is gone: the flush drops the frames
     writer.flush()
     assert waiter.done() and transport.writes == []
+
+
+async def test_a_sealed_write_of_merged_items_round_trips_and_any_flipped_byte_is_refused():
+    """What a window gathers is ordinary frames under one tag: read back exactly, and a
+    flipped byte anywhere (length prefix, payload, tag frame) delivers nothing."""
+    from kvmesh.errors import InvalidArgument
+    from kvmesh.runtime.frames import SealedFrameReader
+
+    key = bytes(range(32))
+    writer, transport = _writer(coalesce=True)
+    writer.seal(key)
+    chunks = [OutputChunk(token_ids=list(range(100 * sid, 100 * sid + 9))) for sid in (1, 2, 3)]
+    for sid, chunk in zip((1, 2, 3), chunks):
+        writer.send(OutItem(sid, chunk))
+    writer.send(End(3), urgent=True)
+    await _one_iteration()
+    (data,) = transport.writes
+    frames = SealedFrameReader(key).feed(data)
+    assert [type(f) for f in frames] == [Out, Out, Out, End]
+    assert [msgspec.msgpack.decode(f.payload, type=OutputChunk) for f in frames[:3]] == chunks
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        reader = SealedFrameReader(key)
+        try:
+            delivered = reader.feed(bytes(bad))
+        except InvalidArgument:  # AuthError included
+            continue
+        assert delivered == [], f"a flipped byte at {i} was delivered"

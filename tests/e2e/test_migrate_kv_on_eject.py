@@ -25,6 +25,7 @@ ARGS = ("--admin", "--trust-priority-header", "--drain-migrate", "--canary-inter
 PROMPTS = [f"stream number {i} tells a long story about migration" for i in range(4)]
 PRIORITIES = ["standard", "standard", "premium", "premium"]  # the premium ones arrive last
 MAX_TOKENS = 150
+CORRUPT_TOKENS = 800  # the streams outlast the corrupt worker's ejection (a canary round or two) on a loaded box
 
 
 def _migrations(url: str) -> dict[tuple[str, str], float]:
@@ -38,9 +39,10 @@ def _migrations(url: str) -> dict[tuple[str, str], float]:
     return found
 
 
-async def _stream(client: openai.AsyncOpenAI, prompt: str, worker: str, priority: str, started: asyncio.Event) -> str:
+async def _stream(client: openai.AsyncOpenAI, prompt: str, worker: str, priority: str, started: asyncio.Event,
+                  tokens: int = MAX_TOKENS) -> str:
     pin = {"x-kvmesh-worker": worker} if worker else None
-    stream = await client.completions.create(model="kvmesh-tiny", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+    stream = await client.completions.create(model="kvmesh-tiny", prompt=prompt, max_tokens=tokens, stream=True,
                                              extra_body={"ignore_eos": True, "priority": priority},
                                              extra_headers=pin)  # fmt: skip
     text = []
@@ -113,7 +115,7 @@ async def _corrupt_drill(url: str) -> str:
     router gave most of them starts answering wrong tokens; returns that worker."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     started = [asyncio.Event() for _ in PROMPTS]
-    tasks = [asyncio.ensure_future(_stream(client, p, "", "standard", e)) for p, e in zip(PROMPTS, started)]
+    tasks = [asyncio.ensure_future(_stream(client, p, "", "standard", e, CORRUPT_TOKENS)) for p, e in zip(PROMPTS, started)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
     routed = await asyncio.to_thread(_routed, url)
     victim = max(routed, key=lambda w: routed[w])

@@ -139,7 +139,11 @@ class KvRouterService:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.subscription is not None and self.settings.mode == "kv":
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            serve = getattr(self.subscription, "serve", None)
+            if serve is not None:  # (zmq) envelopes applied as they are read: no task, no wake-up each
+                serve(self._take, _ENVELOPES_PER_TURN)
+            else:
+                self._reader = asyncio.get_running_loop().create_task(self._read())
             inbox = getattr(self.subscription, "inbox", None)
             if inbox is not None:  # the event backlog, read at scrape time
                 self.metrics.event_backlog.set_function(lambda: len(inbox))
@@ -203,14 +207,17 @@ class KvRouterService:
         assert self.subscription is not None
         turn = 0
         async for envelope in self.subscription:
-            reason = self._on_envelope(envelope)
-            if reason is not None:
-                self._reject(reason, envelope.publisher_id)
+            self._take(envelope)
             turn += 1
             if turn == _ENVELOPES_PER_TURN:
                 # a backlog must not hold the loop: requests waiting for a decision go first
                 turn = 0
                 await asyncio.sleep(0)
+
+    def _take(self, envelope: Any) -> None:
+        reason = self._on_envelope(envelope)
+        if reason is not None:
+            self._reject(reason, envelope.publisher_id)
 
     def _on_envelope(self, envelope: Any) -> str | None:
         """Apply one envelope's events; the reason it was skipped, or None."""

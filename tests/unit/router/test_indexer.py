@@ -3,6 +3,8 @@ leading run), and EventSequencer's gap / stale / restart rules."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -290,3 +292,77 @@ def test_hashes_must_be_u64() -> None:
     # nothing half-applied for the bad hash itself; earlier ones in the event stay
     assert ix.blocks_of(1) == {0, 2**64 - 1, 5}
     assert ix.worker_block_count(1) == 3 and ix.num_blocks == 3
+
+
+class _RebuildOnly(KvIndexer):
+    """The reference: every compaction rebuilds the log from its live entries."""
+
+    def _compact(self, i: int) -> None:
+        from array import array
+
+        self._log[i] = array(self._log[i].typecode, dict.fromkeys(self._live(i)))
+
+
+def _logged(ix: KvIndexer) -> list[int]:
+    """Worker 1's live log entries, each once, read without ``_live``."""
+    i = ix._index[1]
+    bit = ix._bits[i]
+    return list(dict.fromkeys(h for h in ix._log[i] if ix._nodes.get(h, 0) & bit))
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_compaction_cuts_the_dead_front_and_keeps_what_a_rebuild_keeps(pinned: bool) -> None:
+    """An engine evicting its least recently stored blocks leaves the log's dead entries
+    at its front (dead for this worker: another may hold them): compaction cuts that run. With a block stored first and never evicted
+    (``pinned``) the front is live and the log is rebuilt. Either way the live blocks,
+    their order (the cap's eviction order) and the log's bound are a rebuild's."""
+    import random
+
+    class Counting(KvIndexer):
+        rebuilds = 0  # reads of the whole log's live entries (a rebuild; a cut reads none)
+
+        def _live(self, i: int) -> Iterable[int]:
+            self.rebuilds += 1
+            return super()._live(i)
+
+    rng = random.Random(36)
+    cap = 6000
+    ix, ref = Counting(max_blocks_per_worker=cap), _RebuildOnly(max_blocks_per_worker=cap)
+    stored: list[int] = []
+    first = rng.getrandbits(64)
+    events: list[KvEventData] = [BlockStored(block_hashes=[first])] if pinned else []
+    for step in range(1500):
+        new = [rng.getrandbits(64) for _ in range(rng.randint(1, 12))]
+        stored += new
+        events.append(BlockStored(block_hashes=new))
+        if len(stored) > 2000:  # a full cache: the oldest go (an LRU engine), a few others too
+            old, stored = stored[:len(new)], stored[len(new):]
+            if rng.random() < 0.1:
+                old.append(stored.pop(rng.randrange(len(stored))))
+            events.append(BlockRemoved(block_hashes=old))
+            if rng.random() < 0.3:  # another worker holds some of them: not dead in its log
+                for index in (ix, ref):
+                    index.apply(2, BlockStored(block_hashes=old))
+        if step % 7 == 0:
+            ix.apply_many(1, events)
+            for e in events:
+                ref.apply(1, e)
+            events = []
+            assert _logged(ix) == _logged(ref)  # every held block in the log, in the reference's order
+    ix.apply_many(1, events)
+    for e in events:
+        ref.apply(1, e)
+    rebuilds = ix.rebuilds
+    i = ix._index[1]
+    live = list(dict.fromkeys(ix._live(i)))
+    assert live == list(dict.fromkeys(ref._live(ref._index[1])))  # the same blocks, in the same order
+    assert set(live) == set(stored) | ({first} if pinned else set())
+    assert ix.worker_block_count(1) == len(live)
+    # compacted (~10,000 stores, ~2,000 live), by cuts alone unless the front is pinned
+    assert len(ix._log[i]) <= 2 * len(live) + 1024 + 100
+    assert (rebuilds > 0) if pinned else (rebuilds == 0)
+    # the cap evicts the oldest stored first, as the reference does
+    more = [rng.getrandbits(64) for _ in range(cap)]
+    ix.apply_many(1, [BlockStored(block_hashes=more)])
+    ref.apply(1, BlockStored(block_hashes=more))
+    assert ix.blocks_of(1) == ref.blocks_of(1) and ix.evicted == ref.evicted > 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvmesh.runtime.event_plane.base import Envelope, EventPlane, Publisher, Subscription
 
@@ -33,9 +33,16 @@ class Inbox:
     ``put`` never blocks: when ``capacity`` envelopes are waiting, the new one is
     dropped (counted in ``dropped``) and the reader later sees a sequence gap.
     After ``close`` the reader gets what is left, then the iteration ends.
+
+    The reader is either a task iterating the inbox, or (``serve``) a synchronous
+    consumer called by ``put`` itself: no task, future or wake-up per envelope. A
+    served inbox hands over at most ``per_turn`` envelopes per turn of the event loop
+    as they are put; the ones after wait here (the same bound and drops) and are
+    handed over, in order, ``per_turn`` per later turn.
     """
 
-    __slots__ = ("_items", "_capacity", "_waiter", "closed", "dropped")
+    __slots__ = ("_items", "_capacity", "_waiter", "closed", "dropped", "_consume", "_per_turn", "_budget",
+                 "_loop", "_handing")  # fmt: skip
 
     def __init__(self, capacity: int = DEFAULT_INBOX) -> None:
         if capacity < 1:
@@ -45,15 +52,57 @@ class Inbox:
         self._waiter: asyncio.Future[None] | None = None
         self.closed = False
         self.dropped = 0
+        self._consume: Callable[[Envelope], object] | None = None
+        self._per_turn = self._budget = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handing = False  # a hand-over of waiting envelopes is scheduled
+
+    def serve(self, consume: Callable[[Envelope], object], per_turn: int) -> None:
+        """From now on ``put`` hands envelopes to ``consume`` (see the class docstring);
+        called on the event loop, before anything is put. Do not iterate a served inbox."""
+        if per_turn < 1:
+            raise ValueError(f"per_turn must be at least 1, not {per_turn}")
+        self._consume, self._per_turn, self._budget = consume, per_turn, per_turn
+        self._loop = asyncio.get_running_loop()
 
     def put(self, envelope: Envelope) -> None:
         if self.closed:
+            return
+        consume = self._consume
+        if consume is not None and self._budget and not self._items:
+            self._budget -= 1
+            if self._budget == self._per_turn - 1:  # the first of this turn: the budget is back next turn
+                assert self._loop is not None
+                self._loop.call_soon(self._new_turn)
+            consume(envelope)
             return
         if len(self._items) >= self._capacity:
             self.dropped += 1
             return
         self._items.append(envelope)
-        self._wake()
+        if consume is None:
+            self._wake()
+        elif not self._handing:
+            self._handing = True
+            assert self._loop is not None
+            self._loop.call_soon(self._hand_over)
+
+    def _new_turn(self) -> None:
+        self._budget = self._per_turn
+
+    def _hand_over(self) -> None:
+        """``per_turn`` waiting envelopes to the consumer; the next ones next turn."""
+        self._handing = False
+        items, consume = self._items, self._consume
+        assert consume is not None
+        for _ in range(self._per_turn):
+            if not items or self.closed:
+                return
+            consume(items.popleft())
+        if items:
+            self._handing = True
+            assert self._loop is not None
+            self._loop.call_soon(self._hand_over)
 
     def close(self) -> None:
         self.closed = True

@@ -190,6 +190,8 @@ class ZmqSubscription(CheckedSubscription):
             log.warning("zmq subscription to %s ended: %s", self.topic, exc)
             self._stop_reading()
             return
+        except Exception:  # a served consumer's bug (Inbox.serve): logged once per call, reading goes on
+            log.exception("zmq subscription to %s: an envelope's consumer failed", self.topic)
         self._next = self._loop.call_soon(self._drain)
 
     def _stop_reading(self) -> None:
@@ -202,6 +204,11 @@ class ZmqSubscription(CheckedSubscription):
 
     def __aiter__(self) -> AsyncIterator[Envelope]:
         return self.inbox.__aiter__()
+
+    def serve(self, consume: Callable[[Envelope], object], per_turn: int) -> None:
+        """Hand envelopes to ``consume`` as they are read, instead of being iterated
+        (:meth:`Inbox.serve`: no task or wake-up per envelope)."""
+        self.inbox.serve(consume, per_turn)
 
     async def close(self) -> None:
         if self.inbox.closed:

@@ -169,6 +169,12 @@ class BlockManager:
             n += 1
         return n
 
+    @property
+    def tables(self) -> Mapping[int, _SeqBlocks]:
+        """Every sequence's block table by id (read-only: the scheduler's decode fast
+        path checks ``len(tables[id].blocks) * block_size`` for room without a call)."""
+        return self._seqs
+
     def held_blocks(self, seq_id: int) -> int:
         """Length of ``seq_id``'s block table (0 if unknown)."""
         seq = self._seqs.get(seq_id)

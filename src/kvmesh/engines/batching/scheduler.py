@@ -223,7 +223,8 @@ class Scheduler(Generic[S]):
         self._batch_tokens = 0.0  # moving average of tokens per pass (load reports)
         self.preemptions = 0  # sequences preempted since start (metrics)
         # sequences in the pass now running elsewhere; their blocks are freed after it
-        self._in_flight: set[int] = set()
+        self._pass: list[tuple[S, int]] = []  # the entries of the pass in flight, if any
+        self._pass_ids: set[int] | None = None  # their ids, made by the first free meanwhile
         self._deferred_free: list[int] = []
 
     # ------------------------------------------------------------------ queries
@@ -337,10 +338,17 @@ class Scheduler(Generic[S]):
         return True
 
     def _free(self, seq_id: int) -> None:
-        if seq_id in self._in_flight:  # the running pass may still write these blocks
+        if self._pass and seq_id in self._in_flight():  # the running pass may still write these blocks
             self._deferred_free.append(seq_id)
         else:
             self.blocks.free(seq_id)
+
+    def _in_flight(self) -> set[int]:
+        """The ids of the sequences in the pass now running (made once per pass, when
+        something is freed meanwhile: an abort, a release)."""
+        if self._pass_ids is None:
+            self._pass_ids = {s.id for s, _ in self._pass}
+        return self._pass_ids
 
     def reset(self) -> list[int]:
         """Forget everything and clear the prefix cache (emits ``AllBlocksCleared``);
@@ -351,7 +359,7 @@ class Scheduler(Generic[S]):
         self._seqs.clear()
         self._rejected.clear()
         self._reserved.clear()
-        self._in_flight.clear()
+        self._pass, self._pass_ids = [], None
         self._deferred_free.clear()
         self.blocks.reset()
         return aborted
@@ -451,22 +459,55 @@ class Scheduler(Generic[S]):
         plan.kv_usage = min(1.0, plan.decode_context / (blocks.num_blocks * blocks.block_size))
         plan.failed.extend(self._end(seq, "error", self._too_big(seq)) for seq in too_big)
         self._batch_tokens += _BATCH_EMA * (plan.prefill_tokens + plan.decode_seqs - self._batch_tokens)
-        self._in_flight = {s.id for s, _ in plan.entries}
+        self._pass, self._pass_ids = plan.entries, None
         return plan
 
     def _schedule_running(self, plan: Plan[S]) -> list[S]:
-        """Schedule running sequences; returns those that can never fit (not freed yet)."""
-        order: list[S] = []
+        """Schedule running sequences; returns those that can never fit (not freed yet).
+
+        The hot path (once per running sequence per pass): a decode whose last block has
+        room takes its token here, :meth:`Plan.add_to` inlined, with no allocation call
+        (one whose next token needs a block allocates it, when the pool has one);
+        prefills are set aside for after the decodes. At the first decode the pool
+        cannot grow, the rest of the pass goes to :meth:`_schedule_order` (which may
+        preempt)."""
+        budget = plan.budget
+        running = self._running
+        if budget <= 0 or not running:
+            return []
+        tables = self.blocks.tables
+        allocate = self.blocks.allocate
+        bs = self.limits.block_size
+        entries = plan.entries
         prefills: list[S] = []
-        for s in self._running:  # one pass: decodes first, then prefills
-            # Seq.is_decode, inlined (the hot path: once per running sequence per pass)
+        seqs = context = 0
+        for k, s in enumerate(running):
+            # Seq.is_decode, inlined
             c = s.num_computed
             upto = s.prefill_upto
-            if c == (len(s.tokens) if upto is None else upto) - 1 and c >= s.prompt_len:
-                order.append(s)
-            else:
+            if not (c == (len(s.tokens) if upto is None else upto) - 1 and c >= s.prompt_len):
                 prefills.append(s)
-        order.extend(prefills)
+                continue
+            table = tables.get(s.id)
+            # its next token needs a block: taken when free (all or nothing: a refusal
+            # changes nothing, and _schedule_order asks again, to make room)
+            if (table is None or c >= len(table.blocks) * bs) and not allocate(s.id, c + 1):
+                plan.budget, plan.decode_seqs, plan.decode_context = budget, plan.decode_seqs + seqs, context
+                decodes = [q for q in running[k:] if q.is_decode]
+                return self._schedule_order(plan, decodes + prefills + [q for q in running[k:] if not q.is_decode])
+            entries.append((s, 1))
+            seqs += 1
+            context += c + 1  # its target
+            budget -= 1
+            if budget <= 0:
+                break
+        plan.budget, plan.decode_seqs, plan.decode_context = budget, plan.decode_seqs + seqs, context
+        return self._schedule_order(plan, prefills) if prefills and budget > 0 else []
+
+    def _schedule_order(self, plan: Plan[S], order: list[S]) -> list[S]:
+        """Schedule ``order`` (decodes first, then prefills, each in admission order),
+        growing blocks and preempting later ones as needed; returns those that can never
+        fit."""
         too_big: list[S] = []
         running = State.RUNNING
         allocate = self.blocks.allocate
@@ -642,7 +683,8 @@ class Scheduler(Generic[S]):
         bs = self.limits.block_size
         running = State.RUNNING
         get = sampled.get
-        append = self._append
+        context = self.limits.context_length
+        in_pass = plan.entries is self._pass  # its sequences' blocks are freed after the loop
         for seq, n in plan.entries:
             if seq.state is not running:
                 continue
@@ -656,16 +698,24 @@ class Scheduler(Generic[S]):
             token = get(seq.id)
             if token is None:
                 continue
-            reason = append(seq, token)
+            # _append's common case inlined (once per running sequence per pass): a token
+            # that ends nothing and completes no block
+            tokens = seq.tokens
+            length = len(tokens) + 1
+            if token == EOS or token in seq.eos_ids or length % bs == 0 or token in seq.stop_ids:
+                reason = self._append(seq, token)
+            else:
+                tokens.append(token)
+                reason = "length" if length - seq.prompt_len >= seq.max_tokens or length >= context else None
             if reason is None:
                 emitted.append(seq.id)
                 continue
             if reason != "eos":
                 emitted.append(seq.id)
-            finished.append(self._end(seq, "stop" if reason == "eos" else reason))
+            finished.append(self._end(seq, "stop" if reason == "eos" else reason, in_pass=in_pass))
         if finished:
             self._running = [s for s in self._running if s.state is State.RUNNING]
-        self._in_flight = set()
+        self._pass, self._pass_ids = [], None
         for seq_id in self._deferred_free:
             self.blocks.free(seq_id)
         self._deferred_free.clear()
@@ -699,10 +749,14 @@ class Scheduler(Generic[S]):
         del self._seqs[seq.id]
         return self._held.hold(seq)
 
-    def _end(self, seq: S, reason: FinishReason, error: str | None = None) -> Finished:
+    def _end(self, seq: S, reason: FinishReason, error: str | None = None, *, in_pass: bool = False) -> Finished:
+        """End ``seq``; ``in_pass``: it is in the pass now running (its blocks freed after it)."""
         seq.state = State.ENDED
         self._seqs.pop(seq.id, None)
-        self._free(seq.id)
+        if in_pass:
+            self._deferred_free.append(seq.id)
+        else:
+            self._free(seq.id)
         return self._finished(seq, reason, error)
 
     @staticmethod

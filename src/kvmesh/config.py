@@ -86,6 +86,9 @@ class WorkerConfig:
         env="KVMESH_MAX_LORAS", check=non_negative,
     )  # fmt: skip
     host: str = "127.0.0.1"  # from the runtime's --host
+    # kvmesh run: whether its frontend subscribes to KV events (--router-mode kv); a static worker of a
+    # run that does not publishes none (no event plane, no zmq); distributed workers always publish
+    publish_events: bool = True
     port: int = setting(0, "request-plane TCP port (0: any free port)", check=a_port)
     validate_streams: bool = setting(False, "check every engine stream against the contract (also KVMESH_DEBUG=1)")
     grace_s: float = setting(30.0, "seconds in-flight requests get to finish on SIGTERM", flag="--grace", check=non_negative)

@@ -85,3 +85,49 @@ def test_run_starts_without_the_cyclic_collector_and_turns_it_back_on() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+_WORKER = """
+import asyncio, dataclasses, io, sys
+from kvmesh.config import WorkerConfig
+from kvmesh.worker.main import serve_one
+cfg = dataclasses.replace(WorkerConfig(), **{changes!r})
+out = io.StringIO()
+
+async def main():
+    stop = asyncio.Event()
+    await serve_one(cfg, None, stop, out, on_ready=stop.set)  # a static worker: up, READY, drained
+
+asyncio.run(main())
+assert out.getvalue().startswith("KVMESH_READY "), out.getvalue()
+print(" ".join(n for n in {names!r} if n in sys.modules))
+"""
+
+_DISAGG = ("kvmesh.disagg.engine", "kvmesh.disagg.transfer", "kvmesh.disagg.queue", "kvmesh.disagg.prefill")
+_ZMQ = ("zmq", "kvmesh.runtime.event_plane.zmq")
+
+
+def _worker_loaded(**changes: object) -> list[str]:
+    code = _WORKER.format(changes=changes, names=_DISAGG + _ZMQ)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_an_aggregated_mocker_worker_of_a_run_without_subscribers_imports_neither_disagg_nor_zmq() -> None:
+    assert _worker_loaded(publish_events=False) == []
+
+
+def test_a_worker_imports_zmq_where_it_publishes_and_the_disagg_stack_where_kv_leaves() -> None:
+    assert _worker_loaded() == list(_ZMQ)  # distributed and kvmesh run --router-mode kv: as before
+    loaded = _worker_loaded(publish_events=False, drain_migrate=True)
+    assert {"kvmesh.disagg.engine", "kvmesh.disagg.transfer"} <= set(loaded) and not set(_ZMQ) & set(loaded)
+
+
+def test_run_tells_its_workers_to_publish_only_to_a_kv_router() -> None:
+    from kvmesh.assembly.embedded import _resolve_folders
+    from kvmesh.config import FrontendConfig, RunConfig, WorkerConfig
+
+    for mode, publish in (("kv", True), ("kv-approx", False), ("round_robin", False), ("random", False)):
+        cfg = _resolve_folders(RunConfig(worker=WorkerConfig(), frontend=FrontendConfig(router_mode=mode)))
+        assert [f.worker.publish_events for f in cfg.fleets] == [publish], mode

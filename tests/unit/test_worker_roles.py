@@ -20,12 +20,43 @@ def _mocker() -> MockerEngine:
 
 
 async def test_an_aggregated_worker_receives_kv_but_opens_no_transfer_port() -> None:
+    from kvmesh.disagg.engine import DisaggEngine
+    from kvmesh.protocol import DisaggregatedParams, PreprocessedRequest
+    from kvmesh.runtime.context import Context
+    from kvmesh.worker.disagg import OnDemandFront
+
     engine = _mocker()
-    roles = await wire(WorkerConfig(), engine, 1)
+    cfg = dataclasses.replace(WorkerConfig(), max_local_prefill_length=77)
+    roles = await wire(cfg, engine, 1)
     assert roles.engine is engine  # served as it is: load reports, faults, KV dumps reach it directly
-    assert roles.disagg is not None and roles.disagg.inner is engine
-    assert roles.disagg.transfer is None and roles.kv_endpoint() is None
-    assert roles.disagg.hand_off_all() == 0
+    front = roles.disagg
+    assert isinstance(front, OnDemandFront) and front.inner is engine and front.front is None
+    assert roles.kv_endpoint() is None and roles.stats() is not None and roles.stats().mode == "aggregated"
+    request = PreprocessedRequest("r", "m", [5, 6, 7], disaggregated_params=DisaggregatedParams(kind="kv_source"))
+    stream = front.generate(request, Context("r"))  # a request that brings KV builds the real front, once
+    built = front.front
+    assert isinstance(built, DisaggEngine) and built.inner is engine and built.transfer is None
+    assert built.thresholds.max_local_prefill_length == 77 and built.worker_id == 1
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert roles.kv_endpoint() is None and roles.stats() is built.disagg_stats()
+    assert built.hand_off_all() == 0
+
+
+async def test_an_aggregated_request_without_kv_goes_to_the_engine_and_builds_nothing() -> None:
+    from kvmesh.protocol import PreprocessedRequest, StopConditions
+    from kvmesh.runtime.context import Context
+    from kvmesh.worker.disagg import OnDemandFront
+
+    engine = _mocker()
+    await engine.start()
+    try:
+        front = (await wire(WorkerConfig(), engine, 1)).disagg
+        assert isinstance(front, OnDemandFront)
+        request = PreprocessedRequest("r", "m", [5, 6, 7], stop=StopConditions(max_tokens=3))
+        chunks = [c async for c in front.generate(request, Context("r"))]
+        assert chunks[-1].finish_reason is not None and front.front is None
+    finally:
+        await engine.cleanup()
 
 
 async def test_a_draining_worker_that_hands_kv_off_has_a_transfer_port() -> None:

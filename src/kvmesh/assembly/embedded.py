@@ -93,8 +93,10 @@ def prepare(cfg: RunConfig) -> Prepared:
 
 def _resolve_folders(cfg: RunConfig) -> RunConfig:
     """Every model's folder checked and made explicit (default: the bundled model), and
-    its served name fixed; two models under one name are refused."""
+    its served name fixed; two models under one name are refused. The workers publish
+    KV events only where the frontend subscribes (``--router-mode kv``)."""
     names: set[str] = set()
+    publish = cfg.frontend.router_mode == "kv"  # the only mode whose frontend subscribes to the workers' KV events
 
     def resolved(fleet: ModelFleet) -> ModelFleet:
         path = fleet.worker.model_path or str(bundled_model_path())
@@ -106,7 +108,8 @@ def _resolve_folders(cfg: RunConfig) -> RunConfig:
         if name in names:
             raise StartError(f"two models are served as {name!r}: give each [[models]] table its own name")
         names.add(name)
-        return dataclasses.replace(fleet, worker=dataclasses.replace(fleet.worker, model_path=path, served_model_name=name))
+        worker = dataclasses.replace(fleet.worker, model_path=path, served_model_name=name, publish_events=publish)
+        return dataclasses.replace(fleet, worker=worker)
 
     if not cfg.models:
         return dataclasses.replace(cfg, worker=resolved(cfg.fleets[0]).worker)
@@ -131,6 +134,7 @@ def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[list[ForkedWorker
         return []
     if cfg.frontend.router_mode == "kv":
         import kvmesh.runtime.event_plane.zmq  # noqa: F401 - the KV event subscriber, as the workers publish
+    import encodings.idna  # noqa: F401 - uvloop resolves every listen host through it: once here, not in each process
 
     per = cfg.workers_per_process
     return [

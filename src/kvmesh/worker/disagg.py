@@ -20,26 +20,30 @@ embedded mode (``--prefill-queue tcp://...``) asks ``kvmesh run``'s queue server
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvmesh.config import WorkerConfig
-from kvmesh.disagg.engine import DisaggEngine
-from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
-from kvmesh.disagg.queue import MAX_JOB_AGE_S, JetStreamPrefillQueue, PrefillQueue, RemotePrefillQueue
-from kvmesh.disagg.transfer import KvTransferServer, TcpKvConnector
-from kvmesh.engines.base import Engine, KvBlockAccess
-from kvmesh.observability.metrics_server import MetricsServer, serve_registry
-from kvmesh.protocol import DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint, WorkerMetrics
-from kvmesh.runtime import auth
-from kvmesh.runtime.distributed import instance_key, record_is_signed
+from kvmesh.engines.base import Engine, KvBlockAccess, LoadReporting
+from kvmesh.protocol import (
+    DisaggStats, DisaggThresholds, InstanceInfo, KvEndpoint, OutputChunk, PreprocessedRequest, WorkerMetrics,
+)  # fmt: skip
+from kvmesh.runtime.context import Context
 from kvmesh.runtime.names import COMPONENT, GENERATE, PREFILL_COMPONENT
 
-__all__ = ["Roles", "wire", "thresholds_key", "watch_thresholds", "put_thresholds", "serve_metrics"]
+if TYPE_CHECKING:  # the disaggregation stack: imported where a worker's role uses it (wire, OnDemandFront)
+    from kvmesh.disagg.engine import DisaggEngine
+    from kvmesh.disagg.prefill import PrefillWorker
+    from kvmesh.disagg.queue import PrefillQueue
+    from kvmesh.disagg.transfer import KvTransferServer
+    from kvmesh.observability.metrics_server import MetricsServer
+
+__all__ = ["Roles", "OnDemandFront", "wire", "thresholds_key", "watch_thresholds", "put_thresholds", "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class Roles:
     prefill: PrefillWorker | None = None
     queue: PrefillQueue | None = None
     closers: tuple[Callable[[], Any], ...] = ()
-    disagg: DisaggEngine | None = None  # the worker service's front (GenerateFront)
+    disagg: DisaggEngine | OnDemandFront | None = None  # the worker service's front (GenerateFront)
 
     def stats(self) -> DisaggStats | None:
         if self.prefill is not None:
@@ -75,14 +79,32 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
             role = f"--mode {cfg.mode}" if cfg.mode != "aggregated" else "--drain-migrate"
             raise ValueError(f"{role} needs an engine that moves KV blocks (KvBlockAccess); {cfg.engine} does not")
         return Roles(engine, COMPONENT)
+    if cfg.mode == "aggregated" and not _kv_leaves(cfg):
+        # no KV leaves this worker: its front is built by the first request bringing KV
+        return Roles(engine, COMPONENT, disagg=OnDemandFront(engine, functools.partial(_front, cfg, engine, worker_id)))
+    return await _wire_disaggregated(cfg, engine, worker_id, runtime)
+
+
+async def _wire_disaggregated(cfg: WorkerConfig, engine: KvBlockAccess, worker_id: int, runtime: Any) -> Roles:
+    from kvmesh.disagg.prefill import KvMetadataCache, PrefillWorker
+    from kvmesh.disagg.transfer import TcpKvConnector
+
+    assert isinstance(engine, Engine)
     queue = await _queue(cfg, runtime) if cfg.mode != "aggregated" else None
-    thresholds = DisaggThresholds(cfg.max_local_prefill_length, cfg.max_prefill_queue_size, cfg.max_prefill_queue_tokens)
     if cfg.mode == "prefill":
         assert queue is not None
         metadata = KvMetadataCache(_metadata_lookup(queue, runtime))
         worker = PrefillWorker(engine, queue, TcpKvConnector(), metadata)
         return Roles(engine, PREFILL_COMPONENT, prefill=worker, queue=queue, closers=(queue.close,))
-    front = DisaggEngine(
+    return Roles(engine, COMPONENT, queue=queue, disagg=_front(cfg, engine, worker_id, queue))
+
+
+def _front(cfg: WorkerConfig, engine: KvBlockAccess, worker_id: int, queue: PrefillQueue | None = None) -> DisaggEngine:
+    from kvmesh.disagg.engine import DisaggEngine
+    from kvmesh.disagg.transfer import TcpKvConnector
+
+    assert isinstance(engine, Engine)
+    return DisaggEngine(
         engine,
         worker_id=worker_id,
         # a KV-transfer port only where KV leaves: prefill workers write into decode
@@ -92,19 +114,73 @@ async def wire(cfg: WorkerConfig, engine: Engine, worker_id: int, *, runtime: An
         connector=TcpKvConnector(),
         mode=cfg.mode,
         queue=queue,
-        thresholds=thresholds,
+        thresholds=DisaggThresholds(cfg.max_local_prefill_length, cfg.max_prefill_queue_size, cfg.max_prefill_queue_tokens),
         remote_timeout_s=cfg.remote_prefill_timeout_s,
     )
-    return Roles(engine, COMPONENT, queue=queue, disagg=front)
+
+
+def _kv_leaves(cfg: WorkerConfig) -> bool:
+    """Whether KV leaves this worker (its front needs a KV-transfer server)."""
+    return cfg.mode == "decode" or cfg.drain_migrate or cfg.peer_fetch
 
 
 def _transfer_server(cfg: WorkerConfig, engine: KvBlockAccess) -> KvTransferServer | None:
-    if cfg.mode == "decode" or cfg.drain_migrate or cfg.peer_fetch:
+    if _kv_leaves(cfg):
+        from kvmesh.disagg.transfer import KvTransferServer
+
         return KvTransferServer(engine, host=cfg.host, serve_prefixes=cfg.peer_fetch)
     return None
 
 
+class OnDemandFront:
+    """An aggregated worker's front where no KV leaves it (no ``--drain-migrate``, no
+    ``--peer-fetch``): the engine's ``generate`` itself until the first request that
+    brings KV with it (a migration's ``kv_source``, a peer's prefix); that request builds
+    the :class:`~kvmesh.disagg.engine.DisaggEngine` (importing the disaggregation stack)
+    and every request goes through it from then on. So a worker that never receives KV
+    starts without that stack; one that does behaves as if it had been built at start."""
+
+    mode = "aggregated"
+
+    def __init__(self, engine: Engine, build: Callable[[], DisaggEngine]) -> None:
+        self.inner = engine
+        self.supports_guided = engine.supports_guided
+        self.front: DisaggEngine | None = None
+        self._build = build
+
+    kv_endpoint: KvEndpoint | None = None  # no KV-transfer server: nothing to advertise
+
+    def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[OutputChunk]:
+        front = self.front
+        if front is None:
+            routing = request.routing
+            if request.disaggregated_params is None and (routing is None or routing.peer is None):
+                return self.inner.generate(request, ctx)
+            front = self.front = self._build()
+        return front.generate(request, ctx)
+
+    def disagg_stats(self) -> DisaggStats:
+        """The front's once built; before: nothing moved yet, the engine's blocks in use."""
+        if self.front is not None:
+            return self.front.disagg_stats()
+        report = self.inner.load_report() if isinstance(self.inner, LoadReporting) else None
+        return DisaggStats(mode=self.mode, active_blocks=report.active_blocks if report is not None else 0)
+
+    async def open(self) -> None:
+        return None  # a front built later has no server to open (no KV-transfer server)
+
+    async def drain(self) -> None:
+        if self.front is not None:
+            await self.front.drain()
+
+    async def close(self) -> None:
+        if self.front is not None:
+            await self.front.close()
+
+
 async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:
+    from kvmesh.disagg.queue import MAX_JOB_AGE_S, JetStreamPrefillQueue, RemotePrefillQueue
+
     if cfg.prefill_queue.startswith("tcp://"):
         return RemotePrefillQueue(cfg.prefill_queue[len("tcp://") :])
     if runtime is None:
@@ -119,6 +195,9 @@ async def _queue(cfg: WorkerConfig, runtime: Any) -> PrefillQueue:
 
 
 def _metadata_lookup(queue: PrefillQueue, runtime: Any) -> Callable[[int], Any]:
+    from kvmesh.disagg.queue import RemotePrefillQueue
+    from kvmesh.runtime.distributed import instance_key, record_is_signed
+
     if runtime is None:
         assert isinstance(queue, RemotePrefillQueue)
         return queue.kv_metadata
@@ -168,9 +247,10 @@ async def watch_thresholds(discovery: Any, namespace: str, engine: DisaggEngine)
 
 
 def start_watch(discovery: Any, namespace: str, roles: Roles) -> asyncio.Task[None] | None:
-    if roles.disagg is None or roles.disagg.mode != "decode":
+    front = roles.disagg
+    if front is None or isinstance(front, OnDemandFront) or front.mode != "decode":
         return None
-    return asyncio.get_running_loop().create_task(watch_thresholds(discovery, namespace, roles.disagg))
+    return asyncio.get_running_loop().create_task(watch_thresholds(discovery, namespace, front))
 
 
 # ------------------------------------------------------------------ Prometheus
@@ -205,6 +285,9 @@ async def serve_metrics(
     disaggregation; labelled by worker), else only the disaggregation counters."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+    from kvmesh.observability.metrics_server import serve_registry
+    from kvmesh.runtime import auth
 
     class _Collector:
         def collect(self) -> Iterator[Metric]:

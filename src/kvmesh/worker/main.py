@@ -241,6 +241,9 @@ async def _step_down(cfg: WorkerConfig, roles: Roles) -> None:
     if roles.prefill is not None:
         await roles.prefill.stop(cfg.grace_s)
     if cfg.drain_migrate and roles.disagg is not None:
+        from kvmesh.disagg.engine import DisaggEngine  # --drain-migrate's front: imported at its start
+
+        assert isinstance(roles.disagg, DisaggEngine)
         moved = roles.disagg.hand_off_all()
         log.info("handed %d in-flight requests off with their KV", moved)
 

@@ -37,7 +37,7 @@ from kvmesh.protocol import InstanceInfo
 from kvmesh.runtime.distributed import DistributedRuntime, Endpoint
 from kvmesh.runtime.event_plane import make_event_plane
 from kvmesh.runtime.event_plane.base import EventPlane
-from kvmesh.runtime.events import BatchingPublisher, EventPublisher
+from kvmesh.runtime.events import BatchingPublisher, EventPublisher, NullPublisher
 from kvmesh.runtime.names import GENERATE, KV_EVENTS_TOPIC, LOAD_TOPIC
 from kvmesh.runtime.stream import RequestServer
 from kvmesh.runtime.tcp_server import TcpServer
@@ -256,6 +256,8 @@ class StaticSeat:
         return None
 
     async def events(self, plane: EventPlane | None) -> tuple[EventPublisher, str]:
+        if plane is None and not self.cfg.publish_events:
+            return NullPublisher(), ""  # kvmesh run whose frontend subscribes to none: no plane, no zmq
         if plane is None:
             plane = self._plane = make_event_plane("zmq", host=self.cfg.host)
         return await publisher_on(plane, self.worker_id)

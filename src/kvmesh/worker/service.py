@@ -18,16 +18,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
-from kvmesh.disagg.engine import DisaggEngine
 from kvmesh.engines.adapter import AbortMonitor, run_generate
 from kvmesh.engines.base import BatchTuning, Engine, GenerateFront, KvEventSource, LoadReporting, LoraAdapters
 from kvmesh.engines.batching.engine import StepLoopEngine
 from kvmesh.errors import EngineShutdown, InvalidArgument
-from kvmesh.health.migration import HandOffReport
 from kvmesh.protocol import (
     DisaggStats,
     EngineConfig,
@@ -50,6 +48,9 @@ from kvmesh.runtime.distributed import RequestServer
 from kvmesh.runtime.names import DISAGG_STATS, FAULT, GENERATE, HANDOFF, INFO, KV_DUMP, KV_EVENTS, LOAD, LORA, METRICS, MODEL_FILES, TUNE
 from kvmesh.runtime.stream import StreamServer
 from kvmesh.runtime.tcp_server import TcpServer
+
+if TYPE_CHECKING:
+    from kvmesh.health.migration import HandOffReport
 
 __all__ = ["WorkerService", "GENERATE", "MODEL_FILES", "INFO", "KV_DUMP", "KV_EVENTS", "read_model_files"]
 
@@ -222,6 +223,9 @@ class WorkerService:
         every in-flight request off with its KV (a front with a KV-transfer server,
         ``--drain-migrate``); without one nothing moves (``kept``: the frontend cuts them,
         so they re-prefill). The KV stays readable until the new workers pulled it."""
+        from kvmesh.disagg.engine import DisaggEngine  # here: an aggregated worker starts without the stack
+        from kvmesh.health.migration import HandOffReport
+
         front = self.front
         if not isinstance(front, DisaggEngine):
             yield HandOffReport(kept=max(0, self.server.in_flight - 1))  # all but this call

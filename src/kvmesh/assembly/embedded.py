@@ -134,7 +134,6 @@ def _fork_workers(cfg: RunConfig, sock: socket.socket) -> list[list[ForkedWorker
         return []
     if cfg.frontend.router_mode == "kv":
         import kvmesh.runtime.event_plane.zmq  # noqa: F401 - the KV event subscriber, as the workers publish
-    import encodings.idna  # noqa: F401 - uvloop resolves every listen host through it: once here, not in each process
 
     per = cfg.workers_per_process
     return [

@@ -40,32 +40,34 @@ mix (:func:`~kvmesh.planner.profile.size_fleet`) gives each role's target, withi
 ``min_workers`` .. ``max_workers``. What is measured comes first:
 
 * a pressure held at ``high`` for ``hold_rounds`` adds a worker to its role's target
-  (one: not while a worker is on its way to the role) and raises the role's correction (the profile's error, as measured: later forecasts of the
-  same load keep that worker; it relaxes 1 % a round), and a role at ``high`` is not shrunk;
+  (one: not while a worker is on its way to the role) and raises the role's correction
+  (the profile's error, as measured: later forecasts of the same load keep that worker;
+  it relaxes 1 % a round), and a role at ``high`` is not shrunk;
 * a disaggregated fleet's targets beyond ``max_workers`` are the split whose busier role
   is the least over its need (the bottleneck: 3.7 prefill + 2.1 decode needed on 4
   workers is 2 + 2), the present one unless another is 10 % better; except that a role
   whose pressure has held at ``high`` gets a worker more than it has, whatever the
   forecast says of the other (both pressed: the split stays);
-* a MOVE or STOP takes a worker only from a role measured slack (pressure below ``low``)
-  through the whole hold, that stays below ``high`` with one worker less by what scales
-  with its workers (KV use; the prefill queue): a forecast does not starve a role;
-* a MOVE feeds only a role that is busy now (pressure at or above ``low``): a move takes
-  longer than the forecast looks ahead, so a need only forecast is not worth a donor's
-  drain (with room in the fleet the forecast starts workers instead).
+* a MOVE or STOP takes a worker only from a role measured slack (its SLO measure below
+  ``low``: see the next rule; a STOP: through ``hold_rounds``, a MOVE: now, the hold
+  being the starving receiver's) that stays below ``high`` with one worker less by what
+  scales with its workers (KV use; the prefill queue): a forecast does not starve a role;
+* a MOVE feeds only a role whose own SLO measure has held at ``high`` for ``hold_rounds``
+  (decode: its pressure; prefill: TTFT, not its queue, which a bounded queue fills by
+  design while the overflow prefills on the decode workers within the SLO). A move
+  takes longer than the forecast looks ahead, so a need only forecast is not worth a
+  donor's drain: on the whole conversation trace forecast-driven moves went back and
+  forth (0.90x the best fixed split's goodput); with room in the fleet the forecast
+  starts workers instead.
 
 Then, in order: roles below target start workers at once (a ramp does not wait: no
-hold, no cool-down); a role above target, once the target has held ``hold_rounds``
-rounds (a receiver whose pressure has held at ``high`` has had its hold), gives a
-worker to one below it (MOVE: ``cooldown_s`` after the last reshaping
-action, one move at a time, and only once the new split has been wanted for as long as
-the last move took from its order until its worker left the old role (drain and
-restart, measured; before any move, ``cooldown_s``): a shift shorter than that would be
-over before the worker serves, and moving it back costs as much again, so moves do not
-flip; a role pressed at ``high`` does not wait for it) or, the fleet above its total
-target, stops one (STOP: ``cooldown_s`` after the last start or move, not after the
-last stop, so a falling load sheds a worker every ``hold_rounds``; and only when one
-worker less still leaves 15 % above the need: a band against the forecast's noise).
+hold, no cool-down); with no room left, a role above target gives a worker to a starving
+one below it (MOVE: ``cooldown_s`` after the last reshaping action, one move at a time:
+until its worker has left the old role; the time that took is logged); the fleet above
+its total target for ``hold_rounds`` stops one (STOP: ``cooldown_s`` after the last start
+or move, not after the last stop, so a falling load sheds a worker every
+``hold_rounds``; and only when one worker less still leaves 15 % above the need: a band
+against the forecast's noise).
 
 Every action carries the reason and the inputs it was decided on, for the log and
 the metrics; a plan carries the forecast and the targets it was made with.
@@ -212,15 +214,17 @@ class Planner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._planned: dict[Role, int] | None = None
-        self._streaks: dict[str, int] = {"prefill": 0, "decode": 0, "down": 0}
+        # rounds in a row: each role at or above high (prefill: by TTFT or queue; "ttft": by
+        # the TTFT the prefill workers answer for alone), each below low (prefill: by that
+        # TTFT; its queue is weighed by the move's one-worker-less check), both below low
+        self._streaks: dict[str, int] = dict.fromkeys(("prefill", "decode", "ttft", "prefill_slack", "decode_slack", "down"), 0)
         self._last_reshape_s = -math.inf
         self.forecaster = LoadForecaster(config.rate_forecast, config.mix_forecast)
         self._target_streak = 0  # rounds the targets have asked to move or shrink
-        self._wanted_since_s = math.inf  # since when, without a break
         self._last_grow_s = -math.inf  # the last start or move (a stop's cool-down runs from it)
-        # how long a move takes to serve in its new role (drain + restart), measured on the
-        # last one; before any, the cool-down
-        self._move_cost_s = config.cooldown_s
+        # how long the last move took until its worker left the old role (drain, and a
+        # restart where the fleet starts the new worker first), for the decision log
+        self._move_cost_s = 0.0
         self._moving: tuple[int, Role, float] | None = None  # a move under way: worker, old role, since
         # per role: how much more than the profile says the fleet has been seen to need (a
         # pressure held at high raised it); decays back toward 1 by ``_RELAX`` a round
@@ -244,7 +248,7 @@ class Planner:
         actions = self._replace_lost(obs, inputs)
         replacing = bool(actions)
         actions += self._keep_spares(obs, actions, inputs)
-        self._count_streaks(prefill, decode, obs.degradation_level)
+        self._count_streaks(prefill, decode, obs.degradation_level, self._prefill_slo(obs))
         if self.config.profile is not None and obs.interval_s > 0:  # a fleet that reports its arrivals
             return self._plan_to_targets(obs, actions, replacing, prefill, decode, inputs)
         # a round that replaces lost capacity does not also reshape (its signals are stale)
@@ -280,13 +284,24 @@ class Planner:
                 prefill = max(prefill, queue)
         return prefill, decode
 
-    def _count_streaks(self, prefill: float, decode: float, level: int) -> None:
+    def _count_streaks(self, prefill: float, decode: float, level: int, ttft: float = 0.0) -> None:
         c = self.config
         need_prefill = prefill >= c.high or (level >= 2 and prefill >= decode)
         need_decode = decode >= c.high or (level >= 2 and decode > prefill)
         down = prefill < c.low and decode < c.low and level == 0
-        for name, on in (("prefill", need_prefill), ("decode", need_decode), ("down", down)):
-            self._streaks[name] = self._streaks[name] + 1 if on else 0
+        on = {"prefill": need_prefill, "decode": need_decode, "ttft": ttft >= c.high, "prefill_slack": ttft < c.low,
+              "decode_slack": decode < c.low, "down": down}  # fmt: skip
+        for name, now in on.items():
+            self._streaks[name] = self._streaks[name] + 1 if now else 0
+
+    def _prefill_slo(self, obs: Observation) -> float:
+        """The prefill workers' own SLO measure: TTFT over its SLO, unless requests wait
+        beside full decode batches (then TTFT is the wait for a decode slot). Their queue
+        is not in it: a bounded queue runs full by design while its overflow prefills on
+        the decode workers within the SLO (the whole conversation trace at 1 prefill worker)."""
+        if self._disaggregated() and any(w.waiting and w.batch_full for w in obs.workers if w.role is Role.DECODE):
+            return 0.0
+        return obs.ttft_p90_ms / self.config.slo_ttft_ms
 
     # --------------------------------------------------------------------- actions
 
@@ -473,10 +488,10 @@ class Planner:
         c, planned = self.config, self._planned
         self._track_move(obs)
         short = [r for r, n in targets.items() if planned[r] < n]
-        # what is measured vetoes: a donor is slack (below low) and stays below high with one
-        # worker less by what scales with its workers
-        over = [r for r, n in targets.items() if planned[r] > n and _pressure(r, prefill, decode) < c.low
-                and self._keeps_up_without_one(obs, r)]  # fmt: skip
+        # what is measured vetoes: a donor is slack now (a stop also waits for the target,
+        # slack donor included, to hold) and stays below high with one worker less by what
+        # scales with its workers
+        over = [r for r, n in targets.items() if planned[r] > n and self._slack(r) and self._keeps_up_without_one(obs, r)]
         actions: list[Action] = []
         for role in short:  # at once: a start takes time, the forecast has said it is needed
             while planned[role] < targets[role] and self._fleet_size(obs, [*taken, *actions]) < c.max_workers:
@@ -485,51 +500,49 @@ class Planner:
         if actions:
             self._last_reshape_s = self._last_grow_s = obs.now_s
         still_short = [r for r in short if planned[r] < targets[r]]
-        # no room to start: a move, and it outlasts the forecast's horizon, so the role it
-        # feeds must be busy now (at or above low), not only forecast to be
-        busy = [r for r in still_short if _pressure(r, prefill, decode) >= c.low]
-        if not over or actions or (still_short and not busy):
-            self._target_streak, self._wanted_since_s = 0, math.inf
-            return actions
-        self._target_streak += 1  # rounds the move or stop has been wanted and measured possible, without a break
-        self._wanted_since_s = min(self._wanted_since_s, obs.now_s)
-        # a receiver whose pressure has held at high has had its hold: no second one
-        if self._target_streak < c.hold_rounds and not any(self._starving(r) for r in busy):
-            return actions
-        if busy:
-            move = self._move(obs, over, busy[0], targets, inputs)
+        if actions or still_short or not over:
+            self._target_streak = 0
+        if still_short and not actions:
+            # no room to start: a move. It outlasts the forecast's horizon, so only a role
+            # whose own SLO measure has held at high is fed (a forecast alone moved workers
+            # back and forth on the whole conversation trace)
+            starving = [r for r in still_short if self._starving(r)]
+            move = self._move(obs, over, starving[0], targets, inputs) if starving and over else None
             return [move] if move is not None else []
+        if actions or not over:
+            return actions
+        self._target_streak += 1  # rounds the fleet has been above its target with a slack donor
+        if self._target_streak < c.hold_rounds:
+            return actions
         stop = self._stop(obs, over, targets, inputs)
         return [stop] if stop is not None else []
 
     def _move(
         self, obs: Observation, over: Sequence[Role], to: Role, targets: dict[Role, int], inputs: dict[str, float]
     ) -> Action | None:
-        """A worker of an over-provisioned role to ``to``, after the cool-down and only
-        when the split has been wanted for as long as a move takes (its drain and restart,
-        as measured on the last one): a shorter shift would be over before the worker
-        serves in its new role, and moving it back would cost the same again (no flips).
-        A role whose pressure has held at high does not wait for that: it is short now."""
+        """A worker of an over-provisioned role to ``to``: after the cool-down, one move at
+        a time (until its worker has left the old role)."""
         assert self._planned is not None
-        c = self.config
-        if obs.now_s - self._last_reshape_s < c.cooldown_s or self._moving is not None:
+        if obs.now_s - self._last_reshape_s < self.config.cooldown_s or self._moving is not None:
             return None
-        if not self._starving(to) and obs.now_s - self._wanted_since_s < self._move_cost_s:
-            return None
-        frm = max(over, key=lambda r: self._planned[r] - targets[r], default=None)  # type: ignore[index]
+        planned = self._planned
+        frm = max(over, key=lambda r: planned[r] - targets[r], default=None)
         donor = _least_loaded(obs, frm) if frm is not None else None
         if frm is None or donor is None:
             return None
         self._planned[frm] -= 1
         self._planned[to] += 1
         self._last_reshape_s = self._last_grow_s = obs.now_s
-        self._target_streak, self._wanted_since_s = 0, math.inf
         self._moving = (donor.worker_id, frm, obs.now_s)
-        why = f"forecast needs {targets[to]} {to.value}, {targets[frm]} {frm.value}"
-        return Action(ActionKind.MOVE, to, why, donor.worker_id, {**inputs, "move_cost_s": self._move_cost_s})
+        why = f"{to.value} pressed, forecast needs {targets[to]} {to.value}, {targets[frm]} {frm.value}"
+        return Action(ActionKind.MOVE, to, why, donor.worker_id, {**inputs, "last_move_s": self._move_cost_s})
 
     def _starving(self, role: Role) -> bool:
-        return self._streaks["prefill" if role is Role.PREFILL else "decode"] >= self.config.hold_rounds
+        """The role's own SLO measure has held at high (prefill: its TTFT)."""
+        return self._streaks["ttft" if role is Role.PREFILL else "decode"] >= self.config.hold_rounds
+
+    def _slack(self, role: Role) -> bool:
+        return self._streaks[{Role.PREFILL: "prefill_slack", Role.DECODE: "decode_slack"}.get(role, "down")] > 0
 
     def _stop(self, obs: Observation, over: Sequence[Role], targets: dict[Role, int], inputs: dict[str, float]) -> Action | None:
         """Stop a worker of the role most above its target: ``cooldown_s`` after the last
@@ -539,13 +552,14 @@ class Planner:
         assert self._planned is not None
         if obs.now_s - self._last_grow_s < self.config.cooldown_s:
             return None
-        frm = max(over, key=lambda r: self._planned[r] - targets[r], default=None)  # type: ignore[index]
+        planned = self._planned
+        frm = max(over, key=lambda r: planned[r] - targets[r], default=None)
         donor = _least_loaded(obs, frm) if frm is not None else None
         if frm is None or donor is None or self._needs[frm] * _STOP_BAND > self._planned[frm] - 1:
             return None
         self._planned[frm] -= 1
         self._last_reshape_s = obs.now_s
-        self._target_streak, self._wanted_since_s = 0, math.inf
+        self._target_streak = 0
         return Action(ActionKind.STOP, frm, f"forecast needs {targets[frm]} {frm.value}", donor.worker_id, inputs)
 
     def _track_move(self, obs: Observation) -> None:

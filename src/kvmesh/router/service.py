@@ -2,7 +2,9 @@
 decisions out. The decisions themselves are made by the pure
 :class:`~kvmesh.router.core.KvRouterCore`.
 
-* Events: one event-plane subscription; each envelope carries a
+* Events: one event-plane subscription (one that can ``serve``, zmq's, hands the router
+  each envelope as it reads it, 2 per loop turn: :meth:`~kvmesh.runtime.event_plane.memory.Inbox.serve`;
+  others are read by a task); each envelope carries a
   :class:`~kvmesh.kv.events.KvEventBatch` (the events of one engine step; a single
   ``KvEvent``, the older form, is a batch of one), decoded once and given to
   ``core.apply_batch``. A gap in a worker's event ids is repaired from the worker's

@@ -129,18 +129,14 @@ async def _index_after(served: bool, payloads: list[bytes]) -> tuple[set[int], f
     assert (router._reader is None) == served
     engine = EngineConfig("mocker", "m", 2048, 16, 1024, 8, 1024)
     router.add_worker(Instance(InstanceInfo(W, "127.0.0.1:1", engine), _Worker()))  # type: ignore[arg-type]
-    for _ in range(200):
+    while router._repairing:  # its first dump (the test's timeout bounds the wait)
         await asyncio.sleep(0.005)
-        if not router._repairing:
-            break
     for seq, payload in enumerate(payloads, 1):
         sub.inbox.put(_env(seq, payload))
         if seq % 50 == 0:
             await asyncio.sleep(0)
-    for _ in range(400):
+    while len(sub.inbox) or router._repairing:  # all handed over (or read), nothing held
         await asyncio.sleep(0)
-        if not len(sub.inbox):
-            break
     await _turns(5)
     indexer = router.core.indexer
     assert indexer is not None

@@ -283,6 +283,12 @@ class BlockManager:
         return True
 
     def _grow(self, seq: _SeqBlocks, fresh: int) -> bool:
+        empty = self._empty
+        if fresh == 1 and empty:  # a decode's next block, never cached: _take(1) without its bookkeeping
+            b = empty.pop()
+            self._ref[b] = 1
+            seq.blocks.append(b)
+            return True
         if fresh > self.free_blocks:
             return False
         seq.blocks.extend(self._take(fresh))

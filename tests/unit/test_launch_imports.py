@@ -90,6 +90,7 @@ def test_run_starts_without_the_cyclic_collector_and_turns_it_back_on() -> None:
 _WORKER = """
 import asyncio, dataclasses, io, sys
 from kvmesh.config import WorkerConfig
+from kvmesh.worker.child import event_loop_runner
 from kvmesh.worker.main import serve_one
 cfg = dataclasses.replace(WorkerConfig(), **{changes!r})
 out = io.StringIO()
@@ -98,7 +99,7 @@ async def main():
     stop = asyncio.Event()
     await serve_one(cfg, None, stop, out, on_ready=stop.set)  # a static worker: up, READY, drained
 
-asyncio.run(main())
+event_loop_runner()(main())  # uvloop, as a worker runs
 assert out.getvalue().startswith("KVMESH_READY "), out.getvalue()
 print(" ".join(n for n in {names!r} if n in sys.modules))
 """
@@ -107,8 +108,8 @@ _DISAGG = ("kvmesh.disagg.engine", "kvmesh.disagg.transfer", "kvmesh.disagg.queu
 _ZMQ = ("zmq", "kvmesh.runtime.event_plane.zmq")
 
 
-def _worker_loaded(**changes: object) -> list[str]:
-    code = _WORKER.format(changes=changes, names=_DISAGG + _ZMQ)
+def _worker_loaded(names: tuple[str, ...] = _DISAGG + _ZMQ, **changes: object) -> list[str]:
+    code = _WORKER.format(changes=changes, names=names)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
@@ -124,6 +125,14 @@ def test_a_worker_imports_zmq_where_it_publishes_and_the_disagg_stack_where_kv_l
     assert {"kvmesh.disagg.engine", "kvmesh.disagg.transfer"} <= set(loaded) and not set(_ZMQ) & set(loaded)
 
 
+def test_a_static_worker_listens_without_the_idna_codec() -> None:
+    """uvloop resolves a host, even an IP address, through the idna codec: a static
+    worker binds its IP address itself (a host name is still resolved by the loop)."""
+    idna = ("encodings.idna", "stringprep")
+    assert _worker_loaded(idna, publish_events=False) == []
+    assert _worker_loaded(idna, publish_events=False, host="localhost") == list(idna)
+
+
 def test_run_tells_its_workers_to_publish_only_to_a_kv_router() -> None:
     from kvmesh.assembly.embedded import _resolve_folders
     from kvmesh.config import FrontendConfig, RunConfig, WorkerConfig
@@ -131,3 +140,23 @@ def test_run_tells_its_workers_to_publish_only_to_a_kv_router() -> None:
     for mode, publish in (("kv", True), ("kv-approx", False), ("round_robin", False), ("random", False)):
         cfg = _resolve_folders(RunConfig(worker=WorkerConfig(), frontend=FrontendConfig(router_mode=mode)))
         assert [f.worker.publish_events for f in cfg.fleets] == [publish], mode
+
+
+async def test_a_static_workers_own_listener_serves_and_refuses_a_taken_port() -> None:
+    import socket
+
+    from kvmesh.config import WorkerConfig
+    from kvmesh.runtime.tcp_server import TcpServer
+    from kvmesh.worker.registration import ReadyLine, StaticSeat
+
+    seat = StaticSeat(WorkerConfig(), ReadyLine(sys.stdout))
+    server = await seat.request_server("backend")
+    assert isinstance(server, TcpServer) and server.started and server.port > 0
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10):
+            pass  # accepted: it listens where it says
+        taken = StaticSeat(WorkerConfig(port=server.port), ReadyLine(sys.stdout))
+        with pytest.raises(OSError):
+            await taken.request_server("backend")  # run_worker reports it: "cannot listen on ..."
+    finally:
+        await server.close()

@@ -208,3 +208,40 @@ async def test_drain_hands_off_requests_with_their_kv() -> None:
     finally:
         for w in workers:
             await w.cleanup()
+
+
+async def test_a_plain_aggregated_worker_builds_its_front_when_kv_arrives() -> None:
+    """An aggregated worker without --drain-migrate/--peer-fetch starts without the
+    disaggregation stack (worker/disagg.OnDemandFront); a request handed to it with its
+    KV builds the front and imports the KV, as a front built at start would."""
+    from kvmesh.config import WorkerConfig
+    from kvmesh.worker.disagg import OnDemandFront, wire
+
+    engines = [MockerEngine(options(i, speedup=20.0)) for i in (1, 2)]
+    sender = DisaggEngine(engines[0], worker_id=1, transfer=KvTransferServer(engines[0]), connector=TcpKvConnector())
+    receiver = (await wire(WorkerConfig(), engines[1], 2)).disagg
+    assert isinstance(receiver, OnDemandFront)
+    await sender.start()
+    await engines[1].start()
+    await receiver.open()
+    req = request("mig", 300, max_tokens=40)
+    try:
+        got: list[int] = []
+        handoff = None
+        with pytest.raises(EngineShutdown):
+            async for chunk in sender.generate(req, Context("mig")):
+                got += chunk.token_ids
+                if chunk.disaggregated_params is not None:
+                    handoff = chunk.disaggregated_params
+                if len(got) >= 10 and not sender._handoffs and handoff is None:
+                    assert sender.hand_off_all() == 1
+        assert handoff is not None and receiver.front is None
+        resumed = msgspec.structs.replace(resume_request(req, got), disaggregated_params=handoff)
+        rest = await collect(receiver.generate(resumed, Context("mig")))
+        stats = receiver.disagg_stats()
+        assert receiver.front is not None and stats.kv_migrations_in == 1 and stats.kv_migration_fallbacks == 0
+        assert got + rest == await aggregated_tokens(req)
+    finally:
+        await sender.cleanup()
+        await engines[1].cleanup()
+        await receiver.close()

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -223,6 +224,7 @@ def check(obj: object) -> None:
 
 
 _HINTS: dict[type, dict[str, object]] = {}  # read only by the callers
+_TYPES: dict[tuple[str, str], object] = {}  # (module, annotation text) -> the type it names
 
 
 def _hints(cls: type) -> dict[str, object]:
@@ -230,7 +232,27 @@ def _hints(cls: type) -> dict[str, object]:
     the run's start)."""
     hints = _HINTS.get(cls)
     if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
+        hints = _HINTS[cls] = _annotations(cls)
+    return hints
+
+
+def _annotations(cls: type) -> dict[str, object]:
+    """What ``typing.get_type_hints(cls)`` gives a settings class (annotations as text:
+    ``from __future__ import annotations``), each text evaluated once per module: the
+    settings classes of a start repeat a few (``int``, ``str | None``), and
+    ``get_type_hints`` compiles every one (~4 ms of ``kvmesh run``'s start, issue 36)."""
+    hints: dict[str, object] = {}
+    for klass in reversed(cls.__mro__):
+        namespace = vars(sys.modules[klass.__module__])
+        for name, text in vars(klass).get("__annotations__", {}).items():
+            if not isinstance(text, str):
+                hints[name] = type(None) if text is None else text
+                continue
+            key = (klass.__module__, text)
+            if key not in _TYPES:
+                tp = eval(text, namespace)  # noqa: S307 - our own source's annotation, as get_type_hints does
+                _TYPES[key] = type(None) if tp is None else tp
+            hints[name] = _TYPES[key]
     return hints
 
 

@@ -141,16 +141,17 @@ def _guard_listeners(ns: argparse.Namespace, file: dict[str, object], insecure: 
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The ``kvmesh`` parser. Every subcommand is listed; with ``command`` (one of them),
-    only that one gets its flags: ``kvmesh run`` does not build the ~350 flags (and
-    import the modules) of commands it does not run, before it forks its workers
-    (issue 36)."""
+    """The ``kvmesh`` parser, every subcommand with its flags; with ``command`` (one of
+    them), only that one: ``kvmesh run`` does not build the ~350 flags (and import the
+    modules), nor the parsers, of commands it does not run, before it forks its workers
+    (issue 36). Its help and errors are the same (``kvmesh run: error: ...``)."""
     parser = argparse.ArgumentParser(prog="kvmesh", description="Distributed LLM inference runtime")
-    sub = parser.add_subparsers(dest="command", required=True)
+    every = command is None or command not in _COMMANDS
+    listed = {} if every else {"metavar": "{" + ",".join(_COMMANDS) + "}"}  # the usage line names them all
+    sub = parser.add_subparsers(dest="command", required=True, **listed)
     for name, (help_text, add) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        if command is None or command == name or command not in _COMMANDS:
-            add(p)
+        if every or command == name:
+            add(sub.add_parser(name, help=help_text))
     return parser
 
 

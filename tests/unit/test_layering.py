@@ -21,7 +21,7 @@ PKG = SRC / "kvmesh"
 
 # Bottom to top; the same list as docs/structure.md (test_structure_doc_states_the_layers).
 LAYERS: list[tuple[str, ...]] = [
-    ("kv", "errors", "settings"),
+    ("kv", "errors", "settings", "lazy"),
     ("protocol",),
     ("config",),
     ("runtime", "preprocess", "observability"),

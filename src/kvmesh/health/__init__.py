@@ -11,8 +11,9 @@ imports one submodule (the frontend's owner: :mod:`.migration`) does not load th
 others (issue 36: the canary and degradation modules only where they are switched on).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvmesh.lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvmesh.health.breaker import BreakerConfig, BreakerState, CircuitBreaker
@@ -106,10 +107,4 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _HOME)

@@ -10,8 +10,9 @@ worker does) loads neither the tokenizers library nor the template engine (issue
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvmesh.lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvmesh.preprocess.model import BUNDLED_MODEL_NAME, ModelInfo, bundled_model_path, load_model_folder
@@ -45,10 +46,4 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _HOME)

@@ -14,8 +14,9 @@ mocker, numpy and the grammar engine into each of them (issue 36).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from kvmesh.lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvmesh.replay.policies import POLICIES, make_policy
@@ -55,11 +56,4 @@ _HOME = {
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 
 
-def __getattr__(name: str) -> object:
-    """One of ``__all__``, from its module (imported now, once)."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _MODULE_OF)  # one of ``__all__``, from its module (imported now, once)

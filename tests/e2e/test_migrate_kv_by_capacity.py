@@ -13,13 +13,12 @@ picked the fullest worker would send them all to the busy one — both fail here
 from __future__ import annotations
 
 import asyncio
-import re
 
-import httpx
 import openai
 import pytest
 
-from tests.e2e.test_health import _fault, _wait, _workers
+from tests.e2e.test_health import _fault, _workers
+from tests.e2e.test_migrate_kv_on_eject import _moves, _wait_healthy
 from tests.helpers import kvmesh_run
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
@@ -29,17 +28,6 @@ ARGS = ("--admin", "--router-mode", "round_robin", "--drain-migrate", "--canary-
 MOVED = 4
 LONG = 600  # tokens: the moving streams outlast the ejection (~2 s) by far
 BUSY = 8
-
-
-def _moves(url: str) -> dict[tuple[str, str, str], float]:
-    """kvmesh_migration_total by (method, source, target)."""
-    text = httpx.get(url + "/metrics").text
-    found: dict[tuple[str, str, str], float] = {}
-    for labels, value in re.findall(r"kvmesh_migration_total\{([^}]*)\} ([0-9.e+]+)", text):
-        fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        key = (fields["method"], fields["source"], fields.get("target", ""))
-        found[key] = found.get(key, 0.0) + float(value)
-    return found
 
 
 async def _stream(client: openai.AsyncOpenAI, prompt: str, worker: str, tokens: int, started: asyncio.Event) -> int:
@@ -79,8 +67,7 @@ async def _drill(url: str, victim: str, busy: str) -> None:
 def test_handed_off_streams_go_to_the_worker_with_free_capacity(tmp_path):
     with kvmesh_run(tmp_path, *ARGS, workers=3, speedup="1") as server:
         url = server.url
-        _wait(lambda: len(_workers(url)) == 3 and all(w["status"] == "healthy" for w in _workers(url).values()), 40,
-              "3 healthy workers")  # fmt: skip
+        _wait_healthy(url, 3, 40)
         victim, busy, idle = sorted(_workers(url))
         asyncio.run(_drill(url, victim, busy))
         moves = _moves(url)

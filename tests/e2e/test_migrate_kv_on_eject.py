@@ -28,15 +28,29 @@ MAX_TOKENS = 150
 CORRUPT_TOKENS = 800  # the streams outlast the corrupt worker's ejection (a canary round or two) on a loaded box
 
 
-def _migrations(url: str) -> dict[tuple[str, str], float]:
-    """kvmesh_migration_total by (method, source worker)."""
+def _moves(url: str) -> dict[tuple[str, str, str], float]:
+    """kvmesh_migration_total by (method, source worker, target worker)."""
     text = httpx.get(url + "/metrics").text
-    found: dict[tuple[str, str], float] = {}
+    found: dict[tuple[str, str, str], float] = {}
     for labels, value in re.findall(r"kvmesh_migration_total\{([^}]*)\} ([0-9.e+]+)", text):
         fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        key = (fields["method"], fields["source"])
+        key = (fields["method"], fields["source"], fields.get("target", ""))
         found[key] = found.get(key, 0.0) + float(value)
     return found
+
+
+def _migrations(url: str) -> dict[tuple[str, str], float]:
+    """kvmesh_migration_total by (method, source worker)."""
+    found: dict[tuple[str, str], float] = {}
+    for (method, source, _), value in _moves(url).items():
+        found[method, source] = found.get((method, source), 0.0) + value
+    return found
+
+
+def _wait_healthy(url: str, workers: int, timeout: float) -> None:
+    """Until ``workers`` workers are registered, all healthy."""
+    _wait(lambda: len(_workers(url)) == workers and all(w["status"] == "healthy" for w in _workers(url).values()),
+          timeout, f"{workers} healthy workers")  # fmt: skip
 
 
 async def _stream(client: openai.AsyncOpenAI, prompt: str, worker: str, priority: str, started: asyncio.Event,
@@ -79,8 +93,7 @@ async def _drill(url: str, victim: str, other: str, fault: str) -> list[str]:
 def test_an_ejected_worker_that_still_answers_hands_its_streams_off_with_their_kv(tmp_path):
     with kvmesh_run(tmp_path, *ARGS, workers=2, speedup="1") as server:
         url = server.url
-        _wait(lambda: len(_workers(url)) == 2 and all(w["status"] == "healthy" for w in _workers(url).values()), 30,
-              "2 healthy workers")  # fmt: skip
+        _wait_healthy(url, 2, 30)
         victim, other = sorted(_workers(url))
         asyncio.run(_drill(url, victim, other, "slow:factor=100"))
         assert _workers(url)[victim]["weight"] == 0.0
@@ -100,8 +113,7 @@ def test_an_ejected_worker_that_still_answers_hands_its_streams_off_with_their_k
 def test_a_worker_ejected_for_wrong_tokens_re_prefills_its_streams(tmp_path):
     with kvmesh_run(tmp_path, *ARGS, workers=2, speedup="1") as server:
         url = server.url
-        _wait(lambda: len(_workers(url)) == 2 and all(w["status"] == "healthy" for w in _workers(url).values()), 30,
-              "2 healthy workers")  # fmt: skip
+        _wait_healthy(url, 2, 30)
         victim = asyncio.run(_corrupt_drill(url))
         moved = _migrations(url)
         print("migrations by (method, source):", moved)

@@ -19,6 +19,8 @@ FLAGS = (
     "--disable-component-update", "--disable-sync", "--remote-debugging-pipe", "--window-size=1280,900",
 )  # fmt: skip
 
+NAVIGATING = ("navigated or closed", "context was destroyed", "Cannot find default execution context")
+
 
 class Chromium:
     def __init__(self) -> None:
@@ -68,6 +70,17 @@ class Chromium:
     def evaluate(self, expression: str) -> Any:
         result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True})
         return result["result"].get("value")
+
+    def poll(self, expression: str) -> Any:
+        """``evaluate`` for a wait loop: None while the page is between documents (a
+        reload answers "Inspected target navigated or closed" or "context was destroyed"
+        for an expression sent at that moment); other errors still raise."""
+        try:
+            return self.evaluate(expression)
+        except RuntimeError as e:
+            if any(s in str(e) for s in NAVIGATING):
+                return None
+            raise
 
     def screenshot(self, path: str) -> None:
         data = self.send("Page.captureScreenshot", {"format": "png"})["data"]

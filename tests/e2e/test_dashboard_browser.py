@@ -52,7 +52,7 @@ def test_dashboard_lists_workers_and_shows_a_killed_one_replaced(tmp_path: Path)
             browser.open(server.url + "/dashboard")
 
             def rows() -> dict[str, str]:
-                return dict(json.loads(browser.evaluate(ROWS) or "[]"))
+                return dict(json.loads(browser.poll(ROWS) or "[]"))  # poll: the first load may be under way
 
             shown = _wait(lambda: r if set(r := rows()) == before else None, 30, f"the page to list {before}")
             assert set(shown.values()) == {"healthy"}, shown

@@ -489,12 +489,12 @@ def test_a_browser_opens_the_keyed_dashboard_with_one_key_entry(tmp_path: Path) 
         browser = Chromium()
         try:
             browser.open(server.url + "/dashboard")
-            _until(lambda: browser.evaluate("document.getElementById('key') !== null"), "the key form")
+            _until(lambda: browser.poll("document.getElementById('key') !== null"), "the key form")
             assert not browser.evaluate("document.querySelectorAll('tr[data-worker]').length")
             browser.evaluate(f"document.getElementById('key').value = {json.dumps(KEY_A)};"
                              "document.getElementById('login').requestSubmit()")  # fmt: skip
             rows = "document.querySelectorAll('tr[data-worker]').length"
-            _until(lambda: browser.evaluate(rows) == 1, "the live page to list the worker")
+            _until(lambda: browser.poll(rows) == 1, "the live page to list the worker")  # across the reload
             assert browser.evaluate("document.getElementById('conn').textContent") == "live"
             assert browser.evaluate("document.cookie") == ""  # HttpOnly: no script reads the session
             stamp = browser.evaluate("document.body.dataset.updated")

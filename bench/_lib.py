@@ -1100,9 +1100,39 @@ def precompile_kvmesh() -> str:
     return folder
 
 
+def path_only_venv(folder: str) -> str:
+    """A virtualenv over this interpreter that sees the packages of this one's
+    ``sys.path`` (kvmesh, its dependencies) as plain path lines: what ``pip install
+    kvmesh`` into a venv gives, without running the code lines of the system
+    site-packages' ``.pth`` files (this sandbox's ``_sandboxing_egress_ca.pth`` imports
+    certifi at every interpreter start, ~40 ms; a competitor in its own venv never
+    runs it). ``distutils-precedence.pth`` is kept, as a venv with setuptools has it.
+    Returns the venv's python."""
+    import shutil
+    import site
+    import sysconfig
+    import venv
+
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(folder)
+    py = os.path.join(folder, "bin", "python")
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    system = site.getsitepackages()
+    stdlib = {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}
+    added = [p for p in sys.path[sys.path.index(system[0]) + 1 :] if os.path.isdir(p) and p not in stdlib]
+    with open(os.path.join(purelib, "_kvmesh_paths.pth"), "w") as f:  # e.g. an editable install's src
+        f.write("\n".join(system + added) + "\n")  # path lines only: no code runs
+    hack = next((os.path.join(d, "distutils-precedence.pth") for d in system
+                 if os.path.exists(os.path.join(d, "distutils-precedence.pth"))), None)
+    if hack:
+        shutil.copy(hack, purelib)
+    return py
+
+
 def kvmesh_command(port: int, workers: int = 1, speedup: float | str = 1e9,
-                   router_mode: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "kvmesh.cli.main", "run", "--workers", str(workers),
+                   router_mode: str | None = None, extra: Sequence[str] = (),
+                   python: str | None = None) -> list[str]:
+    cmd = [python or sys.executable, "-m", "kvmesh.cli.main", "run", "--workers", str(workers),
            "--speedup", str(speedup), "--http-host", "127.0.0.1", "--http-port", str(port)]
     if router_mode:
         cmd += ["--router-mode", router_mode]

@@ -162,8 +162,30 @@ def check_live() -> None:
     print(f"launch path OK ({time.perf_counter() - t:.1f}s)")
 
 
+def check_venv() -> None:
+    """``path_only_venv`` (compare_dynamo's kvmesh venv): the same packages as this
+    interpreter, found through path lines, and no code line of a ``.pth`` file run."""
+    import site
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        py = _lib.path_only_venv(os.path.join(d, "v"))
+        probe = "import sys, msgspec; print(msgspec.__file__); print(sys.prefix)"
+        got = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        import msgspec
+
+        assert got == [msgspec.__file__, os.path.join(d, "v")], got
+        purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        lines = open(os.path.join(purelib, "_kvmesh_paths.pth")).read().splitlines()
+        assert lines[: len(site.getsitepackages())] == site.getsitepackages(), lines
+        assert not any(line.startswith("import") for line in lines), lines
+    print("path-only venv OK")
+
+
 if __name__ == "__main__":
     check_parser()
     check_workload()
     check_live()
+    check_venv()
     print("selfcheck OK")

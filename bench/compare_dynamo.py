@@ -16,6 +16,10 @@ Dynamo lives in its own virtualenv (default ``bench/.venv-dynamo``). With
 namespace). Dynamo's ZMQ publishers bind 0.0.0.0, so the whole benchmark re-executes
 itself inside a private network namespace (``unshare --net``, loopback only); pass
 ``--no-netns`` to skip that (only if you know what you are doing).
+kvmesh runs from a venv of its own too (``--kvmesh-python venv``, the default): one
+over this interpreter that lists its packages as path lines, so neither system starts
+by running the code in the system site-packages' ``.pth`` files (``system`` measures
+kvmesh on this interpreter as it is).
 
 Like-for-like settings: kvmesh runs with ``--canary-interval 0`` (Dynamo has no
 canaries), one worker, ``--speedup 1e9``; the Dynamo mocker runs with
@@ -47,6 +51,7 @@ from _lib import (
     kvmesh_command,
     launch_server,
     measure_cpu,
+    path_only_venv,
     precompile_kvmesh,
     read_mem,
     run_async,
@@ -187,10 +192,12 @@ class DynamoServer:
 
 
 class KvmeshServer:
-    def __init__(self, mode: str, log_dir: str, model_path: str, extra: list[str]) -> None:
+    def __init__(self, mode: str, log_dir: str, model_path: str, extra: list[str],
+                 python: str | None = None) -> None:
         self.port = free_port()
         cmd = kvmesh_command(self.port, workers=1, speedup="1e9", router_mode=mode,
-                             extra=["--canary-interval", "0", "--model-path", model_path] + extra)
+                             extra=["--canary-interval", "0", "--model-path", model_path] + extra,
+                             python=python)
         self.server = launch_server(cmd, self.port, os.path.join(log_dir, "kvmesh.log"))
         self.t_launch = self.server.t_launch
 
@@ -242,7 +249,7 @@ def probe_min_tokens(url: str, model: str) -> tuple[bool, str]:
 
 def one_run(system: str, mode: str, a: argparse.Namespace, log_dir: str) -> dict:
     if system == "kvmesh":
-        srv = KvmeshServer(mode, log_dir, a.model_path, a.kvmesh_extra)
+        srv = KvmeshServer(mode, log_dir, a.model_path, a.kvmesh_extra, a.kvmesh_py)
         proc = srv.server.proc
     else:
         srv = DynamoServer(a.venv, a.model_path, a.dynamo_mode[mode], a.dynamo_speedup, log_dir)
@@ -390,11 +397,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-logs", action="store_true", help="keep server logs even on success")
     p.add_argument("--json", metavar="OUT", help="write all runs and the table as JSON")
+    p.add_argument("--kvmesh-python", choices=["venv", "system"], default="venv",
+                   help="run kvmesh from a venv of its own, as Dynamo runs from its venv (default), or "
+                        "from this interpreter, whose site-packages' .pth files then run at its start")
     a = p.parse_args(argv)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     a.levels = [int(x) for x in a.levels.split(",") if x.strip()]
     a.venv = a.venv.resolve()
     a.kvmesh_extra = []
+    a.kvmesh_py = None
     return a
 
 
@@ -429,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     a.dynamo_mode = resolve_dynamo_modes(a)
     log(f"Dynamo router modes: {a.dynamo_mode}")
     log_dir = tempfile.mkdtemp(prefix="kvmesh-cmp-dynamo-")
+    if a.kvmesh_python == "venv":
+        a.kvmesh_py = path_only_venv(os.path.join(log_dir, "venv-kvmesh"))
+        log(f"kvmesh runs from its own venv {a.kvmesh_py} (this interpreter's packages as path lines)")
     t_start = time.perf_counter()
     runs: list[dict] = []
     ok = False
@@ -469,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{a.prompt_tokens}-token prompts, {a.output_tokens} output tokens, ignore_eos, "
               f"min_tokens {'sent' if a.min_tokens else 'not sent'}")
         print(f"kvmesh: 1 worker, --speedup 1e9, --canary-interval 0 (canaries off: Dynamo "
-              f"runs none); Dynamo: mocker --speedup-ratio {a.dynamo_speedup:g}, file discovery, "
+              f"runs none), python: {a.kvmesh_python}; Dynamo: mocker --speedup-ratio {a.dynamo_speedup:g}, file discovery, "
               f"TCP request plane; router modes {a.dynamo_mode}")
         print(f"A/B alternated kvmesh, Dynamo x {a.rounds} rounds per mode; each cell is the "
               f"BEST of the rounds (max if higher is better, min if lower); "

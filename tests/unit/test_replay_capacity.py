@@ -1,7 +1,9 @@
 """``kvmesh replay --profile-capacity``: the rate search's bounds (a capacity known by
 construction is found within the tolerance), a mix no rate serves recorded rather than
-ending the measurement, the profile's JSON (bounds, version; old files still load) and
-the planner's sizing at an infeasible mix."""
+ending the measurement, the profile's JSON (bounds, version; old files still load), the
+planner's sizing at an infeasible mix, and the trace's prefix sharing carried by the
+probes (measured from the hash ids, reproduced by the steady loads, and a prefill
+capacity that rises with it)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from kvmesh.planner.forecast import LoadForecast
 from kvmesh.planner.profile import CapacityPoint, CapacityProfile, dump_profile, load_profile, size_fleet
 from kvmesh.protocol import DisaggThresholds
 from kvmesh.replay.arms import DisaggModel
-from kvmesh.replay.capacity import max_rate, measure_profile, trace_mixes
+from kvmesh.replay.capacity import _ROLES, PrefixReuse, _Context, _Probe, max_rate, measure_profile, steady_load, trace_mixes, trace_reuse
 from kvmesh.replay.goodput import Slo
 from kvmesh.replay.trace import TraceRequest
 
@@ -66,6 +68,74 @@ def test_the_grid_has_the_median_between_the_ends() -> None:
     inputs, outputs = trace_mixes(rows)
     assert len(inputs) == 3 and inputs[0] < inputs[1] < inputs[2]  # p10, p50, p90
     assert outputs == (11,)  # narrow: one point
+
+
+# ---------------------------------------------------------------------------- prefix sharing
+
+
+def _row(i: int, ids: tuple[int, ...]) -> TraceRequest:
+    return TraceRequest(i, float(i), 512 * len(ids), 8, ids)
+
+
+def test_the_traces_reuse_is_the_leading_run_already_seen() -> None:
+    rows = [
+        _row(1, (0, 1, 2)),
+        _row(2, (0, 1, 2, 3)),  # continues row 1: 3 of its 4 blocks
+        _row(3, (0, 5)),  # only the shared first block: not a continuation
+        _row(4, (0, 1, 6, 7)),  # continues over 2 of 4
+        _row(5, (9, 1, 2)),  # a seen id after an unseen one is no prefix
+    ]
+    reuse = trace_reuse(rows)
+    assert reuse.share == pytest.approx(2 / 5)
+    assert reuse.depth == pytest.approx((3 + 2) / (4 + 4))
+    assert trace_reuse(rows[:1]) == PrefixReuse(0.0, 0.0)
+    assert "40.0% of requests" in reuse.describe() and "62.5% of their blocks" in reuse.describe()
+
+
+def test_the_steady_load_carries_the_reuse_it_is_given() -> None:
+    plain = steady_load(4.0, 6000, 50, 600, seed=3)
+    assert plain == steady_load(4.0, 6000, 50, 600, seed=3, reuse=PrefixReuse())  # no sharing: the loads as before
+    assert trace_reuse(plain) == PrefixReuse(0.0, 0.0)
+    assert all(r.hash_ids[0] == 0 for r in plain)
+    shared = steady_load(4.0, 6000, 50, 600, seed=3, reuse=PrefixReuse(0.4, 0.75))
+    got = trace_reuse(shared)
+    assert 0.34 < got.share < 0.46 and 0.68 < got.depth < 0.8
+    # the same lengths and arrivals: only the prompts' blocks differ
+    assert [(r.timestamp_ms, r.input_length, r.output_length) for r in plain[:1]] == [
+        (r.timestamp_ms, r.input_length, r.output_length) for r in shared[:1]
+    ]
+    for r in shared:  # every prompt has its length's blocks, chained ids (one position each)
+        assert len(r.hash_ids) == -(-r.input_length // 512)
+    positions: dict[int, int] = {}
+    for r in shared:
+        for k, h in enumerate(r.hash_ids):
+            assert positions.setdefault(h, k) == k
+    with pytest.raises(ValueError, match="within"):
+        PrefixReuse(1.2, 0.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_with_shared_prefixes_carries_a_rate_the_plain_one_does_not() -> None:
+    # one prefill worker (decode ample), every prompt remote, 4000-token prompts (~80 ms
+    # each): at 13 req/s the plain load outruns it (TTFT p90 ~1.2 s), while half the
+    # requests continuing an earlier prompt over 90 % of it leave it ~half the work
+    slo = Slo(ttft_ms=400.0, itl_ms=200.0)
+    _, arm, workers = _ROLES[0]
+
+    def probe(reuse: PrefixReuse) -> _Probe:
+        return _Probe(arm, workers, 4000, 4, slo, _Context(OPTIONS, _model(), 0.99, 150, 150, "kv", 0, reuse))
+
+    plain, shared = probe(PrefixReuse()), probe(PrefixReuse(0.5, 0.9))
+    assert plain(8.0) and shared(8.0)
+    assert not plain(13.0) and "TTFT p90" in plain.why
+    assert shared(13.0)
+
+
+def test_the_profiles_note_says_what_sharing_it_was_measured_with() -> None:
+    slo = Slo(ttft_ms=2000.0, itl_ms=200.0)
+    profile = measure_profile((600,), (2,), OPTIONS, slo, _model(), requests=20, max_requests=40, tolerance=2.0,
+                              reuse=PrefixReuse(0.5, 0.9))  # fmt: skip
+    assert "prefix sharing: 50.0% of requests continue an earlier prompt over 90.0% of their blocks" in profile.note
 
 
 # ---------------------------------------------------------------------------- an infeasible mix
@@ -157,3 +227,4 @@ def test_cli_writes_a_profile_with_an_infeasible_mix(tmp_path: Path, capsys: pyt
     assert profile.points[1].aggregated_rps == 0.0 and profile.points[1].infeasible
     assert profile.points[0].aggregated_rps > 0 and math.isfinite(profile.points[0].aggregated_rps)
     assert "meet the SLOs at no rate" in text.out
+    assert "no prefix shared beyond the first block" in profile.note  # this trace shares none: said, and measured so

@@ -3,8 +3,8 @@
 
 For each mix of a grid (prompt × output tokens: the trace's 10th, 50th and 90th
 percentiles of each, or its median alone where the 10th and 90th are within 2x), a
-steady Poisson load of that mix (lengths ±25 %, no shared prefix beyond the first
-block) is replayed at rising rates, each for two lifetimes of a request that just
+steady Poisson load of that mix (lengths ±25 %, every prompt's first block shared, and
+the trace's prefix sharing beyond it: :class:`PrefixReuse`) is replayed at rising rates, each for two lifetimes of a request that just
 meets the SLOs (at least ``requests`` requests, at most ``max_requests``: a short
 burst would fit in one batch and measure nothing); the highest rate at which the SLOs
 hold for ``attainment`` of the requests is the capacity. :func:`max_rate` finds it: a
@@ -24,6 +24,17 @@ A mix that no rate serves at the SLOs (one request alone misses them: e.g. a
 for that role and the reason in ``infeasible``, and the measurement goes on; the
 planner sizes such a mix with the role's least measured capacity and says the SLOs
 are not attainable there (:func:`kvmesh.planner.profile.size_fleet`).
+
+**Prefix sharing.** A prompt whose leading blocks are cached is prefilled only past
+them, and its shared blocks are held once in the KV pool: a profile measured on prompts
+that share nothing over-states the prefill work of a trace whose turns continue earlier
+ones (the whole conversation trace: 38.7 % of requests continue an earlier prompt, over
+75.6 % of their blocks). :func:`trace_reuse` measures the trace's sharing from its hash
+ids (the share of requests whose leading run of seen blocks is longer than the first
+block, and that run's depth, block-weighted); the probes carry it: that share of their
+requests continue a random earlier request of the probe over that depth of their blocks
+(the earlier prompt's leading blocks, as many as it has). The note says what was
+measured with.
 
 The result is a :class:`~kvmesh.planner.profile.CapacityProfile` (the planner's
 ``--capacity-profile``). The mocker's timing model is the one measured: a profile
@@ -46,7 +57,7 @@ from kvmesh.replay.goodput import Slo, mean_itl_ms, meets
 from kvmesh.replay.report import percentile
 from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TokenSynth, TraceRequest, arrivals
 
-__all__ = ["Bounds", "trace_mixes", "steady_load", "max_rate", "measure_profile"]
+__all__ = ["Bounds", "PrefixReuse", "trace_mixes", "trace_reuse", "steady_load", "max_rate", "measure_profile"]
 
 _ROLES = (("prefill", Arm("disagg:1p3d", 1, 3), 4), ("decode", Arm("disagg:3p1d", 3, 1), 4), ("aggregated", Arm("aggregated"), 1))
 _LONE = 0.05  # the lowest rate tried: one request per 20 lifetimes (a request alone, nearly always)
@@ -79,16 +90,61 @@ def trace_mixes(trace: Sequence[TraceRequest]) -> tuple[tuple[int, ...], tuple[i
     return axis(sorted(r.input_length for r in trace)), axis(sorted(r.output_length for r in trace))
 
 
-def steady_load(rate: float, input_tokens: int, output_tokens: int, n: int, seed: int = 0) -> list[TraceRequest]:
+@dataclass(frozen=True, slots=True)
+class PrefixReuse:
+    """A trace's prefix sharing beyond the first block: ``share`` of the requests
+    continue an earlier prompt (their leading run of already-seen blocks is longer than
+    one block), and ``depth`` of those requests' blocks are that leading run
+    (block-weighted). share × depth is about the trace's block-level reuse past block 0."""
+
+    share: float = 0.0
+    depth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.share <= 1 and 0 <= self.depth <= 1):
+            raise ValueError(f"prefix reuse needs share and depth within [0, 1], got {self.share}, {self.depth}")
+
+    def describe(self) -> str:
+        if not self.share:
+            return "no prefix shared beyond the first block"
+        return f"{self.share:.1%} of requests continue an earlier prompt over {self.depth:.1%} of their blocks"
+
+
+def trace_reuse(trace: Sequence[TraceRequest]) -> PrefixReuse:
+    """The trace's :class:`PrefixReuse` from its hash ids (chained: a request shares an
+    earlier one's KV for the leading run of ids already seen), with an infinite cache."""
+    seen: set[int] = set()
+    continued = blocks = shared = 0
+    for r in trace:
+        run = 0
+        while run < len(r.hash_ids) and r.hash_ids[run] in seen:
+            run += 1
+        if run > 1:
+            continued, blocks, shared = continued + 1, blocks + len(r.hash_ids), shared + run
+        seen.update(r.hash_ids)
+    return PrefixReuse(continued / len(trace) if trace else 0.0, shared / blocks if blocks else 0.0)
+
+
+def steady_load(rate: float, input_tokens: int, output_tokens: int, n: int, seed: int = 0,
+                reuse: PrefixReuse = PrefixReuse()) -> list[TraceRequest]:  # fmt: skip
+    """``n`` Poisson arrivals of the mix (lengths ±25 %); every prompt starts with block 0,
+    and ``reuse.share`` of them continue a random earlier request over ``reuse.depth`` of
+    their blocks (at most the earlier prompt's; new blocks after it)."""
     rng = random.Random(seed)
-    t, rows, next_id = 0.0, [], 1
+    t, next_id = 0.0, 1
+    rows: list[TraceRequest] = []
     for i in range(n):
         t += rng.expovariate(rate)
         n_in = max(1, round(input_tokens * rng.uniform(0.75, 1.25)))
         n_out = max(1, round(output_tokens * rng.uniform(0.75, 1.25)))
         blocks = -(-n_in // TRACE_BLOCK_TOKENS)
-        rows.append(TraceRequest(i + 1, t * 1000.0, n_in, n_out, (0, *range(next_id, next_id + blocks - 1))))
-        next_id += blocks - 1
+        prefix: tuple[int, ...] = (0,)
+        if reuse.share and rows and rng.random() < reuse.share:  # no draw without sharing: the same loads as before
+            earlier = rows[rng.randrange(len(rows))].hash_ids
+            prefix = earlier[: max(1, min(round(reuse.depth * blocks), len(earlier), blocks))]
+        fresh = blocks - len(prefix)
+        rows.append(TraceRequest(i + 1, t * 1000.0, n_in, n_out, (*prefix, *range(next_id, next_id + fresh))))
+        next_id += fresh
     return rows
 
 
@@ -134,7 +190,7 @@ class _Probe:
     def __call__(self, rate: float) -> bool:
         c = self.ctx
         n = min(max(c.requests, math.ceil(rate * 2 * self.lifetime_s)), c.max_requests)
-        trace = steady_load(rate, self.n_in, self.n_out, n, c.seed)
+        trace = steady_load(rate, self.n_in, self.n_out, n, c.seed, c.reuse)
         stream = arrivals(trace, TokenSynth(c.options.vocab_size))
         run = run_arm(self.arm, stream, c.options, self.workers, default_router(c.router, c.options, c.seed), c.model)
         met = sum(meets(r, self.slo) for r in run.records)
@@ -161,22 +217,23 @@ class _Context:
     max_requests: int
     router: str
     seed: int
+    reuse: PrefixReuse = PrefixReuse()
 
 
 def measure_profile(
     inputs: Sequence[int], outputs: Sequence[int], options: MockerOptions, slo: Slo, model: DisaggModel,
     attainment: float = 0.99, requests: int = 150, router: str = "kv", seed: int = 0, max_requests: int = 800,
-    progress: Callable[[str], None] | None = None, tolerance: float = 1.05,
+    progress: Callable[[str], None] | None = None, tolerance: float = 1.05, reuse: PrefixReuse = PrefixReuse(),
 ) -> CapacityProfile:  # fmt: skip
     if requests < 20 or not 0 < attainment <= 1:
         raise ValueError("a capacity measurement needs at least 20 requests per rate and 0 < attainment <= 1")
     need = max(inputs) * 5 // 4 + max(outputs) * 5 // 4 + 2
     options = options if options.context_length >= need else replace(options, context_length=need)
-    ctx = _Context(options, model, attainment, requests, max_requests, router, seed)
+    ctx = _Context(options, model, attainment, requests, max_requests, router, seed, reuse)
     points = [_measure_mix(n_in, n_out, slo, ctx, tolerance, progress) for n_in in inputs for n_out in outputs]
     note = (f"kvmesh replay --profile-capacity: mocker block_size={options.block_size} num_blocks={options.num_blocks} "
             f"speedup={options.speedup:g} max_num_seqs={options.max_num_seqs}, {requests}..{max_requests} requests per rate, "
-            f"bounds within {tolerance:g}x")  # fmt: skip
+            f"bounds within {tolerance:g}x; prefix sharing: {reuse.describe()}")  # fmt: skip
     return CapacityProfile(slo.ttft_ms, slo.itl_ms, attainment, tuple(points), note, version=PROFILE_VERSION)
 
 

@@ -4,6 +4,7 @@ tenants' limiter, only where they are switched on."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -32,7 +33,9 @@ print(" ".join(n for n in {names!r} if n in sys.modules))
 def _loaded(canary: float, degrade: bool, names: tuple[str, ...] = _DEFERRED, tenant: bool = False) -> list[str]:
     keys, options = ((("k1", "premium"),), (("k1", "tenant=a rpm=5"),)) if tenant else ((), ())
     code = _BUILD.format(canary=canary, degrade=degrade, names=names, keys=keys, options=options)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # -S with this sys.path: the packages, without what a site-packages .pth imports at start
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
@@ -43,6 +46,11 @@ def test_frontend_without_canaries_or_shedding_imports_neither() -> None:
 
 def test_frontend_with_canaries_and_shedding_imports_them() -> None:
     assert set(_loaded(30.0, True)) == set(_DEFERRED)
+
+
+def test_frontend_start_imports_no_archive_or_pickle_modules() -> None:
+    # shutil (zlib, bz2, lzma) serves only a fetched model's cache; pickle only a replacement worker
+    assert _loaded(0, False, ("shutil", "pickle", "bz2", "lzma")) == []
 
 
 def test_tenants_modules_only_with_a_tenant_key() -> None:
@@ -61,7 +69,6 @@ def test_health_package_names_still_import() -> None:
 
 def test_run_starts_without_the_cyclic_collector_and_turns_it_back_on() -> None:
     import gc
-    import os
 
     from kvmesh.cli import main as cli
 

@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -119,6 +118,8 @@ async def fetch_model_files(client: RequestClient, name: str) -> str:
     cache = model_cache_dir()
     folder = cache / _cache_folder_name(name, digest)
     if not (folder / "tokenizer.json").is_file():
+        import shutil  # here: shutil brings zlib, bz2 and lzma to every frontend's start
+
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
         tmp.mkdir(mode=0o700)  # new, ours: nothing planted in it

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import sys
 import traceback
 from collections.abc import Callable, Coroutine
@@ -87,6 +86,8 @@ def run_worker(cfg: WorkerConfig, runtime_cfg: RuntimeConfig | None = None, die_
 def main() -> int:
     """``python -m kvmesh.worker.child``: a static worker of ``kvmesh run``, its
     config pickled on stdin."""
+    import pickle  # here, not at the top: the frontend imports this module too
+
     cfg = pickle.load(sys.stdin.buffer)
     if not isinstance(cfg, WorkerConfig):
         print("kvmesh worker: stdin holds no WorkerConfig", file=sys.stderr)

@@ -36,7 +36,6 @@ import asyncio
 import ctypes
 import logging
 import os
-import pickle
 import random
 import signal
 import socket
@@ -356,6 +355,8 @@ class Supervisor:
             *worker_command(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
         )
         assert proc.stdin is not None
+        import pickle  # here: only a replacement worker is sent its config
+
         proc.stdin.write(pickle.dumps(cfg))
         try:
             await proc.stdin.drain()

@@ -53,6 +53,42 @@ def test_kalman_smooths_poisson_noise_better_than_the_last_value() -> None:
     assert forecast_errors(series, "kalman").wape < 0.85 * forecast_errors(series, "last").wape
 
 
+def _poisson(rng: random.Random, lam: float) -> float:
+    """A Poisson count in one unit of time."""
+    n, t = 0, rng.expovariate(lam)
+    while t < 1.0:
+        n, t = n + 1, t + rng.expovariate(lam)
+    return float(n)
+
+
+def test_a_start_ahead_the_kalman_forecast_of_a_steady_poisson_count_is_steadier_than_the_count() -> None:
+    """120 arrivals a round on average: the forecast five rounds ahead (a worker's start)
+    spreads less than the count itself (9 %); with the trend's process noise at 2 % of the
+    level, its trend followed the noise and the forecast spread 13 %: the fleet was sized
+    for noise."""
+    rng = random.Random(1)
+    f = Kalman()
+    ahead = []
+    for k in range(400):
+        f.update(_poisson(rng, 120.0))
+        if k >= 50:
+            ahead.append(f.forecast(5))
+    mean = sum(ahead) / len(ahead)
+    spread = math.sqrt(sum((a - mean) ** 2 for a in ahead) / len(ahead)) / 120.0
+    assert abs(mean / 120.0 - 1.0) < 0.05
+    assert spread < 1 / math.sqrt(120.0), spread
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_kalman_filter_turns_at_the_trough_of_a_steep_poisson_sine(seed: int) -> None:
+    """A load swinging 19x in 50 rounds: the filter's process noise scales with the series'
+    slow mean, not with the level at the trough, so it follows the curve there (scaled by
+    the level alone it did worse than the last value)."""
+    rng = random.Random(seed)
+    day = [_poisson(rng, 50.0 + 45.0 * math.sin(2 * math.pi * k / 100.0)) for k in range(300)]
+    assert forecast_errors(day, "kalman", steps=3).wape < 0.9 * forecast_errors(day, "last", steps=3).wape
+
+
 def test_forecasts_are_never_negative_and_bad_inputs_say_what_is_wrong() -> None:
     for method in METHODS:
         f = METHODS[method]()
@@ -165,18 +201,16 @@ def _obs(t: float, workers: dict[int, Role], rate: float, starting: tuple[Role, 
                        arrived_output_tokens=n * 100)  # fmt: skip
 
 
-def test_with_a_profile_the_planner_starts_what_the_forecast_needs_at_once_and_stops_after_hold_and_cooldown() -> None:
+def test_with_a_profile_the_planner_starts_what_the_forecast_needs_at_once_and_stops_after_the_hold() -> None:
     cfg = PlannerConfig(min_workers=1, max_workers=6, profile=_profile(), headroom=1.0, hold_rounds=3, cooldown_s=5.0)
     planner = Planner(cfg)
     fleet = {0: Role.AGGREGATED}
     plan = planner.plan(_obs(0.0, fleet, 2.0))  # 2 req/s at 2 per worker: one is enough
     assert plan.actions == () and plan.targets == {Role.AGGREGATED: 1}
     starts: list[Action] = []
-    last_start = 0
     for k in range(1, 6):  # the load jumps to 8 req/s: four workers, started in the round it is seen
         plan = planner.plan(_obs(float(k), fleet, 8.0, tuple(Role.AGGREGATED for _ in starts)))
         starts += [a for a in plan.actions if a.kind is ActionKind.START]
-        last_start = k if any(a.kind is ActionKind.START for a in plan.actions) else last_start
         if k == 1:
             assert starts, plan
     assert len(starts) >= 3 and all(a.role is Role.AGGREGATED for a in starts)
@@ -184,7 +218,7 @@ def test_with_a_profile_the_planner_starts_what_the_forecast_needs_at_once_and_s
     assert "forecast_rps" in starts[0].inputs and "target_aggregated" in starts[0].inputs
     fleet = {i: Role.AGGREGATED for i in range(1 + len(starts))}
     stops = []
-    for k in range(6, 60):  # the load falls to 1 req/s: one stop per hold, the first a cool-down after the starts
+    for k in range(6, 60):  # the load falls to 1 req/s (the started workers serve): one stop per hold
         plan = planner.plan(_obs(float(k), fleet, 1.0))
         for a in plan.actions:
             assert a.kind is ActionKind.STOP and a.worker_id is not None
@@ -193,7 +227,7 @@ def test_with_a_profile_the_planner_starts_what_the_forecast_needs_at_once_and_s
     assert len(fleet) == 1 and len(stops) == len(starts)
     gaps = [b[0] - a[0] for a, b in zip(stops, stops[1:])]
     assert all(3 <= g < 5 for g in gaps)  # a falling load sheds a worker per hold, not per cool-down
-    assert stops[0][0] - 6 >= 2 and stops[0][0] >= last_start + 5  # the target held; a cool-down after the last start
+    assert stops[0][0] - 6 >= 2  # the target held (no cool-down after the last start: the hold paces stops)
 
 
 def test_with_a_profile_a_full_disaggregated_fleet_moves_workers_to_the_forecast_split() -> None:

@@ -64,10 +64,12 @@ Then, in order: roles below target start workers at once (a ramp does not wait: 
 hold, no cool-down); with no room left, a role above target gives a worker to a starving
 one below it (MOVE: ``cooldown_s`` after the last reshaping action, one move at a time:
 until its worker has left the old role; the time that took is logged); the fleet above
-its total target for ``hold_rounds`` stops one (STOP: ``cooldown_s`` after the last start
-or move, not after the last stop, so a falling load sheds a worker every
-``hold_rounds``; and only when one worker less still leaves 15 % above the need: a band
-against the forecast's noise).
+its total target for ``hold_rounds`` stops one (STOP: paced by that hold alone, so a
+falling load sheds a worker every ``hold_rounds``: a cool-down after the last start kept
+the fleet at the forecast noise's peaks, each start on a noisy round blocking the stops
+for ``cooldown_s``; never while a worker of the role is on its way, which would swap a
+serving worker for one that serves later; and only when one worker less still leaves
+the role 5 % above its need: a band against the forecast's noise).
 
 Every action carries the reason and the inputs it was decided on, for the log and
 the metrics; a plan carries the forecast and the targets it was made with.
@@ -221,7 +223,6 @@ class Planner:
         self._last_reshape_s = -math.inf
         self.forecaster = LoadForecaster(config.rate_forecast, config.mix_forecast)
         self._target_streak = 0  # rounds the targets have asked to move or shrink
-        self._last_grow_s = -math.inf  # the last start or move (a stop's cool-down runs from it)
         # how long the last move took until its worker left the old role (drain, and a
         # restart where the fleet starts the new worker first), for the decision log
         self._move_cost_s = 0.0
@@ -498,7 +499,7 @@ class Planner:
                 planned[role] += 1
                 actions.append(Action(ActionKind.START, role, f"forecast needs {targets[role]} {role.value}", None, inputs))
         if actions:
-            self._last_reshape_s = self._last_grow_s = obs.now_s
+            self._last_reshape_s = obs.now_s
         still_short = [r for r in short if planned[r] < targets[r]]
         if actions or still_short or not over:
             self._target_streak = 0
@@ -532,7 +533,7 @@ class Planner:
             return None
         self._planned[frm] -= 1
         self._planned[to] += 1
-        self._last_reshape_s = self._last_grow_s = obs.now_s
+        self._last_reshape_s = obs.now_s
         self._moving = (donor.worker_id, frm, obs.now_s)
         why = f"{to.value} pressed, forecast needs {targets[to]} {to.value}, {targets[frm]} {frm.value}"
         return Action(ActionKind.MOVE, to, why, donor.worker_id, {**inputs, "last_move_s": self._move_cost_s})
@@ -545,17 +546,16 @@ class Planner:
         return self._streaks[{Role.PREFILL: "prefill_slack", Role.DECODE: "decode_slack"}.get(role, "down")] > 0
 
     def _stop(self, obs: Observation, over: Sequence[Role], targets: dict[Role, int], inputs: dict[str, float]) -> Action | None:
-        """Stop a worker of the role most above its target: ``cooldown_s`` after the last
-        start or move (not after the last stop: a falling load sheds a worker every
-        ``hold_rounds``), and only when one worker less still leaves the role ``_STOP_BAND``
-        above its need (no flapping on the forecast's noise)."""
+        """Stop a worker of the role most above its target (the caller has held that for
+        ``hold_rounds``; no cool-down: a falling load sheds a worker every ``hold_rounds``):
+        not while a worker of the role is on its way (it would swap a serving worker for
+        one that serves later), and only when one worker less still leaves the role
+        ``_STOP_BAND`` above its need (no flapping on the forecast's noise)."""
         assert self._planned is not None
-        if obs.now_s - self._last_grow_s < self.config.cooldown_s:
-            return None
         planned = self._planned
         frm = max(over, key=lambda r: planned[r] - targets[r], default=None)
         donor = _least_loaded(obs, frm) if frm is not None else None
-        if frm is None or donor is None or self._needs[frm] * _STOP_BAND > self._planned[frm] - 1:
+        if frm is None or donor is None or frm in obs.starting or self._needs[frm] * _STOP_BAND > planned[frm] - 1:
             return None
         self._planned[frm] -= 1
         self._last_reshape_s = obs.now_s
@@ -591,7 +591,7 @@ class Planner:
 
 
 _RELAX = 0.01  # of the correction's excess over 1, per round
-_STOP_BAND = 1.15  # a stop leaves the role at least 15 % above its need (no flapping on the forecast's noise)
+_STOP_BAND = 1.05  # a stop leaves the role at least 5 % above its need (no flapping on the forecast's noise)
 _MAX_CORRECTION = 4.0
 _SPLIT_GAIN = 1.1  # at the ceiling, another split must cut the bottleneck's load by 10 % to be worth a move
 

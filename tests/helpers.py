@@ -138,6 +138,7 @@ class InProcessStack:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[InProcessStack]:
+        from kvmesh.assembly.frontend import GRACEFUL_SHUTDOWN_S
         from kvmesh.frontend.app import Frontend
         from kvmesh.frontend.server import bind_http
         from kvmesh.frontend.serving import make_server
@@ -155,6 +156,7 @@ class InProcessStack:
         sock = bind_http("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         server = make_server(self.frontend.app)
+        server.config.timeout_graceful_shutdown = GRACEFUL_SHUTDOWN_S  # as `kvmesh frontend` bounds it
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.01)

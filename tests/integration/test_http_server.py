@@ -184,3 +184,22 @@ async def test_events_written_in_one_loop_iteration_share_a_write():
     assert log == ["startup", "writes 4", "shutdown"]
     events = [line for line in body.split(b"\r\n") if line.startswith(b"data:")]
     assert events == [b"data: %d\n\n" % i for i in range(5)] + [b"data: late\n\n", b"data: [DONE]\n\n"]
+
+
+async def test_a_bounded_graceful_exit_cuts_a_stream_still_in_flight_and_says_which(caplog):
+    log: list[str] = []
+    sock = bind_http("127.0.0.1", 0)
+    server = HttpServer(_app(log))
+    server.config.timeout_graceful_shutdown = 0.2  # as `kvmesh frontend` sets it (GRACEFUL_SHUTDOWN_S)
+    task = asyncio.get_running_loop().create_task(server.serve([sock]))
+    while not server.started:
+        await asyncio.sleep(0.005)
+    reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+    writer.write(b"GET /stream?n=100000 HTTP/1.1\r\nhost: t\r\n\r\n")  # ~17 min of events
+    assert b"data: 0" in await asyncio.wait_for(reader.readuntil(b"data: 0"), 5)
+    with caplog.at_level("WARNING", logger="kvmesh.http"):
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)  # not the stream's 17 minutes
+    writer.close()
+    assert "ended" not in log and log[-1] == "shutdown"
+    assert "1 request(s) still in flight cut off: GET /stream" in caplog.text

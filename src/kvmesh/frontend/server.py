@@ -1021,6 +1021,9 @@ class HttpServer(ExitFlag):
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
                 break
             await asyncio.sleep(0.05)
+        cut = [f"{c.current.method} {c.current.path}" for c in self.connections if c.task is not None and c.current]
+        if cut:
+            log.warning("shutting down: %d request(s) still in flight cut off: %s", len(cut), ", ".join(cut[:8]))
         tasks = [c.task for c in self.connections if c.task is not None]
         for conn in list(self.connections):
             if conn.transport is not None:

@@ -376,7 +376,7 @@ class PlannerConfig:
     )  # fmt: skip
     planner_interval_s: float = setting(2.0, "seconds between planner rounds (a lost worker is handled at once)",
                                         check=positive, group=_PLAN)  # fmt: skip
-    planner_cooldown_s: float = setting(30.0, "seconds between two reshaping actions (scale, role moves)",
+    planner_cooldown_s: float = setting(30.0, "seconds between two reshaping actions (role moves; without a capacity profile, scaling too)",
                                         check=non_negative, group=_PLAN)  # fmt: skip
     planner_hold_rounds: int = setting(3, "rounds a signal must hold before the planner reshapes", check=positive,
                                        group=_PLAN)  # fmt: skip

@@ -12,6 +12,7 @@ median (and min) of each measure and the ratio to the first arm.
 
     python bench/launch.py --base-commit ab2ecd9 --rounds 6
     python bench/launch.py --arm now=src --router-mode round_robin --rounds 4
+    python bench/launch.py --python both --rounds 8     # this interpreter vs a venv of kvmesh's own
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from _lib import (  # noqa: E402
     kvmesh_command,
     launch_server,
     measure_cpu,
+    path_only_venv,
     read_mem,
     source_arms,
     wait_ready,
@@ -50,14 +52,17 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--router-mode", default="kv")
     p.add_argument("--idle-wait", type=float, default=0.5, help="seconds after the first completion before reading RSS")
+    p.add_argument("--python", choices=["system", "venv", "both"], default="system",
+                   help="run kvmesh on this interpreter, from a venv of its own (compare_dynamo.py's default: "
+                        "no site-packages .pth code at start), or both, each arm twice (LABEL, LABEL-venv)")
     return p.parse_args()
 
 
-def one_launch(src: str, extra_env: dict[str, str], a: argparse.Namespace) -> dict[str, float]:
+def one_launch(src: str, extra_env: dict[str, str], a: argparse.Namespace, python: str | None = None) -> dict[str, float]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=src, **extra_env)
     cmd = kvmesh_command(port, workers=a.workers, speedup="1e9", router_mode=a.router_mode,
-                         extra=["--canary-interval", "0"])
+                         extra=["--canary-interval", "0"], python=python)
     server = launch_server(cmd, port, env=env)
     try:
         _, t_ok = wait_ready(server.url, 120, model=MODEL_NAME, proc=server.proc)
@@ -77,14 +82,17 @@ def one_launch(src: str, extra_env: dict[str, str], a: argparse.Namespace) -> di
 def main() -> int:
     a = _parse()
     with tempfile.TemporaryDirectory() as tmp:
-        arms = source_arms(REPO, a.base_commit, a.arm or ["now=src"], tmp)
-        for _, src, _ in arms:
+        sources = source_arms(REPO, a.base_commit, a.arm or ["now=src"], tmp)
+        for _, src, _ in sources:
             compileall.compile_dir(os.path.join(src, "kvmesh"), quiet=1, workers=1)
-        results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in arms}
+        venv_py = path_only_venv(os.path.join(tmp, "venv")) if a.python != "system" else None
+        pythons = {"system": [("", None)], "venv": [("", venv_py)], "both": [("", None), ("-venv", venv_py)]}[a.python]
+        arms = [(label + suffix, src, extra, py) for label, src, extra in sources for suffix, py in pythons]
+        results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _, _ in arms}
         for rnd in range(a.rounds):
             order = arms if rnd % 2 == 0 else arms[::-1]
-            for label, src, extra in order:
-                r = one_launch(src, extra, a)
+            for label, src, extra, py in order:
+                r = one_launch(src, extra, a, py)
                 results[label].append(r)
                 print(f"[launch] round {rnd + 1} {label}: " + " ".join(f"{k}={v:.3f}" for k, v in r.items()),
                       file=sys.stderr, flush=True)

@@ -1,9 +1,9 @@
 """``kvmesh replay --profile-capacity``: the rate search's bounds (a capacity known by
 construction is found within the tolerance), a mix no rate serves recorded rather than
 ending the measurement, the profile's JSON (bounds, version; old files still load), the
-planner's sizing at an infeasible mix, and the trace's prefix sharing and arrival bursts
-carried by the probes (measured from the hash ids and timestamps, reproduced by the
-steady loads, and what a probe carries moving with them)."""
+planner's sizing at an infeasible mix, and the trace's prefix sharing carried by the
+probes (measured from the hash ids, reproduced by the steady loads, and a prefill
+capacity that rises with it)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ from kvmesh.planner.forecast import LoadForecast
 from kvmesh.planner.profile import CapacityPoint, CapacityProfile, dump_profile, load_profile, size_fleet
 from kvmesh.protocol import DisaggThresholds
 from kvmesh.replay.arms import DisaggModel
-from kvmesh.replay.capacity import (
-    _ROLES, PrefixReuse, _Context, _Probe, max_rate, measure_profile, steady_load, trace_burst, trace_mixes, trace_reuse,
-)
+from kvmesh.replay.capacity import _ROLES, PrefixReuse, _Context, _Probe, max_rate, measure_profile, steady_load, trace_mixes, trace_reuse
 from kvmesh.replay.goodput import Slo
 from kvmesh.replay.trace import TraceRequest
 
@@ -136,43 +134,8 @@ def test_a_probe_with_shared_prefixes_carries_a_rate_the_plain_one_does_not() ->
 def test_the_profiles_note_says_what_sharing_it_was_measured_with() -> None:
     slo = Slo(ttft_ms=2000.0, itl_ms=200.0)
     profile = measure_profile((600,), (2,), OPTIONS, slo, _model(), requests=20, max_requests=40, tolerance=2.0,
-                              reuse=PrefixReuse(0.5, 0.9), burst=3)  # fmt: skip
+                              reuse=PrefixReuse(0.5, 0.9))  # fmt: skip
     assert "prefix sharing: 50.0% of requests continue an earlier prompt over 90.0% of their blocks" in profile.note
-    assert "3 request(s) per arrival instant" in profile.note
-
-
-def test_the_traces_burst_is_its_requests_per_arrival_instant() -> None:
-    rows = [TraceRequest(i, float(i // 4) * 1000.0, 600, 8, (0,)) for i in range(40)]
-    assert trace_burst(rows) == 4
-    assert trace_burst([TraceRequest(i, i * 7.5, 600, 8, (0,)) for i in range(40)]) == 1
-    assert trace_burst([]) == 1
-
-
-def test_a_bursty_load_arrives_in_groups_at_the_same_rate() -> None:
-    smooth = steady_load(5.0, 3000, 20, 2000, seed=1)
-    assert smooth == steady_load(5.0, 3000, 20, 2000, seed=1, burst=1)  # no burst: the loads as before
-    bursty = steady_load(5.0, 3000, 20, 2000, seed=1, burst=10)
-    assert trace_burst(bursty) == 10 and trace_burst(smooth) == 1
-    assert all(len({r.timestamp_ms for r in bursty[k : k + 10]}) == 1 for k in range(0, 2000, 10))
-    span_s = bursty[-1].timestamp_ms / 1000.0
-    assert 4.0 < 2000 / span_s < 6.2  # ~5 req/s still
-    with pytest.raises(ValueError, match="at least one"):
-        steady_load(5.0, 3000, 20, 10, burst=0)
-
-
-@pytest.mark.timeout(60)
-def test_a_probe_whose_requests_arrive_together_fails_a_rate_the_smooth_one_carries() -> None:
-    # one prefill worker, 4000-token prompts (~80 ms each): 6 req/s one at a time is easy;
-    # ten at one instant queue ~0.8 s behind each other, past a 400 ms TTFT
-    slo = Slo(ttft_ms=400.0, itl_ms=200.0)
-    _, arm, workers = _ROLES[0]
-
-    def probe(burst: int) -> _Probe:
-        return _Probe(arm, workers, 4000, 4, slo, _Context(OPTIONS, _model(), 0.99, 150, 150, "kv", 0, PrefixReuse(), burst))
-
-    assert probe(1)(6.0)
-    bursty = probe(10)
-    assert not bursty(6.0) and "TTFT p90" in bursty.why
 
 
 # ---------------------------------------------------------------------------- an infeasible mix

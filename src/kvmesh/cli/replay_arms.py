@@ -95,7 +95,7 @@ def run_profile(trace_path: str, base: ReplayConfig) -> int:
     """``--profile-capacity OUT.json``: measure the workers' capacity profile for the
     trace's mixes (:mod:`kvmesh.replay.capacity`) and write it."""
     from kvmesh.planner.profile import dump_profile
-    from kvmesh.replay.capacity import measure_profile, trace_burst, trace_mixes, trace_reuse
+    from kvmesh.replay.capacity import measure_profile, trace_mixes, trace_reuse
 
     assert base.profile_capacity is not None
     try:
@@ -106,12 +106,12 @@ def run_profile(trace_path: str, base: ReplayConfig) -> int:
     if isinstance(trace, int):
         return trace
     inputs, outputs = trace_mixes(trace)
-    reuse, burst = trace_reuse(trace), trace_burst(trace)
+    reuse = trace_reuse(trace)
     print(f"measuring one worker's capacity at the SLOs for prompts {inputs} x outputs {outputs} tokens (virtual clock;"
-          f" the trace's prefix sharing: {reuse.describe()}; {burst} request(s) per arrival instant)")  # fmt: skip
+          f" the trace's prefix sharing: {reuse.describe()})")  # fmt: skip
     try:
         profile = measure_profile(inputs, outputs, base.mocker, slo, model, router=base.router, seed=base.seed,
-                                  progress=print, tolerance=base.profile_tolerance, reuse=reuse, burst=burst)  # fmt: skip
+                                  progress=print, tolerance=base.profile_tolerance, reuse=reuse)  # fmt: skip
     except ValueError as exc:
         return fail(str(exc), 2)
     if any(p.infeasible for p in profile.points):

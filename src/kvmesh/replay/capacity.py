@@ -3,16 +3,15 @@
 
 For each mix of a grid (prompt × output tokens: the trace's 10th, 50th and 90th
 percentiles of each, or its median alone where the 10th and 90th are within 2x), a
-steady Poisson load of that mix (lengths ±25 %, every prompt's first block shared, the
-trace's prefix sharing beyond it and its arrivals' grouping: below) is replayed at
-rising rates, each for two lifetimes of a request that just meets the SLOs (at least
+steady Poisson load of that mix (lengths ±25 %, every prompt's first block shared, and
+the trace's prefix sharing beyond it: :class:`PrefixReuse`) is replayed at rising
+rates, each for two lifetimes of a request that just meets the SLOs (at least
 ``requests`` requests, at most ``max_requests``: a short burst would fit in one batch
-and measure nothing); the highest rate at which the SLOs
-hold for ``attainment`` of the requests is the capacity. :func:`max_rate` finds it: a
-bracket grown from a guess in widening steps (×1.5, ×2.25, ×4 …), then bisections in
-log scale until the bracket's ends are within ``tolerance`` (default 1.05: the
-capacity is at most 5 % low). Each role's bracket is recorded in the profile
-(``bounds``).
+and measure nothing); the highest rate at which the SLOs hold for ``attainment`` of
+the requests is the capacity. :func:`max_rate` finds it: a bracket grown from a guess
+in widening steps (×1.5, ×2.25, ×4 …), then bisections in log scale until the
+bracket's ends are within ``tolerance`` (default 1.05: the capacity is at most 5 %
+low). Each role's bracket is recorded in the profile (``bounds``).
 
 * ``aggregated_rps``: one aggregated worker;
 * ``prefill_rps``: a fleet of one prefill worker and three decode workers (decode
@@ -37,15 +36,15 @@ requests continue a random earlier request of the probe over that depth of their
 (the earlier prompt's leading blocks, as many as it has). The note says what was
 measured with. A trace with no sharing gets the probes it always had.
 
-**Arrival bursts.** The conversation trace's requests arrive in groups (12,031 at 1,180
-instants, 10.2 per instant): a group of long prompts fills the bounded prefill queue at
-once and the rest prefill on the decode workers. Replayed in the same order at Poisson
-times it serves more at 2p2d than at 1p3d (8.26 vs 8.09 req/s at speed 2.5, 4 workers,
-SLOs 2000/35 ms), the reverse of the trace as recorded (7.60 vs 8.04); loads of the
-trace's own lengths and sharing rank the splits the same way (93 % within the SLOs:
-2p2d 11.9, 1p3d 10.2 req/s one at a time; 1p3d 3.5, 2p2d 2.5 in groups of ten). So the
-probes' requests arrive in groups of :func:`trace_burst` (the trace's requests per
-distinct timestamp, rounded), the groups Poisson; 1: the probes they always had.
+What a profile does not tell: which P/D split serves a trace whose requests arrive in
+groups. The conversation trace's 12,031 requests come at 1,180 instants (10 at each): a
+group of long prompts fills the bounded prefill queue at once, and the rest prefill on
+the decode workers. As recorded, it serves more at 1p3d than at 2p2d (8.04 vs 7.60
+req/s at speed 2.5, 4 workers, SLOs 2000/35 ms); in the same order at Poisson times,
+more at 2p2d (8.26 vs 8.09), as the probes' fleets say at every mix. Probes in groups of
+ten of one mix are no model of it (a group of ten 27k-token prompts meets the TTFT at no
+rate, where the trace's groups mix lengths): a profile is per mix, and what grouping
+costs depends on the whole mixture.
 
 The result is a :class:`~kvmesh.planner.profile.CapacityProfile` (the planner's
 ``--capacity-profile``). The mocker's timing model is the one measured: a profile
@@ -68,7 +67,7 @@ from kvmesh.replay.goodput import Slo, mean_itl_ms, meets
 from kvmesh.replay.report import percentile
 from kvmesh.replay.trace import TRACE_BLOCK_TOKENS, TokenSynth, TraceRequest, arrivals
 
-__all__ = ["Bounds", "PrefixReuse", "trace_mixes", "trace_reuse", "trace_burst", "steady_load", "max_rate", "measure_profile"]
+__all__ = ["Bounds", "PrefixReuse", "trace_mixes", "trace_reuse", "steady_load", "max_rate", "measure_profile"]
 
 _ROLES = (("prefill", Arm("disagg:1p3d", 1, 3), 4), ("decode", Arm("disagg:3p1d", 3, 1), 4), ("aggregated", Arm("aggregated"), 1))
 _LONE = 0.05  # the lowest rate tried: one request per 20 lifetimes (a request alone, nearly always)
@@ -136,27 +135,16 @@ def trace_reuse(trace: Sequence[TraceRequest]) -> PrefixReuse:
     return PrefixReuse(continued / len(trace) if trace else 0.0, shared / blocks if blocks else 0.0)
 
 
-def trace_burst(trace: Sequence[TraceRequest]) -> int:
-    """Requests per arrival instant (the trace's requests over its distinct timestamps,
-    rounded; 1: no two arrive together)."""
-    instants = len({r.timestamp_ms for r in trace})
-    return max(1, round(len(trace) / instants)) if instants else 1
-
-
 def steady_load(rate: float, input_tokens: int, output_tokens: int, n: int, seed: int = 0,
-                reuse: PrefixReuse = PrefixReuse(), burst: int = 1) -> list[TraceRequest]:  # fmt: skip
-    """``n`` Poisson arrivals of the mix (lengths ±25 %), in groups of ``burst`` at one
-    instant (the groups Poisson at rate ÷ burst); every prompt starts with block 0, and
-    ``reuse.share`` of them continue a random earlier request over ``reuse.depth`` of
+                reuse: PrefixReuse = PrefixReuse()) -> list[TraceRequest]:  # fmt: skip
+    """``n`` Poisson arrivals of the mix (lengths ±25 %); every prompt starts with block 0,
+    and ``reuse.share`` of them continue a random earlier request over ``reuse.depth`` of
     their blocks (at most the earlier prompt's; new blocks after it)."""
-    if burst < 1:
-        raise ValueError(f"a burst is at least one request, got {burst}")
     rng = random.Random(seed)
     t, next_id = 0.0, 1
     rows: list[TraceRequest] = []
     for i in range(n):
-        if i % burst == 0:
-            t += rng.expovariate(rate / burst)
+        t += rng.expovariate(rate)
         n_in = max(1, round(input_tokens * rng.uniform(0.75, 1.25)))
         n_out = max(1, round(output_tokens * rng.uniform(0.75, 1.25)))
         blocks = -(-n_in // TRACE_BLOCK_TOKENS)
@@ -212,7 +200,7 @@ class _Probe:
     def __call__(self, rate: float) -> bool:
         c = self.ctx
         n = min(max(c.requests, math.ceil(rate * 2 * self.lifetime_s)), c.max_requests)
-        trace = steady_load(rate, self.n_in, self.n_out, n, c.seed, c.reuse, c.burst)
+        trace = steady_load(rate, self.n_in, self.n_out, n, c.seed, c.reuse)
         stream = arrivals(trace, TokenSynth(c.options.vocab_size))
         run = run_arm(self.arm, stream, c.options, self.workers, default_router(c.router, c.options, c.seed), c.model)
         met = sum(meets(r, self.slo) for r in run.records)
@@ -240,24 +228,22 @@ class _Context:
     router: str
     seed: int
     reuse: PrefixReuse = PrefixReuse()
-    burst: int = 1
 
 
 def measure_profile(
     inputs: Sequence[int], outputs: Sequence[int], options: MockerOptions, slo: Slo, model: DisaggModel,
     attainment: float = 0.99, requests: int = 150, router: str = "kv", seed: int = 0, max_requests: int = 800,
     progress: Callable[[str], None] | None = None, tolerance: float = 1.05, reuse: PrefixReuse = PrefixReuse(),
-    burst: int = 1,
 ) -> CapacityProfile:  # fmt: skip
     if requests < 20 or not 0 < attainment <= 1:
         raise ValueError("a capacity measurement needs at least 20 requests per rate and 0 < attainment <= 1")
     need = max(inputs) * 5 // 4 + max(outputs) * 5 // 4 + 2
     options = options if options.context_length >= need else replace(options, context_length=need)
-    ctx = _Context(options, model, attainment, requests, max_requests, router, seed, reuse, burst)
+    ctx = _Context(options, model, attainment, requests, max_requests, router, seed, reuse)
     points = [_measure_mix(n_in, n_out, slo, ctx, tolerance, progress) for n_in in inputs for n_out in outputs]
     note = (f"kvmesh replay --profile-capacity: mocker block_size={options.block_size} num_blocks={options.num_blocks} "
             f"speedup={options.speedup:g} max_num_seqs={options.max_num_seqs}, {requests}..{max_requests} requests per rate, "
-            f"bounds within {tolerance:g}x; prefix sharing: {reuse.describe()}; {burst} request(s) per arrival instant")  # fmt: skip
+            f"bounds within {tolerance:g}x; prefix sharing: {reuse.describe()}")  # fmt: skip
     return CapacityProfile(slo.ttft_ms, slo.itl_ms, attainment, tuple(points), note, version=PROFILE_VERSION)
 
 

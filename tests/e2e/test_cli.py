@@ -67,6 +67,11 @@ def test_bad_option_value_is_one_line_and_exit_2():
     assert r.stderr.strip().splitlines() == ["kvmesh run: --workers must be at least 1, got 0"]
 
 
+def test_python_dash_m_kvmesh_is_the_kvmesh_command():
+    r = subprocess.run([sys.executable, "-m", "kvmesh", "run", "--workers", "0"], capture_output=True, text=True, timeout=30)
+    assert (r.returncode, r.stderr.strip()) == (2, "kvmesh run: --workers must be at least 1, got 0")
+
+
 def _complete(url: str) -> int:
     r = httpx.post(
         url + "/v1/completions",

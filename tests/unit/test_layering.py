@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("frontend", "worker"),
     ("assembly",),
     ("cli",),
-    ("",),  # the package itself (kvmesh/__init__.py): its public re-exports
+    ("", "__main__"),  # the package itself: its public re-exports (__init__.py) and python -m kvmesh
 ]
 
 # Edges that break the rule or make a cycle today, each to be removed by the work named.
@@ -180,4 +180,4 @@ def test_structure_doc_states_the_layers() -> None:
     match = re.search(r"<!-- layers -->\n(.*?)<!-- /layers -->", text, re.S)
     assert match, "docs/structure.md lacks its <!-- layers --> block"
     stated = [tuple(re.findall(r"`([a-z]+)`", line)) for line in match.group(1).splitlines() if line.strip()]
-    assert stated == [names for names in LAYERS if names != ("",)]
+    assert stated == [names for names in LAYERS if "" not in names]
